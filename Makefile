@@ -1,0 +1,51 @@
+# Set-up and entry points. `make demo` and `make test` install everything they need first.
+#
+# PYTHON  the Python 3.12 to build on (default: python3.12 on PATH, else pyenv's 3.12).
+# VENV    the virtual environment to create and install into (default .venv). With VENV empty
+#         the targets use PYTHON as it is, install nothing from the network and only build this
+#         package in place: for GPU machines with torch preinstalled and no registry, e.g.
+#             make test PYTHON=python3 VENV=
+VENV ?= .venv
+PYTHON ?= $(shell command -v python3.12 2>/dev/null || \
+	ls -d $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3 2>/dev/null | tail -n 1)
+PYTEST_ARGS ?=
+
+ifeq ($(strip $(VENV)),)
+PY := $(PYTHON)
+INSTALLED := build/.installed-system
+else
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+endif
+
+SOURCES := requirements.txt pyproject.toml setup.py $(wildcard csrc/*)
+
+.PHONY: install test demo lint clean
+
+install: $(INSTALLED)
+
+$(INSTALLED): $(SOURCES)
+	@test -n "$(PYTHON)" || { echo "No Python 3.12 found: install it or pass PYTHON=/path/to/python3.12"; exit 1; }
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' || \
+		{ echo "$(PYTHON) is not Python 3.12; pass PYTHON=/path/to/python3.12"; exit 1; }
+ifeq ($(strip $(VENV)),)
+	$(PY) -m pip install --no-index --no-build-isolation --no-deps -e .
+else
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+endif
+	@mkdir -p $(dir $@) && touch $@
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: install
+	$(PY) tools/demo_correction.py
+
+lint: install
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf build *.egg-info .pytest_cache .hypothesis

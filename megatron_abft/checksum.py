@@ -1,0 +1,164 @@
+"""Reference checksums of C = alpha * A @ B + bias, computed from the inputs (DESIGN.md section 2).
+
+Column checksums sum C over its rows, block by block: for each block of at most ``block`` rows
+and each column j, the pair (sum_i C_ij, sum_i (i+1) C_ij) with i counted from the block's start,
+obtained as ([e w]^T A) @ B. Row checksums are the column checksums of C^T = B^T A^T. Beside the
+pair each block carries the magnitude sum_i (|alpha| |A| @ |B| + |bias|)_ij that scales the
+detection threshold (megatron_abft.tolerance). Everything is accumulated in fp32 (fp64 for fp64
+inputs), whatever the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Checksums:
+    """Reference checksums of the columns of a batch of matrices, one side of a check.
+
+    ``sums`` is ``[..., nblocks, 2, n]`` (plain and weighted sum of each column over each block of
+    rows), ``magnitude`` is ``[..., nblocks, n]``. Row checksums of C are stored as the column
+    checksums of C^T, so ``n`` is then the number of rows of C.
+    """
+
+    sums: Tensor
+    magnitude: Tensor
+    block: int
+    length: int
+    """Number of entries summed per column (rows of C for column checksums)."""
+    inner: int
+    """Inner dimension k of the GEMM, for the rounding bound."""
+    bias_magnitude: Tensor | None = None
+    """Sum of |bias| over each block (broadcasts to ``magnitude``), None without a bias. Covers
+    the extra rounding when the bias is added after the product is rounded, as Megatron does."""
+
+    @property
+    def nblocks(self) -> int:
+        return self.sums.shape[-3]
+
+
+def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+    """fp64 if any input is fp64, else fp32: the precision every checksum is kept in."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def nblocks(length: int, block: int) -> int:
+    return -(-length // block)
+
+
+def as_blocks(x: Tensor, block: int, dtype: torch.dtype = torch.float32, dim: int = -2) -> Tensor:
+    """Split dim ``dim`` (-2 or -1) of ``x`` into ``[nblocks, block]`` in ``dtype``, padding it with
+    zeros: ``[..., L, n]`` becomes ``[..., nblocks, block, n]`` or ``[..., m, L]`` becomes
+    ``[..., m, nblocks, block]``."""
+    length = x.shape[dim]
+    x = x.to(dtype)
+    pad = nblocks(length, block) * block - length
+    if pad:
+        x = F.pad(x, (0, pad) if dim == -1 else (0, 0, 0, pad))
+    return x.unflatten(dim, (-1, block))
+
+
+def block_weights(block: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The ``[2, block]`` checksum weights: e = (1, ..., 1) and w = (1, ..., block)."""
+    w = torch.arange(1, block + 1, device=device, dtype=dtype)
+    return torch.stack([torch.ones_like(w), w])
+
+
+def _check_operands(a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> None:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOATING:
+            raise TypeError(f"{name} must be fp64, fp32, bf16 or fp16; got {t.dtype}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dims [..., rows, cols]; got {tuple(t.shape)}"
+            )
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} but b is on {b.device}; put both on one device")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
+            f"(a.shape[-1] must equal b.shape[-2])"
+        )
+    try:
+        torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} do not broadcast"
+        ) from None
+    if bias is not None:
+        if bias.shape != (b.shape[-1],):
+            raise ValueError(f"bias must have shape ({b.shape[-1]},); got {tuple(bias.shape)}")
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        raise ValueError(f"block must be an int >= 2; got {block!r}")
+
+
+def _column_sums(a: Tensor, b: Tensor, alpha: float, block: int) -> tuple[Tensor, Tensor]:
+    dtype = accumulation_dtype(a, b)
+    ab = as_blocks(a.detach(), block, dtype)  # [..., nb, block, k]
+    b32 = b.detach().to(dtype).unsqueeze(-3)  # [..., 1, k, n]
+    sums = (block_weights(block, a.device, dtype) @ ab) @ b32
+    magnitude = ab.abs().sum(-2, keepdim=True) @ b32.abs()
+    return alpha * sums, abs(alpha) * magnitude.squeeze(-2)
+
+
+@torch.no_grad()
+def encode_columns(
+    a: Tensor, b: Tensor, *, alpha: float = 1.0, bias: Tensor | None = None, block: int = 256
+) -> Checksums:
+    """Column checksums of ``C = alpha * a @ b + bias`` over blocks of ``block`` rows.
+
+    ``a`` is ``[..., m, k]``, ``b`` is ``[..., k, n]`` (batch dims broadcast), ``bias`` is ``[n]``
+    and added to every row. Returns ``sums [..., ceil(m/block), 2, n]``.
+    """
+    _check_operands(a, b, bias, block)
+    sums, magnitude = _column_sums(a, b, alpha, block)
+    m = a.shape[-2]
+    if bias is not None:
+        # each block adds bias_j once per row: (L_b, sum of its weights) times bias_j
+        rows = as_blocks(torch.ones(m, 1, device=a.device), block, sums.dtype)  # [nb, block, 1]
+        counts = block_weights(block, a.device, sums.dtype) @ rows  # [nb, 2, 1]
+        bias32 = bias.detach().to(sums.dtype)
+        sums = sums + counts * bias32
+        bias_magnitude = counts[:, 0] * bias32.abs()  # [nb, n]
+        return Checksums(sums, magnitude + bias_magnitude, block, m, a.shape[-1], bias_magnitude)
+    return Checksums(sums, magnitude, block=block, length=m, inner=a.shape[-1])
+
+
+@torch.no_grad()
+def encode_rows(
+    a: Tensor, b: Tensor, *, alpha: float = 1.0, bias: Tensor | None = None, block: int = 256
+) -> Checksums:
+    """Row checksums of ``C = alpha * a @ b + bias``: the column checksums of C^T over blocks of
+    ``block`` columns. Returns ``sums [..., ceil(n/block), 2, m]``."""
+    _check_operands(a, b, bias, block)
+    sums, magnitude = _column_sums(b.mT, a.mT, alpha, block)
+    if bias is not None:
+        # every row i of C gains the same per-block sums of the bias
+        bias_blocks = as_blocks(bias.detach().unsqueeze(-1), block, sums.dtype)  # [nb, block, 1]
+        sums = sums + block_weights(block, a.device, sums.dtype) @ bias_blocks
+        bias_magnitude = bias_blocks.abs().sum(-2)  # [nb, 1]
+        return Checksums(
+            sums, magnitude + bias_magnitude, block, b.shape[-1], a.shape[-1], bias_magnitude
+        )
+    return Checksums(sums, magnitude, block=block, length=b.shape[-1], inner=a.shape[-1])
+
+
+def encode(
+    a: Tensor, b: Tensor, *, alpha: float = 1.0, bias: Tensor | None = None, block: int = 256
+) -> tuple[Checksums, Checksums]:
+    """Both sides' checksums of ``C = alpha * a @ b + bias``: (columns, rows)."""
+    return (
+        encode_columns(a, b, alpha=alpha, bias=bias, block=block),
+        encode_rows(a, b, alpha=alpha, bias=bias, block=block),
+    )

@@ -1,0 +1,122 @@
+"""ABFTConfig: what is protected, how often, how strictly, and what happens when a fault
+cannot be corrected. A dataclass in Megatron-core's style: a docstring under each field and
+validation in ``__post_init__``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+SECTIONS: tuple[str, ...] = ("qkv", "scores", "context", "proj")
+"""The checked GEMMs of one attention layer, in the order they run (DESIGN.md section 3)."""
+
+POLICIES: tuple[str, ...] = ("recompute", "raise", "skip_step", "rerun", "log")
+"""What to do with a fault that cannot be corrected in place."""
+
+
+def _bad(field_name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"ABFTConfig.{field_name}: {value!r} is not allowed; {allowed}")
+
+
+@dataclass
+class ABFTConfig:
+    """Configuration of algorithm-based fault tolerance for Megatron-core attention."""
+
+    enabled: bool = True
+    """Check and correct the protected GEMMs. With False the protected layers behave exactly as
+    Megatron's own."""
+
+    sections: tuple[str, ...] = SECTIONS
+    """Which GEMMs are checked: a subset of qkv, scores, context, proj. A comma-separated string
+    is accepted too."""
+
+    check_interval: int | Mapping[str, int] = 1
+    """Check a section on every N-th step (1 = every step). Either one int for all sections or a
+    mapping from section to int; sections missing from the mapping are checked every step."""
+
+    block_size: int = 256
+    """Length of the checksum blocks along a checked dimension. Shorter blocks detect smaller
+    errors and locate them more reliably, at the cost of more checksum rows (docs/abft.md)."""
+
+    threshold_scale: float = 1.0
+    """Multiplies every detection threshold. The default 1.0 keeps the rigorous rounding-error
+    bound of docs/abft.md (no false alarms by construction); below 1 trades false alarms for a
+    lower detection limit."""
+
+    near_inf: float = 1e10
+    """Magnitude above which a finite value counts as extreme (ATTNChecker's near-INF). Only used
+    to locate a fault when the checksum differences themselves overflow."""
+
+    on_uncorrectable: str = "recompute"
+    """Policy for a fault that cannot be corrected in place: recompute (run the work once more,
+    then raise), raise, skip_step (discard the step's gradients), rerun (hand over to Megatron's
+    rerun state machine) or log (count only)."""
+
+    _intervals: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise _bad("enabled", self.enabled, "use True or False")
+        self.sections = self._normalise_sections(self.sections)
+        self._intervals = self._normalise_intervals(self.check_interval)
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise _bad("block_size", self.block_size, "use an int between 2 and 65536")
+        if not 2 <= self.block_size <= 65536:
+            raise _bad("block_size", self.block_size, "use an int between 2 and 65536")
+        for name in ("threshold_scale", "near_inf"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _bad(name, value, "use a positive finite number")
+            if not (math.isfinite(value) and value > 0):
+                raise _bad(name, value, "use a positive finite number")
+        if self.on_uncorrectable not in POLICIES:
+            raise _bad(
+                "on_uncorrectable", self.on_uncorrectable, f"choose from {', '.join(POLICIES)}"
+            )
+
+    @staticmethod
+    def _normalise_sections(sections: str | Iterable[str]) -> tuple[str, ...]:
+        if isinstance(sections, str):
+            sections = [s.strip() for s in sections.split(",") if s.strip()]
+        try:
+            chosen = tuple(sections)
+        except TypeError:
+            raise _bad("sections", sections, f"use a subset of {', '.join(SECTIONS)}") from None
+        for name in chosen:
+            if name not in SECTIONS:
+                raise ValueError(
+                    f"ABFTConfig.sections: unknown section {name!r}; "
+                    f"choose from {', '.join(SECTIONS)}"
+                )
+        if len(set(chosen)) != len(chosen):
+            raise _bad("sections", sections, "name each section once")
+        return tuple(s for s in SECTIONS if s in chosen)
+
+    @staticmethod
+    def _normalise_intervals(interval: int | Mapping[str, int]) -> dict[str, int]:
+        def checked(name: str, value: object) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad(name, value, "use an int >= 1 (1 = check every step)")
+            return value
+
+        if isinstance(interval, Mapping):
+            for section in interval:
+                if section not in SECTIONS:
+                    raise ValueError(
+                        f"ABFTConfig.check_interval: unknown section {section!r}; "
+                        f"choose from {', '.join(SECTIONS)}"
+                    )
+            return {s: checked(f"check_interval[{s!r}]", interval.get(s, 1)) for s in SECTIONS}
+        every = checked("check_interval", interval)
+        return {s: every for s in SECTIONS}
+
+    def interval(self, section: str) -> int:
+        """The check interval of one section, in steps."""
+        if section not in SECTIONS:
+            raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
+        return self._intervals[section]
+
+    def checks(self, section: str, step: int) -> bool:
+        """Whether ``section`` is checked on training step ``step`` (counted from 0)."""
+        return self.enabled and section in self.sections and step % self.interval(section) == 0

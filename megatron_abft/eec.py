@@ -1,0 +1,433 @@
+"""Verify, locate and correct one checked GEMM output in place (EEC-ABFT, DESIGN.md section 2).
+
+``verify_and_correct(c, col, row)`` compares the reference checksums of C (from the inputs, see
+megatron_abft.checksum) with sums recomputed from C, then for every flagged vector:
+
+1. locates the bad element: from the other side's flags when exactly one crossing vector is
+   flagged (exact for any 0D error), else from the weighted checksum, loc = round(d2/d1) - 1, when
+   the rounding bound makes that unambiguous, else as the single extreme element (NaN, INF or
+   |x| > near_inf) when the differences themselves are not finite;
+2. rebuilds it: recomputed from the GEMM's operands when they are given (as exact as the GEMM),
+   else x[loc] = c0 - sum_{i != loc} x_i from the checksum;
+3. re-verifies both sides: a matrix with any vector still inconsistent is uncorrectable, and is
+   put back exactly as the GEMM produced it.
+
+Everything stays on the device: results are tensors and no host synchronisation happens on CUDA
+(on CPU the correction pass is skipped when nothing was flagged, which costs no sync there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from megatron_abft.checksum import FLOATING, Checksums, as_blocks, block_weights, nblocks
+from megatron_abft.tolerance import Rounding, gemm_rounding, thresholds
+
+KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
+"""Kinds of fault, by the worst checksum difference a matrix showed."""
+
+OUTCOMES: tuple[str, ...] = ("detected", "corrected", "uncorrectable")
+
+CLEAN, CORRECTED, UNCORRECTABLE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GemmOperands:
+    """The inputs of ``C = alpha * a @ b + bias``, used to recompute located elements exactly."""
+
+    a: Tensor
+    b: Tensor
+    alpha: float = 1.0
+    bias: Tensor | None = None
+
+    def elements(
+        self, batch: tuple[Tensor, ...], batch_shape, rows: Tensor, cols: Tensor
+    ) -> Tensor:
+        """C[batch, rows, cols] recomputed in fp32 (fp64 for fp64 operands)."""
+        a = self.a.detach().expand(*batch_shape, *self.a.shape[-2:])
+        b = self.b.detach().expand(*batch_shape, *self.b.shape[-2:])
+        dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+        a_rows = a[(*batch, rows)].to(dtype)  # [K, k]
+        b_cols = b[(*batch, slice(None), cols)].to(dtype)  # [K, k]
+        value = self.alpha * (a_rows * b_cols).sum(-1)
+        if self.bias is not None:
+            value = value + self.bias.detach().to(dtype)[cols]
+        return value
+
+
+@dataclass(frozen=True)
+class EECResult:
+    """What one ``verify_and_correct`` call found, as device tensors.
+
+    ``counts[o, k]`` counts matrices with outcome ``OUTCOMES[o]`` and kind ``KINDS[k]``;
+    ``status`` (CLEAN, CORRECTED or UNCORRECTABLE) and ``kind`` are per matrix of the batch.
+    """
+
+    counts: Tensor
+    status: Tensor
+    kind: Tensor
+
+
+def report(result: EECResult) -> dict[str, dict[str, int]]:
+    """The counters as plain Python numbers (one host synchronisation)."""
+    counts = result.counts.tolist()
+    return {o: dict(zip(KINDS, counts[i], strict=True)) for i, o in enumerate(OUTCOMES)}
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """Per checked vector ``[..., nblocks, n]``: the differences between reference and recomputed
+    sums (plain ``d1``, weighted ``d2``), their thresholds and whether the vector is flagged."""
+
+    d1: Tensor
+    d2: Tensor
+    tau: Tensor
+    tau_w: Tensor
+    flagged: Tensor
+
+
+@torch.no_grad()
+def residuals(
+    c: Tensor, ref: Checksums, *, side: str = "col", threshold_scale: float = 1.0
+) -> Residuals:
+    """Compare one side of ``c`` (``"col"`` or ``"row"``) with its reference checksums, without
+    correcting anything."""
+    if side not in ("col", "row"):
+        raise ValueError(f"side must be 'col' or 'row', got {side!r}")
+    _check_inputs(c, ref if side == "col" else None, ref if side == "row" else None)
+    check = _Check(gemm_rounding(c.dtype, c.device), threshold_scale, 0.0, 0, None)
+    found = _inspect(c, ref, side == "row", check)
+    return Residuals(found.d1, found.d2, found.tau, found.tau_w, found.flagged)
+
+
+@torch.no_grad()
+def verify_and_correct(
+    c: Tensor,
+    col: Checksums | None = None,
+    row: Checksums | None = None,
+    *,
+    operands: GemmOperands | None = None,
+    threshold_scale: float = 1.0,
+    near_inf: float = 1e10,
+    max_corrections: int | None = None,
+    check_references: bool = True,
+) -> EECResult:
+    """Check ``c [..., m, n]`` against its column and/or row checksums and correct it in place.
+
+    ``operands`` (the GEMM's inputs) make corrections as exact as the GEMM; without them the bad
+    element is rebuilt from the checksum. At most ``max_corrections`` (default max(m, n)) vectors
+    per side are corrected in one call, enough for one 1D fault; the rest are uncorrectable.
+    ``check_references`` rejects non-finite reference checksums with a ValueError, at the cost of
+    one host synchronisation; the protected layers turn it off and count such matrices as
+    uncorrectable instead.
+    """
+    _check_inputs(c, col, row)
+    if operands is not None:
+        _check_operands_fit(c, operands)
+    if check_references:
+        _check_references_finite(col, row)
+    if c.dim() == 2:  # one matrix: give it a batch dim so that indexing is uniform
+        result = verify_and_correct(
+            c.unsqueeze(0),
+            _batched(col),
+            _batched(row),
+            operands=operands,
+            threshold_scale=threshold_scale,
+            near_inf=near_inf,
+            max_corrections=max_corrections,
+            check_references=False,
+        )
+        return EECResult(result.counts, result.status[0], result.kind[0])
+
+    capacity = max_corrections if max_corrections is not None else max(c.shape[-2:])
+    check = _Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
+    refs = {"col": (col, False), "row": (row, True)}
+    sides = {name: _inspect(c, ref, t, check) for name, (ref, t) in refs.items() if ref}
+    detected = _any_flagged(sides.values(), c.shape[:-2])
+    kind = torch.stack([_kind(s, near_inf).amax((-2, -1)) for s in sides.values()]).amax(0)
+
+    if c.device.type != "cpu" or bool(detected.any()):
+        corrections, slack = [], {}
+        for name, side in sides.items():
+            other_name = "row" if name == "col" else "col"
+            other = sides.get(other_name)
+            crossing = _crossing(other, side) if other else None
+            correction = _correct_side(side, crossing, check)
+            corrections.append(correction)
+            if other and operands is None:  # rebuilt values carry this side's rounding noise
+                slack[other_name] = _slack(other, correction)
+        rechecked = [_inspect(c, *refs[name], check, slack.get(name)) for name in sides]
+        unresolved = _any_flagged(rechecked, c.shape[:-2])
+        for correction in reversed(corrections):  # an uncorrectable matrix is left as it was
+            correction.undo_where(unresolved)
+    else:
+        unresolved = detected
+
+    status = torch.where(unresolved, UNCORRECTABLE, torch.where(detected, CORRECTED, CLEAN))
+    outcome = torch.stack([detected, detected & ~unresolved, unresolved]).reshape(3, -1)
+    one_hot = torch.nn.functional.one_hot(kind.reshape(-1).long(), len(KINDS))
+    counts = (outcome.unsqueeze(-1).long() * one_hot).sum(1)
+    return EECResult(counts=counts, status=status.to(torch.int8), kind=kind.to(torch.int8))
+
+
+# --- one side of a check: the vectors are the columns of a view (C or C^T), in blocks ---------
+
+
+@dataclass(frozen=True)
+class _Check:
+    """The settings of one verify_and_correct call."""
+
+    rounding: Rounding
+    scale: float
+    near_inf: float
+    capacity: int
+    operands: GemmOperands | None
+
+
+@dataclass
+class _Side:
+    view: Tensor  # [*batch, R, N]: the vectors are its N columns (C, or C^T for the rows)
+    ref: Checksums
+    transposed: bool
+    blocks: Tensor  # C split into blocks along the checked dim, in the accumulation dtype
+    d1: Tensor  # [*batch, nb, N]
+    d2: Tensor
+    tau: Tensor
+    tau_w: Tensor
+    flagged: Tensor
+
+    @property
+    def length(self) -> int:
+        return min(self.ref.block, self.ref.length)
+
+    def vectors(self, batch: tuple[Tensor, ...], blk: Tensor, j: Tensor) -> Tensor:
+        """The blocks of the vectors (batch, blk, j) as ``[K, block]``."""
+        if self.transposed:  # blocks is [*batch, m, nb, block]
+            return self.blocks[(*batch, j, blk)]
+        return self.blocks[(*batch, blk, slice(None), j)]  # blocks is [*batch, nb, block, n]
+
+
+def _inspect(
+    c: Tensor, ref: Checksums, transposed: bool, check: _Check, slack: Tensor | None = None
+) -> _Side:
+    """Recompute the sums of every vector of one side and compare them with the reference (one
+    read of C). Row sums run along C's own last dim, so C is never transposed in memory.
+    ``slack`` widens the thresholds by the error of values rebuilt from the other side."""
+    dtype = ref.sums.dtype
+    weights = block_weights(ref.block, c.device, dtype)
+    if transposed:
+        blocks = as_blocks(c, ref.block, dtype, dim=-1)  # [*batch, m, nb, block]
+        sums, sizes = (
+            (blocks @ weights.T).movedim(-3, -1),
+            (blocks.abs() @ weights.T).movedim(-3, -1),
+        )
+    else:
+        blocks = as_blocks(c, ref.block, dtype)  # [*batch, nb, block, n]
+        sums, sizes = weights @ blocks, weights @ blocks.abs()
+    d1, d2 = (ref.sums - sums).unbind(-2)  # plain and weighted differences
+    size, size_w = sizes.unbind(-2)
+    length = min(ref.block, ref.length)
+    tau, tau_w = thresholds(
+        check.rounding,
+        size=size,
+        size_w=size_w,
+        magnitude=ref.magnitude,
+        bias_magnitude=ref.bias_magnitude,
+        length=length,
+        inner=ref.inner,
+        scale=check.scale,
+    )
+    if slack is not None:
+        tau, tau_w = tau + slack, tau_w + length * slack
+    clean = torch.isfinite(tau_w) & (d1.abs() <= tau) & (d2.abs() <= tau_w)
+    view = c.mT if transposed else c
+    return _Side(view, ref, transposed, blocks, d1, d2, tau, tau_w, ~clean)
+
+
+def _kind(side: _Side, near_inf: float) -> Tensor:
+    """Per vector: index into KINDS of its checksum difference (0 where not flagged). A difference
+    of at least near_inf / 2 is near-INF: an injected |x| = near_inf minus the true value."""
+    d1 = side.d1
+    kind = torch.where(d1.abs() >= near_inf / 2, 1, 0)
+    kind = torch.where(torch.isinf(d1), 2, kind)
+    kind = torch.where(torch.isnan(d1) | torch.isnan(side.d2), 3, kind)
+    return torch.where(side.flagged, kind, 0)
+
+
+def _any_flagged(sides, batch_shape) -> Tensor:
+    flags = [s.flagged.flatten(-2).any(-1).expand(batch_shape) for s in sides]
+    return torch.stack(flags).any(0)
+
+
+def _crossing(other: _Side, side: _Side) -> tuple[Tensor, Tensor]:
+    """For each vector of ``side``: how many flagged vectors of ``other`` cross it inside its
+    block, and the position of the first. Both ``[*batch, nb, N]``."""
+    flags = as_blocks(other.flagged.mT.to(torch.uint8), side.ref.block, torch.uint8)
+    count = flags.sum(-2, dtype=torch.int32)  # [*batch, nb, nb_other]
+    first = flags.argmax(-2)
+    other_block = torch.arange(side.d1.shape[-1], device=flags.device) // other.ref.block
+    return count[..., other_block], first[..., other_block]
+
+
+@dataclass
+class _Correction:
+    """Elements one side wrote: their index in its view, the values before, and a bound on the
+    error of each written value (0 for recomputed ones)."""
+
+    view: Tensor
+    index: tuple[Tensor, ...]
+    before: Tensor
+    error_bound: Tensor
+
+    def undo_where(self, unresolved: Tensor) -> None:
+        undo = unresolved[self.index[:-2]]
+        self.view.index_put_(self.index, torch.where(undo, self.before, self.view[self.index]))
+
+
+def _correct_side(
+    side: _Side, crossing: tuple[Tensor, Tensor] | None, check: _Check
+) -> _Correction:
+    """Locate and rebuild the bad element of up to ``check.capacity`` flagged vectors, in place."""
+    batch_shape = side.view.shape[:-2]
+    nb, n = side.d1.shape[-2:]
+    flagged = side.flagged.reshape(-1)
+    picked = torch.topk(
+        flagged.to(torch.uint8), min(check.capacity, flagged.numel()), sorted=False
+    ).indices
+    batch_flat, blk, j = torch.unravel_index(picked, (flagged.numel() // (nb * n), nb, n))
+    batch = torch.unravel_index(batch_flat, tuple(batch_shape))
+
+    def take(t: Tensor) -> Tensor:
+        return t.expand(*batch_shape, nb, n).reshape(-1)[picked]
+
+    vec = side.vectors(batch, blk, j)  # [K, block]
+    d1, d2, tau, tau_w = take(side.d1), take(side.d2), take(side.tau), take(side.tau_w)
+    length = torch.clamp(side.ref.length - blk * side.ref.block, max=side.ref.block)
+
+    # the weighted location, where the noise bound keeps d2/d1 within half a position
+    finite = torch.isfinite(d1) & torch.isfinite(d2)
+    loc_w = torch.round(d2 / d1).nan_to_num(0, 0, 0).clamp(-1, side.ref.block).long() - 1
+    ok_w = finite & (d1.abs() > 2 * (tau_w + length * tau)) & (loc_w >= 0) & (loc_w < length)
+    # the single extreme element, where the differences overflowed or are NaN
+    extreme = ~torch.isfinite(vec) | (vec.abs() > check.near_inf)
+    loc_x = torch.where(torch.isnan(vec), torch.inf, vec.abs()).argmax(-1)
+    ok_x = ~finite & (extreme.sum(-1) == 1)
+    loc, ok = torch.where(ok_w, loc_w, loc_x), ok_w | ok_x
+    if crossing is not None:  # exactly one flagged crossing vector pins the element down
+        count, first = take(crossing[0]), take(crossing[1])
+        loc = torch.where(count == 1, first, loc)
+        ok = torch.where(count == 1, True, ok & (count == 0))
+    ok &= take(side.flagged)
+    loc = torch.minimum(loc.clamp(min=0), length - 1)
+
+    rows = blk * side.ref.block + loc  # along the view's checked dim
+    if check.operands is not None:
+        c_rows, c_cols = (j, rows) if side.transposed else (rows, j)
+        value = check.operands.elements(batch, batch_shape, c_rows, c_cols)
+        error_bound = torch.zeros_like(value)
+    else:
+        others = vec.scatter(-1, loc.unsqueeze(-1), 0)
+        value = take(side.ref.sums[..., 0, :]) - others.sum(-1)
+        bias = side.ref.bias_magnitude
+        error_bound, _ = thresholds(
+            check.rounding,
+            size=others.abs().sum(-1) + value.abs(),
+            size_w=value.abs(),  # tau only
+            magnitude=take(side.ref.magnitude),
+            bias_magnitude=None if bias is None else take(bias),
+            length=side.length,
+            inner=side.ref.inner,
+            scale=check.scale,
+        )
+    ok &= torch.isfinite(value) & torch.isfinite(error_bound)
+    index = (*batch, rows, j)
+    before = side.view[index]
+    side.view.index_put_(index, torch.where(ok, value.to(before.dtype), before))
+    return _Correction(side.view, index, before, torch.where(ok, error_bound, 0))
+
+
+def _slack(other: _Side, correction: _Correction) -> Tensor:
+    """Per vector of ``other``: the summed error bounds of the values written into it."""
+    slack = torch.zeros_like(other.d1)
+    *batch, rows, j = correction.index  # j indexes the writer's vectors, rows its checked dim
+    slack.index_put_((*batch, j // other.ref.block, rows), correction.error_bound, accumulate=True)
+    return slack
+
+
+# --- input checks -----------------------------------------------------------------------------
+
+
+def _batched(ref: Checksums | None) -> Checksums | None:
+    if ref is None:
+        return None
+    bias = ref.bias_magnitude
+    return replace(
+        ref,
+        sums=ref.sums.unsqueeze(0),
+        magnitude=ref.magnitude.unsqueeze(0),
+        bias_magnitude=None if bias is None else bias.unsqueeze(0),
+    )
+
+
+def _check_inputs(c: Tensor, col: Checksums | None, row: Checksums | None) -> None:
+    if not isinstance(c, Tensor):
+        raise TypeError(f"c must be a torch.Tensor, got {type(c).__name__}")
+    if c.dtype not in FLOATING:
+        raise TypeError(f"c must be fp64, fp32, bf16 or fp16; got {c.dtype}")
+    if c.dim() < 2:
+        raise ValueError(f"c must have at least 2 dims [..., m, n]; got {tuple(c.shape)}")
+    if col is None and row is None:
+        raise ValueError("give at least one side's checksums (col=..., row=...)")
+    m, n = c.shape[-2:]
+    for name, ref, checked, across in (("col", col, m, n), ("row", row, n, m)):
+        if ref is None:
+            continue
+        if not isinstance(ref, Checksums):
+            raise TypeError(f"{name} must be Checksums, got {type(ref).__name__}")
+        if ref.sums.device != c.device:
+            raise ValueError(f"{name} checksums are on {ref.sums.device} but c is on {c.device}")
+        expected = (nblocks(checked, ref.block), 2, across)
+        try:
+            fits = torch.broadcast_shapes(ref.sums.shape[:-3], c.shape[:-2]) == c.shape[:-2]
+        except RuntimeError:
+            fits = False
+        if ref.length != checked or tuple(ref.sums.shape[-3:]) != expected or not fits:
+            raise ValueError(
+                f"{name} checksums of shape {tuple(ref.sums.shape)} (length {ref.length}) do not "
+                f"fit c of shape {tuple(c.shape)}: expected [..., {expected[0]}, 2, {across}] "
+                f"summing {checked} entries; encode them from the same GEMM"
+            )
+
+
+def _check_operands_fit(c: Tensor, operands: GemmOperands) -> None:
+    if not isinstance(operands, GemmOperands):
+        raise TypeError(f"operands must be GemmOperands, got {type(operands).__name__}")
+    a, b = operands.a, operands.b
+    m, n = c.shape[-2:]
+    if (
+        a.dim() < 2
+        or b.dim() < 2
+        or a.shape[-2] != m
+        or b.shape[-1] != n
+        or a.shape[-1] != b.shape[-2]
+    ):
+        raise ValueError(
+            f"operands a {tuple(a.shape)} and b {tuple(b.shape)} do not produce c of shape "
+            f"{tuple(c.shape)}: need a [..., {m}, k] and b [..., k, {n}]"
+        )
+    if a.device != c.device or b.device != c.device:
+        raise ValueError(f"operands are on {a.device}/{b.device} but c is on {c.device}")
+
+
+def _check_references_finite(col: Checksums | None, row: Checksums | None) -> None:
+    for name, ref in (("col", col), ("row", row)):
+        if ref is not None and not bool(
+            torch.isfinite(ref.sums).all() & torch.isfinite(ref.magnitude).all()
+        ):
+            raise ValueError(
+                f"{name} reference checksums contain NaN or INF: the GEMM's inputs are already "
+                "corrupted, so this output cannot be checked; protect the producer of the inputs"
+            )

@@ -1,0 +1,138 @@
+"""Seeded fault injection into a tensor: the soft errors of DESIGN.md section 1.
+
+The last two dims of the tensor are a matrix, leading dims index a batch of matrices. A fault has
+a kind (what the corrupted values become) and a pattern (which elements): one element (``0d``),
+a whole row or column (``row``, ``col``, the 1D patterns), or a block of at least 2x2 (``2d``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near_inf", "bitflip", "value")
+PATTERNS: tuple[str, ...] = ("0d", "row", "col", "2d")
+NEAR_INF = 1e10
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+@dataclass(frozen=True)
+class TensorFault:
+    """One fault to inject. Unset positions, signs and bits are drawn from ``seed``."""
+
+    kind: str = "inf"
+    """inf, -inf, nan, near_inf (|x| = 1e10, random sign), bitflip, or value."""
+    pattern: str = "0d"
+    """0d, row, col or 2d."""
+    value: float | None = None
+    """The finite value written by kind="value"."""
+    bit: int | None = None
+    """The bit flipped by kind="bitflip", 0 = least significant bit of the stored dtype."""
+    position: tuple[int, int] | None = None
+    """(row, col) of the element, or of the 2d block's corner; the row or column for 1D patterns."""
+    batch_index: int | None = None
+    """Which matrix of the flattened batch."""
+    block: tuple[int, int] | None = None
+    """Rows and columns of a 2d block (default: drawn between 2 and 4)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(
+                f"TensorFault.kind: unknown kind {self.kind!r}; "
+                f"choose from {', '.join(FAULT_KINDS)}"
+            )
+        if self.pattern not in PATTERNS:
+            raise ValueError(
+                f"TensorFault.pattern: unknown pattern {self.pattern!r}; "
+                f"choose from {', '.join(PATTERNS)}"
+            )
+        if self.kind == "value" and (self.value is None or not math.isfinite(self.value)):
+            raise ValueError(
+                f"TensorFault.value: kind='value' needs a finite value, got {self.value!r}"
+            )
+        if self.block is not None and (len(self.block) != 2 or min(self.block) < 2):
+            raise ValueError(f"TensorFault.block: a 2d block is at least 2x2, got {self.block!r}")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Where a fault landed: the matrix (flattened batch index) and the corrupted rows and cols."""
+
+    batch_index: int
+    rows: tuple[int, int]
+    """Half-open range [start, stop) of corrupted rows."""
+    cols: tuple[int, int]
+
+
+def _draw(generator: torch.Generator, high: int) -> int:
+    return int(torch.randint(high, (1,), generator=generator))
+
+
+def _corrupt(values: Tensor, fault: TensorFault, generator: torch.Generator) -> Tensor:
+    if fault.kind != "bitflip":
+        special = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "value": fault.value}
+        value = special.get(fault.kind)
+        if fault.kind == "near_inf":
+            value = NEAR_INF if _draw(generator, 2) else -NEAR_INF
+        # stored as the hardware would: a value beyond the dtype's range becomes INF
+        return torch.full(values.shape, value, dtype=torch.float64).to(values.dtype)
+    bits = torch.finfo(values.dtype).bits
+    bit = fault.bit if fault.bit is not None else _draw(generator, bits)
+    if not 0 <= bit < bits:
+        raise ValueError(f"TensorFault.bit: {values.dtype} has bits 0..{bits - 1}, got {bit}")
+    as_int = values.contiguous().view(_INT_VIEW[values.dtype])
+    mask = 1 << bit
+    if mask >= 1 << (bits - 1):  # the sign bit, as the signed integer of the same width
+        mask -= 1 << bits
+    return (as_int ^ mask).view(values.dtype)
+
+
+@torch.no_grad()
+def inject_(t: Tensor, fault: TensorFault) -> Injection:
+    """Corrupt ``t [..., m, n]`` in place as ``fault`` says and report where."""
+    if not isinstance(t, Tensor) or t.dtype not in _INT_VIEW:
+        raise TypeError(
+            f"inject_ needs a floating-point tensor, got {getattr(t, 'dtype', type(t))}"
+        )
+    if t.dim() < 2:
+        raise ValueError(
+            f"inject_ needs a tensor with at least 2 dims [..., m, n]; got {tuple(t.shape)}"
+        )
+    m, n = t.shape[-2:]
+    batch = t.numel() // (m * n) if m * n else 0
+    if batch == 0:
+        raise ValueError("inject_ needs a non-empty tensor")
+    generator = torch.Generator().manual_seed(fault.seed)
+    b = fault.batch_index if fault.batch_index is not None else _draw(generator, batch)
+    if not 0 <= b < batch:
+        raise ValueError(f"TensorFault.batch_index {b} is out of range for {batch} matrices")
+    if fault.pattern == "2d":
+        if m < 2 or n < 2:
+            raise ValueError(f"a 2d fault needs a matrix of at least 2x2, got {m}x{n}")
+        h, w = fault.block or (
+            2 + _draw(generator, min(3, m - 1)),
+            2 + _draw(generator, min(3, n - 1)),
+        )
+        if h > m or w > n:
+            raise ValueError(f"2d block {h}x{w} does not fit a {m}x{n} matrix")
+        r, c = fault.position or (_draw(generator, m - h + 1), _draw(generator, n - w + 1))
+        rows, cols = (r, r + h), (c, c + w)
+    else:
+        r, c = fault.position or (_draw(generator, m), _draw(generator, n))
+        rows = (0, m) if fault.pattern == "col" else (r, r + 1)
+        cols = (0, n) if fault.pattern == "row" else (c, c + 1)
+    if not (0 <= rows[0] < rows[1] <= m and 0 <= cols[0] < cols[1] <= n):
+        raise ValueError(f"fault position {fault.position} is outside a {m}x{n} matrix")
+    index = [int(i) for i in torch.unravel_index(torch.tensor(b), t.shape[:-2])]
+    region = t[(*index, slice(*rows), slice(*cols))]  # a view of t, whatever its strides
+    region.copy_(_corrupt(region, fault, generator))
+    return Injection(batch_index=b, rows=rows, cols=cols)
