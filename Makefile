@@ -6,8 +6,13 @@
 #         package in place: for GPU machines with torch preinstalled and no registry, e.g.
 #             make test PYTHON=python3 VENV=
 VENV ?= .venv
-PYTHON ?= $(shell command -v python3.12 2>/dev/null || \
-	ls -d $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3 2>/dev/null | tail -n 1)
+# The first candidate that really runs as 3.12 (a pyenv shim on PATH may not).
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell for p in $$(ls -d $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3 \
+	2>/dev/null) $$(command -v python3.12) $$(command -v python3); do \
+	"$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null \
+	&& echo "$$p" && break; done)
+endif
 PYTEST_ARGS ?=
 
 ifeq ($(strip $(VENV)),)
