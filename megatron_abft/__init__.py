@@ -2,6 +2,9 @@
 
 The EEC-ABFT core: reference checksums (``encode``), verification and in-place correction
 (``verify_and_correct``) and seeded fault injection (``inject_``), configured by ``ABFTConfig``.
+The protected Megatron-core layers live in ``megatron_abft.spec`` (``get_gpt_layer_abft_spec``),
+with model-wide counters (``stats``), fault injection (``inject``) and the per-step policy
+decision (``finish_step``) exported here. Importing this package does not import Megatron.
 """
 
 from megatron_abft.checksum import Checksums, encode, encode_columns, encode_rows
@@ -19,11 +22,32 @@ from megatron_abft.eec import (
     residuals,
     verify_and_correct,
 )
-from megatron_abft.faults import FAULT_KINDS, PATTERNS, Injection, TensorFault, inject_
+from megatron_abft.faults import (
+    FAULT_KINDS,
+    MODEL_SECTIONS,
+    PATTERNS,
+    Fault,
+    Injection,
+    TensorFault,
+    inject,
+    inject_,
+)
+from megatron_abft.guard import ABFTUncorrectableError, reset_stats, set_step, stats
+from megatron_abft.policy import StepOutcome, finish_step, validate_with_rerun
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ABFTUncorrectableError",
+    "Fault",
+    "MODEL_SECTIONS",
+    "StepOutcome",
+    "finish_step",
+    "inject",
+    "reset_stats",
+    "set_step",
+    "stats",
+    "validate_with_rerun",
     "CLEAN",
     "CORRECTED",
     "UNCORRECTABLE",

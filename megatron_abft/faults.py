@@ -7,7 +7,9 @@ a whole row or column (``row``, ``col``, the 1D patterns), or a block of at leas
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -136,3 +138,143 @@ def inject_(t: Tensor, fault: TensorFault) -> Injection:
     region = t[(*index, slice(*rows), slice(*cols))]  # a view of t, whatever its strides
     region.copy_(_corrupt(region, fault, generator))
     return Injection(batch_index=b, rows=rows, cols=cols)
+
+
+# --- model-level injection --------------------------------------------------------------------
+
+MODEL_SECTIONS: tuple[str, ...] = ("qkv", "q", "k", "v", "scores", "probs", "context", "proj")
+"""Where a model-level fault can land: the checked GEMM outputs, the query, key or value part of
+the QKV output, and the softmax output ``probs`` (outside the guarantee: its checksums are taken
+from the faulty P)."""
+
+GUARD_OF = {
+    "qkv": "qkv",
+    "q": "qkv",
+    "k": "qkv",
+    "v": "qkv",
+    "scores": "scores",
+    "probs": "context",
+    "context": "context",
+    "proj": "proj",
+}
+"""The guard (checked section) whose forward a fault section lands in."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault for ``inject``: where in the model, when, and what (the tensor-level fields)."""
+
+    section: str
+    """One of MODEL_SECTIONS."""
+    kind: str = "inf"
+    pattern: str = "0d"
+    layer: int | None = None
+    """Megatron's 1-based layer number; None = every protected layer."""
+    tp_rank: int | None = None
+    """Tensor-parallel rank it lands on; None = every rank."""
+    step: int | None = None
+    """Training step (megatron_abft.set_step); None = the first forward under ``inject``."""
+    value: float | None = None
+    bit: int | None = None
+    position: tuple[int, int] | None = None
+    batch_index: int | None = None
+    block: tuple[int, int] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.section not in MODEL_SECTIONS:
+            raise ValueError(
+                f"Fault.section: unknown section {self.section!r}; "
+                f"choose from {', '.join(MODEL_SECTIONS)}"
+            )
+        for name in ("layer", "tp_rank", "step"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"Fault.{name}: {value!r} is not allowed; use an int >= 0 or None")
+        self.tensor_fault()  # validates kind, pattern, value and block
+
+    def tensor_fault(self) -> TensorFault:
+        return TensorFault(
+            self.kind,
+            self.pattern,
+            value=self.value,
+            bit=self.bit,
+            position=self.position,
+            batch_index=self.batch_index,
+            block=self.block,
+            seed=self.seed,
+        )
+
+
+@dataclass
+class ArmedFault:
+    """A fault waiting in one guard, and the log its landing is written to."""
+
+    fault: Fault
+    log: list
+
+    @property
+    def section(self) -> str:
+        return self.fault.section
+
+
+def land(armed: ArmedFault, guard, output: Tensor, views: dict) -> bool:
+    """Land ``armed`` in ``output`` if it is due in this forward; True once it is used up.
+    ``views`` maps the sections this forward can corrupt to matrix views of ``output``."""
+    fault = armed.fault
+    if fault.step is not None and fault.step != guard.step:
+        return False
+    if fault.section not in views:
+        if "qkv" in views:  # a q, k or v part this rank does not hold (fewer KV groups than ranks)
+            if fault.tp_rank is not None:
+                raise ValueError(
+                    f"section {fault.section!r} has no columns on tensor-parallel "
+                    f"rank {guard.tp_rank} in layer {guard.layer}"
+                )
+            return True
+        return False  # it lands in the other forward of this guard (probs vs context)
+    where = inject_(views[fault.section](output), fault.tensor_fault())
+    armed.log.append(
+        {
+            **guard.where(),
+            "section": fault.section,
+            "kind": fault.kind,
+            "pattern": fault.pattern,
+            "injection": where,
+        }
+    )
+    return True
+
+
+@contextlib.contextmanager
+def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
+    """Arm ``faults`` in ``model``'s protected layers for the duration of the block. Each lands
+    after its GEMM and before its verification, on the named layer and tensor-parallel rank,
+    once. Yields the list of landings (rank, layer, section, step, kind, position)."""
+    from megatron_abft.guard import iter_guards
+
+    guards = list(iter_guards(model))
+    layers = {g.layer for g in guards}
+    log: list[dict] = []
+    armed_in = []
+    for fault in faults:
+        if not isinstance(fault, Fault):
+            raise TypeError(f"inject takes Fault objects, got {type(fault).__name__}")
+        if fault.layer is not None and fault.layer not in layers:
+            raise ValueError(
+                f"Fault.layer {fault.layer} is not a protected layer of this model; "
+                f"layers: {sorted(x for x in layers if x is not None)}"
+            )
+        for guard in guards:
+            if (
+                guard.section == GUARD_OF[fault.section]
+                and fault.layer in (None, guard.layer)
+                and fault.tp_rank in (None, guard.tp_rank)
+            ):
+                guard.faults.append(ArmedFault(fault, log))
+                armed_in.append(guard)
+    try:
+        yield log
+    finally:
+        for guard in armed_in:
+            guard.faults = [a for a in guard.faults if a.log is not log]

@@ -1,0 +1,162 @@
+"""ProtectedDotProductAttention: Megatron-core's DotProductAttention with the ``scores`` and
+``context`` GEMMs checked and corrected on each tensor-parallel rank (DESIGN.md section 3).
+
+- scores: S = scale * Q K^T per (batch, head), checked on both sides from checksums of Q and K
+  taken after RoPE; under GQA, K is reduced once per KV group and shared by the group's heads;
+- context: C = P V, checked on both sides, the column sums of P taken after softmax and dropout,
+  V reduced once per KV group.
+
+Softmax and dropout are elementwise and outside the GEMM checksums: a fault in P itself (the
+``probs`` fault section) is consistent with P's own checksums and is not detected (docs/abft.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from megatron_abft.config import ABFTConfig
+from megatron_abft.eec import GemmOperands
+from megatron_abft.guard import SectionGuard
+
+
+def reject_unsupported(config: TransformerConfig, where: str) -> None:
+    """Fail at construction, with what to use instead, for what the protected layers lack."""
+    if config.context_parallel_size != 1:
+        raise ValueError(
+            f"{where}: context parallelism (context_parallel_size="
+            f"{config.context_parallel_size}) is not supported: ring attention never materialises "
+            "the scores ABFT checks; use context_parallel_size=1"
+        )
+    if config.attention_backend in (AttnBackend.flash, AttnBackend.fused):
+        raise ValueError(
+            f"{where}: attention_backend={config.attention_backend.name} is not supported: fused "
+            "kernels never materialise the scores ABFT checks; use attention_backend=local "
+            "(or auto with the ABFT layer spec)"
+        )
+
+
+class ProtectedDotProductAttention(DotProductAttention):
+    """Drop-in for DotProductAttention (same constructor and forward contract) that verifies and
+    corrects its two GEMMs. ``abft_config`` comes through the layer spec's params."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        abft_config: ABFTConfig | None = None,
+    ):
+        reject_unsupported(config, "ProtectedDotProductAttention")
+        super().__init__(
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout,
+            softmax_scale,
+            cp_comm_type,
+            pg_collection,
+        )
+        self.abft_config = abft_config if abft_config is not None else ABFTConfig()
+        rank = self.tp_group.rank()
+        self.scores_guard = SectionGuard("scores", self.abft_config, rank)
+        self.context_guard = SectionGuard("context", self.abft_config, rank)
+        self.abft_guards = (self.scores_guard, self.context_guard)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
+        if not (self.abft_config.enabled or self.scores_guard.faults or self.context_guard.faults):
+            return super().forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type,
+                attention_bias,
+                packed_seq_params,
+            )
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "ProtectedDotProductAttention does not support packed sequences (THD); pass "
+                "padded batches with an attention mask"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by DotProductAttention")
+
+        sq, b, heads, hn = query.shape
+        sk, groups = key.size(0), key.size(2)
+        rep = heads // groups
+        # the operands grouped by KV group, [b, ng, rep|1, s, hn]: checksums reduce K and V
+        # once per group and broadcast over the group's heads
+        q5 = query.reshape(sq, b, groups, rep, hn).permute(1, 2, 3, 0, 4)
+        k5 = key.permute(1, 2, 0, 3).unsqueeze(2)
+        v5 = value.permute(1, 2, 0, 3).unsqueeze(2)
+        if rep > 1:  # as DotProductAttention: repeat K and V to the query heads
+            key = key.repeat_interleave(rep, dim=2)
+            value = value.repeat_interleave(rep, dim=2)
+
+        # raw attention scores [b * np, sq, sk], checked
+        query3 = query.reshape(sq, b * heads, hn).transpose(0, 1)
+        key3 = key.reshape(sk, b * heads, hn).transpose(0, 1).transpose(1, 2)
+
+        def scores() -> Tensor:
+            buffer = parallel_state.get_global_memory_buffer().get_tensor(
+                (b * heads, sq, sk), query.dtype, "mpu"
+            )
+            return torch.baddbmm(buffer, query3, key3, beta=0.0, alpha=self.softmax_scale)
+
+        matmul_result = self.scores_guard.check(
+            scores().view(b, groups, rep, sq, sk),
+            GemmOperands(q5, k5.mT, alpha=self.softmax_scale),
+            recompute=lambda: scores().view(b, groups, rep, sq, sk),
+        )
+        attention_scores = matmul_result.view(b, heads, sq, sk)
+
+        # attention probs and dropout, as DotProductAttention
+        attention_probs = self.scale_mask_softmax(
+            attention_scores, attention_mask, self.softmax_offset
+        )
+        if not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                attention_probs = self.attention_dropout(attention_probs)
+        else:
+            attention_probs = self.attention_dropout(attention_probs)
+        if any(f.section == "probs" for f in self.context_guard.faults):
+            # a fault in P as the next GEMM reads it; softmax keeps its own output for backward
+            attention_probs = attention_probs.clone()
+            self.context_guard.land_faults(attention_probs, {"probs": lambda t: t})
+
+        # context [b * np, sq, hn], checked
+        probs3 = attention_probs.view(b * heads, sq, sk)
+        value3 = value.reshape(sk, b * heads, hn).transpose(0, 1)
+        p5 = attention_probs.view(b, groups, rep, sq, sk)
+        context = self.context_guard.check(
+            torch.bmm(probs3, value3).view(b, groups, rep, sq, hn),
+            GemmOperands(p5, v5),
+            recompute=lambda: torch.bmm(probs3, value3).view(b, groups, rep, sq, hn),
+        )
+
+        # [b, np, sq, hn] --> [sq, b, np * hn]
+        context = context.view(b, heads, sq, hn).permute(2, 0, 1, 3).contiguous()
+        return context.view(sq, b, self.hidden_size_per_partition)

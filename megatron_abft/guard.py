@@ -1,0 +1,196 @@
+"""SectionGuard: the check of one protected GEMM in one layer, and the model-wide views of all
+guards (counters, step, layer numbers).
+
+A protected module owns one guard per section it computes. On each forward the guard lands any
+injected fault meant for it (megatron_abft.faults.inject), then, when the section is due
+(ABFTConfig.checks), encodes checksums from the GEMM's inputs, verifies and corrects the output
+in place and adds the outcome to device-side counters. A fault it cannot correct is recomputed
+at once where that costs no host synchronisation (CPU tensors), and otherwise left pending for
+the once-per-step policy decision (megatron_abft.policy.finish_step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from megatron_abft.checksum import encode
+from megatron_abft.config import SECTIONS, ABFTConfig
+from megatron_abft.eec import KINDS, OUTCOMES, UNCORRECTABLE, GemmOperands, verify_and_correct
+
+View = Callable[[Tensor], Tensor]
+"""Maps a GEMM output to the ``[..., rows, cols]`` matrix a fault section names."""
+
+
+class ABFTUncorrectableError(RuntimeError):
+    """A fault that ABFT could not correct, with where it happened."""
+
+    def __init__(self, where: list[dict]):
+        self.where = where
+        places = "; ".join(
+            f"rank {w['rank']} layer {w['layer']} section {w['section']} step {w['step']}"
+            for w in where
+        )
+        super().__init__(f"ABFT: uncorrectable fault at {places}")
+
+
+def recompute_in_place_possible(t: Tensor) -> bool:
+    """Whether a GEMM on ``t``'s device can be recomputed on demand without a host sync."""
+    return t.device.type == "cpu"
+
+
+class SectionGuard:
+    """Checks one section (qkv, scores, context or proj) of one layer on one rank."""
+
+    def __init__(self, section: str, config: ABFTConfig, tp_rank: int):
+        if section not in SECTIONS:
+            raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
+        self.section = section
+        self.config = config
+        self.tp_rank = tp_rank
+        self.layer: int | None = None  # Megatron's 1-based layer number, set by iter_guards
+        self.step = 0
+        self.faults: list = []  # model-level faults waiting to land (faults.inject)
+        self.counts: Tensor | None = None  # [len(OUTCOMES), len(KINDS)] int64, on the device
+        self.recomputed: Tensor | None = None  # GEMMs recomputed by the recompute policy
+        self.pending: Tensor | None = None  # bool: an uncorrected fault this step
+
+    @property
+    def due(self) -> bool:
+        return self.config.checks(self.section, self.step)
+
+    def land_faults(self, output: Tensor, views: dict[str, View]) -> None:
+        """Corrupt ``output`` with the waiting faults whose section is in ``views``."""
+        if not self.faults:
+            return
+        from megatron_abft.faults import land  # the model-level injector, imported lazily
+
+        self.faults = [f for f in self.faults if not land(f, self, output, views)]
+
+    def check(
+        self,
+        output: Tensor,
+        operands: GemmOperands,
+        views: dict[str, View] | None = None,
+        recompute: Callable[[], Tensor] | None = None,
+    ) -> Tensor:
+        """Land faults, then verify and correct ``output = alpha * a @ b + bias`` in place.
+        Returns the output to use: ``output`` itself, or its recomputation."""
+        self.land_faults(output, views or {self.section: lambda t: t})
+        if not self.due:
+            return output
+        failed = self._verify(output, operands)
+        if (
+            recompute is not None
+            and self.config.on_uncorrectable == "recompute"
+            and recompute_in_place_possible(output)
+            and bool(failed)
+        ):
+            output = recompute()
+            if self.recomputed is None:
+                self.recomputed = torch.zeros((), dtype=torch.int64, device=output.device)
+            self.recomputed += 1
+            if bool(self._verify(output, operands)):
+                raise ABFTUncorrectableError([self.where()])
+            failed = torch.zeros_like(failed)
+        self.pending = failed if self.pending is None else self.pending | failed
+        return output
+
+    def _verify(self, output: Tensor, operands: GemmOperands) -> Tensor:
+        """Verify and correct in place, count, and return whether a matrix stayed uncorrectable
+        (a device bool)."""
+        col, row = encode(
+            operands.a,
+            operands.b,
+            alpha=operands.alpha,
+            bias=operands.bias,
+            block=self.config.block_size,
+        )
+        result = verify_and_correct(
+            output,
+            col,
+            row,
+            operands=operands,
+            threshold_scale=self.config.threshold_scale,
+            near_inf=self.config.near_inf,
+            check_references=False,
+        )
+        self.counts = result.counts if self.counts is None else self.counts + result.counts
+        return (result.status == UNCORRECTABLE).any()
+
+    def where(self) -> dict:
+        """Rank, layer, section and step of this guard, for error messages and events."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return {
+            "rank": rank,
+            "tp_rank": self.tp_rank,
+            "layer": self.layer,
+            "section": self.section,
+            "step": self.step,
+        }
+
+    def reset(self) -> None:
+        self.counts = self.recomputed = self.pending = None
+
+
+def iter_guards(model: torch.nn.Module) -> Iterator[SectionGuard]:
+    """Every guard of ``model``, with its layer number filled in from the enclosing layer."""
+    for module in model.modules():
+        layer = getattr(module, "layer_number", None)
+        for child in module.modules():
+            for guard in getattr(child, "abft_guards", ()):
+                if layer is not None and guard.layer is None:
+                    guard.layer = layer
+    for module in model.modules():
+        yield from getattr(module, "abft_guards", ())
+
+
+def set_step(model: torch.nn.Module, step: int) -> None:
+    """Tell every guard the training step, which decides what is due (check intervals) and
+    which injected faults land."""
+    for guard in iter_guards(model):
+        guard.step = step
+        guard.pending = None
+
+
+def reset_stats(model: torch.nn.Module) -> None:
+    """Zero every guard's counters."""
+    for guard in iter_guards(model):
+        guard.reset()
+
+
+def stats(
+    model: torch.nn.Module, group: torch.distributed.ProcessGroup | None = None
+) -> dict[str, dict[str, dict[str, int]]]:
+    """Counts per section: ``{section: {outcome: {kind: n}}}``, with outcome in detected,
+    corrected, uncorrectable, plus ``recomputed: {"gemm": n}``. With ``group`` the counts are
+    summed over its ranks in one all-reduce. One host synchronisation."""
+    guards = list(iter_guards(model))
+    counted = [g.counts for g in guards if g.counts is not None]
+    device = counted[0].device if counted else torch.device("cpu")
+    table = torch.zeros(
+        len(SECTIONS), len(OUTCOMES) + 1, len(KINDS), dtype=torch.int64, device=device
+    )
+    for guard in guards:  # summed on the device: one transfer at the end
+        i = SECTIONS.index(guard.section)
+        if guard.counts is not None:
+            table[i, : len(OUTCOMES)] += guard.counts
+        if guard.recomputed is not None:
+            table[i, len(OUTCOMES), 0] += guard.recomputed
+    if group is not None:
+        if torch.distributed.get_backend(group) == "gloo":
+            table = table.cpu()
+        torch.distributed.all_reduce(table, group=group)
+    table = table.cpu()
+    return {
+        section: {
+            **{
+                o: dict(zip(KINDS, table[i, j].tolist(), strict=True))
+                for j, o in enumerate(OUTCOMES)
+            },
+            "recomputed": {"gemm": int(table[i, len(OUTCOMES), 0])},
+        }
+        for i, section in enumerate(SECTIONS)
+    }

@@ -1,0 +1,133 @@
+"""Protected tensor-parallel linear layers for the attention block (DESIGN.md section 3).
+
+Both override only ``_forward_impl``, Megatron's rank-local GEMM, so each rank checks its own
+shard with no extra communication:
+
+- ProtectedColumnParallelLinear (``linear_qkv``, section ``qkv``): Y = X W_r^T + b, checked over
+  tokens and over features; catches errors in Q, K and V before RoPE and the attention GEMMs;
+- ProtectedRowParallelLinear (``linear_proj``, section ``proj``): the partial product
+  O_r = C_r W_r^T is checked before the all-reduce or reduce-scatter; the bias is added after it.
+"""
+
+from __future__ import annotations
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from megatron_abft.config import ABFTConfig
+from megatron_abft.eec import GemmOperands
+from megatron_abft.guard import SectionGuard, View
+
+
+def _reject_sequence_parallel(config, where: str) -> None:
+    if getattr(config, "sequence_parallel", False):
+        raise ValueError(
+            f"{where}: sequence_parallel is not supported by the ABFT layers (the input is "
+            "gathered inside Megatron's GEMM); use sequence_parallel=False"
+        )
+
+
+def qkv_part_views(config: TransformerConfig, tp_rank: int, width: int) -> dict[str, View]:
+    """Views of this rank's fused QKV output ``[s, b, width]`` as the query, key and value
+    matrices ``[..., tokens, features]``. Megatron interleaves the columns per KV group as
+    [q heads of the group, k, v]; a rank holds whole groups, or, with fewer KV groups than ranks,
+    a slice of one group, where a part may be absent."""
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    hn = config.kv_channels
+    rep = heads // groups
+    group_width = (rep + 2) * hn
+    parts = {
+        "q": (0, rep * hn),
+        "k": (rep * hn, (rep + 1) * hn),
+        "v": ((rep + 1) * hn, group_width),
+    }
+    start = tp_rank * width
+    views: dict[str, View] = {"qkv": lambda y: y.view(-1, width)}
+    if width % group_width == 0:  # whole groups: a batch of one matrix per group
+        n = width // group_width
+        for part, (lo, hi) in parts.items():
+            views[part] = lambda y, lo=lo, hi=hi, n=n: y.view(-1, n, group_width)[
+                :, :, lo:hi
+            ].transpose(0, 1)
+        return views
+    offset = start % group_width
+    for part, (lo, hi) in parts.items():
+        lo, hi = max(lo, offset), min(hi, offset + width)
+        if lo < hi:
+            views[part] = lambda y, lo=lo - offset, hi=hi - offset: y.view(-1, width)[:, lo:hi]
+    return views
+
+
+class ProtectedColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear whose local GEMM (with its bias) is checked as section ``qkv``."""
+
+    def __init__(self, *args, abft_config: ABFTConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _reject_sequence_parallel(self.config, "ProtectedColumnParallelLinear")
+        self.abft_config = abft_config if abft_config is not None else ABFTConfig()
+        rank = self.tp_group.rank()
+        self.abft_guard = SectionGuard("qkv", self.abft_config, rank)
+        self.abft_guards = (self.abft_guard,)
+        self.fault_views = qkv_part_views(self.config, rank, self.output_size_per_partition)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        output = super()._forward_impl(input, weight, *args, **kwargs)
+        if not (self.abft_config.enabled or self.abft_guard.faults):
+            return output
+        return _checked(
+            self.abft_guard,
+            ColumnParallelLinear._forward_impl,
+            self,
+            output,
+            input,
+            weight,
+            kwargs.get("bias"),
+            self.fault_views,
+            args,
+            kwargs,
+        )
+
+
+class ProtectedRowParallelLinear(RowParallelLinear):
+    """RowParallelLinear whose partial product is checked as section ``proj`` before the
+    reduction over tensor-parallel ranks."""
+
+    def __init__(self, *args, abft_config: ABFTConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _reject_sequence_parallel(self.config, "ProtectedRowParallelLinear")
+        self.abft_config = abft_config if abft_config is not None else ABFTConfig()
+        self.abft_guard = SectionGuard("proj", self.abft_config, self.tp_group.rank())
+        self.abft_guards = (self.abft_guard,)
+        width = self.output_size
+        self.fault_views: dict[str, View] = {"proj": lambda y: y.view(-1, width)}
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        output = super()._forward_impl(input, weight, *args, **kwargs)
+        if not (self.abft_config.enabled or self.abft_guard.faults):
+            return output
+        return _checked(
+            self.abft_guard,
+            RowParallelLinear._forward_impl,
+            self,
+            output,
+            input,
+            weight,
+            kwargs.get("bias"),
+            self.fault_views,
+            args,
+            kwargs,
+        )
+
+
+def _checked(guard, gemm, layer, output, input, weight, bias, views, args, kwargs) -> Tensor:
+    """Check ``output = input @ weight^T + bias`` (tokens flattened) and return what to use."""
+    width = output.shape[-1]
+    checked = guard.check(
+        output.view(-1, width),
+        GemmOperands(input.reshape(-1, input.shape[-1]), weight.t(), 1.0, bias),
+        views=views,
+        recompute=lambda: gemm(layer, input, weight, *args, **kwargs).view(-1, width),
+    )
+    return checked.view(output.shape)

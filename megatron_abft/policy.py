@@ -1,0 +1,103 @@
+"""What a training step does with the faults ABFT could not correct (ABFTConfig.on_uncorrectable).
+
+Call ``finish_step(model)`` once per step, after backward and before the optimizer step: one host
+synchronisation and one tiny all-reduce decide, for all ranks together, what to do:
+
+- ``raise``: every rank raises ABFTUncorrectableError; the faulty ranks name rank, layer, section
+  and step;
+- ``skip_step``: the outcome says ``skip``: discard the step's gradients;
+- ``recompute``: on CPU the guard already recomputed the GEMM (and raised if that failed too);
+  elsewhere the outcome says ``recompute``: run the step's forward and backward once more, then
+  call ``finish_step(model, retried=True)``, which raises if the fault is still there;
+- ``rerun``: call ``validate_with_rerun(model)`` in the loss function instead, so that Megatron's
+  rerun state machine re-runs the step and attributes the fault (its exit codes 16/17 apply);
+- ``log``: only count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_abft.guard import ABFTUncorrectableError, iter_guards
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """The policy's decision for one step, the same on every rank of ``group``."""
+
+    action: str
+    """none (nothing uncorrectable), log, skip_step or recompute."""
+    where: list[dict] = field(default_factory=list)
+    """This rank's uncorrectable faults: rank, tp_rank, layer, section, step."""
+
+    @property
+    def skip(self) -> bool:
+        return self.action == "skip_step"
+
+    @property
+    def recompute(self) -> bool:
+        return self.action == "recompute"
+
+
+def _policy(guards) -> str:
+    policies = {g.config.on_uncorrectable for g in guards}
+    if len(policies) > 1:
+        raise ValueError(
+            f"one model must use one on_uncorrectable policy, found {sorted(policies)}"
+        )
+    return policies.pop() if policies else "log"
+
+
+def finish_step(
+    model: torch.nn.Module,
+    group: torch.distributed.ProcessGroup | None = None,
+    retried: bool = False,
+) -> StepOutcome:
+    """Decide what this step's uncorrectable faults mean, for all ranks of ``group`` (default:
+    every rank, when torch.distributed is initialised). Clears the pending faults."""
+    guards = list(iter_guards(model))
+    policy = _policy(guards)
+    pending = [g for g in guards if g.pending is not None]
+    flags = (
+        torch.stack([g.pending for g in pending]).cpu() if pending else torch.zeros(0, dtype=bool)
+    )
+    where = [g.where() for g, hit in zip(pending, flags.tolist(), strict=True) if hit]
+    for guard in guards:
+        guard.pending = None
+    anywhere = torch.tensor([len(where)], dtype=torch.int64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(anywhere, group=group)
+    if not int(anywhere):
+        return StepOutcome("none")
+    if policy == "raise" or (policy == "recompute" and retried):
+        if where:
+            raise ABFTUncorrectableError(where)
+        raise ABFTUncorrectableError(
+            [{"rank": "another", "tp_rank": "?", "layer": "?", "section": "?", "step": "?"}]
+        )
+    if policy == "rerun":
+        raise RuntimeError(
+            "ABFT on_uncorrectable='rerun' is decided by validate_with_rerun(model) in the loss "
+            "function, inside Megatron's rerun loop, not by finish_step"
+        )
+    return StepOutcome(policy if policy != "log" else "log", where)
+
+
+def validate_with_rerun(model: torch.nn.Module) -> None:
+    """Hand this step's uncorrectable faults to Megatron's rerun state machine (policy rerun).
+    Call it in the loss function; a rejected step is re-run and the fault attributed."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    pending = [g.pending for g in iter_guards(model) if g.pending is not None]
+    if not pending:
+        return
+    count = torch.stack(pending).sum().float()
+    get_rerun_state_machine().validate_result(
+        result=count,
+        rejection_func=lambda c: bool(c > 0),
+        message="ABFT: uncorrectable fault in a protected attention GEMM",
+        tolerance=0.0,
+        fatal=True,
+    )

@@ -1,0 +1,146 @@
+"""Test harness: tiny Megatron-core GPT models on gloo ranks, on CPU.
+
+``spawn(world, tp, fn, *args)`` runs ``fn(*args)`` on ``world`` processes with tensor-parallel
+size ``tp`` and returns each rank's return value. Workers are module-level functions so they can
+be pickled; one spawn should run many cases, since starting a rank costs seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, tp, port, out_dir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from megatron_abft.cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    try:
+        result = fn(*args)
+    except Exception as error:  # handed to the parent, which re-raises with the rank
+        result = error
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def spawn(world: int, tp: int, fn, *args) -> list:
+    """Each rank's return value (or the exception it raised)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world, tp, _free_port(), out_dir, fn, args), nprocs=world)
+        return [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world)
+        ]
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    groups: int | None = None
+    seq: int = 32
+    vocab: int = 128
+    batch: int = 2
+    dtype: torch.dtype = torch.float32
+    dropout: float = 0.0
+    padding: bool = False
+    """Pass an explicit causal + padding mask instead of None (Megatron's implicit causal mask)."""
+    recompute: str | None = None
+    """Activation recompute: None, "selective" (core attention) or "full"."""
+
+
+def build_gpt(shape: Shape, spec):
+    """A GPTModel with RoPE whose weights are the same for every TP size (CPU initialisation)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.groups,
+        tensor_model_parallel_size=_tp_size(),
+        use_cpu_initialization=True,
+        params_dtype=shape.dtype,
+        bf16=shape.dtype == torch.bfloat16,
+        fp16=shape.dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=shape.dropout,
+        add_bias_linear=True,
+        recompute_granularity=shape.recompute,
+        recompute_method="uniform" if shape.recompute == "full" else None,
+        recompute_num_layers=1 if shape.recompute == "full" else None,
+    )
+    torch.manual_seed(1234)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape.vocab,
+        max_sequence_length=shape.seq,
+        position_embedding_type="rope",
+    )
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def batch(shape: Shape, step: int):
+    """Tokens, positions, the attention mask (None: causal) and labels of one micro-batch."""
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=g)
+    positions = torch.arange(shape.seq).unsqueeze(0).expand(shape.batch, shape.seq)
+    mask = None
+    if shape.padding:  # True = masked: the future, and the last few keys of every sequence
+        causal = torch.ones(shape.seq, shape.seq, dtype=torch.bool).triu(1)
+        lengths = shape.seq - torch.arange(shape.batch) * 3
+        padded = torch.arange(shape.seq) >= lengths[:, None]
+        mask = (causal | padded[:, None, :])[:, None]
+    return tokens[:, :-1], positions, mask, tokens[:, 1:]
+
+
+def loss_and_grads(model, shape: Shape, step: int = 0):
+    """One forward and backward: the loss and the TP-gathered attention weight gradients."""
+    from megatron.core import parallel_state
+
+    tokens, positions, mask, labels = batch(shape, step)
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, positions, mask, labels=labels).float().mean()
+    loss.backward()
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+
+    def gathered(t, dim):
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=dim).float()
+
+    grads = {}
+    for i, layer in enumerate(model.decoder.layers):
+        attention = layer.self_attention
+        grads[f"{i}.qkv"] = gathered(attention.linear_qkv.weight.grad, 0)
+        grads[f"{i}.proj"] = gathered(attention.linear_proj.weight.grad, 1)
+    grads["embedding"] = gathered(model.embedding.word_embeddings.weight.grad, 0)
+    return loss.detach(), grads
