@@ -72,7 +72,7 @@ class ProtectedDotProductAttention(DotProductAttention):
         self.abft_config = abft_config if abft_config is not None else ABFTConfig()
         rank = self.tp_group.rank()
         self.scores_guard = SectionGuard("scores", self.abft_config, rank)
-        self.context_guard = SectionGuard("context", self.abft_config, rank)
+        self.context_guard = SectionGuard("context", self.abft_config, rank, ("context", "probs"))
         self.abft_guards = (self.scores_guard, self.context_guard)
 
     def forward(

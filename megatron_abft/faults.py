@@ -225,13 +225,6 @@ def land(armed: ArmedFault, guard, output: Tensor, views: dict) -> bool:
     if fault.step is not None and fault.step != guard.step:
         return False
     if fault.section not in views:
-        if "qkv" in views:  # a q, k or v part this rank does not hold (fewer KV groups than ranks)
-            if fault.tp_rank is not None:
-                raise ValueError(
-                    f"section {fault.section!r} has no columns on tensor-parallel "
-                    f"rank {guard.tp_rank} in layer {guard.layer}"
-                )
-            return True
         return False  # it lands in the other forward of this guard (probs vs context)
     where = inject_(views[fault.section](output), fault.tensor_fault())
     armed.log.append(
@@ -266,13 +259,21 @@ def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
                 f"layers: {sorted(x for x in layers if x is not None)}"
             )
         for guard in guards:
-            if (
+            if not (
                 guard.section == GUARD_OF[fault.section]
                 and fault.layer in (None, guard.layer)
                 and fault.tp_rank in (None, guard.tp_rank)
             ):
-                guard.faults.append(ArmedFault(fault, log))
-                armed_in.append(guard)
+                continue
+            if fault.section not in guard.fault_sections:  # e.g. no key columns on this rank
+                if fault.tp_rank is not None:
+                    raise ValueError(
+                        f"section {fault.section!r} has no columns on tensor-parallel rank "
+                        f"{guard.tp_rank} in layer {guard.layer} (fewer KV groups than ranks)"
+                    )
+                continue
+            guard.faults.append(ArmedFault(fault, log))
+            armed_in.append(guard)
     try:
         yield log
     finally:

@@ -11,7 +11,7 @@ the once-per-step policy decision (megatron_abft.policy.finish_step).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -44,10 +44,14 @@ def recompute_in_place_possible(t: Tensor) -> bool:
 class SectionGuard:
     """Checks one section (qkv, scores, context or proj) of one layer on one rank."""
 
-    def __init__(self, section: str, config: ABFTConfig, tp_rank: int):
+    def __init__(
+        self, section: str, config: ABFTConfig, tp_rank: int, fault_sections: Iterable[str] = ()
+    ):
         if section not in SECTIONS:
             raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         self.section = section
+        self.fault_sections = frozenset(fault_sections) or frozenset({section})
+        """The fault sections (megatron_abft.faults) that can land in this guard on this rank."""
         self.config = config
         self.tp_rank = tp_rank
         self.layer: int | None = None  # Megatron's 1-based layer number, set by iter_guards

@@ -68,9 +68,9 @@ class ProtectedColumnParallelLinear(ColumnParallelLinear):
         _reject_sequence_parallel(self.config, "ProtectedColumnParallelLinear")
         self.abft_config = abft_config if abft_config is not None else ABFTConfig()
         rank = self.tp_group.rank()
-        self.abft_guard = SectionGuard("qkv", self.abft_config, rank)
-        self.abft_guards = (self.abft_guard,)
         self.fault_views = qkv_part_views(self.config, rank, self.output_size_per_partition)
+        self.abft_guard = SectionGuard("qkv", self.abft_config, rank, self.fault_views)
+        self.abft_guards = (self.abft_guard,)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         output = super()._forward_impl(input, weight, *args, **kwargs)

@@ -86,14 +86,16 @@ def finish_step(
 
 
 def validate_with_rerun(model: torch.nn.Module) -> None:
-    """Hand this step's uncorrectable faults to Megatron's rerun state machine (policy rerun).
-    Call it in the loss function; a rejected step is re-run and the fault attributed."""
+    """Hand this attempt's uncorrectable faults to Megatron's rerun state machine (policy rerun).
+    Call it in the loss function of every attempt: it consumes the pending faults, so an in-place
+    rerun is judged on its own; a fault that goes away on the rerun is diagnosed transient."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    pending = [g.pending for g in iter_guards(model) if g.pending is not None]
-    if not pending:
-        return
-    count = torch.stack(pending).sum().float()
+    guards = list(iter_guards(model))
+    pending = [g.pending for g in guards if g.pending is not None]
+    for guard in guards:
+        guard.pending = None
+    count = torch.stack(pending).sum().float() if pending else torch.zeros(())
     get_rerun_state_machine().validate_result(
         result=count,
         rejection_func=lambda c: bool(c > 0),
