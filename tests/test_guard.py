@@ -1,0 +1,88 @@
+"""Guards across a model: no false alarms in training, check intervals and sections honoured,
+counters summed over ranks. Each test spawns 2 gloo ranks (TP=2)."""
+
+import torch
+from mcore import Shape, build_gpt, loss_and_grads, spawn
+
+from megatron_abft import Fault
+from megatron_abft.config import ABFTConfig
+
+
+def _detections(counts: dict) -> int:
+    return sum(sum(section["detected"].values()) for section in counts.values())
+
+
+def _clean_training_worker(steps):
+    from megatron_abft import finish_step, set_step, stats
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    shape = Shape(heads=4, groups=2, dtype=torch.bfloat16, dropout=0.1, padding=True)
+    model = build_gpt(shape, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable="raise")))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        set_step(model, step)
+        loss, _ = loss_and_grads(model, shape, step)
+        assert finish_step(model).action == "none"
+        optimizer.step()
+        losses.append(loss.item())
+    return {"stats": stats(model), "first": losses[0], "last": losses[-1]}
+
+
+def test_no_false_alarm_in_200_clean_bf16_training_steps():
+    """Every section checked every step, bf16, GQA, dropout and a padding mask: zero detections,
+    while the model trains."""
+    for rank in spawn(2, 2, _clean_training_worker, 200):
+        if isinstance(rank, Exception):
+            raise rank
+        assert _detections(rank["stats"]) == 0
+        assert rank["last"] < rank["first"]
+
+
+def _interval_worker():
+    from megatron.core import parallel_state
+
+    from megatron_abft import inject, reset_stats, set_step, stats
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    shape = Shape()
+    config = ABFTConfig(check_interval={"scores": 2}, sections="qkv,scores,context")
+    model = build_gpt(shape, get_gpt_layer_abft_spec(config))
+    reference = loss_and_grads(model, shape)[0]
+    out = {}
+    for step, section in ((1, "scores"), (2, "scores"), (2, "proj")):
+        reset_stats(model)
+        set_step(model, step)
+        fault = Fault(
+            section, "value", value=50.0, layer=1, tp_rank=0, step=step, position=(20, 3)
+        )  # below the diagonal: not hidden by the causal mask
+        with inject(model, [fault]):
+            loss = loss_and_grads(model, shape)[0]
+        counts = stats(model)
+        out[(step, section)] = {"detected": _detections(counts), "changed": bool(loss != reference)}
+    reset_stats(model)
+    with inject(model, [Fault("qkv", "nan", layer=1, tp_rank=0)]):
+        loss_and_grads(model, shape)
+    out["local"] = _detections(stats(model))
+    out["summed"] = _detections(
+        stats(model, group=parallel_state.get_tensor_model_parallel_group())
+    )
+    reset_stats(model)
+    out["after_reset"] = _detections(stats(model))
+    return out
+
+
+def test_intervals_sections_and_summed_counters():
+    """scores is checked on even steps only and proj not at all; a fault where nothing checks
+    changes the loss silently, which is exactly what these settings accept."""
+    ranks = spawn(2, 2, _interval_worker)
+    for rank in ranks:
+        if isinstance(rank, Exception):
+            raise rank
+    faulty = ranks[0]
+    assert faulty[(1, "scores")] == {"detected": 0, "changed": True}
+    assert faulty[(2, "scores")] == {"detected": 1, "changed": False}
+    assert faulty[(2, "proj")] == {"detected": 0, "changed": True}
+    assert faulty["local"] == 1 and ranks[1]["local"] == 0
+    assert faulty["summed"] == ranks[1]["summed"] == 1
+    assert faulty["after_reset"] == 0
