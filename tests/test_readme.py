@@ -12,11 +12,18 @@ def test_the_readme_starts_with_the_two_commands():
     assert any("make test" in line for line in first)
 
 
-def test_the_readme_example_corrects_the_fault(capsys):
-    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
-    namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
-    counts = namespace["report"](namespace["result"])
+def test_the_readme_examples_run_and_the_core_one_corrects_the_fault(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    namespaces = []
+    for code in blocks:
+        namespace: dict = {}
+        exec(compile(code, str(README), "exec"), namespace)
+        namespaces.append(namespace)
+    core = next(n for n in namespaces if "result" in n)
+    counts = core["report"](core["result"])
     assert sum(counts["detected"].values()) == sum(counts["corrected"].values()) == 1
-    assert namespace["torch"].isfinite(namespace["s"]).all()
+    assert core["torch"].isfinite(core["s"]).all()
     assert "'corrected'" in capsys.readouterr().out
+    spec = next(n["spec"] for n in namespaces if "spec" in n)
+    attention = spec.submodules.self_attention.submodules
+    assert attention.core_attention.module.__name__ == "ProtectedDotProductAttention"
