@@ -32,13 +32,20 @@ from megatron_abft.faults import (
     inject,
     inject_,
 )
-from megatron_abft.guard import ABFTUncorrectableError, reset_stats, set_step, stats
+from megatron_abft.guard import (
+    ABFTUncorrectableError,
+    collect_events,
+    reset_stats,
+    set_step,
+    stats,
+)
 from megatron_abft.policy import StepOutcome, finish_step, validate_with_rerun
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ABFTUncorrectableError",
+    "collect_events",
     "Fault",
     "MODEL_SECTIONS",
     "StepOutcome",

@@ -63,12 +63,17 @@ class EECResult:
     """What one ``verify_and_correct`` call found, as device tensors.
 
     ``counts[o, k]`` counts matrices with outcome ``OUTCOMES[o]`` and kind ``KINDS[k]``;
-    ``status`` (CLEAN, CORRECTED or UNCORRECTABLE) and ``kind`` are per matrix of the batch.
+    the rest is per matrix of the batch: ``status`` (CLEAN, CORRECTED or UNCORRECTABLE),
+    ``kind``, the ``row`` and ``col`` of the most wrong flagged row and column (-1 where none is)
+    and ``magnitude``, the largest checksum difference |d1| seen (the size of the error).
     """
 
     counts: Tensor
     status: Tensor
     kind: Tensor
+    row: Tensor
+    col: Tensor
+    magnitude: Tensor
 
 
 def report(result: EECResult) -> dict[str, dict[str, int]]:
@@ -140,7 +145,10 @@ def verify_and_correct(
             max_corrections=max_corrections,
             check_references=False,
         )
-        return EECResult(result.counts, result.status[0], result.kind[0])
+        return EECResult(
+            result.counts,
+            *(t[0] for t in (result.status, result.kind, result.row, result.col, result.magnitude)),
+        )
 
     capacity = max_corrections if max_corrections is not None else max(c.shape[-2:])
     check = _Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
@@ -148,6 +156,7 @@ def verify_and_correct(
     sides = {name: _inspect(c, ref, t, check) for name, (ref, t) in refs.items() if ref}
     detected = _any_flagged(sides.values(), c.shape[:-2])
     kind = torch.stack([_kind(s, near_inf).amax((-2, -1)) for s in sides.values()]).amax(0)
+    row, col, magnitude = _where(sides, c.shape[:-2])
 
     if c.device.type != "cpu" or bool(detected.any()):
         corrections, slack = [], {}
@@ -170,7 +179,14 @@ def verify_and_correct(
     outcome = torch.stack([detected, detected & ~unresolved, unresolved]).reshape(3, -1)
     one_hot = torch.nn.functional.one_hot(kind.reshape(-1).long(), len(KINDS))
     counts = (outcome.unsqueeze(-1).long() * one_hot).sum(1)
-    return EECResult(counts=counts, status=status.to(torch.int8), kind=kind.to(torch.int8))
+    return EECResult(
+        counts=counts,
+        status=status.to(torch.int8),
+        kind=kind.to(torch.int8),
+        row=row,
+        col=col,
+        magnitude=magnitude,
+    )
 
 
 # --- one side of a check: the vectors are the columns of a view (C or C^T), in blocks ---------
@@ -255,6 +271,22 @@ def _kind(side: _Side, near_inf: float) -> Tensor:
     kind = torch.where(torch.isinf(d1), 2, kind)
     kind = torch.where(torch.isnan(d1) | torch.isnan(side.d2), 3, kind)
     return torch.where(side.flagged, kind, 0)
+
+
+def _where(sides: dict[str, _Side], batch_shape) -> tuple[Tensor, Tensor, Tensor]:
+    """Per matrix: the most wrong flagged row (from the row side) and column (from the column
+    side), -1 where that side flagged nothing or is not checked, and the largest |d1|."""
+    index, magnitude = {}, []
+    for name, side in sides.items():
+        error = torch.where(side.flagged, side.d1.abs().nan_to_num(torch.inf), -1.0)
+        worst, flat = error.flatten(-2).max(-1)  # over blocks and vectors
+        vector = flat % side.d1.shape[-1]
+        index[name] = torch.where(worst >= 0, vector, -1).expand(batch_shape)
+        magnitude.append(
+            torch.where(side.flagged, side.d1.abs(), 0).flatten(-2).amax(-1).expand(batch_shape)
+        )
+    missing = torch.full(batch_shape, -1, dtype=torch.long, device=magnitude[0].device)
+    return index.get("row", missing), index.get("col", missing), torch.stack(magnitude).amax(0)
 
 
 def _any_flagged(sides, batch_shape) -> Tensor:

@@ -20,6 +20,12 @@ from megatron_abft.checksum import encode
 from megatron_abft.config import SECTIONS, ABFTConfig
 from megatron_abft.eec import KINDS, OUTCOMES, UNCORRECTABLE, GemmOperands, verify_and_correct
 
+RECOMPUTED = 3
+"""Event status of a fault that was uncorrectable in place and went away when recomputed."""
+ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed"}
+EVENT_FIELDS = ("step", "status", "matrix", "kind", "row", "col", "magnitude")
+"""One event record per check: the worst matrix of the batch and where it went wrong."""
+
 View = Callable[[Tensor], Tensor]
 """Maps a GEMM output to the ``[..., rows, cols]`` matrix a fault section names."""
 
@@ -60,6 +66,8 @@ class SectionGuard:
         self.counts: Tensor | None = None  # [len(OUTCOMES), len(KINDS)] int64, on the device
         self.recomputed: Tensor | None = None  # GEMMs recomputed by the recompute policy
         self.pending: Tensor | None = None  # bool: an uncorrected fault this step
+        self.events: list[Tensor] = []  # one EVENT_FIELDS record per check, on the device
+        self.batch_shape: tuple[int, ...] = ()  # of the checked matrices, to name heads
 
     @property
     def due(self) -> bool:
@@ -85,7 +93,8 @@ class SectionGuard:
         self.land_faults(output, views or {self.section: lambda t: t})
         if not self.due:
             return output
-        failed = self._verify(output, operands)
+        self.batch_shape = tuple(output.shape[:-2])
+        failed, event = self._verify(output, operands)
         if (
             recompute is not None
             and self.config.on_uncorrectable == "recompute"
@@ -96,15 +105,17 @@ class SectionGuard:
             if self.recomputed is None:
                 self.recomputed = torch.zeros((), dtype=torch.int64, device=output.device)
             self.recomputed += 1
-            if bool(self._verify(output, operands)):
+            if bool(self._verify(output, operands)[0]):
                 raise ABFTUncorrectableError([self.where()])
             failed = torch.zeros_like(failed)
+            event = torch.cat([event[:1], event.new_tensor([RECOMPUTED]), event[2:]])
+        self.events.append(event)
         self.pending = failed if self.pending is None else self.pending | failed
         return output
 
-    def _verify(self, output: Tensor, operands: GemmOperands) -> Tensor:
-        """Verify and correct in place, count, and return whether a matrix stayed uncorrectable
-        (a device bool)."""
+    def _verify(self, output: Tensor, operands: GemmOperands) -> tuple[Tensor, Tensor]:
+        """Verify and correct in place and count. Returns whether a matrix stayed uncorrectable
+        (a device bool) and the event record of the worst matrix (EVENT_FIELDS)."""
         col, row = encode(
             operands.a,
             operands.b,
@@ -122,7 +133,18 @@ class SectionGuard:
             check_references=False,
         )
         self.counts = result.counts if self.counts is None else self.counts + result.counts
-        return (result.status == UNCORRECTABLE).any()
+        status = result.status.reshape(-1)
+        worst = status.argmax()  # the first uncorrectable matrix, else the first corrected one
+        fields = [result.kind, result.row, result.col, result.magnitude]
+        event = torch.stack(
+            [
+                torch.tensor(float(self.step), dtype=torch.float64, device=status.device),
+                status[worst].double(),
+                worst.double(),
+            ]
+            + [f.reshape(-1)[worst].double() for f in fields]
+        )
+        return (result.status == UNCORRECTABLE).any(), event
 
     def where(self) -> dict:
         """Rank, layer, section and step of this guard, for error messages and events."""
@@ -137,6 +159,7 @@ class SectionGuard:
 
     def reset(self) -> None:
         self.counts = self.recomputed = self.pending = None
+        self.events = []
 
 
 def iter_guards(model: torch.nn.Module) -> Iterator[SectionGuard]:
@@ -198,3 +221,46 @@ def stats(
         }
         for i, section in enumerate(SECTIONS)
     }
+
+
+def collect_events(model: torch.nn.Module) -> list[dict]:
+    """The faults every guard saw since the last call, as dicts (step, rank, tp_rank, layer,
+    section, sample, head, row, col, kind, magnitude, action); clears them. One host
+    synchronisation for the whole model: call it once per log interval."""
+    guards = [g for g in iter_guards(model) if g.events]
+    if not guards:
+        return []
+    table = torch.cat([torch.stack(g.events) for g in guards]).cpu().tolist()
+    events, start = [], 0
+    for guard in guards:
+        rows, start = table[start : start + len(guard.events)], start + len(guard.events)
+        guard.events = []
+        for record in rows:
+            event = dict(zip(EVENT_FIELDS, record, strict=True))
+            if event["status"] == 0:
+                continue
+            sample, head = _sample_and_head(guard.batch_shape, int(event["matrix"]))
+            events.append(
+                {
+                    **guard.where(),
+                    "step": int(event["step"]),
+                    "sample": sample,
+                    "head": head,
+                    "row": int(event["row"]),
+                    "col": int(event["col"]),
+                    "kind": KINDS[int(event["kind"])],
+                    "magnitude": event["magnitude"],
+                    "action": ACTIONS[int(event["status"])],
+                }
+            )
+    return events
+
+
+def _sample_and_head(batch_shape: tuple[int, ...], matrix: int) -> tuple[int, int]:
+    """The micro-batch sample and the rank-local head of matrix ``matrix`` of a check whose
+    matrices are laid out as ``batch_shape``: [b, groups, heads per group] for the attention
+    GEMMs (head = group * heads per group + head in group), none for the linear layers."""
+    if len(batch_shape) != 3:
+        return -1, -1
+    sample, group, member = torch.unravel_index(torch.tensor(matrix), batch_shape)
+    return int(sample), int(group) * batch_shape[2] + int(member)

@@ -406,3 +406,14 @@ def test_bad_input_raises_a_clear_error(make, error, message):
     gemm = small_gemm()
     with pytest.raises(error, match=message):
         make(gemm, *gemm.checksums())
+
+
+def test_the_result_says_where_each_matrix_went_wrong_and_how_much():
+    gemm = small_gemm()
+    out = gemm.c.clone()
+    out[1, 7, 9] = math.nan
+    out[2, 3, 4] += 1e4
+    result = verify_and_correct(out, *gemm.checksums(), operands=gemm.operands)
+    assert result.row.tolist() == [-1, 7, 3] and result.col.tolist() == [-1, 9, 4]
+    assert result.magnitude[0] == 0 and math.isnan(result.magnitude[1])
+    assert result.magnitude[2] == pytest.approx(1e4, rel=1e-3)

@@ -42,7 +42,7 @@ def test_no_false_alarm_in_200_clean_bf16_training_steps():
 def _interval_worker():
     from megatron.core import parallel_state
 
-    from megatron_abft import inject, reset_stats, set_step, stats
+    from megatron_abft import collect_events, inject, reset_stats, set_step, stats
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     shape = Shape()
@@ -61,8 +61,11 @@ def _interval_worker():
         counts = stats(model)
         out[(step, section)] = {"detected": _detections(counts), "changed": bool(loss != reference)}
     reset_stats(model)
-    with inject(model, [Fault("qkv", "nan", layer=1, tp_rank=0)]):
+    set_step(model, 7)
+    with inject(model, [Fault("qkv", "nan", layer=1, tp_rank=0, position=(5, 9))]):
         loss_and_grads(model, shape)
+    out["events"] = collect_events(model)
+    out["drained"] = collect_events(model)
     out["local"] = _detections(stats(model))
     out["summed"] = _detections(
         stats(model, group=parallel_state.get_tensor_model_parallel_group())
@@ -86,3 +89,12 @@ def test_intervals_sections_and_summed_counters():
     assert faulty["local"] == 1 and ranks[1]["local"] == 0
     assert faulty["summed"] == ranks[1]["summed"] == 1
     assert faulty["after_reset"] == 0
+    [event] = faulty["events"]
+    assert (event["step"], event["layer"], event["section"], event["tp_rank"]) == (7, 1, "qkv", 0)
+    assert (event["row"], event["col"], event["kind"], event["action"]) == (
+        5,
+        9,
+        "nan",
+        "corrected",
+    )
+    assert faulty["drained"] == [] and ranks[1]["events"] == []

@@ -53,11 +53,12 @@ def test_raise_names_rank_layer_section_and_step_and_stops_every_rank():
 
 
 def _recompute_worker():
-    from megatron_abft import finish_step, inject, stats
+    from megatron_abft import collect_events, finish_step, inject, stats
 
     model = _model("recompute")
     reference = loss_and_grads(model, SHAPE)
-    with inject(model, [two_d_fault()]):
+    collect_events(model)
+    with inject(model, [two_d_fault()]) as landed:
         result = loss_and_grads(model, SHAPE)
     counts = stats(model)["scores"]
     return {
@@ -65,6 +66,8 @@ def _recompute_worker():
         "action": finish_step(model).action,
         "uncorrectable": sum(counts["uncorrectable"].values()),
         "recomputed": counts["recomputed"]["gemm"],
+        "events": collect_events(model),
+        "landed": landed,
     }
 
 
@@ -75,6 +78,13 @@ def test_recompute_reruns_the_gemm_and_a_one_shot_fault_disappears():
         assert rank["close"] and rank["action"] == "none"
     assert ranks[1]["uncorrectable"] == 1 and ranks[1]["recomputed"] == 1
     assert ranks[0]["uncorrectable"] == 0 and ranks[0]["recomputed"] == 0
+    [event], [landed] = ranks[1]["events"], ranks[1]["landed"]
+    assert (event["section"], event["layer"], event["action"]) == ("scores", 1, "recomputed")
+    heads = SHAPE.heads // 2  # per rank
+    matrix = landed["injection"].batch_index  # flattened [sample, head]
+    assert (event["sample"], event["head"]) == (matrix // heads, matrix % heads)
+    assert landed["injection"].rows[0] <= event["row"] < landed["injection"].rows[1]
+    assert ranks[0]["events"] == []
 
 
 def _step_recompute_worker():
