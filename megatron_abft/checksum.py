@@ -103,13 +103,23 @@ def _check_operands(a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> No
         raise ValueError(f"block must be an int >= 2; got {block!r}")
 
 
+def _matmul(lhs: Tensor, rhs: Tensor) -> Tensor:
+    """``lhs @ rhs``. A 2D ``rhs`` (a weight) multiplies all of lhs's rows in one GEMM, where
+    BLAS takes a transposed operand for free; a batched ``rhs`` is made contiguous first, as
+    batched GEMMs broadcast over strided operands are slow."""
+    if rhs.dim() == 2:
+        return (lhs.reshape(-1, lhs.shape[-1]) @ rhs).unflatten(0, lhs.shape[:-1])
+    return lhs @ rhs.contiguous()
+
+
 def _column_sums(a: Tensor, b: Tensor, alpha: float, block: int) -> tuple[Tensor, Tensor]:
     dtype = accumulation_dtype(a, b)
     ab = as_blocks(a.detach(), block, dtype)  # [..., nb, block, k]
-    b32 = b.detach().to(dtype).unsqueeze(-3)  # [..., 1, k, n]
-    sums = (block_weights(block, a.device, dtype) @ ab) @ b32
-    magnitude = ab.abs().sum(-2, keepdim=True) @ b32.abs()
-    return alpha * sums, abs(alpha) * magnitude.squeeze(-2)
+    rhs = b.detach().to(dtype)
+    weighted = (block_weights(block, a.device, dtype) @ ab).flatten(-3, -2)  # [..., nb * 2, k]
+    sums = _matmul(weighted, rhs).unflatten(-2, (-1, 2))
+    magnitude = _matmul(ab.abs().sum(-2), rhs.abs())
+    return alpha * sums, abs(alpha) * magnitude
 
 
 @torch.no_grad()
