@@ -1,0 +1,333 @@
+"""The overhead model: what protection costs a training step, predicted from first principles.
+
+For a model shape it counts, per layer and tensor-parallel rank, the baseline work of a training
+step (FLOPs of every GEMM, bytes of the memory-bound ops, number of tensor ops) and the extra
+work of each protected section, then turns work into time with a device profile
+(``time = flops / matmul rate + bytes / bandwidth + ops * launch latency``, each term a roofline
+limit of its own). Two implementations of the checks are modelled:
+
+- ``torch``: the PyTorch path of megatron_abft.eec and .checksum, pass by pass: every fp32 copy,
+  abs and reduction over C and the operands, as the code does them;
+- ``fused``: the kernels' target: one read of C for both sides' sums, one read of each operand
+  to encode, and the small checksum GEMMs.
+
+The backward pass is not protected: protection costs forward work only, while the baseline step
+is forward + backward (2x the GEMM FLOPs) + optimizer. docs/scaling.md validates the model
+against tools/bench_overhead.py and reports predictions for common model shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from megatron_abft.config import SECTIONS
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT-style model, its sequence length, micro-batch and tensor parallelism."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int = 2048
+    micro_batch: int = 1
+    tp: int = 1
+    kv_groups: int | None = None
+    """KV groups (GQA); None = one per head (MHA)."""
+    gated: bool = False
+    """SwiGLU MLP (three FFN matrices) instead of GeLU (two)."""
+    tied_embeddings: bool = True
+    """The output layer shares the input embedding (GPT-3); Llama's has its own."""
+    dtype: str = "bf16"
+    block: int = 256
+    """ABFT checksum block length."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in BYTES:
+            raise ValueError(f"ModelShape.dtype: {self.dtype!r}; choose from {', '.join(BYTES)}")
+        groups = self.kv_groups or self.heads
+        if self.hidden % self.heads or self.heads % groups or self.heads % self.tp:
+            raise ValueError(f"ModelShape {self.name}: hidden, heads, kv_groups and tp must divide")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def groups(self) -> int:
+        return self.kv_groups or self.heads
+
+    def parameters(self) -> int:
+        """Parameter count (weights and biases of attention and MLP, norms, embeddings)."""
+        hn = self.head_dim
+        attention = self.hidden * (self.hidden + 2 * self.groups * hn) + self.hidden**2
+        mlp = self.hidden * self.ffn * (3 if self.gated else 2)
+        per_layer = attention + mlp + 4 * self.hidden
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + embeddings
+
+
+@dataclass(frozen=True)
+class Work:
+    """An amount of work: GEMM FLOPs, bytes moved by memory-bound ops, tensor ops launched."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    ops: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.bytes + other.bytes, self.ops + other.ops)
+
+    def __mul__(self, factor: float) -> Work:
+        return Work(self.flops * factor, self.bytes * factor, self.ops * factor)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a device sustains: matrix FLOP/s per dtype, memory bandwidth, and the latency of one
+    tensor op (kernel launch or eager-op dispatch)."""
+
+    name: str
+    matmul: dict[str, float]
+    bandwidth: float
+    launch: float
+    notes: str = ""
+
+    def time(self, work: Work, dtype: str) -> float:
+        return (
+            work.flops / self.matmul[dtype] + work.bytes / self.bandwidth + work.ops * self.launch
+        )
+
+
+# Datasheet peaks (dense, no sparsity) at sustained fractions of 70% for GEMMs and 85% for memory;
+# ``launch`` is the minimum time of a small kernel (launches overlap execution on a busy GPU).
+DEVICES = {
+    "H100": DeviceProfile(
+        "H100 SXM",
+        {"bf16": 0.7 * 989e12, "fp16": 0.7 * 989e12, "fp32": 0.7 * 67e12},
+        0.85 * 3.35e12,
+        5e-6,
+        "datasheet x 0.7 (GEMM) / 0.85 (HBM3)",
+    ),
+    "H200": DeviceProfile(
+        "H200 SXM",
+        {"bf16": 0.7 * 989e12, "fp16": 0.7 * 989e12, "fp32": 0.7 * 67e12},
+        0.85 * 4.8e12,
+        5e-6,
+        "datasheet x 0.7 (GEMM) / 0.85 (HBM3e)",
+    ),
+    "A100": DeviceProfile(
+        "A100 80GB SXM",
+        {"bf16": 0.7 * 312e12, "fp16": 0.7 * 312e12, "fp32": 0.7 * 19.5e12},
+        0.85 * 2.04e12,
+        5e-6,
+        "datasheet x 0.7 (GEMM) / 0.85 (HBM2e)",
+    ),
+}
+
+
+# --- baseline work --------------------------------------------------------------------------
+
+
+def _gemm(m: float, k: float, n: float, batch: float = 1) -> Work:
+    return Work(flops=2 * batch * m * k * n, ops=1)
+
+
+def baseline_forward(shape: ModelShape) -> dict[str, Work]:
+    """Forward work of one layer on one rank, by part; GEMMs as FLOPs, the rest as bytes."""
+    e = BYTES[shape.dtype]
+    tokens = shape.seq * shape.micro_batch
+    h, hn, tp = shape.hidden, shape.head_dim, shape.tp
+    heads = shape.heads // tp
+    qkv_width = (shape.heads + 2 * shape.groups) * hn // tp
+    scores = shape.micro_batch * heads * shape.seq * shape.seq  # elements of S on this rank
+    activation = tokens * h
+    return {
+        "qkv": _gemm(tokens, h, qkv_width) + Work(bytes=2 * tokens * qkv_width * e, ops=1),
+        "scores": _gemm(shape.seq, hn, shape.seq, shape.micro_batch * heads),
+        # scale-mask-softmax reads S and the mask and writes P; RoPE rewrites q and k
+        "softmax": Work(bytes=3 * scores * e + 4 * tokens * qkv_width * e, ops=6),
+        "context": _gemm(shape.seq, shape.seq, hn, shape.micro_batch * heads)
+        + Work(bytes=2 * activation / tp * e, ops=2),  # permute + contiguous
+        "proj": _gemm(tokens, h // tp, h),
+        "mlp": _gemm(tokens, h, shape.ffn * (2 if shape.gated else 1) // tp)
+        + _gemm(tokens, shape.ffn // tp, h)
+        + Work(bytes=3 * tokens * shape.ffn / tp * e, ops=3),
+        # two layer norms, two bias-dropout-adds, the TP all-reduces' copies
+        "other": Work(bytes=14 * activation * e, ops=16),
+    }
+
+
+def step_time(shape: ModelShape, device: DeviceProfile) -> float:
+    """Baseline training step: forward, backward (2x the GEMMs and memory traffic), the
+    logits GEMM, and an Adam update over this rank's parameters."""
+    per_layer = sum(baseline_forward(shape).values(), Work())
+    tokens = shape.seq * shape.micro_batch
+    logits = _gemm(tokens, shape.hidden, shape.vocab / shape.tp)
+    forward = per_layer * shape.layers + logits
+    backward = Work(flops=2 * forward.flops, bytes=2 * forward.bytes, ops=2 * forward.ops)
+    adam = Work(bytes=shape.parameters() / shape.tp * 16 * 4, ops=12 * 4 * shape.layers)
+    return device.time(forward + backward + adam, shape.dtype)
+
+
+# --- protection work ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """One checked GEMM C = A @ B on a rank: ``batch`` matrices, A [m, k], B [k, n]; A (or B)
+    shared by ``share_a`` (``share_b``) matrices, as K and V are under GQA."""
+
+    batch: float
+    m: float
+    k: float
+    n: float
+    share_a: float = 1
+    share_b: float = 1
+
+
+def _checked_gemms(shape: ModelShape) -> dict[str, _Checked]:
+    tokens = shape.seq * shape.micro_batch
+    heads = shape.heads // shape.tp
+    groups_per_rank = max(shape.groups // shape.tp, 1)
+    rep = heads / groups_per_rank
+    qkv_width = (shape.heads + 2 * shape.groups) * shape.head_dim / shape.tp
+    return {
+        "qkv": _Checked(1, tokens, shape.hidden, qkv_width),
+        "scores": _Checked(
+            shape.micro_batch * heads, shape.seq, shape.head_dim, shape.seq, share_b=rep
+        ),
+        "context": _Checked(
+            shape.micro_batch * heads, shape.seq, shape.seq, shape.head_dim, share_b=rep
+        ),
+        "proj": _Checked(1, tokens, shape.hidden / shape.tp, shape.hidden),
+    }
+
+
+def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str) -> Work:
+    """Work of one side's checks: encode A's block sums, the small checksum GEMMs with B, and
+    verify C's sums on this side (torch path; the fused path reads C once for both sides)."""
+    blocks = -(-m // block)
+    a_elems = g.batch * m * k / share_a
+    b_elems = g.batch * k * n / share_b
+    c_elems = g.batch * m * n
+    gemms = Work(flops=2 * g.batch * 3 * blocks * k * n, ops=2)  # [e w] rows and |.| row
+    if impl == "fused":  # one encode kernel reading A; B is read by the checksum GEMMs
+        return gemms + Work(bytes=(a_elems + b_elems) * e, ops=1)
+    # checksum.py: A and B to fp32, block sums, abs and sums of A, |B|
+    encode = Work(bytes=a_elems * (e + 4 + 4 + 8 + 4) + b_elems * (e + 4 + 8), ops=10)
+    # eec._inspect: C to fp32, weighted sums, abs, weighted sums of |C|, thresholds
+    verify = Work(bytes=c_elems * (e + 4 + 4 + 8 + 4), ops=16)
+    return gemms + encode + verify
+
+
+def protection_forward(shape: ModelShape, impl: str = "torch") -> dict[str, Work]:
+    """Extra forward work of each checked section, one layer, one rank, on a clean step."""
+    if impl not in ("torch", "fused"):
+        raise ValueError(f"impl {impl!r}; choose from torch, fused")
+    e, block = BYTES[shape.dtype], shape.block
+    out = {}
+    for section, g in _checked_gemms(shape).items():
+        col = _side(g, g.m, g.k, g.n, g.share_a, g.share_b, e, block, impl)
+        row = _side(g, g.n, g.k, g.m, g.share_b, g.share_a, e, block, impl)
+        if impl == "fused":  # one read of C for both sides; correction and counters kernels
+            out[section] = col + row + Work(bytes=g.batch * g.m * g.n * e, ops=4)
+        else:  # + flags, kinds, locations, counters and the event record, op by op
+            out[section] = col + row + Work(ops=40)
+    return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted overheads as fractions of the unprotected time."""
+
+    shape: ModelShape
+    device: str
+    impl: str
+    sections: dict[str, float] = field(default_factory=dict)
+    """Each section alone, every step: extra time over the baseline step."""
+    attention: float = 0.0
+    """All checked sections over the attention block's forward time."""
+    step: float = 0.0
+    """All checked sections (with their intervals) over the baseline step time."""
+    step_seconds: float = 0.0
+
+
+def predict(
+    shape: ModelShape,
+    device: DeviceProfile,
+    impl: str = "torch",
+    sections: tuple[str, ...] = SECTIONS,
+    intervals: dict[str, int] | None = None,
+) -> Prediction:
+    """Overhead of protecting ``sections`` (checked every ``intervals[s]`` steps) for ``shape``."""
+    intervals = intervals or {}
+    extra = {
+        s: device.time(w, shape.dtype) * shape.layers
+        for s, w in protection_forward(shape, impl).items()
+    }
+    base = step_time(shape, device)
+    forward = baseline_forward(shape)
+    attention_parts = ("qkv", "scores", "softmax", "context", "proj")
+    attention = device.time(sum((forward[p] for p in attention_parts), Work()), shape.dtype)
+    checked = sum(extra[s] / intervals.get(s, 1) for s in sections)
+    return Prediction(
+        shape=shape,
+        device=device.name,
+        impl=impl,
+        sections={s: extra[s] / base for s in SECTIONS},
+        attention=sum(extra[s] for s in sections) / shape.layers / attention,
+        step=checked / base,
+        step_seconds=base,
+    )
+
+
+# --- model shapes users train -----------------------------------------------------------------
+
+
+def _gpt3(name, layers, hidden, heads, tp):
+    return ModelShape(name, layers, hidden, heads, 4 * hidden, 50257, tp=tp)
+
+
+def _llama(name, layers, hidden, heads, groups, ffn, vocab, tp):
+    return ModelShape(
+        name,
+        layers,
+        hidden,
+        heads,
+        ffn,
+        vocab,
+        tp=tp,
+        kv_groups=groups,
+        gated=True,
+        tied_embeddings=False,
+    )
+
+
+CATALOGUE: tuple[ModelShape, ...] = (
+    _gpt3("GPT-3 125M", 12, 768, 12, 1),
+    _gpt3("GPT-3 350M", 24, 1024, 16, 1),
+    _gpt3("GPT-3 760M", 24, 1536, 16, 1),
+    _gpt3("GPT-3 1.3B", 24, 2048, 16, 1),
+    _gpt3("GPT-3 2.7B", 32, 2560, 32, 2),
+    _gpt3("GPT-3 6.7B", 32, 4096, 32, 4),
+    _gpt3("GPT-3 13B", 40, 5120, 40, 8),
+    _gpt3("GPT-3 175B", 96, 12288, 96, 8),
+    _llama("Llama-2 7B", 32, 4096, 32, None, 11008, 32000, 2),
+    _llama("Llama-2 13B", 40, 5120, 40, None, 13824, 32000, 4),
+    _llama("Llama-2 70B", 80, 8192, 64, 8, 28672, 32000, 8),
+    _llama("Llama-3 8B", 32, 4096, 32, 8, 14336, 128256, 2),
+    _llama("Llama-3 70B", 80, 8192, 64, 8, 28672, 128256, 8),
+)
+"""GPT-3 (Brown et al. 2020, table 2.1) and Llama 2/3 shapes at their usual tensor parallelism.
+Sequence length and micro-batch are set per use with ``dataclasses.replace``."""
+
+
+def at_sequence(shape: ModelShape, seq: int) -> ModelShape:
+    return replace(shape, seq=seq)

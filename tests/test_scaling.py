@@ -1,0 +1,83 @@
+from dataclasses import replace
+
+import pytest
+
+from megatron_abft.config import SECTIONS
+from megatron_abft.scaling import (
+    CATALOGUE,
+    DEVICES,
+    DeviceProfile,
+    ModelShape,
+    Work,
+    predict,
+    protection_forward,
+    step_time,
+)
+
+SHAPES = {shape.name: shape for shape in CATALOGUE}
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [
+        ("GPT-3 125M", 125e6),
+        ("GPT-3 1.3B", 1.3e9),
+        ("GPT-3 175B", 175e9),
+        ("Llama-2 7B", 6.7e9),
+        ("Llama-2 70B", 69e9),
+        ("Llama-3 8B", 8.0e9),
+    ],
+)
+def test_the_catalogue_has_the_published_parameter_counts(name, published):
+    assert SHAPES[name].parameters() == pytest.approx(published, rel=0.06)
+
+
+def test_protection_costs_forward_work_that_scales_with_what_each_section_reads():
+    base = ModelShape("m", 4, 1024, 16, 4096, 32000, seq=1024, dtype="bf16")
+    long = replace(base, seq=4096)
+    small, large = protection_forward(base), protection_forward(long)
+    # scores reads S (seq^2 per head), and encodes Q and K (linear): almost 16x at 4x the seq
+    assert 14 < large["scores"].bytes / small["scores"].bytes < 16
+    # the linear layers read activations (linear in the sequence) and weights (constant)
+    middle = protection_forward(replace(base, seq=2048))
+    for section in ("qkv", "proj"):
+        grow = [w[section].bytes - small[section].bytes for w in (middle, large)]
+        assert grow[1] == pytest.approx(3 * grow[0]) and small[section].bytes > grow[0]
+    fused = protection_forward(base, "fused")
+    assert all(fused[s].bytes < small[s].bytes / 4 for s in SECTIONS)
+    with pytest.raises(ValueError, match="impl 'triton'"):
+        protection_forward(base, "triton")
+
+
+def test_predictions_add_up_and_intervals_divide_the_cost():
+    shape = replace(SHAPES["GPT-3 350M"], seq=2048)
+    device = DEVICES["H100"]
+    every = predict(shape, device, "fused")
+    assert every.step == pytest.approx(sum(every.sections.values()))
+    halved = predict(shape, device, "fused", intervals=dict.fromkeys(SECTIONS, 2))
+    assert halved.step == pytest.approx(every.step / 2)
+    only = predict(shape, device, "fused", sections=("scores",))
+    assert only.step == pytest.approx(every.sections["scores"])
+    assert 0 < every.step < every.attention and every.step_seconds > 0
+
+
+def test_a_faster_memory_makes_the_memory_bound_checks_cheaper():
+    shape = replace(SHAPES["Llama-3 8B"], seq=8192)
+    slow = DeviceProfile("slow", {"bf16": 1e15}, 1e12, 0.0)
+    fast = DeviceProfile("fast", {"bf16": 1e15}, 4e12, 0.0)
+    assert predict(shape, fast, "fused").step < predict(shape, slow, "fused").step
+
+
+def test_work_arithmetic_and_time():
+    w = Work(2e12, 1e9, 10) + Work(2e12, 1e9, 10) * 0.5
+    assert (w.flops, w.bytes, w.ops) == (3e12, 1.5e9, 15)
+    device = DeviceProfile("d", {"bf16": 1e12}, 1e9, 1e-3)
+    assert device.time(w, "bf16") == pytest.approx(3 + 1.5 + 0.015)
+    assert step_time(SHAPES["GPT-3 125M"], DEVICES["A100"]) > 0
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="dtype: 'int8'"):
+        ModelShape("m", 1, 64, 4, 256, 100, dtype="int8")
+    with pytest.raises(ValueError, match="must divide"):
+        ModelShape("m", 1, 64, 3, 256, 100)

@@ -1,0 +1,273 @@
+"""Measure what protection costs: protected vs unprotected in one run, interleaved.
+
+One model; the ABFT config is switched between modes on every repetition (off, all sections,
+then each section alone), in a rotating order, after warm-up. Reported: median times and the
+ratio to "off" for the training step (forward, backward, optimizer) and the attention block.
+CPU timers on CPU, CUDA events on a GPU. The JSON also holds micro-benchmarks of the machine
+(matmul rate, elementwise bandwidth, op latency) that calibrate megatron_abft.scaling.
+
+    python tools/bench_overhead.py --layers 4 --hidden 512 --heads 8 --seq 512 --dtype fp32 \
+        --out docs/figures/bench_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_abft.config import SECTIONS, ABFTConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-groups", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None, help="default 4 x hidden")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="checked in mode 'all'")
+    p.add_argument("--check-interval", type=int, default=1)
+    p.add_argument("--block", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--no-per-section", action="store_true", help="time only off and all")
+    p.add_argument("--out", type=Path, default=None, help="JSON results")
+    return p.parse_args(argv)
+
+
+class Timer:
+    """Wall time of a region: perf_counter on CPU, CUDA events on a GPU (read after sync)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, begin, end) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return begin.elapsed_time(end) / 1e3
+        return end - begin
+
+
+def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch.device) -> dict:
+    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, and one op's latency."""
+    timer = Timer(device.type == "cuda")
+
+    def median(fn, reps=5):
+        fn()
+        times = []
+        for _ in range(reps):
+            begin = timer.start()
+            fn()
+            times.append(timer.seconds(begin, timer.start()))
+        return statistics.median(times)
+
+    a = torch.randn(tokens, hidden, device=device).to(dtype)
+    b = torch.randn(hidden, 4 * hidden, device=device).to(dtype)
+    matmul = 2 * tokens * hidden * 4 * hidden / median(lambda: a @ b)
+    x = torch.randn(32 * 2**20 // 4, device=device)
+    bandwidth = 2 * x.numel() * 4 / median(lambda: x.abs())
+    one = torch.zeros(1, device=device)
+    launch = median(lambda: [one.add(1) for _ in range(200)]) / 200
+    return {"matmul": matmul, "bandwidth": bandwidth, "launch": launch}
+
+
+def _build(args, config: ABFTConfig):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    dtype = DTYPES[args.dtype]
+    transformer = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_groups,
+        ffn_hidden_size=args.ffn or 4 * args.hidden,
+        tensor_model_parallel_size=args.tp,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    model = GPTModel(
+        config=transformer,
+        transformer_layer_spec=get_gpt_layer_abft_spec(config),
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq,
+        position_embedding_type="rope",
+    )
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def _modes(args) -> list[tuple[str, tuple[str, ...]]]:
+    sections = tuple(s for s in SECTIONS if s in args.sections.split(","))
+    modes = [("off", ()), ("all", sections)]
+    if not args.no_per_section:
+        modes += [(s, (s,)) for s in sections]
+    return modes
+
+
+def run(rank: int, args) -> dict | None:
+    """One rank of the benchmark; rank 0 returns the results."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_abft import set_step
+
+    config = ABFTConfig(
+        check_interval=args.check_interval, block_size=args.block, on_uncorrectable="log"
+    )
+    model = _build(args, config)
+    device = next(model.parameters()).device
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+    timer = Timer(device.type == "cuda")
+    attention_time = []
+
+    def before(module, _):
+        module._abft_bench_start = timer.start()
+
+    def after(module, *_):
+        attention_time.append((module._abft_bench_start, timer.start()))
+
+    for layer in model.decoder.layers:
+        layer.self_attention.register_forward_pre_hook(before)
+        layer.self_attention.register_forward_hook(after)
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
+    positions = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.micro_batch, -1)
+    modes = _modes(args)
+    samples = {name: {"step": [], "attention": []} for name, _ in modes}
+    step = 0
+    for rep in range(args.warmup + args.reps):
+        order = (
+            modes[rep % len(modes) :] + modes[: rep % len(modes)]
+        )  # rotate: no mode always first
+        for name, sections in order:
+            config.enabled = bool(sections)
+            config.sections = sections or config.sections
+            set_step(model, step)
+            step += 1
+            attention_time.clear()
+            begin = timer.start()
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+            loss.backward()
+            optimizer.step()
+            seconds = timer.seconds(begin, timer.start())
+            if rep >= args.warmup:
+                samples[name]["step"].append(seconds)
+                samples[name]["attention"].append(
+                    sum(timer.seconds(b, e) for b, e in attention_time)
+                )
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    tokens_per_step = args.seq * args.micro_batch
+    result = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device),
+        "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
+    }
+    off = result["median"]["off"]
+    result["overhead"] = {
+        name: {k: med[k] / off[k] - 1 for k in med} for name, med in result["median"].items()
+    }
+    del tensor_parallel  # imported for its side effect of being ready in workers
+    return result
+
+
+def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not torch.cuda.is_available():
+        from megatron_abft.cpu import enable_cpu_mode
+
+        enable_cpu_mode()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    result = run(rank, args)
+    if result is not None:
+        Path(out).write_text(json.dumps(result))
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def benchmark(args) -> dict:
+    """Run the benchmark on ``args.tp`` ranks and return rank 0's results."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        if args.tp == 1:
+            _worker(0, 1, port, args, out)
+        else:
+            mp.spawn(_worker, args=(args.tp, port, args, out), nprocs=args.tp)
+        return json.loads(Path(out).read_text())
+
+
+def print_table(result: dict) -> None:
+    a = result["args"]
+    print(
+        f"{a['layers']} layers, hidden {a['hidden']}, {a['heads']} heads, seq {a['seq']}, "
+        f"micro-batch {a['micro_batch']}, TP {a['tp']}, {a['dtype']}, block {a['block']}, "
+        f"interval {a['check_interval']} on {result['device']} ({result['threads']} threads)"
+    )
+    print(f"{'mode':<8} {'step ms':>9} {'step +%':>8} {'attn ms':>9} {'attn +%':>8}")
+    for name, med in result["median"].items():
+        over = result["overhead"][name]
+        print(
+            f"{name:<8} {med['step'] * 1e3:>9.1f} {over['step'] * 100:>8.2f} "
+            f"{med['attention'] * 1e3:>9.1f} {over['attention'] * 100:>8.2f}"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    result = benchmark(args)
+    print_table(result)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
