@@ -42,6 +42,13 @@ class ABFTUncorrectableError(RuntimeError):
         super().__init__(f"ABFT: uncorrectable fault at {places}")
 
 
+def collective_device(group: torch.distributed.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must live for a collective on ``group``: NCCL needs the current GPU."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def recompute_in_place_possible(t: Tensor) -> bool:
     """Whether a GEMM on ``t``'s device can be recomputed on demand without a host sync."""
     return t.device.type == "cpu"
@@ -207,8 +214,7 @@ def stats(
         if guard.recomputed is not None:
             table[i, len(OUTCOMES), 0] += guard.recomputed
     if group is not None:
-        if torch.distributed.get_backend(group) == "gloo":
-            table = table.cpu()
+        table = table.to(collective_device(group))
         torch.distributed.all_reduce(table, group=group)
     table = table.cpu()
     return {

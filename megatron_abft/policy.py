@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_abft.guard import ABFTUncorrectableError, iter_guards
+from megatron_abft.guard import ABFTUncorrectableError, collective_device, iter_guards
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ def finish_step(
         guard.pending = None
     anywhere = torch.tensor([len(where)], dtype=torch.int64)
     if torch.distributed.is_initialized():
+        anywhere = anywhere.to(collective_device(group))
         torch.distributed.all_reduce(anywhere, group=group)
     if not int(anywhere):
         return StepOutcome("none")
@@ -95,7 +96,10 @@ def validate_with_rerun(model: torch.nn.Module) -> None:
     pending = [g.pending for g in guards if g.pending is not None]
     for guard in guards:
         guard.pending = None
-    count = torch.stack(pending).sum().float() if pending else torch.zeros(())
+    if pending:
+        count = torch.stack(pending).sum().float()
+    else:  # nothing checked this attempt: zero, where a checked attempt's count would live
+        count = torch.zeros((), device="cuda" if torch.cuda.is_available() else "cpu")
     get_rerun_state_machine().validate_result(
         result=count,
         rejection_func=lambda c: bool(c > 0),
