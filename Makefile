@@ -46,8 +46,10 @@ endif
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# A tiny GPT on 2 CPU ranks (TP=2) learns a small text corpus while a soft error lands in its
+# attention every 3 steps; ABFT corrects them all (pretrain/demo.py, configs/tiny_cpu.yaml).
 demo: install
-	$(PY) tools/demo_correction.py
+	$(PY) pretrain/demo.py
 
 lint: install
 	$(PY) -m ruff check .

@@ -66,7 +66,15 @@ def apply_abft(spec: ModuleSpec, abft_config: ABFTConfig | None = None) -> Modul
 
 
 def get_gpt_layer_abft_spec(abft_config: ABFTConfig | None = None, **kwargs) -> ModuleSpec:
-    """Megatron-core's ``get_gpt_layer_local_spec(**kwargs)`` with protected attention."""
+    """Megatron-core's ``get_gpt_layer_local_spec(**kwargs)`` with protected attention.
+
+    Megatron-LM's ``--spec megatron_abft.spec get_gpt_layer_abft_spec`` calls this with its model
+    config in place of an ABFTConfig; the ABFT config then comes from its ``--abft*`` flags
+    (megatron_abft.megatron_lm.add_abft_args)."""
+    if abft_config is not None and not isinstance(abft_config, ABFTConfig):
+        from megatron_abft import megatron_lm
+
+        return megatron_lm.get_gpt_layer_abft_spec(abft_config, **kwargs)
     if kwargs.get("multi_latent_attention"):
         raise ValueError(
             "ABFT does not support multi-latent attention; drop multi_latent_attention"

@@ -1,0 +1,389 @@
+"""The ABFT command line for Megatron: flags, the config and faults they describe, and a layer spec
+for Megatron-LM's own ``pretrain_gpt.py``.
+
+``add_abft_args(parser)`` is an ``extra_args_provider`` in Megatron-LM's style (kebab-case flags in
+their own argument group); ``pretrain/pretrain_gpt.py`` uses the same flags. From the parsed
+arguments, ``abft_config_from_args`` builds the ``ABFTConfig`` and ``FaultPlan.from_args`` the
+faults to inject, step by step. For Megatron-LM::
+
+    --spec megatron_abft.spec get_gpt_layer_abft_spec
+
+Megatron-LM 0.19 calls the spec function with its model config; ``get_gpt_layer_abft_spec`` below
+reads the ABFT flags from Megatron-LM's global arguments and returns the protected local spec (or
+Megatron's own local spec without ``--abft``). Importing this module does not import Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from megatron_abft.config import POLICIES, SECTIONS, ABFTConfig
+from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
+
+__all__ = [
+    "FaultPlan",
+    "abft_config_from_args",
+    "add_abft_args",
+    "get_gpt_layer_abft_spec",
+    "parse_check_interval",
+    "parse_fault",
+]
+
+STREAM_SECTIONS: tuple[str, ...] = ("qkv", "q", "k", "v", "scores", "context", "proj")
+"""Where ``--abft-inject-every`` lands faults by default: every fault section but ``probs``, the
+softmax output, which GEMM checksums cannot cover (docs/megatron.md)."""
+
+STREAM_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near_inf", "bitflip", "value")
+MATRIX_SECTIONS = frozenset({"scores", "probs", "context"})
+"""Sections whose checked matrices are checked on both sides per head: 1D faults (a whole row or
+column) are correctable there. The linear layers' outputs take 0D faults."""
+
+FAULT_KEYS: dict[str, str] = {
+    "section": "section",
+    "kind": "kind",
+    "pattern": "pattern",
+    "layer": "layer",
+    "step": "step",
+    "tp-rank": "tp_rank",
+    "value": "value",
+    "bit": "bit",
+    "seed": "seed",
+}
+"""The keys of an ``--abft-inject`` spec and the ``Fault`` fields they set."""
+
+
+# --- flags -----------------------------------------------------------------------------------
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    try:
+        return ABFTConfig(sections=text).sections
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).replace("ABFTConfig.sections: ", "")) from None
+
+
+def parse_check_interval(text: str | int) -> int | dict[str, int]:
+    """``4`` (every section every 4th step) or ``scores=1,qkv=4`` (per section, others 1)."""
+    text = str(text).strip()
+    try:
+        if "=" not in text:
+            interval: int | dict[str, int] = int(text)
+        else:
+            interval = {}
+            for item in text.split(","):
+                section, _, every = item.partition("=")
+                interval[section.strip()] = int(every)
+        ABFTConfig(check_interval=interval)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {str(error).replace('ABFTConfig.', '')}. Use N (every N-th step) or "
+            f"section=N pairs such as scores=1,qkv=4 (sections: {', '.join(SECTIONS)})"
+        ) from None
+    return interval
+
+
+def parse_fault(text: str) -> Fault:
+    """A fault from its command-line spec: ``section=scores,layer=1,kind=inf,step=20,tp-rank=1``.
+    Keys: section (required), kind, pattern, layer (1-based), step (required), tp-rank, value,
+    bit, seed."""
+    fields: dict[str, object] = {}
+    for item in (part.strip() for part in text.split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("_", "-")
+        if not sep or key not in FAULT_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {item!r} is not a key=value pair with a known key; use "
+                f"{', '.join(FAULT_KEYS)} (e.g. section=scores,layer=1,kind=inf,step=20)"
+            )
+        name = FAULT_KEYS[key]
+        try:
+            if name in ("layer", "step", "tp_rank", "bit", "seed"):
+                fields[name] = int(value)
+            elif name == "value":
+                fields[name] = float(value)
+            else:
+                fields[name] = value.strip()
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {key}={value!r} is not a number") from None
+    for required in ("section", "step"):
+        if required not in fields:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {required}= is missing (e.g. section=scores,layer=1,kind=inf,step=20)"
+            )
+    if fields.get("kind") == "value" and "value" not in fields:
+        fields["value"] = 1e4
+    try:
+        return Fault(**fields)  # type: ignore[arg-type]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+
+
+def _inject_sections(text: str) -> tuple[str, ...]:
+    chosen = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in MODEL_SECTIONS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown section {unknown[0] if unknown else ''!r}; "
+            f"choose from {', '.join(MODEL_SECTIONS)}"
+        )
+    return chosen
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 0 (0 = off)")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
+    return value
+
+
+def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ABFT flags to ``parser``, in their own group; returns the parser (Megatron-LM's
+    ``extra_args_provider`` contract)."""
+    group = parser.add_argument_group(
+        title="abft", description="Algorithm-based fault tolerance for attention (megatron_abft)"
+    )
+    group.add_argument(
+        "--abft",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Protect the attention GEMMs (QKV, scores, context, output projection) with ABFT: "
+        "detect and correct soft errors in place. --no-abft (the default): Megatron's own local "
+        "layers.",
+    )
+    group.add_argument(
+        "--abft-sections",
+        type=_sections,
+        default=SECTIONS,
+        metavar="LIST",
+        help=f"Comma-separated sections to check (default: all of {','.join(SECTIONS)}).",
+    )
+    group.add_argument(
+        "--abft-check-interval",
+        type=parse_check_interval,
+        default=1,
+        metavar="N|SECTION=N,...",
+        help="Check every N-th step, for all sections or per section (scores=1,qkv=4).",
+    )
+    group.add_argument(
+        "--abft-on-uncorrectable",
+        choices=POLICIES,
+        default="recompute",
+        help="What to do with a fault that cannot be corrected in place.",
+    )
+    group.add_argument(
+        "--abft-block-size",
+        type=_positive,
+        default=ABFTConfig.block_size,
+        help="Length of the checksum blocks along a checked dimension (docs/abft.md).",
+    )
+    group.add_argument(
+        "--abft-threshold-scale",
+        type=_positive_float,
+        default=ABFTConfig.threshold_scale,
+        help="Multiplies every detection threshold (1.0: the rigorous bound, no false alarms).",
+    )
+    group.add_argument(
+        "--abft-inject",
+        type=parse_fault,
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="Inject one fault, e.g. section=scores,layer=1,kind=inf,step=20,tp-rank=1 "
+        f"(keys: {', '.join(FAULT_KEYS)}; sections: {', '.join(MODEL_SECTIONS)}; kinds: "
+        f"{', '.join(FAULT_KINDS)}; patterns: {', '.join(PATTERNS)}). Repeatable.",
+    )
+    group.add_argument(
+        "--abft-inject-every",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="Inject one seeded random fault every N steps (0: off), into a random section, "
+        "layer and tensor-parallel rank.",
+    )
+    group.add_argument(
+        "--abft-inject-sections",
+        type=_inject_sections,
+        default=STREAM_SECTIONS,
+        metavar="LIST",
+        help="Sections of the random faults (default: all but probs, the softmax output that "
+        "GEMM checksums cannot cover).",
+    )
+    group.add_argument(
+        "--abft-inject-seed",
+        type=int,
+        default=None,
+        help="Seed of the random faults (default: --seed).",
+    )
+    group.add_argument(
+        "--abft-events-file",
+        default=None,
+        metavar="PATH",
+        help="JSON Lines file with one record per fault event (default: <save>/abft_events.jsonl "
+        "when --save is set).",
+    )
+    return parser
+
+
+def abft_config_from_args(args: argparse.Namespace, enabled: bool | None = None) -> ABFTConfig:
+    """The ABFTConfig the ``--abft*`` flags describe (``enabled`` overrides ``--abft``)."""
+    return ABFTConfig(
+        enabled=bool(args.abft) if enabled is None else enabled,
+        sections=args.abft_sections,
+        check_interval=args.abft_check_interval,
+        block_size=args.abft_block_size,
+        threshold_scale=args.abft_threshold_scale,
+        on_uncorrectable=args.abft_on_uncorrectable,
+    )
+
+
+# --- faults, step by step --------------------------------------------------------------------
+
+
+@dataclass
+class FaultPlan:
+    """The faults to inject at each step: the explicit ones (``--abft-inject``) and, every
+    ``every`` steps, one random fault drawn from ``seed`` and the step alone (so a resumed run
+    injects the same faults at the same steps)."""
+
+    explicit: list[Fault] = field(default_factory=list)
+    every: int = 0
+    sections: tuple[str, ...] = STREAM_SECTIONS
+    num_layers: int = 1
+    tp_size: int = 1
+    num_query_groups: int | None = None
+    """KV groups of the model; with fewer groups than TP ranks, k and v are left out."""
+    seed: int = 0
+    exponent_bit: int = 30
+    """The bit a random bitflip flips: the top exponent bit of the data type (30 for fp32, 14
+    for bf16 and fp16), so that the fault is large enough to matter."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FaultPlan:
+        bf16, fp16 = getattr(args, "bf16", False), getattr(args, "fp16", False)
+        return cls(
+            explicit=list(args.abft_inject or []),
+            every=args.abft_inject_every,
+            sections=tuple(args.abft_inject_sections),
+            num_layers=args.num_layers,
+            tp_size=args.tensor_model_parallel_size,
+            num_query_groups=getattr(args, "num_query_groups", None),
+            seed=args.abft_inject_seed if args.abft_inject_seed is not None else args.seed,
+            exponent_bit=14 if (bf16 or fp16) else 30,
+        )
+
+    @property
+    def active(self) -> bool:
+        return bool(self.explicit) or self.every > 0
+
+    def problems(self) -> list[str]:
+        """What makes this plan impossible for the model, as messages naming the fix."""
+        found = []
+        for fault in self.explicit:
+            if fault.layer is not None and not 1 <= fault.layer <= self.num_layers:
+                found.append(
+                    f"--abft-inject: layer={fault.layer} is not a layer of this model; use "
+                    f"1..{self.num_layers} (Megatron's layer numbers start at 1)"
+                )
+            if fault.tp_rank is not None and not 0 <= fault.tp_rank < self.tp_size:
+                found.append(
+                    f"--abft-inject: tp-rank={fault.tp_rank} does not exist with "
+                    f"--tensor-model-parallel-size {self.tp_size}; use 0..{self.tp_size - 1}"
+                )
+        return found
+
+    def at(self, step: int) -> list[Fault]:
+        """The faults due at training step ``step``."""
+        faults = [f for f in self.explicit if f.step == step]
+        if self.every and step % self.every == 0:
+            faults.append(self.random_fault(step))
+        return faults
+
+    def random_fault(self, step: int) -> Fault:
+        rng = random.Random(self.seed * 1_000_003 + step)
+        sections = [s for s in self.sections if s not in ("k", "v") or self._kv_on_every_rank]
+        section = rng.choice(sections)
+        kind = rng.choice(STREAM_KINDS)
+        pattern = rng.choice(("0d", "row", "col")) if section in MATRIX_SECTIONS else "0d"
+        extra: dict[str, float | int] = {}
+        if kind == "value":
+            extra["value"] = rng.choice((-1.0, 1.0)) * 1e4
+        elif kind == "bitflip":
+            extra["bit"] = self.exponent_bit
+        return Fault(
+            section,
+            kind,
+            pattern,
+            layer=rng.randint(1, self.num_layers),
+            tp_rank=rng.randrange(self.tp_size),
+            step=step,
+            seed=rng.randrange(2**31),
+            **extra,
+        )
+
+    @property
+    def _kv_on_every_rank(self) -> bool:
+        return self.num_query_groups is None or self.num_query_groups >= self.tp_size
+
+
+# --- Megatron-LM -----------------------------------------------------------------------------
+
+
+def get_gpt_layer_abft_spec(config: object = None, vp_stage: int | None = None):
+    """The transformer-layer spec for Megatron-LM's ``--spec megatron_abft.spec
+    get_gpt_layer_abft_spec`` (which hands its call here): the local spec with protected
+    attention when ``--abft`` (or a fault injection flag) is given, Megatron's own local spec
+    otherwise. Reads the flags of ``add_abft_args`` from Megatron-LM's global arguments;
+    ``config`` (Megatron-LM's model config) and ``vp_stage`` are accepted as it passes them."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+
+    from megatron_abft import spec
+
+    args = get_args()
+    if not hasattr(args, "abft"):
+        raise RuntimeError(
+            "the ABFT flags are missing from Megatron-LM's arguments: pass "
+            "extra_args_provider=megatron_abft.megatron_lm.add_abft_args to "
+            "parse_and_validate_args (or to pretrain, before Megatron-LM 0.18)"
+        )
+    layer_kwargs = dict(
+        num_experts=getattr(args, "num_experts", None),
+        moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+        qk_layernorm=getattr(args, "qk_layernorm", False),
+        normalization=getattr(args, "normalization", None),
+    )
+    if not args.abft and not (args.abft_inject or args.abft_inject_every):
+        return get_gpt_layer_local_spec(**layer_kwargs)
+    return spec.get_gpt_layer_abft_spec(abft_config_from_args(args), **layer_kwargs)
+
+
+def flag_names(parser: argparse.ArgumentParser) -> Iterable[str]:
+    """Every long option of ``parser`` (for error messages that suggest a flag)."""
+    for action in parser._actions:
+        yield from (o for o in action.option_strings if o.startswith("--"))

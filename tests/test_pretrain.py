@@ -1,0 +1,423 @@
+"""pretrain/pretrain_gpt.py, launched with torchrun as a user would: clean and faulty runs train
+alike, checkpoints resume exactly, the plain Megatron loop (--no-abft) matches the protected one,
+pipeline parallelism works, the W&B offline run holds the fault telemetry, and bad flags or config
+values stop the script at start with a message that names them.
+
+Every launch spawns 2 gloo ranks on CPU (TP=2, or PP=2 where said) and runs a few steps of the
+tiny config; the launches are shared between tests through module-scoped fixtures."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "pretrain" / "pretrain_gpt.py"
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+STEPS = 6
+EVENT_FIELDS = ("step", "rank", "tp_rank", "layer", "section", "sample", "head", "row", "col",
+                "kind", "magnitude", "action", "policy")  # fmt: skip
+
+sys.path.insert(0, str(ROOT / "pretrain"))
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return env
+
+
+def launch(*flags: str, save: Path, nproc: int = 2) -> dict:
+    """Run the script under torchrun on ``nproc`` gloo ranks; return its summary.json."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", str(SCRIPT), "--config", str(TINY),
+        "--train-iters", str(STEPS), "--lr-warmup-iters", "1", "--log-interval", "1",
+        "--save", str(save), "--wandb-project", "", *flags,
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads((save / "summary.json").read_text())
+    summary["stdout"] = done.stdout
+    return summary
+
+
+def losses(summary: dict) -> list[float]:
+    return [summary["losses"][str(i)] for i in range(1, summary["iterations"] + 1)]
+
+
+def assert_same_curve(a: list[float], b: list[float], rel: float = 1e-5) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True), start=1):
+        assert abs(x - y) <= rel * abs(y), f"iteration {i}: {x} vs {y}"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The shipped text corpus as a Megatron indexed dataset (tools/prepare_data.py)."""
+    import prepare_data
+
+    prefix = tmp_path_factory.mktemp("corpus") / "tiny_corpus"
+    count = prepare_data.build(sorted((ROOT / "data" / "tiny_corpus").glob("*.txt")), str(prefix))
+    assert count["documents"] > 10 and count["tokens"] > 10_000
+    return prefix
+
+
+TWO_D = "section=scores,layer=2,kind=inf,pattern=2d,step=4,tp-rank=1,seed=3"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus) -> dict[str, dict]:
+    """Clean and faulty protected runs on the real corpus, saving at step 3 and at the end. The
+    faulty run gets a random fault every step, and at step 4 also a 2D block in the scores
+    (uncorrectable in place: the default policy recomputes the GEMM)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    data = ["--data-path", str(corpus), "--save-interval", "3"]
+    clean = launch(*data, "--abft-inject-every", "0", save=tmp / "clean")
+    faulty = launch(
+        *data,
+        "--abft-inject-every", "1", "--abft-inject", TWO_D,
+        "--wandb-project", "abft-test", "--wandb-exp-name", "faulty", "--wandb-mode", "offline",
+        save=tmp / "faulty",
+    )  # fmt: skip
+    return {"clean": clean, "faulty": faulty, "dir": tmp}
+
+
+def test_clean_and_faulty_runs_give_the_same_loss_curve(runs):
+    """A fault in every step, in a random section, layer and TP rank, is corrected in place; the
+    2D fault is recomputed; the loss curve is the clean one up to fp32 rounding."""
+    clean, faulty = runs["clean"], runs["faulty"]
+    assert clean["faults_injected"] == clean["faults_detected"] == 0
+    assert faulty["faults_injected"] == STEPS + 1
+    assert faulty["faults_detected"] == STEPS + 1 and faulty["faults_corrected"] == STEPS
+    assert faulty["faults_uncorrectable"] == faulty["faults_recomputed"] == 1
+    assert faulty["skipped_iterations"] == 0
+    assert_same_curve(losses(faulty), losses(clean))
+    assert losses(clean)[-1] < losses(clean)[0]  # it learns
+    events = [json.loads(line) for line in Path(faulty["events_file"]).read_text().splitlines()]
+    assert sorted(e["step"] for e in events) == [1, 2, 3, 4, 4, 5, 6]
+    [two_d] = [e for e in events if e["action"] != "corrected"]
+    assert (two_d["action"], two_d["layer"], two_d["section"], two_d["tp_rank"]) == (
+        "recomputed", 2, "scores", 1,
+    )  # fmt: skip
+    assert all(e["policy"] == "recompute" for e in events)
+    assert set(EVENT_FIELDS) <= set(events[0])
+    console = [line for line in faulty["stdout"].splitlines() if line.startswith(" iteration")]
+    assert len(console) == STEPS
+    assert "lm loss:" in console[0]
+    assert "abft injected/detected/corrected/uncorrectable: 1/1/1/0" in console[0]
+    assert "abft injected/detected/corrected/uncorrectable: 2/2/1/1" in console[3]
+    [loud] = [line for line in faulty["stdout"].splitlines() if "UNCORRECTABLE" in line]
+    assert "Rank 1" in loud and "iteration 4: layer 2 section scores" in loud
+    assert "recomputed the GEMM" in loud
+
+
+def test_a_checkpoint_resumes_to_the_same_losses(runs, corpus):
+    """Resuming the clean run from its step-3 checkpoint (model, optimizer, LR schedule, RNG,
+    data position) reproduces its steps 4 to 6."""
+    resumed = launch(
+        "--data-path", str(corpus), "--abft-inject-every", "0",
+        "--load", str(runs["dir"] / "clean"), "--ckpt-step", "3",
+        save=runs["dir"] / "resumed",
+    )  # fmt: skip
+    assert sorted(map(int, resumed["losses"])) == [4, 5, 6]
+    for step in ("4", "5", "6"):
+        assert resumed["losses"][step] == pytest.approx(runs["clean"]["losses"][step], rel=1e-6)
+
+
+def test_without_abft_the_plain_megatron_loop_gives_the_protected_loss(runs, corpus):
+    """--no-abft builds GPTModel on Megatron's local spec: on clean data its losses equal the
+    protected run's."""
+    plain = launch(
+        "--data-path", str(corpus), "--no-abft", "--abft-inject-every", "0",
+        save=runs["dir"] / "plain",
+    )  # fmt: skip
+    assert not plain["abft"] and "ABFT: off" in plain["stdout"]
+    assert_same_curve(losses(plain), losses(runs["clean"]), rel=1e-6)
+
+
+def test_pipeline_parallel_with_skip_step_on_mock_data(tmp_path):
+    """TP=1, PP=2 (2 ranks) on MockGPTDataset, policy skip_step: a fault in each stage is
+    corrected, and a 2D fault on the first stage makes step 4 uncorrectable on both stages (the
+    NaNs reach the second), so every rank skips that step; the last rank reports it all.
+    Untied embeddings: with tied ones Megatron syncs the two copies through ``Tensor.cuda()``
+    (language_module.py:307), which CPU mode does not cover."""
+    run = launch(
+        "--mock-data", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+        "--untie-embeddings-and-output-weights", "--abft-on-uncorrectable", "skip_step",
+        "--abft-inject-every", "0",
+        "--abft-inject", "section=scores,layer=1,kind=nan,pattern=row,step=2",
+        "--abft-inject", "section=proj,layer=2,kind=inf,step=3",
+        "--abft-inject", "section=context,layer=1,kind=inf,pattern=2d,step=4",
+        save=tmp_path / "pp",
+    )  # fmt: skip
+    assert "PP=2" in run["stdout"] and "MockGPTDataset" in run["stdout"]
+    assert run["faults_injected"] == 3 and run["faults_corrected"] == 2
+    assert run["faults_uncorrectable"] >= 1 and run["skipped_iterations"] == 1
+    assert sorted(map(int, run["losses"])) == [1, 2, 3, 5, 6]  # skipped steps are not averaged
+    assert all(map(math.isfinite, run["losses"].values()))
+    assert run["losses"]["6"] < run["losses"]["1"]
+    loud = [line for line in run["stdout"].splitlines() if "UNCORRECTABLE" in line]
+    assert any("iteration 4: layer 1 section context" in line for line in loud)
+    assert all("policy skip_step: the step is skipped" in line for line in loud)
+
+
+# --- W&B ---------------------------------------------------------------------------------------
+
+
+def wandb_records(run_dir: Path):
+    """The records of a W&B offline run file (run-*.wandb: LevelDB-style log of protobufs)."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = next(run_dir.glob("run-*.wandb")).read_bytes()
+    assert raw[:4] == b":W&B"
+    block, pos, chunk = 32768, 7, b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        chunk, pos = chunk + raw[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            yield record
+            chunk = b""
+
+
+def _key(item) -> str:
+    """A history item's key: W&B stores keys with a slash as a one-element nested key."""
+    return item.key or "/".join(item.nested_key)
+
+
+def test_the_wandb_offline_run_holds_abft_scalars_and_the_events_table(runs):
+    faulty = runs["faulty"]
+    run_dir = Path(faulty["wandb_dir"])
+    assert run_dir.name.startswith("offline-run-")
+    assert run_dir.is_relative_to(runs["dir"] / "faulty" / "wandb")  # <save>/wandb by default
+    history = [
+        r.history for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "history"
+    ]
+    rows = [{_key(i): json.loads(i.value_json) for i in h.item} for h in history]
+    keys = {key for row in rows for key in row}
+    for key in ("lm loss", "learning-rate", "tokens-per-sec", "grad-norm", "abft/injected",
+                "abft/detected", "abft/corrected", "abft/uncorrectable", "abft/scores/detected",
+                "abft/kind/inf/detected"):  # fmt: skip
+        assert key in keys, key
+    counted = [row for row in rows if "abft/corrected" in row]
+    assert [row["_step"] for row in counted] == list(range(1, STEPS + 1))
+    assert [row["abft/corrected"] for row in counted] == list(range(1, STEPS + 1))
+    [table_path] = [row["abft/events/path"] for row in rows if "abft/events/path" in row]
+    table = json.loads((run_dir / "files" / table_path).read_text())
+    assert table["columns"][:5] == ["step", "rank", "tp_rank", "layer", "section"]
+    assert len(table["data"]) == STEPS + 1  # the random faults and the 2D one
+
+
+# --- flags and config files, checked at start --------------------------------------------------
+
+
+def test_yaml_sets_flags_and_the_command_line_wins(tmp_path):
+    from arguments import parse_args
+
+    args = parse_args(["--config", str(TINY), "--mock-data"], world_size=2)
+    assert (args.num_layers, args.hidden_size, args.tensor_model_parallel_size) == (2, 64, 2)
+    assert args.abft and args.abft_inject_every == 3 and args.abft_on_uncorrectable == "recompute"
+    assert args.wandb_project == "megatron-abft-demo" and args.wandb_mode == "offline"
+    assert args.abft_sections == ("qkv", "scores", "context", "proj")
+
+    args = parse_args(
+        [
+            "--config",
+            str(TINY),
+            "--mock-data",
+            "--lr",
+            "0.5",
+            "--no-abft",
+            "--abft-sections",
+            "scores",
+        ],
+        world_size=2,
+    )
+    assert args.lr == 0.5 and not args.abft and args.abft_sections == ("scores",)
+
+    config = tmp_path / "faults.yaml"
+    config.write_text(
+        "abft:\n  enabled: true\n  check-interval: {scores: 1, qkv: 4}\n"
+        "  inject:\n    - {section: scores, layer: 1, kind: inf, step: 5}\n"
+        "    - section=proj,layer=2,kind=nan,step=7\n"
+        "training:\n  train-iters: 20\n"
+    )
+    args = parse_args(["--config", str(config)], world_size=1)
+    assert args.abft_check_interval == {"scores": 1, "qkv": 4}
+    assert [(f.section, f.step) for f in args.abft_inject] == [("scores", 5), ("proj", 7)]
+    args = parse_args(
+        ["--config", str(config), "--abft-inject", "section=qkv,layer=1,kind=nan,step=3"],
+        world_size=1,
+    )
+    assert [(f.section, f.step) for f in args.abft_inject] == [("qkv", 3)]  # replaced, not merged
+
+
+BAD = [
+    (["--abft-on-uncorrectable", "explode"], "invalid choice: 'explode'"),
+    (["--abft-sections", "qkv,qk"], "unknown section 'qk'; choose from qkv, scores"),
+    (["--abft-inject", "section=scores,layer=1,kind=inf"], "step= is missing"),
+    (["--abft-inject", "section=scores,lyer=1,step=2"], "'lyer=1' is not a key=value pair"),
+    (["--abft-inject", "section=scores,layer=9,step=2"], "layer=9 is not a layer of this model"),
+    (["--abft-check-interval", "scores=0"], "use an int >= 1"),
+    (["--num-attention-heads", "3", "--hidden-size", "66"], "--num-attention-heads 3 is not "
+     "divisible by --tensor-model-parallel-size 2"),
+    (["--lr-warmup-iters", "500"], "--lr-warmup-iters 500"),
+    (["--data-path", "nowhere/corpus"], "nowhere/corpus.bin, nowhere/corpus.idx not found"),
+    (["--wandb-exp-name", ""], "--wandb-project megatron-abft-demo needs --wandb-exp-name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, message", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_a_bad_flag_fails_at_start_with_a_clear_message(flags, message, capsys):
+    from arguments import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--config", str(TINY), *flags], world_size=2)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("abft:\n  on-uncorrectable: explode\n", "{path}: argument --abft-on-uncorrectable: "
+         "invalid choice: 'explode'"),
+        ("model:\n  hiden-size: 64\n", "{path}: unknown key 'hiden-size'; did you mean "
+         "hidden-size?"),
+        ("abft:\n  enabled: maybe\n", "{path}: abft: 'maybe' is not true or false"),
+        ("- just\n- a list\n", "expected a mapping of flag: value"),
+    ],
+)  # fmt: skip
+def test_a_bad_config_value_names_the_file(content, message, tmp_path, capsys):
+    from arguments import parse_args
+
+    config = tmp_path / "bad.yaml"
+    config.write_text(content)
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config)], world_size=1)
+    assert message.format(path=config) in capsys.readouterr().err
+
+
+def test_the_launched_script_stops_before_starting_ranks_on_a_bad_value(tmp_path):
+    """Plain python, 1 process: the error comes from the flags, before torch.distributed."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--config", str(TINY), "--abft-inject-every", "-2"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "argument --abft-inject-every: '-2' is not an int >= 0 (0 = off)" in done.stderr
+
+
+def test_every_shipped_config_parses_for_its_world_size():
+    from arguments import parse_args
+
+    worlds = {"tiny_cpu": 2, "gpt3_125m": 8, "gpt3_350m": 8, "gpt3_1.3b": 8, "llama2_7b": 8}
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert {c.stem for c in configs} == set(worlds)
+    for config in configs:
+        args = parse_args(["--config", str(config), "--mock-data"], world_size=worlds[config.stem])
+        assert args.abft, config.name
+
+
+# --- the fault plan ----------------------------------------------------------------------------
+
+
+def test_the_random_fault_stream_is_seeded_correctable_and_spans_the_sections():
+    from megatron_abft.megatron_lm import MATRIX_SECTIONS, FaultPlan
+
+    plan = FaultPlan(every=3, num_layers=4, tp_size=2, seed=7)
+    faults = [f for step in range(1, 601) for f in plan.at(step)]
+    assert [f.step for f in faults] == list(range(3, 601, 3))
+    assert faults == [f for step in range(1, 601) for f in FaultPlan(**vars(plan)).at(step)]
+    assert {f.section for f in faults} == {"qkv", "q", "k", "v", "scores", "context", "proj"}
+    assert {f.layer for f in faults} == {1, 2, 3, 4} and {f.tp_rank for f in faults} == {0, 1}
+    assert {f.kind for f in faults} == {"inf", "-inf", "nan", "near_inf", "bitflip", "value"}
+    assert all(f.pattern == "0d" or f.section in MATRIX_SECTIONS for f in faults)
+    assert all(f.bit == 30 for f in faults if f.kind == "bitflip")  # fp32's top exponent bit
+    other_seed = [f for step in range(1, 601) for f in FaultPlan(every=3, seed=8).at(step)]
+    assert other_seed != faults
+    mqa = FaultPlan(every=1, num_layers=2, tp_size=2, num_query_groups=1)
+    assert not {f.section for s in range(1, 300) for f in mqa.at(s)} & {"k", "v"}
+
+
+# --- Megatron-LM's own training script -----------------------------------------------------------
+
+MEGATRON_LM = """
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+from megatron_abft.cpu import enable_cpu_mode
+enable_cpu_mode()
+import torch
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.training.argument_utils import gpt_config_from_args
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import set_args
+from megatron.training.models.gpt import GPTModelBuilder
+from megatron_abft.megatron_lm import add_abft_args
+
+parallel_state.initialize_model_parallel()
+sys.argv = ["pretrain_gpt.py", *sys.argv[2:]]
+args = parse_args(extra_args_provider=add_abft_args)
+validate_args(args)
+set_args(args)
+print("POLICY", args.abft_on_uncorrectable, args.abft_inject[0].section)
+for abft in (True, False):  # --no-abft and no faults: Megatron's own local spec
+    args.abft, args.abft_inject = abft, args.abft_inject if abft else None
+    model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
+        ProcessGroupCollection.use_mpu_process_groups()
+    )
+    attention = model.decoder.layers[0].self_attention
+    names = [type(m).__name__ for m in (attention.core_attention, attention.linear_qkv)]
+    print("BUILT", abft, *names)
+"""
+
+
+def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path):
+    """1 process: Megatron-LM 0.19's own argument parser with add_abft_args as its
+    extra_args_provider, and its GPTModelBuilder with --spec megatron_abft.megatron_lm
+    get_gpt_layer_abft_spec, build the protected attention (and Megatron's with --no-abft)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "megatron_lm.py"
+    script.write_text(MEGATRON_LM)
+    flags = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--train-iters", "1", "--lr", "1e-3", "--vocab-size", "128",
+        "--tokenizer-type", "NullTokenizer", "--mock-data", "--transformer-impl", "local",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+        "--no-rope-fusion", "--use-cpu-initialization",
+        "--spec", "megatron_abft.spec", "get_gpt_layer_abft_spec",
+        "--abft", "--abft-on-uncorrectable", "skip_step",
+        "--abft-inject", "section=scores,layer=1,kind=nan,step=3",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), port, *flags],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    built = [line for line in done.stdout.splitlines() if line.startswith(("BUILT", "POLICY"))]
+    assert built == [
+        "POLICY skip_step scores",
+        "BUILT True ProtectedDotProductAttention ProtectedColumnParallelLinear",
+        "BUILT False DotProductAttention ColumnParallelLinear",
+    ]
