@@ -1,6 +1,95 @@
-"""Build script. The package is pure Python for now; the checksum kernels in csrc/ will be built
-here as a torch extension (ABFT_BUILD=auto|cuda|cpu|none)."""
+"""Build script: the checksum kernels in csrc/ as the torch extension ``megatron_abft._C``.
+
+ABFT_BUILD picks what is built (default ``auto``):
+  auto  the CUDA extension when torch was built with CUDA (true of the CUDA build of torch even
+        on a machine without a GPU), else the C++ one;
+  cuda  the CUDA extension, or an error;  cpu  the C++ kernels only;  none  no extension (the
+        package then runs its PyTorch path).
+TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "8.0;9.0"). Build against the torch you
+run: ``pip install --no-build-isolation --no-deps -e .``.
+"""
+
+import os
+import shutil
+import sys
+from pathlib import Path
 
 from setuptools import setup
 
-setup()
+MODES = ("auto", "cuda", "cpu", "none")
+SOURCES = ["csrc/abft_ops.cpp", "csrc/abft_cpu.cpp"]
+CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp-simd"]
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit: $CUDA_HOME or $CUDA_PATH, then /usr/local/cuda, then the nvcc on PATH
+    with links and wrapper scripts resolved (it may be a script that execs the real nvcc)."""
+    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if candidate and Path(candidate, "bin", "nvcc").is_file():
+            return candidate
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    text = Path(nvcc).read_bytes()[:4096]
+    if text.startswith(b"#!"):  # a wrapper: take the first absolute path to an nvcc it names
+        for word in text.decode(errors="ignore").split():
+            if word.startswith("/") and word.endswith("/bin/nvcc") and Path(word).is_file():
+                nvcc = word
+                break
+    return str(Path(nvcc).resolve().parent.parent)
+
+
+def nvidia_wheel_dirs(kind: str) -> list[str]:
+    """include/ or lib/ folders of the nvidia-* runtime wheels beside torch (cuBLAS and cuSPARSE
+    headers that a pip-assembled toolkit may lack)."""
+    found = []
+    for site in sys.path:
+        root = Path(site, "nvidia")
+        if root.is_dir():
+            found += sorted(str(p) for p in root.glob(f"*/{kind}") if p.is_dir())
+    return found
+
+
+def extensions() -> tuple[list, dict]:
+    mode = os.environ.get("ABFT_BUILD", "auto").strip().lower()
+    if mode not in MODES:
+        raise SystemExit(f"ABFT_BUILD={mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "none":
+        return [], {}
+    home = cuda_home()
+    if home is not None:  # before torch.utils.cpp_extension reads it at import
+        os.environ["CUDA_HOME"] = home
+    import torch
+    from torch.utils import cpp_extension
+
+    use_cuda = mode == "cuda" or (mode == "auto" and torch.version.cuda is not None)
+    if use_cuda and torch.version.cuda is None:
+        raise SystemExit(f"ABFT_BUILD=cuda, but torch {torch.__version__} was built without CUDA")
+    if use_cuda and home is None:
+        raise SystemExit(
+            f"ABFT_BUILD={mode} found no CUDA toolkit: set CUDA_HOME or ABFT_BUILD=cpu"
+        )
+    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
+    if not use_cuda:
+        ext = cpp_extension.CppExtension(
+            "megatron_abft._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS}
+        )
+        return [ext], {"build_ext": build_ext}
+
+    cpp_extension.CUDA_HOME = home
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # after every -I and system folder, so that the toolkit's own CUDA headers win
+    wheel_includes = [flag for d in nvidia_wheel_dirs("include") for flag in ("-idirafter", d)]
+    ext = cpp_extension.CUDAExtension(
+        "megatron_abft._C",
+        [*SOURCES, "csrc/abft_cuda.cu"],
+        define_macros=[("ABFT_WITH_CUDA", None)],
+        library_dirs=nvidia_wheel_dirs("lib"),
+        extra_compile_args={"cxx": CXX_FLAGS + wheel_includes, "nvcc": NVCC_FLAGS},
+    )
+    return [ext], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

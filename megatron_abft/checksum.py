@@ -5,7 +5,8 @@ and each column j, the pair (sum_i C_ij, sum_i (i+1) C_ij) with i counted from t
 obtained as ([e w]^T A) @ B. Row checksums are the column checksums of C^T = B^T A^T. Beside the
 pair each block carries the magnitude sum_i (|alpha| |A| @ |B| + |bias|)_ij that scales the
 detection threshold (megatron_abft.tolerance). Everything is accumulated in fp32 (fp64 for fp64
-inputs), whatever the inputs' dtype.
+inputs), whatever the inputs' dtype. The per-block sums of A come from the compiled kernels
+(megatron_abft._ext) where they are built; the PyTorch code beside them is the reference.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from megatron_abft import _ext
 
 FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -112,13 +115,23 @@ def _matmul(lhs: Tensor, rhs: Tensor) -> Tensor:
     return lhs @ rhs.contiguous()
 
 
+def _operand_sums(a: Tensor, block: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """[e w]^T A and sum |A| over each block of rows of ``a [..., m, k]``: ``[..., nb, 2, k]`` and
+    ``[..., nb, k]`` in ``dtype``, from the compiled kernels where they apply (one read of A)."""
+    if (a.dtype == torch.float64) == (dtype == torch.float64):
+        fused = _ext.block_sums(a, block, 0)
+        if fused is not None:
+            return fused[0], fused[1][..., 0, :]
+    ab = as_blocks(a, block, dtype)  # [..., nb, block, k]
+    return block_weights(block, a.device, dtype) @ ab, ab.abs().sum(-2)
+
+
 def _column_sums(a: Tensor, b: Tensor, alpha: float, block: int) -> tuple[Tensor, Tensor]:
     dtype = accumulation_dtype(a, b)
-    ab = as_blocks(a.detach(), block, dtype)  # [..., nb, block, k]
+    weighted, size = _operand_sums(a.detach(), block, dtype)
     rhs = b.detach().to(dtype)
-    weighted = (block_weights(block, a.device, dtype) @ ab).flatten(-3, -2)  # [..., nb * 2, k]
-    sums = _matmul(weighted, rhs).unflatten(-2, (-1, 2))
-    magnitude = _matmul(ab.abs().sum(-2), rhs.abs())
+    sums = _matmul(weighted.flatten(-3, -2), rhs).unflatten(-2, (-1, 2))  # [..., nb, 2, n]
+    magnitude = _matmul(size, rhs.abs())
     return alpha * sums, abs(alpha) * magnitude
 
 

@@ -1,7 +1,8 @@
 """Verify, locate and correct one checked GEMM output in place (EEC-ABFT, DESIGN.md section 2).
 
 ``verify_and_correct(c, col, row)`` compares the reference checksums of C (from the inputs, see
-megatron_abft.checksum) with sums recomputed from C, then for every flagged vector:
+megatron_abft.checksum) with sums recomputed from C (both sides in one read of C by the compiled
+kernels of megatron_abft._ext where they are built), then for every flagged vector:
 
 1. locates the bad element: from the other side's flags when exactly one crossing vector is
    flagged (exact for any 0D error), else from the weighted checksum, loc = round(d2/d1) - 1, when
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from megatron_abft import _ext
 from megatron_abft.checksum import FLOATING, Checksums, as_blocks, block_weights, nblocks
 from megatron_abft.tolerance import Rounding, gemm_rounding, thresholds
 
@@ -104,7 +106,7 @@ def residuals(
         raise ValueError(f"side must be 'col' or 'row', got {side!r}")
     _check_inputs(c, ref if side == "col" else None, ref if side == "row" else None)
     check = _Check(gemm_rounding(c.dtype, c.device), threshold_scale, 0.0, 0, None)
-    found = _inspect(c, ref, side == "row", check)
+    found = _inspect(c, {side: ref}, check)[side]
     return Residuals(found.d1, found.d2, found.tau, found.tau_w, found.flagged)
 
 
@@ -152,8 +154,8 @@ def verify_and_correct(
 
     capacity = max_corrections if max_corrections is not None else max(c.shape[-2:])
     check = _Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
-    refs = {"col": (col, False), "row": (row, True)}
-    sides = {name: _inspect(c, ref, t, check) for name, (ref, t) in refs.items() if ref}
+    refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
+    sides = _inspect(c, refs, check)
     detected = _any_flagged(sides.values(), c.shape[:-2])
     kind = torch.stack([_kind(s, near_inf).amax((-2, -1)) for s in sides.values()]).amax(0)
     row, col, magnitude = _where(sides, c.shape[:-2])
@@ -168,7 +170,7 @@ def verify_and_correct(
             corrections.append(correction)
             if other and operands is None:  # rebuilt values carry this side's rounding noise
                 slack[other_name] = _slack(other, correction)
-        rechecked = [_inspect(c, *refs[name], check, slack.get(name)) for name in sides]
+        rechecked = _inspect(c, refs, check, slack).values()
         unresolved = _any_flagged(rechecked, c.shape[:-2])
         for correction in reversed(corrections):  # an uncorrectable matrix is left as it was
             correction.undo_where(unresolved)
@@ -208,7 +210,6 @@ class _Side:
     view: Tensor  # [*batch, R, N]: the vectors are its N columns (C, or C^T for the rows)
     ref: Checksums
     transposed: bool
-    blocks: Tensor  # C split into blocks along the checked dim, in the accumulation dtype
     d1: Tensor  # [*batch, nb, N]
     d2: Tensor
     tau: Tensor
@@ -220,29 +221,65 @@ class _Side:
         return min(self.ref.block, self.ref.length)
 
     def vectors(self, batch: tuple[Tensor, ...], blk: Tensor, j: Tensor) -> Tensor:
-        """The blocks of the vectors (batch, blk, j) as ``[K, block]``."""
-        if self.transposed:  # blocks is [*batch, m, nb, block]
-            return self.blocks[(*batch, j, blk)]
-        return self.blocks[(*batch, blk, slice(None), j)]  # blocks is [*batch, nb, block, n]
+        """The blocks of the vectors (batch, blk, j) as ``[K, block]`` in the checksums' dtype,
+        zero past the end of the view (gathered from C, which is never copied whole)."""
+        block, length = self.ref.block, self.view.shape[-2]
+        rows = blk.unsqueeze(-1) * block + torch.arange(block, device=blk.device)
+        index = (*(i.unsqueeze(-1) for i in batch), rows.clamp(max=length - 1), j.unsqueeze(-1))
+        return torch.where(rows < length, self.view[index].to(self.ref.sums.dtype), 0)
 
 
 def _inspect(
-    c: Tensor, ref: Checksums, transposed: bool, check: _Check, slack: Tensor | None = None
+    c: Tensor, refs: dict[str, Checksums], check: _Check, slack: dict[str, Tensor] | None = None
+) -> dict[str, _Side]:
+    """Recompute the sums of every vector of each side (``"col"``, ``"row"``) and compare them
+    with the references. ``slack`` widens a side's thresholds by the error of values rebuilt from
+    the other side."""
+    slack = slack or {}
+    found = _block_sums(c, refs)
+    return {
+        name: _compare(c, ref, name == "row", check, *found[name], slack.get(name))
+        for name, ref in refs.items()
+    }
+
+
+def _block_sums(c: Tensor, refs: dict[str, Checksums]) -> dict[str, tuple[Tensor, Tensor]]:
+    """Per side, the plain and weighted sums of C's vectors and of their magnitudes, each
+    ``[*batch, nb, 2, N]`` in the checksums' dtype. The compiled kernels read C once for both
+    sides; the PyTorch path (the reference) reads it once per side. Row sums run along C's own
+    last dim, so C is never transposed in memory."""
+    natural = torch.float64 if c.dtype == torch.float64 else torch.float32
+    if all(ref.sums.dtype == natural for ref in refs.values()):
+        col, row = (refs[name].block if name in refs else 0 for name in ("col", "row"))
+        fused = _ext.block_sums(c, col, row)
+        if fused is not None:
+            return {name: fused[:2] if name == "col" else fused[2:] for name in refs}
+    found = {}
+    for name, ref in refs.items():
+        dtype = ref.sums.dtype
+        weights = block_weights(ref.block, c.device, dtype)
+        if name == "row":
+            blocks = as_blocks(c, ref.block, dtype, dim=-1)  # [*batch, m, nb, block]
+            found[name] = (
+                (blocks @ weights.T).movedim(-3, -1),
+                (blocks.abs() @ weights.T).movedim(-3, -1),
+            )
+        else:
+            blocks = as_blocks(c, ref.block, dtype)  # [*batch, nb, block, n]
+            found[name] = (weights @ blocks, weights @ blocks.abs())
+    return found
+
+
+def _compare(
+    c: Tensor,
+    ref: Checksums,
+    transposed: bool,
+    check: _Check,
+    sums: Tensor,
+    sizes: Tensor,
+    slack: Tensor | None,
 ) -> _Side:
-    """Recompute the sums of every vector of one side and compare them with the reference (one
-    read of C). Row sums run along C's own last dim, so C is never transposed in memory.
-    ``slack`` widens the thresholds by the error of values rebuilt from the other side."""
-    dtype = ref.sums.dtype
-    weights = block_weights(ref.block, c.device, dtype)
-    if transposed:
-        blocks = as_blocks(c, ref.block, dtype, dim=-1)  # [*batch, m, nb, block]
-        sums, sizes = (
-            (blocks @ weights.T).movedim(-3, -1),
-            (blocks.abs() @ weights.T).movedim(-3, -1),
-        )
-    else:
-        blocks = as_blocks(c, ref.block, dtype)  # [*batch, nb, block, n]
-        sums, sizes = weights @ blocks, weights @ blocks.abs()
+    """One side's differences, thresholds and flags from its recomputed ``sums`` and ``sizes``."""
     d1, d2 = (ref.sums - sums).unbind(-2)  # plain and weighted differences
     size, size_w = sizes.unbind(-2)
     length = min(ref.block, ref.length)
@@ -260,7 +297,7 @@ def _inspect(
         tau, tau_w = tau + slack, tau_w + length * slack
     clean = torch.isfinite(tau_w) & (d1.abs() <= tau) & (d2.abs() <= tau_w)
     view = c.mT if transposed else c
-    return _Side(view, ref, transposed, blocks, d1, d2, tau, tau_w, ~clean)
+    return _Side(view, ref, transposed, d1, d2, tau, tau_w, ~clean)
 
 
 def _kind(side: _Side, near_inf: float) -> Tensor:

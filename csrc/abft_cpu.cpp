@@ -1,0 +1,212 @@
+// C++ implementation of the checksum kernels (abft.h) for CPU tensors: one pass over C produces
+// both sides' sums. A task is one band of rows of one matrix (a block of the column side, when
+// that side is checked), so tasks write disjoint outputs and run in parallel without atomics.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "abft.h"
+
+namespace abft {
+namespace {
+
+constexpr int64_t kRowBand = 64;  // rows per task when the column side is not checked
+
+// Inlined into each instruction-set clone of the entry points below.
+#define ABFT_INLINE inline __attribute__((always_inline))
+
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+ABFT_INLINE float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+ABFT_INLINE uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+ABFT_INLINE float load(const float* p) { return *p; }
+ABFT_INLINE double load(const double* p) { return *p; }
+ABFT_INLINE float load(const Bf16* p) { return from_bits(uint32_t(p->bits) << 16); }
+
+// IEEE half to float without branches, so that the conversion loop vectorises: normal numbers
+// are rebiased by a multiplication, subnormals rebuilt from a magic constant, and a mask picks
+// one (exact for all inputs, INF and NaN included).
+ABFT_INLINE float load(const F16* p) {
+  const uint32_t w = uint32_t(p->bits) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normal = from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float subnormal = from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t is_subnormal = 0u - uint32_t((two_w >> 27) == 0);  // all ones or zero
+  return from_bits(sign | (to_bits(subnormal) & is_subnormal) | (to_bits(normal) & ~is_subnormal));
+}
+
+int64_t band_height(const BlockSums& out) { return out.col_block > 0 ? out.col_block : kRowBand; }
+
+// One segment [0, len) of R = 1 or 2 consecutive rows x0, x1 (weights w0, w1 on the column
+// side): adds them into the column sums s0, s1, z0, z1 when kCols, and returns each row's own
+// sums over the segment in t when kRows. Two rows per pass halve the traffic to the column sums;
+// the eight row sums are independent chains, so the loop is not bound by the adds' latency.
+template <int R, bool kCols, bool kRows, typename Acc>
+ABFT_INLINE void segment(const Acc* __restrict__ x0, const Acc* __restrict__ x1, int64_t len,
+                         const Acc* __restrict__ weight, Acc w0, Acc w1, Acc* __restrict__ s0,
+                         Acc* __restrict__ s1, Acc* __restrict__ z0, Acc* __restrict__ z1,
+                         Acc (&t)[2][4]) {
+  Acc p0 = 0, p1 = 0, p2 = 0, p3 = 0, q0 = 0, q1 = 0, q2 = 0, q3 = 0;
+#pragma omp simd reduction(+ : p0, p1, p2, p3, q0, q1, q2, q3)
+  for (int64_t j = 0; j < len; ++j) {
+    const Acc v0 = x0[j], a0 = std::abs(v0);
+    const Acc v1 = R == 2 ? x1[j] : Acc(0), a1 = std::abs(v1);
+    if constexpr (kCols) {
+      s0[j] += R == 2 ? v0 + v1 : v0;
+      s1[j] += R == 2 ? w0 * v0 + w1 * v1 : w0 * v0;
+      z0[j] += R == 2 ? a0 + a1 : a0;
+      z1[j] += R == 2 ? w0 * a0 + w1 * a1 : w0 * a0;
+    }
+    if constexpr (kRows) {
+      p0 += v0;
+      p1 += weight[j] * v0;
+      p2 += a0;
+      p3 += weight[j] * a0;
+      if constexpr (R == 2) {
+        q0 += v1;
+        q1 += weight[j] * v1;
+        q2 += a1;
+        q3 += weight[j] * a1;
+      }
+    }
+  }
+  t[0][0] = p0, t[0][1] = p1, t[0][2] = p2, t[0][3] = p3;
+  t[1][0] = q0, t[1][1] = q1, t[1][2] = q2, t[1][3] = q3;
+}
+
+template <typename T, typename Acc>
+ABFT_INLINE void load_row(const T* row, int64_t stride, int64_t cols, Acc* __restrict__ x) {
+  if (stride == 1) {
+    for (int64_t j = 0; j < cols; ++j) x[j] = load(row + j);
+  } else {
+    for (int64_t j = 0; j < cols; ++j) x[j] = load(row + j * stride);
+  }
+}
+
+// Rows [i, i + R) of one band: their column sums (when kCols) and row sums (when the row side is
+// checked, nbr > 0).
+template <int R, bool kCols, typename Acc>
+ABFT_INLINE void rows_step(const MatrixBatch& c, const BlockSums& out, int64_t b, int64_t i,
+                           int64_t nbr, const Acc* x, const Acc* weight, Acc w0, Acc* s0,
+                           Acc* s1, Acc* z0, Acc* z1) {
+  const int64_t cols = c.cols, rows = c.rows;
+  const Acc* x1 = x + cols;
+  Acc t[2][4];
+  if (nbr == 0) {
+    segment<R, kCols, false>(x, x1, cols, weight, w0, w0 + 1, s0, s1, z0, z1, t);
+    return;
+  }
+  Acc* row_sums = static_cast<Acc*>(out.row_sums);
+  Acc* row_sizes = static_cast<Acc*>(out.row_sizes);
+  for (int64_t cb = 0; cb < nbr; ++cb) {
+    const int64_t j0 = cb * out.row_block, len = std::min(cols - j0, out.row_block);
+    if constexpr (kCols) {
+      segment<R, true, true>(x + j0, x1 + j0, len, weight, w0, w0 + 1, s0 + j0, s1 + j0, z0 + j0,
+                             z1 + j0, t);
+    } else {
+      segment<R, false, true>(x + j0, x1 + j0, len, weight, w0, w0 + 1, s0, s1, z0, z1, t);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (b * nbr + cb) * 2 * rows + i + r;
+      row_sums[at] = t[r][0];
+      row_sums[at + rows] = t[r][1];
+      row_sizes[at] = t[r][2];
+      row_sizes[at + rows] = t[r][3];
+    }
+  }
+}
+
+template <bool kCols, typename T, typename Acc>
+ABFT_INLINE void band(const MatrixBatch& c, const BlockSums& out, int64_t task, Acc* x,
+                      const Acc* weight) {
+  const int64_t rows = c.rows, cols = c.cols, height = band_height(out);
+  const int64_t bands = ceil_div(rows, height);
+  const int64_t b = task / bands, r0 = (task % bands) * height, r1 = std::min(rows, r0 + height);
+  const T* base = static_cast<const T*>(c.data) + batch_offset(c, b);
+  Acc *s0 = nullptr, *s1 = nullptr, *z0 = nullptr, *z1 = nullptr;
+  if constexpr (kCols) {  // this band is column block r0 / col_block of matrix b
+    const int64_t at = (b * bands + r0 / height) * 2 * cols;
+    s0 = static_cast<Acc*>(out.col_sums) + at;
+    s1 = s0 + cols;
+    z0 = static_cast<Acc*>(out.col_sizes) + at;
+    z1 = z0 + cols;
+    std::fill(s0, s0 + 2 * cols, Acc(0));
+    std::fill(z0, z0 + 2 * cols, Acc(0));
+  }
+  const int64_t nbr = out.row_block > 0 ? ceil_div(cols, out.row_block) : 0;
+  int64_t i = r0;
+  for (; i + 1 < r1; i += 2) {
+    load_row(base + i * c.row_stride, c.col_stride, cols, x);
+    load_row(base + (i + 1) * c.row_stride, c.col_stride, cols, x + cols);
+    rows_step<2, kCols>(c, out, b, i, nbr, x, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
+  }
+  if (i < r1) {
+    load_row(base + i * c.row_stride, c.col_stride, cols, x);
+    rows_step<1, kCols>(c, out, b, i, nbr, x, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
+  }
+}
+
+// On x86 compiled once per instruction set, and the best one the CPU has runs.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ABFT_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define ABFT_CLONES
+#endif
+
+#define ABFT_BANDS(NAME, T, ACC)                                                            \
+  ABFT_CLONES void NAME(const MatrixBatch& c, const BlockSums& out, int64_t begin,          \
+                        int64_t end) {                                                      \
+    std::vector<ACC> x(2 * c.cols);                                                         \
+    std::vector<ACC> weight(std::max<int64_t>(out.row_block, 0));                           \
+    for (size_t j = 0; j < weight.size(); ++j) weight[j] = ACC(j + 1);                      \
+    for (int64_t task = begin; task < end; ++task) {                                        \
+      if (out.col_block > 0) {                                                              \
+        band<true, T, ACC>(c, out, task, x.data(), weight.data());                          \
+      } else {                                                                              \
+        band<false, T, ACC>(c, out, task, x.data(), weight.data());                         \
+      }                                                                                     \
+    }                                                                                       \
+  }
+
+ABFT_BANDS(bands_f32, float, float)
+ABFT_BANDS(bands_f64, double, double)
+ABFT_BANDS(bands_bf16, Bf16, float)
+ABFT_BANDS(bands_f16, F16, float)
+
+}  // namespace
+
+int64_t block_sums_tasks(const MatrixBatch& c, const BlockSums& out) {
+  return c.batch * ceil_div(c.rows, band_height(out));
+}
+
+void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, int64_t end) {
+  switch (c.dtype) {
+    case DType::F32:
+      return bands_f32(c, out, begin, end);
+    case DType::F64:
+      return bands_f64(c, out, begin, end);
+    case DType::BF16:
+      return bands_bf16(c, out, begin, end);
+    case DType::F16:
+      return bands_f16(c, out, begin, end);
+  }
+}
+
+}  // namespace abft

@@ -1,0 +1,151 @@
+// CUDA kernels for the checksums of abft.h. No torch headers: this file compiles in about a
+// second, and only through intrinsics for fp16/bf16, so that torch's __CUDA_NO_HALF_* flags hold.
+//
+// One thread block owns one tile of one matrix: a block of the column side (rows) by a block of
+// the row side (columns), so every output has one writer and the sums are deterministic. Each
+// thread walks one column of the tile, keeping its column sums in registers; each row's sums are
+// reduced across a warp by shuffles, and across the block's warps in shared memory.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "abft.h"
+
+namespace abft {
+namespace {
+
+constexpr int kThreads = 256;  // columns per pass over a tile: one per thread
+constexpr int kWarps = kThreads / 32;
+constexpr int64_t kRowBand = 64;        // tile height when the column side is not checked
+constexpr int64_t kColBand = kThreads;  // tile width when the row side is not checked
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ float load(const float* p) { return *p; }
+__device__ __forceinline__ double load(const double* p) { return *p; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
+
+__device__ __forceinline__ float magnitude(float x) { return fabsf(x); }
+__device__ __forceinline__ double magnitude(double x) { return fabs(x); }
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads)
+    block_sums_kernel(MatrixBatch c, BlockSums out, int64_t height, int64_t width,
+                      int64_t row_tiles, int64_t col_tiles, int64_t tiles) {
+  __shared__ Acc part[kWarps][32][4];  // per warp, per row of a chunk: the warp's row sums
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const bool cols_checked = out.col_block > 0, rows_checked = out.row_block > 0;
+  const int64_t nbr = rows_checked ? ceil_div(c.cols, out.row_block) : 0;
+  Acc* row_sums = static_cast<Acc*>(out.row_sums);
+  Acc* row_sizes = static_cast<Acc*>(out.row_sizes);
+
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t ct = tile % col_tiles, rt = (tile / col_tiles) % row_tiles;
+    const int64_t b = tile / (col_tiles * row_tiles);
+    const int64_t r0 = rt * height, r1 = min64(c.rows, r0 + height);
+    const int64_t c0 = ct * width, c1 = min64(c.cols, c0 + width);
+    const T* base = static_cast<const T*>(c.data) + batch_offset(c, b);
+
+    for (int64_t g = c0; g < c1; g += blockDim.x) {  // one pass per group of columns
+      const int64_t j = g + threadIdx.x;
+      const bool valid = j < c1;
+      const T* column = base + (valid ? j : c0) * c.col_stride;
+      const Acc wj = Acc(j - c0 + 1);
+      Acc s0 = 0, s1 = 0, z0 = 0, z1 = 0;
+      for (int64_t q0 = r0; q0 < r1; q0 += 32) {  // chunks of 32 rows
+        const int n = int(min64(32, r1 - q0));
+        Acc mine[4] = {0, 0, 0, 0};  // lane r: this warp's sums of row q0 + r
+#pragma unroll 4
+        for (int r = 0; r < n; ++r) {
+          const int64_t i = q0 + r;
+          const Acc v = valid ? Acc(load(column + i * c.row_stride)) : Acc(0);
+          const Acc a = magnitude(v), wi = Acc(i - r0 + 1);
+          s0 += v;
+          s1 += wi * v;
+          z0 += a;
+          z1 += wi * a;
+          if (rows_checked) {
+            Acc t[4] = {v, wj * v, a, wj * a};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+#pragma unroll
+              for (int offset = 16; offset > 0; offset >>= 1) {
+                t[k] += __shfl_xor_sync(kFullMask, t[k], offset);
+              }
+            }
+            if (lane == r) {
+#pragma unroll
+              for (int k = 0; k < 4; ++k) mine[k] = t[k];
+            }
+          }
+        }
+        if (rows_checked) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) part[warp][lane][k] = mine[k];
+          __syncthreads();
+          if (warp == 0 && lane < n) {
+            Acc total[4] = {0, 0, 0, 0};
+            for (int w = 0; w < warps; ++w) {
+#pragma unroll
+              for (int k = 0; k < 4; ++k) total[k] += part[w][lane][k];
+            }
+            const int64_t at = (b * nbr + c0 / out.row_block) * 2 * c.rows + q0 + lane;
+            if (g != c0) {  // a later pass over the same rows adds to the earlier ones
+              total[0] += row_sums[at];
+              total[1] += row_sums[at + c.rows];
+              total[2] += row_sizes[at];
+              total[3] += row_sizes[at + c.rows];
+            }
+            row_sums[at] = total[0];
+            row_sums[at + c.rows] = total[1];
+            row_sizes[at] = total[2];
+            row_sizes[at + c.rows] = total[3];
+          }
+          __syncthreads();
+        }
+      }
+      if (cols_checked && valid) {
+        const int64_t at = (b * row_tiles + rt) * 2 * c.cols + j;
+        Acc* sums = static_cast<Acc*>(out.col_sums);
+        Acc* sizes = static_cast<Acc*>(out.col_sizes);
+        sums[at] = s0;
+        sums[at + c.cols] = s1;
+        sizes[at] = z0;
+        sizes[at + c.cols] = z1;
+      }
+    }
+  }
+}
+
+template <typename T, typename Acc>
+int launch(const MatrixBatch& c, const BlockSums& out, cudaStream_t stream) {
+  const int64_t height = out.col_block > 0 ? out.col_block : kRowBand;
+  const int64_t width = out.row_block > 0 ? out.row_block : kColBand;
+  const int64_t row_tiles = ceil_div(c.rows, height), col_tiles = ceil_div(c.cols, width);
+  const int64_t tiles = c.batch * row_tiles * col_tiles;
+  if (tiles == 0) return cudaSuccess;
+  const int threads = int(min64(kThreads, ceil_div(min64(width, c.cols), 32) * 32));
+  const unsigned grid = unsigned(min64(tiles, 0x7fffffff));
+  block_sums_kernel<T, Acc>
+      <<<grid, threads, 0, stream>>>(c, out, height, width, row_tiles, col_tiles, tiles);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (c.dtype) {
+    case DType::F32:
+      return launch<float, float>(c, out, s);
+    case DType::F64:
+      return launch<double, double>(c, out, s);
+    case DType::BF16:
+      return launch<__nv_bfloat16, float>(c, out, s);
+    case DType::F16:
+      return launch<__half, float>(c, out, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace abft

@@ -1,0 +1,95 @@
+"""The compiled checksum kernels (csrc/, built by setup.py as ``megatron_abft._C``), or the
+reason the PyTorch path is in use.
+
+The extension is imported on first use, so ``import megatron_abft`` works without it.
+``block_sums`` returns None wherever the kernels do not apply (no extension, a device without a
+kernel, meta tensors); callers then take their PyTorch path, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_MAX_DIMS = 10  # [*batch, m, n] with at most 8 batch dims (csrc/abft.h)
+_disabled = False
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str]:
+    """The extension module (its import registers torch.ops.megatron_abft), or None and why."""
+    try:
+        from megatron_abft import _C
+    except ImportError as error:
+        return None, (
+            f"megatron_abft._C is not built ({error}); build it with "
+            "`pip install --no-build-isolation --no-deps -e .` (ABFT_BUILD=auto|cuda|cpu)"
+        )
+    _register_fake()
+    return _C, ""
+
+
+def available() -> bool:
+    """Whether the compiled kernels are loaded (and not disabled)."""
+    return not _disabled and _load()[0] is not None
+
+
+def backend() -> str:
+    """Where checksum sums run: ``"cuda"`` (CUDA kernels and a GPU), ``"cpu"`` (the C++ kernels:
+    no GPU, or an extension built without CUDA, whose CUDA tensors take the PyTorch path) or
+    ``"torch (<reason>)"``."""
+    module, reason = _load()
+    if _disabled:
+        return "torch (the extension is disabled by megatron_abft._ext.disabled())"
+    if module is None:
+        return f"torch ({reason})"
+    return "cuda" if module.cuda and torch.cuda.is_available() else "cpu"
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Run the PyTorch reference path inside this block (tests and benchmarks compare both)."""
+    global _disabled
+    previous, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = previous
+
+
+def _serves(c: Tensor) -> bool:
+    if not available() or c.dtype not in _KERNEL_DTYPES or not 2 <= c.dim() <= _MAX_DIMS:
+        return False
+    return c.device.type == "cpu" or (c.device.type == "cuda" and bool(_load()[0].cuda))
+
+
+def block_sums(
+    c: Tensor, col_block: int, row_block: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """One read of ``c [..., m, n]`` for both sides of a check: the column side's sums and sizes
+    ``[..., ceil(m / col_block), 2, n]`` and the row side's ``[..., ceil(n / row_block), 2, m]``
+    (a block of 0 skips that side). Sums are (sum x, sum w x), sizes (sum |x|, sum w |x|) with
+    w = 1, 2, ... from each block's start, in fp32 (fp64 for fp64). None where the kernels do
+    not apply."""
+    if not _serves(c):
+        return None
+    return torch.ops.megatron_abft.block_sums(c, col_block, row_block)
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("megatron_abft::block_sums")
+    def _(c: Tensor, col_block: int, row_block: int):
+        batch, (m, n) = c.shape[:-2], c.shape[-2:]
+        dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
+        col = (*batch, -(-m // col_block) if col_block else 0, 2, n)
+        row = (*batch, -(-n // row_block) if row_block else 0, 2, m)
+        return (
+            *(c.new_empty(col, dtype=dtype) for _ in range(2)),
+            *(c.new_empty(row, dtype=dtype) for _ in range(2)),
+        )

@@ -1,0 +1,309 @@
+"""The compiled checksum kernels (csrc/, megatron_abft._ext) against an fp64 reference and the
+PyTorch path of eec.py: on CPU always, on CUDA where a GPU is present."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from megatron_abft import _ext
+from megatron_abft.checksum import encode
+from megatron_abft.eec import GemmOperands, residuals, verify_and_correct
+from megatron_abft.faults import TensorFault, inject_
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+BLOCKS = [0, 2, 3, 16, 64, 255, 256, 300, 1024]
+PROPERTY = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+needs_ext = pytest.mark.skipif(not _ext.available(), reason=_ext.backend())
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _ext.available()), reason="needs a GPU and the extension"
+)
+
+
+def block_sums(c, col_block, row_block):
+    return torch.ops.megatron_abft.block_sums(c, col_block, row_block)
+
+
+def reference(c: torch.Tensor, block: int, side: str) -> torch.Tensor:
+    """fp64 plain and weighted sums of one side's vectors, [..., nb, 2, N], block by block."""
+    x = (c if side == "col" else c.mT).double()
+    parts = []
+    for start in range(0, x.shape[-2], block):
+        part = x[..., start : start + block, :]
+        w = torch.arange(1, part.shape[-2] + 1, dtype=torch.float64).unsqueeze(-1)
+        parts.append(torch.stack([part, w * part]).sum(-2).movedim(0, -2))
+    return torch.stack(parts, -3)
+
+
+def assert_sums_match(got, want, sizes, block: int, dtype: torch.dtype) -> None:
+    """Equal up to the rounding of a sum of ``block`` terms in the accumulation dtype: same NaNs
+    and INFs, finite values within (block + 2) eps sum |terms|."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert got.dtype == acc and got.shape == want.shape
+    got = got.double().cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[got.isinf()], want[want.isinf()])
+    finite = want.isfinite()
+    bound = (block + 2) * torch.finfo(acc).eps * sizes + torch.finfo(acc).tiny
+    assert ((got - want).abs()[finite] <= bound[finite]).all()
+
+
+def check_block_sums(c: torch.Tensor, col_block: int, row_block: int) -> None:
+    out = block_sums(c, col_block, row_block)
+    for (sums, sizes), block, side in ((out[:2], col_block, "col"), (out[2:], row_block, "row")):
+        if block == 0:
+            assert sums.shape[-3] == 0 and sizes.shape[-3] == 0
+            continue
+        bound = reference(c.cpu().abs().nan_to_num(0, 0, 0), block, side)
+        assert_sums_match(sums, reference(c.cpu(), block, side), bound, block, c.dtype)
+        assert_sums_match(sizes, reference(c.cpu().abs(), block, side), bound, block, c.dtype)
+
+
+@st.composite
+def matrices(draw, device: str = "cpu"):
+    """A strided batch of matrices with values over 12 decades and, sometimes, INF and NaN."""
+    dtype = draw(st.sampled_from(DTYPES))
+    batch = draw(st.sampled_from([(), (3,), (2, 3)]))
+    m, n = draw(st.integers(1, 300)), draw(st.integers(1, 300))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    top = 3 if dtype == torch.float16 else 6
+    scale = 10.0 ** torch.empty(*batch, m, 1).uniform_(-6, top, generator=g)
+    values = torch.randn(*batch, m, n, generator=g) * scale
+    for special in draw(st.lists(st.sampled_from([float("inf"), -float("inf"), float("nan")]))):
+        values.view(-1)[int(torch.randint(values.numel(), (1,), generator=g))] = special
+    values = values.to(device=device, dtype=dtype)
+    layout = draw(st.sampled_from(["contiguous", "column-major", "sliced", "broadcast"]))
+    if layout == "column-major":
+        c = values.mT.contiguous().mT
+    elif layout == "sliced":  # every other column of a larger buffer, offset by one row
+        c = values.new_zeros(*batch, m + 1, 2 * n + 1)[..., 1:, 1::2]
+        c.copy_(values)
+    elif layout == "broadcast":  # one matrix seen through stride-0 batch dims
+        c = values[(0,) * len(batch)].expand(*batch, m, n)
+    else:
+        c = values
+    blocks = st.sampled_from(BLOCKS)
+    col_block, row_block = draw(blocks), draw(blocks)
+    if col_block == row_block == 0:
+        col_block = 2
+    return c, col_block, row_block
+
+
+def test_the_extension_is_built_and_says_which_path_runs():
+    if os.environ.get("ABFT_BUILD") == "none":
+        assert not _ext.available() and _ext.backend().startswith("torch (")
+        return
+    assert _ext.available(), _ext.backend()
+    from megatron_abft import _C
+
+    assert _ext.backend() == ("cuda" if _C.cuda and torch.cuda.is_available() else "cpu")
+    with _ext.disabled():
+        assert not _ext.available() and "disabled" in _ext.backend()
+        assert _ext.block_sums(torch.ones(2, 2), 2, 2) is None
+    assert _ext.available()
+
+
+@needs_ext
+@PROPERTY
+@given(case=matrices())
+@example(case=(torch.randn(4, 1024, 1024).bfloat16(), 256, 256))
+@example(case=(torch.randn(3, 600, 700).half().mT, 256, 512))
+def test_cpu_kernels_equal_the_fp64_sums(case):
+    check_block_sums(*case)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_half_precision_value_is_read_exactly(dtype):
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    for c, col_block, row_block, index in ((every[:, None], 0, 2, 2), (every[None], 2, 0, 0)):
+        got = block_sums(c, col_block, row_block)[index][0, 0]  # the plain sums: x itself
+        assert torch.equal(got.isnan(), every.isnan())
+        assert torch.equal(got.nan_to_num(), every.float().nan_to_num())
+
+
+def gemm_case(dtype, batch, m, k, n, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(*batch, m, k, generator=g).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    bias_t = torch.randn(n, generator=g).to(dtype) if bias else None
+    c = (0.5 * (a @ b) + (0 if bias_t is None else bias_t)).to(dtype)
+    return a, b, bias_t, c
+
+
+@needs_ext
+@PROPERTY
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.sampled_from([(), (2,), (2, 3)]),
+    m=st.integers(1, 200),
+    k=st.integers(1, 64),
+    n=st.integers(1, 200),
+    block=st.sampled_from([2, 16, 64, 256]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_encoding_through_the_kernels_equals_the_pytorch_path(
+    dtype, batch, m, k, n, block, bias, seed
+):
+    a, b, bias_t, _ = gemm_case(dtype, batch, m, k, n, seed, bias)
+    fused = encode(a, b, alpha=0.5, bias=bias_t, block=block)
+    with _ext.disabled():
+        reference_sums = encode(a, b, alpha=0.5, bias=bias_t, block=block)
+    for got, want in zip(fused, reference_sums, strict=True):
+        assert got.sums.dtype == want.sums.dtype and got.sums.shape == want.sums.shape
+        tol = (block + k + 4) * torch.finfo(want.sums.dtype).eps * want.magnitude
+        weights = torch.tensor([1.0, block], dtype=tol.dtype).unsqueeze(-1)  # w_i <= block
+        assert ((got.sums - want.sums).abs() <= weights * tol.unsqueeze(-2)).all()
+        assert ((got.magnitude - want.magnitude).abs() <= tol).all()
+        assert (got.bias_magnitude is None) == (want.bias_magnitude is None)
+
+
+@needs_ext
+@PROPERTY
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.sampled_from([(2,), (2, 3)]),
+    m=st.integers(2, 300),
+    n=st.integers(2, 300),
+    block=st.sampled_from([2, 16, 64, 256]),
+    kind=st.sampled_from(["inf", "-inf", "nan", "near_inf", "value", "none"]),
+    pattern=st.sampled_from(["0d", "row", "col", "2d"]),
+    with_operands=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_verify_and_correct_through_the_kernels_equals_the_pytorch_path(
+    dtype, batch, m, n, block, kind, pattern, with_operands, seed
+):
+    a, b, bias, c = gemm_case(dtype, batch, m, 16, n, seed)
+    if kind != "none":
+        inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))
+    col, row = encode(a, b, alpha=0.5, block=block)
+    operands = GemmOperands(a, b, 0.5) if with_operands else None
+    fused_c, torch_c = c.clone(), c.clone()
+    fused = verify_and_correct(fused_c, col, row, operands=operands, check_references=False)
+    with _ext.disabled():
+        reference_result = verify_and_correct(
+            torch_c, col, row, operands=operands, check_references=False
+        )
+    assert torch.equal(fused_c.isnan(), torch_c.isnan())
+    assert torch.equal(fused_c.nan_to_num(), torch_c.nan_to_num())  # bit for bit
+    for name in ("counts", "status", "kind"):
+        assert torch.equal(getattr(fused, name), getattr(reference_result, name)), name
+    for name in ("row", "col"):  # the worst of equally wrong vectors may differ by rounding
+        got, want = getattr(fused, name), getattr(reference_result, name)
+        assert torch.equal(got, want) if pattern == "0d" else torch.equal(got < 0, want < 0)
+    torch.testing.assert_close(fused.magnitude, reference_result.magnitude, equal_nan=True)
+    for side, ref in (("col", col), ("row", row)):
+        got = residuals(fused_c, ref, side=side)
+        with _ext.disabled():
+            want = residuals(fused_c, ref, side=side)
+        assert torch.equal(got.flagged, want.flagged)
+        torch.testing.assert_close(got.tau, want.tau, equal_nan=True)
+
+
+@needs_ext
+def test_one_call_reads_c_for_both_sides(monkeypatch):
+    calls = []
+    kernel = _ext.block_sums
+
+    def spy(c, col_block, row_block):
+        calls.append((col_block, row_block))
+        return kernel(c, col_block, row_block)
+
+    monkeypatch.setattr(_ext, "block_sums", spy)
+    a, b, _, c = gemm_case(torch.bfloat16, (2,), 90, 8, 70, seed=0)
+    col, row = encode(a, b, alpha=0.5, block=32)
+    calls.clear()
+    inject_(c, TensorFault("inf", "0d", seed=1))
+    result = verify_and_correct(c, col, row)
+    assert result.status.tolist().count(1) == 1
+    assert calls == [(32, 32), (32, 32)]  # the check, and the re-check after correcting
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "c, col_block, row_block",
+    [
+        (torch.randn(3, 37, 53), 16, 7),
+        (torch.randn(2, 3, 40, 30, dtype=torch.float64).mT, 0, 8),
+        (torch.randn(1, 200, 300).bfloat16()[..., ::3], 64, 0),
+        (torch.randn(5, 1).half(), 2, 2),
+    ],
+)
+def test_opcheck_schema_fake_and_autograd_registration(c, col_block, row_block):
+    torch.library.opcheck(torch.ops.megatron_abft.block_sums.default, (c, col_block, row_block))
+
+
+@needs_ext
+def test_tensors_the_kernels_do_not_serve_take_the_pytorch_path():
+    assert _ext.block_sums(torch.empty(4, 4, device="meta"), 2, 2) is None
+    assert _ext.block_sums(torch.ones(4, 4, dtype=torch.int32), 2, 2) is None
+    assert _ext.block_sums(torch.ones(*(1,) * 9, 4, 4), 2, 2) is None
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "c, col_block, row_block, message",
+    [
+        (torch.ones(4, 4, dtype=torch.int32), 2, 2, "c must be fp32, fp64, bf16 or fp16; got Int"),
+        (torch.ones(4), 2, 2, r"c must be \[\*batch, m, n\]"),
+        (torch.ones(*(1,) * 9, 4, 4), 2, 2, "at most 8 batch dims"),
+        (torch.ones(4, 4), 1, 2, "col_block must be 0 .* or >= 2; got 1"),
+        (torch.ones(4, 4), 2, -3, "row_block must be 0 .* or >= 2; got -3"),
+        (torch.ones(4, 4), 0, 0, "give col_block or row_block"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(c, col_block, row_block, message):
+    with pytest.raises((RuntimeError, NotImplementedError), match=message):
+        block_sums(c, col_block, row_block)
+
+
+@needs_cuda
+@PROPERTY
+@given(case=matrices(device="cuda"))
+@example(case=(torch.randn(4, 1024, 1024).bfloat16(), 256, 256))
+@example(case=(torch.randn(3, 600, 2100).half(), 100, 1000))
+def test_cuda_kernels_equal_the_fp64_sums(case):
+    c, col_block, row_block = case
+    check_block_sums(c.cuda(), col_block, row_block)  # the examples are made on the CPU
+
+
+@needs_cuda
+def test_cuda_verify_and_correct_equals_the_cpu_result():
+    a, b, _, c = gemm_case(torch.bfloat16, (2, 4), 512, 64, 384, seed=3)
+    inject_(c, TensorFault("nan", "row", batch_index=5, seed=3))
+    inject_(c, TensorFault("near_inf", "0d", batch_index=2, seed=4))
+    results = {}
+    for device in ("cpu", "cuda"):
+        a_d, b_d, out = a.to(device), b.to(device), c.clone().to(device)
+        col, row = encode(a_d, b_d, alpha=0.5, block=128)
+        results[device] = (
+            verify_and_correct(out, col, row, operands=GemmOperands(a_d, b_d, 0.5)),
+            out,
+        )
+    (cpu, cpu_c), (gpu, gpu_c) = results["cpu"], results["cuda"]
+    assert torch.equal(gpu.status.cpu(), cpu.status) and torch.equal(gpu.counts.cpu(), cpu.counts)
+    assert torch.isfinite(gpu_c).all()
+    torch.testing.assert_close(gpu_c.cpu(), cpu_c)
+
+
+@needs_cuda
+def test_cuda_opcheck_and_current_stream():
+    c = torch.randn(2, 300, 200, device="cuda")
+    torch.library.opcheck(torch.ops.megatron_abft.block_sums.default, (c, 64, 128))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        got = block_sums(c, 64, 128)
+    stream.synchronize()
+    for g, w in zip(got, block_sums(c, 64, 128), strict=True):
+        torch.testing.assert_close(g, w)
