@@ -16,12 +16,18 @@ Megatron's own local spec without ``--abft``). Importing this module does not im
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_abft.config import POLICIES, SECTIONS, ABFTConfig
+from megatron_abft.eec import KINDS
 from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
+from megatron_abft.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
+from megatron_abft.scaling import DEVICES, ModelShape, baseline_forward, predict
 
 __all__ = [
     "FaultPlan",
@@ -241,6 +247,37 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Seed of the random faults (default: --seed).",
     )
     group.add_argument(
+        "--abft-coverage-target",
+        type=_fraction,
+        default=None,
+        metavar="P",
+        help="Pick per-section check intervals that catch this share of harmful faults at least "
+        "cost (the check-frequency optimizer, megatron_abft.frequency); overrides "
+        "--abft-sections and --abft-check-interval.",
+    )
+    group.add_argument(
+        "--abft-fault-rates",
+        type=parse_fault_rates,
+        default={"inf": 1.0, "nan": 1.0, "near_inf": 1.0, "finite": 1.0},
+        metavar="KIND=RATE,...",
+        help="Relative rates of each kind of fault (inf, nan, near_inf, finite) for "
+        "--abft-coverage-target (default: all equal).",
+    )
+    group.add_argument(
+        "--abft-vulnerability",
+        default=None,
+        metavar="FILE.json",
+        help="Per-section chance that a fault of each kind makes training non-trainable "
+        '({"scores": {"inf": 1.0, ...}, ...}, as tools/fault_campaign.py writes it); default: '
+        "megatron_abft.frequency.DEFAULT_VULNERABILITY in every section.",
+    )
+    group.add_argument(
+        "--abft-cost-device",
+        choices=tuple(DEVICES),
+        default="H100",
+        help="Device profile for the check costs the coverage optimizer weighs (scaling.py).",
+    )
+    group.add_argument(
         "--abft-events-file",
         default=None,
         metavar="PATH",
@@ -250,12 +287,75 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_fault_rates(text: str) -> dict[str, float]:
+    """``inf=1e-9,nan=1e-9,...`` -> {kind: rate}; kinds as megatron_abft.eec.KINDS."""
+    rates = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, value = item.partition("=")
+        if kind not in KINDS:
+            raise argparse.ArgumentTypeError(
+                f"unknown fault kind {kind!r} in {text!r}; choose from {', '.join(KINDS)}"
+            )
+        try:
+            rate = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"rate of {kind!r} must be a number, got {value!r}"
+            ) from None
+        if not (rate >= 0 and math.isfinite(rate)):
+            raise argparse.ArgumentTypeError(f"rate of {kind!r} must be >= 0, got {value!r}")
+        rates[kind] = rate
+    if not rates:
+        raise argparse.ArgumentTypeError("give at least one KIND=RATE")
+    return rates
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 0 and 1")
+    return value
+
+
+def coverage_intervals(args: argparse.Namespace) -> dict[str, int | None]:
+    """Per-section check intervals (None: off) from ``--abft-coverage-target``: faults land in a
+    section in proportion to its GEMM work, cost is the overhead model's for this model shape."""
+    vulnerability = dict.fromkeys(SECTIONS, DEFAULT_VULNERABILITY)
+    if args.abft_vulnerability:
+        measured = json.loads(Path(args.abft_vulnerability).read_text())
+        vulnerability.update({s: measured[s] for s in SECTIONS if s in measured})
+    shape = ModelShape(
+        "this run",
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.ffn_hidden_size or 4 * args.hidden_size,
+        getattr(args, "padded_vocab_size", None) or 50304,
+        seq=args.seq_length,
+        micro_batch=args.micro_batch_size,
+        tp=args.tensor_model_parallel_size,
+        kv_groups=args.num_query_groups if getattr(args, "group_query_attention", True) else None,
+        dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        block=args.abft_block_size,
+    )
+    forward = baseline_forward(shape)
+    exposure = {s: forward[s].flops for s in SECTIONS}
+    costs = predict(shape, DEVICES[args.abft_cost_device], "torch").sections
+    rates = harm(args.abft_fault_rates, vulnerability, exposure)
+    return choose_intervals(rates, costs, args.abft_coverage_target)
+
+
 def abft_config_from_args(args: argparse.Namespace, enabled: bool | None = None) -> ABFTConfig:
     """The ABFTConfig the ``--abft*`` flags describe (``enabled`` overrides ``--abft``)."""
+    sections, interval = args.abft_sections, args.abft_check_interval
+    if getattr(args, "abft_coverage_target", None) is not None:
+        chosen = coverage_intervals(args)
+        sections = tuple(s for s, n in chosen.items() if n)
+        interval = {s: n for s, n in chosen.items() if n}
     return ABFTConfig(
         enabled=bool(args.abft) if enabled is None else enabled,
-        sections=args.abft_sections,
-        check_interval=args.abft_check_interval,
+        sections=sections,
+        check_interval=interval,
         block_size=args.abft_block_size,
         threshold_scale=args.abft_threshold_scale,
         on_uncorrectable=args.abft_on_uncorrectable,

@@ -577,10 +577,14 @@ def _data_parallel_mean(losses: list[torch.Tensor]) -> float | None:
 
 def _abft_banner(args, plan: FaultPlan) -> str:
     if args.abft:
-        text = (
-            f"on: {','.join(args.abft_sections)}, check interval {args.abft_check_interval}, "
-            f"uncorrectable -> {args.abft_on_uncorrectable}"
-        )
+        config = abft_config_from_args(args)
+        intervals = ",".join(f"{s}={config.interval(s)}" for s in config.sections) or "none"
+        text = f"on: check every N steps {intervals}, uncorrectable -> {config.on_uncorrectable}"
+        if args.abft_coverage_target is not None:
+            text += (
+                f" (intervals for coverage {args.abft_coverage_target} at fault rates "
+                f"{args.abft_fault_rates})"
+            )
     else:
         text = "off (Megatron's local layers)"
     if plan.active:

@@ -265,6 +265,29 @@ def test_yaml_sets_flags_and_the_command_line_wins(tmp_path):
     assert [(f.section, f.step) for f in args.abft_inject] == [("qkv", 3)]  # replaced, not merged
 
 
+def test_a_coverage_target_sets_the_check_intervals():
+    """The check-frequency optimizer picks the sections and intervals (megatron_abft.frequency):
+    nothing for a zero target, every section every step for full coverage, and in between the
+    cheapest sections first, whose choice the launch banner logs."""
+    from arguments import parse_args
+
+    from megatron_abft.megatron_lm import abft_config_from_args
+
+    def config(*flags):
+        args = parse_args(["--config", str(TINY), "--abft", *flags], world_size=2)
+        return abft_config_from_args(args)
+
+    full = config("--abft-coverage-target", "1")
+    assert full.sections == ("qkv", "scores", "context", "proj")
+    assert {full.interval(s) for s in full.sections} == {1}
+    assert config("--abft-coverage-target", "0").sections == ()
+    half = config("--abft-coverage-target", "0.5", "--abft-fault-rates", "nan=1")
+    assert 0 < len(half.sections) < 4
+    assert config("--abft-coverage-target", "0.5", "--abft-sections", "qkv").sections == (
+        half.sections
+    )  # the target overrides --abft-sections
+
+
 BAD = [
     (["--abft-on-uncorrectable", "explode"], "invalid choice: 'explode'"),
     (["--abft-sections", "qkv,qk"], "unknown section 'qk'; choose from qkv, scores"),
@@ -272,6 +295,9 @@ BAD = [
     (["--abft-inject", "section=scores,lyer=1,step=2"], "'lyer=1' is not a key=value pair"),
     (["--abft-inject", "section=scores,layer=9,step=2"], "layer=9 is not a layer of this model"),
     (["--abft-check-interval", "scores=0"], "use an int >= 1"),
+    (["--abft-coverage-target", "1.5"], "'1.5' is not between 0 and 1"),
+    (["--abft-fault-rates", "inf=1,bitrot=2"], "unknown fault kind 'bitrot'"),
+    (["--abft-fault-rates", "nan=-1"], "rate of 'nan' must be >= 0"),
     (["--num-attention-heads", "3", "--hidden-size", "66"], "--num-attention-heads 3 is not "
      "divisible by --tensor-model-parallel-size 2"),
     (["--lr-warmup-iters", "500"], "--lr-warmup-iters 500"),
