@@ -55,4 +55,4 @@ lint: install
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf build *.egg-info .pytest_cache .hypothesis
+	rm -rf build *.egg-info .pytest_cache .hypothesis megatron_abft/_C*.so

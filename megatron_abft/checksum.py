@@ -111,7 +111,7 @@ def _matmul(lhs: Tensor, rhs: Tensor) -> Tensor:
     BLAS takes a transposed operand for free; a batched ``rhs`` is made contiguous first, as
     batched GEMMs broadcast over strided operands are slow."""
     if rhs.dim() == 2:
-        return (lhs.reshape(-1, lhs.shape[-1]) @ rhs).unflatten(0, lhs.shape[:-1])
+        return (lhs.flatten(0, -2) @ rhs).unflatten(0, lhs.shape[:-1])
     return lhs @ rhs.contiguous()
 
 

@@ -136,6 +136,14 @@ def verify_and_correct(
         _check_operands_fit(c, operands)
     if check_references:
         _check_references_finite(col, row)
+    if c.numel() == 0:  # an empty output: nothing to check
+        batch = c.shape[:-2]
+        none = torch.full(batch, -1, dtype=torch.long, device=c.device)
+        zeros = torch.zeros(batch, dtype=torch.int8, device=c.device)
+        counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.long, device=c.device)
+        return EECResult(
+            counts, zeros, zeros.clone(), none, none.clone(), torch.zeros(batch, device=c.device)
+        )
     if c.dim() == 2:  # one matrix: give it a batch dim so that indexing is uniform
         result = verify_and_correct(
             c.unsqueeze(0),

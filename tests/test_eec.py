@@ -417,3 +417,12 @@ def test_the_result_says_where_each_matrix_went_wrong_and_how_much():
     assert result.row.tolist() == [-1, 7, 3] and result.col.tolist() == [-1, 9, 4]
     assert result.magnitude[0] == 0 and math.isnan(result.magnitude[1])
     assert result.magnitude[2] == pytest.approx(1e4, rel=1e-3)
+
+
+@pytest.mark.parametrize("m, k, n", [(0, 4, 5), (3, 4, 0), (3, 0, 5)])
+def test_empty_outputs_and_empty_inner_dimensions_check_cleanly(m, k, n):
+    a, b = torch.randn(2, m, k), torch.randn(k, n)
+    c = a @ b
+    result = verify_and_correct(c, *encode(a, b, block=4), operands=GemmOperands(a, b))
+    assert result.status.tolist() == [CLEAN, CLEAN]
+    assert sum(report(result)["detected"].values()) == 0
