@@ -274,7 +274,7 @@ def test_a_coverage_target_sets_the_check_intervals():
     from megatron_abft.megatron_lm import abft_config_from_args
 
     def config(*flags):
-        args = parse_args(["--config", str(TINY), "--abft", *flags], world_size=2)
+        args = parse_args(["--config", str(TINY), "--mock-data", "--abft", *flags], world_size=2)
         return abft_config_from_args(args)
 
     full = config("--abft-coverage-target", "1")
