@@ -4,12 +4,14 @@ For a model shape it counts, per layer and tensor-parallel rank, the baseline wo
 step (FLOPs of every GEMM, bytes of the memory-bound ops, number of tensor ops) and the extra
 work of each protected section, then turns work into time with a device profile
 (``time = flops / matmul rate + bytes / bandwidth + ops * launch latency``, each term a roofline
-limit of its own). Two implementations of the checks are modelled:
+limit of its own). Three implementations of the checks are modelled (IMPLEMENTATIONS):
 
 - ``torch``: the PyTorch path of megatron_abft.eec and .checksum, pass by pass: every fp32 copy,
   abs and reduction over C and the operands, as the code does them;
-- ``fused``: the kernels' target: one read of C for both sides' sums, one read of each operand
-  to encode, and the small checksum GEMMs.
+- ``kernels``: today's code with the compiled block_sums kernel (megatron_abft._ext): one read
+  of C for both sides and of each encoded operand, the rest as the PyTorch path;
+- ``fused``: the target: one read of C for both sides' sums, one read of each operand to
+  encode, the small checksum GEMMs, and a few kernels for the rest.
 
 The backward pass is not protected: protection costs forward work only, while the baseline step
 is forward + backward (2x the GEMM FLOPs) + optimizer. docs/scaling.md validates the model
@@ -23,6 +25,10 @@ from dataclasses import dataclass, field, replace
 from megatron_abft.config import SECTIONS
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+IMPLEMENTATIONS = ("torch", "kernels", "fused")
+"""How the checks run: the PyTorch path; today's code with the compiled block_sums kernel (one
+read of C for both sides, one of each encoded operand; the rest in PyTorch); and the fused
+target (encode, verify, correct and count in a few kernels)."""
 
 
 @dataclass(frozen=True)
@@ -220,8 +226,12 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
     gemms = Work(flops=2 * g.batch * 3 * blocks * k * n, ops=2)  # [e w] rows and |.| row
     if impl == "fused":  # one encode kernel reading A; B is read by the checksum GEMMs
         return gemms + Work(bytes=(a_elems + b_elems) * e, ops=1)
-    # checksum.py: A and B to fp32, block sums, abs and sums of A, |B|
-    encode = Work(bytes=a_elems * (e + 4 + 4 + 8 + 4) + b_elems * (e + 4 + 8), ops=10)
+    # checksum.py: B to fp32 and |B| for the checksum GEMMs (a copy, an abs, two reads)
+    operand_b = Work(bytes=b_elems * (e + 4 + 8 + 4), ops=4)
+    if impl == "kernels":  # the block_sums kernel reads A once; C is read once for both sides
+        return gemms + operand_b + Work(bytes=a_elems * e, ops=2)
+    # checksum.py: A to fp32, block sums, abs and sums of A
+    encode = operand_b + Work(bytes=a_elems * (e + 4 + 4 + 8 + 4), ops=6)
     # eec._inspect: C to fp32, weighted sums, abs, weighted sums of |C|, thresholds
     verify = Work(bytes=c_elems * (e + 4 + 4 + 8 + 4), ops=16)
     return gemms + encode + verify
@@ -229,8 +239,8 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
 
 def protection_forward(shape: ModelShape, impl: str = "torch") -> dict[str, Work]:
     """Extra forward work of each checked section, one layer, one rank, on a clean step."""
-    if impl not in ("torch", "fused"):
-        raise ValueError(f"impl {impl!r}; choose from torch, fused")
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
     e, block = BYTES[shape.dtype], shape.block
     out = {}
     for section, g in _checked_gemms(shape).items():
@@ -238,6 +248,8 @@ def protection_forward(shape: ModelShape, impl: str = "torch") -> dict[str, Work
         row = _side(g, g.n, g.k, g.m, g.share_b, g.share_a, e, block, impl)
         if impl == "fused":  # one read of C for both sides; correction and counters kernels
             out[section] = col + row + Work(bytes=g.batch * g.m * g.n * e, ops=4)
+        elif impl == "kernels":  # one read of C; flags, kinds, counters, events op by op
+            out[section] = col + row + Work(bytes=g.batch * g.m * g.n * e, ops=50)
         else:  # + flags, kinds, locations, counters and the event record, op by op
             out[section] = col + row + Work(ops=40)
     return out

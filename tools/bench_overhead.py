@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_abft import _ext
 from megatron_abft.config import SECTIONS, ABFTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -192,6 +193,8 @@ def run(rank: int, args) -> dict | None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "impl": "kernels" if _ext.available() else "torch",
+        "backend": _ext.backend(),
         "machine": micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device),
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
     }
