@@ -73,6 +73,7 @@ class SectionGuard:
         self.counts: Tensor | None = None  # [len(OUTCOMES), len(KINDS)] int64, on the device
         self.recomputed: Tensor | None = None  # GEMMs recomputed by the recompute policy
         self.pending: Tensor | None = None  # bool: an uncorrected fault this step
+        self.recompute_failed = False  # a recomputed GEMM was still wrong this step
         self.events: list[Tensor] = []  # one EVENT_FIELDS record per check, on the device
         self.batch_shape: tuple[int, ...] = ()  # of the checked matrices, to name heads
 
@@ -113,9 +114,12 @@ class SectionGuard:
                 self.recomputed = torch.zeros((), dtype=torch.int64, device=output.device)
             self.recomputed += 1
             if bool(self._verify(output, operands)[0]):
-                raise ABFTUncorrectableError([self.where()])
-            failed = torch.zeros_like(failed)
-            event = torch.cat([event[:1], event.new_tensor([RECOMPUTED]), event[2:]])
+                # still wrong: the fault is in the inputs, or persistent. Leave it pending, so
+                # that finish_step raises on every rank together
+                self.recompute_failed = True
+            else:
+                failed = torch.zeros_like(failed)
+                event = torch.cat([event[:1], event.new_tensor([RECOMPUTED]), event[2:]])
         self.events.append(event)
         self.pending = failed if self.pending is None else self.pending | failed
         return output
@@ -187,6 +191,7 @@ def set_step(model: torch.nn.Module, step: int) -> None:
     for guard in iter_guards(model):
         guard.step = step
         guard.pending = None
+        guard.recompute_failed = False
 
 
 def reset_stats(model: torch.nn.Module) -> None:

@@ -6,9 +6,10 @@ synchronisation and one tiny all-reduce decide, for all ranks together, what to 
 - ``raise``: every rank raises ABFTUncorrectableError; the faulty ranks name rank, layer, section
   and step;
 - ``skip_step``: the outcome says ``skip``: discard the step's gradients;
-- ``recompute``: on CPU the guard already recomputed the GEMM (and raised if that failed too);
-  elsewhere the outcome says ``recompute``: run the step's forward and backward once more, then
-  call ``finish_step(model, retried=True)``, which raises if the fault is still there;
+- ``recompute``: on CPU the guard already recomputed the GEMM, and if that did not help (a fault
+  in the GEMM's inputs, or a persistent one) every rank raises here; elsewhere the outcome says
+  ``recompute``: run the step's forward and backward once more, then call
+  ``finish_step(model, retried=True)``, which raises if the fault is still there;
 - ``rerun``: call ``validate_with_rerun(model)`` in the loss function instead, so that Megatron's
   rerun state machine re-runs the step and attributes the fault (its exit codes 16/17 apply);
 - ``log``: only count.
@@ -64,15 +65,17 @@ def finish_step(
         torch.stack([g.pending for g in pending]).cpu() if pending else torch.zeros(0, dtype=bool)
     )
     where = [g.where() for g, hit in zip(pending, flags.tolist(), strict=True) if hit]
+    recompute_failed = any(g.recompute_failed for g in guards)
     for guard in guards:
-        guard.pending = None
-    anywhere = torch.tensor([len(where)], dtype=torch.int64)
+        guard.pending, guard.recompute_failed = None, False
+    anywhere = torch.tensor([len(where), int(recompute_failed)], dtype=torch.int64)
     if torch.distributed.is_initialized():
         anywhere = anywhere.to(collective_device(group))
         torch.distributed.all_reduce(anywhere, group=group)
-    if not int(anywhere):
+    faults, failed_recomputes = anywhere.tolist()
+    if not faults:
         return StepOutcome("none")
-    if policy == "raise" or (policy == "recompute" and retried):
+    if policy == "raise" or (policy == "recompute" and (retried or failed_recomputes)):
         if where:
             raise ABFTUncorrectableError(where)
         raise ABFTUncorrectableError(

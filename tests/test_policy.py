@@ -227,3 +227,24 @@ def test_finish_step_rejects_mixed_policies():
     guards = [SimpleNamespace(config=ABFTConfig(on_uncorrectable=p)) for p in ("log", "raise")]
     with pytest.raises(ValueError, match="one on_uncorrectable policy"):
         _policy(guards)
+
+
+def _unrecoverable_worker():
+    from megatron_abft import ABFTUncorrectableError, finish_step, inject
+
+    model = _model("recompute")
+    with inject(model, [Fault("probs", "nan", layer=1, tp_rank=1, seed=2)]):
+        loss_and_grads(model, SHAPE)  # the NaN is in the context GEMM's input: recompute can't help
+    try:
+        finish_step(model)
+    except ABFTUncorrectableError as error:
+        return str(error)
+    return None
+
+
+def test_a_recompute_that_cannot_help_raises_on_every_rank_together():
+    """Spawns 2 ranks. The faulty rank does not raise alone in the middle of the forward (which
+    would leave the other rank waiting in a collective): finish_step raises on both."""
+    ranks = spawn(2, 2, _unrecoverable_worker)
+    assert ranks[1] is not None and "rank 1 layer 1 section context" in ranks[1]
+    assert ranks[0] is not None
