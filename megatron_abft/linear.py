@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch import Tensor
 
 from megatron_abft.config import ABFTConfig
 from megatron_abft.eec import GemmOperands
@@ -60,7 +59,33 @@ def qkv_part_views(config: TransformerConfig, tp_rank: int, width: int) -> dict[
     return views
 
 
-class ProtectedColumnParallelLinear(ColumnParallelLinear):
+class _CheckedLocalGemm:
+    """Mixin for a Megatron parallel linear layer: checks the rank-local GEMM that its
+    ``_forward_impl`` computes, ``output = input @ weight^T (+ bias)``, tokens flattened."""
+
+    abft_config: ABFTConfig
+    abft_guard: SectionGuard
+    fault_views: dict[str, View]
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        output = super()._forward_impl(input, weight, *args, **kwargs)
+        if not (self.abft_config.enabled or self.abft_guard.faults):
+            return output
+        width = output.shape[-1]
+        checked = self.abft_guard.check(
+            output.view(-1, width),
+            GemmOperands(input.reshape(-1, input.shape[-1]), weight.t(), 1.0, kwargs.get("bias")),
+            views=self.fault_views,
+            recompute=lambda: (
+                super(_CheckedLocalGemm, self)
+                ._forward_impl(input, weight, *args, **kwargs)
+                .view(-1, width)
+            ),
+        )
+        return checked.view(output.shape)
+
+
+class ProtectedColumnParallelLinear(_CheckedLocalGemm, ColumnParallelLinear):
     """ColumnParallelLinear whose local GEMM (with its bias) is checked as section ``qkv``."""
 
     def __init__(self, *args, abft_config: ABFTConfig | None = None, **kwargs):
@@ -72,25 +97,8 @@ class ProtectedColumnParallelLinear(ColumnParallelLinear):
         self.abft_guard = SectionGuard("qkv", self.abft_config, rank, self.fault_views)
         self.abft_guards = (self.abft_guard,)
 
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        output = super()._forward_impl(input, weight, *args, **kwargs)
-        if not (self.abft_config.enabled or self.abft_guard.faults):
-            return output
-        return _checked(
-            self.abft_guard,
-            ColumnParallelLinear._forward_impl,
-            self,
-            output,
-            input,
-            weight,
-            kwargs.get("bias"),
-            self.fault_views,
-            args,
-            kwargs,
-        )
 
-
-class ProtectedRowParallelLinear(RowParallelLinear):
+class ProtectedRowParallelLinear(_CheckedLocalGemm, RowParallelLinear):
     """RowParallelLinear whose partial product is checked as section ``proj`` before the
     reduction over tensor-parallel ranks."""
 
@@ -101,33 +109,4 @@ class ProtectedRowParallelLinear(RowParallelLinear):
         self.abft_guard = SectionGuard("proj", self.abft_config, self.tp_group.rank())
         self.abft_guards = (self.abft_guard,)
         width = self.output_size
-        self.fault_views: dict[str, View] = {"proj": lambda y: y.view(-1, width)}
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        output = super()._forward_impl(input, weight, *args, **kwargs)
-        if not (self.abft_config.enabled or self.abft_guard.faults):
-            return output
-        return _checked(
-            self.abft_guard,
-            RowParallelLinear._forward_impl,
-            self,
-            output,
-            input,
-            weight,
-            kwargs.get("bias"),
-            self.fault_views,
-            args,
-            kwargs,
-        )
-
-
-def _checked(guard, gemm, layer, output, input, weight, bias, views, args, kwargs) -> Tensor:
-    """Check ``output = input @ weight^T + bias`` (tokens flattened) and return what to use."""
-    width = output.shape[-1]
-    checked = guard.check(
-        output.view(-1, width),
-        GemmOperands(input.reshape(-1, input.shape[-1]), weight.t(), 1.0, bias),
-        views=views,
-        recompute=lambda: gemm(layer, input, weight, *args, **kwargs).view(-1, width),
-    )
-    return checked.view(output.shape)
+        self.fault_views = {"proj": lambda y: y.view(-1, width)}
