@@ -9,6 +9,11 @@
 //   row side: the same per row i and block of `row_block` columns,
 // with w = 1, 2, ... counted from the block's start. Sums are accumulated in fp32 (fp64 for fp64
 // inputs), whatever the input dtype.
+//
+// row_products reads a batch of operands A [*batch, m, k] once and produces, for the checksums of
+// a GEMM that A enters (megatron_abft/checksum.py), A u_t and |A| z_t for a few vectors u_t, z_t
+// per matrix: the other operand's block sums and magnitudes. One read replaces a copy of |A| and
+// two GEMMs over A and |A|.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +56,17 @@ struct BlockSums {
   int64_t row_block;
 };
 
+// Contiguous vectors and outputs in the accumulation type, for row_products:
+//   u [batch, nu, k], z [batch, nz, k]; products [batch, m, nu], magnitudes [batch, m, nz].
+struct RowProducts {
+  const void* u;
+  int64_t nu;
+  const void* z;
+  int64_t nz;
+  void* products;
+  void* magnitudes;
+};
+
 ABFT_HD inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 ABFT_HD inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -69,7 +85,14 @@ ABFT_HD inline int64_t batch_offset(const MatrixBatch& c, int64_t b) {
 int64_t block_sums_tasks(const MatrixBatch& c, const BlockSums& out);
 void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, int64_t end);
 
+// CPU, as block_sums: tasks of one band of rows of one matrix.
+int64_t row_products_tasks(const MatrixBatch& a);
+void row_products_cpu(const MatrixBatch& a, const RowProducts& out, int64_t begin, int64_t end);
+
 // CUDA: launches on `stream` (a cudaStream_t) and returns the launch's cudaError_t (0: success).
 int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream);
+// At most kMaxRowProducts vectors of each kind (u, z); the binding checks it.
+constexpr int kMaxRowProducts = 16;
+int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream);
 
 }  // namespace abft

@@ -190,7 +190,66 @@ ABFT_BANDS(bands_f64, double, double)
 ABFT_BANDS(bands_bf16, Bf16, float)
 ABFT_BANDS(bands_f16, F16, float)
 
+// Rows [r0, r1) of matrix b of A: each row is loaded once in the accumulation type, then dotted
+// with every u_t and, in magnitude, with every z_t.
+template <typename T, typename Acc>
+ABFT_INLINE void product_band(const MatrixBatch& a, const RowProducts& out, int64_t task,
+                              Acc* __restrict__ x) {
+  const int64_t rows = a.rows, k = a.cols, bands = ceil_div(rows, kRowBand);
+  const int64_t b = task / bands, r0 = (task % bands) * kRowBand;
+  const int64_t r1 = std::min(rows, r0 + kRowBand);
+  const T* base = static_cast<const T*>(a.data) + batch_offset(a, b);
+  const Acc* u = static_cast<const Acc*>(out.u) + b * out.nu * k;
+  const Acc* z = static_cast<const Acc*>(out.z) + b * out.nz * k;
+  Acc* products = static_cast<Acc*>(out.products) + b * rows * out.nu;
+  Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + b * rows * out.nz;
+  for (int64_t i = r0; i < r1; ++i) {
+    load_row(base + i * a.row_stride, a.col_stride, k, x);
+    for (int64_t t = 0; t < out.nu; ++t) {
+      const Acc* __restrict__ ut = u + t * k;
+      Acc dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < k; ++j) dot += x[j] * ut[j];
+      products[i * out.nu + t] = dot;
+    }
+    for (int64_t t = 0; t < out.nz; ++t) {
+      const Acc* __restrict__ zt = z + t * k;
+      Acc dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < k; ++j) dot += std::abs(x[j]) * zt[j];
+      magnitudes[i * out.nz + t] = dot;
+    }
+  }
+}
+
+#define ABFT_PRODUCTS(NAME, T, ACC)                                                     \
+  ABFT_CLONES void NAME(const MatrixBatch& a, const RowProducts& out, int64_t begin,    \
+                        int64_t end) {                                                  \
+    std::vector<ACC> x(a.cols);                                                         \
+    for (int64_t task = begin; task < end; ++task) product_band<T, ACC>(a, out, task, x.data()); \
+  }
+
+ABFT_PRODUCTS(products_f32, float, float)
+ABFT_PRODUCTS(products_f64, double, double)
+ABFT_PRODUCTS(products_bf16, Bf16, float)
+ABFT_PRODUCTS(products_f16, F16, float)
+
 }  // namespace
+
+int64_t row_products_tasks(const MatrixBatch& a) { return a.batch * ceil_div(a.rows, kRowBand); }
+
+void row_products_cpu(const MatrixBatch& a, const RowProducts& out, int64_t begin, int64_t end) {
+  switch (a.dtype) {
+    case DType::F32:
+      return products_f32(a, out, begin, end);
+    case DType::F64:
+      return products_f64(a, out, begin, end);
+    case DType::BF16:
+      return products_bf16(a, out, begin, end);
+    case DType::F16:
+      return products_f16(a, out, begin, end);
+  }
+}
 
 int64_t block_sums_tasks(const MatrixBatch& c, const BlockSums& out) {
   return c.batch * ceil_div(c.rows, band_height(out));

@@ -131,7 +131,78 @@ int launch(const MatrixBatch& c, const BlockSums& out, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// row_products: one warp per row of A. Each lane walks every 32nd entry of the row, keeping its
+// share of the up to kMaxRowProducts dot products of each kind in registers; the warp then
+// reduces them by shuffles and lane 0 writes the row's results.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads)
+    row_products_kernel(MatrixBatch a, RowProducts out, int64_t total_rows) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  const int64_t k = a.cols;
+  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       row < total_rows; row += warps) {
+    const int64_t b = row / a.rows, i = row % a.rows;
+    const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + i * a.row_stride;
+    const Acc* u = static_cast<const Acc*>(out.u) + b * out.nu * k;
+    const Acc* z = static_cast<const Acc*>(out.z) + b * out.nz * k;
+    Acc p[kMaxRowProducts], q[kMaxRowProducts];
+#pragma unroll
+    for (int t = 0; t < kMaxRowProducts; ++t) p[t] = q[t] = Acc(0);
+    for (int64_t j = lane; j < k; j += 32) {
+      const Acc v = Acc(load(x + j * a.col_stride)), m = magnitude(v);
+#pragma unroll
+      for (int t = 0; t < kMaxRowProducts; ++t) {
+        if (t < out.nu) p[t] += v * u[t * k + j];
+        if (t < out.nz) q[t] += m * z[t * k + j];
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kMaxRowProducts; ++t) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        p[t] += __shfl_xor_sync(kFullMask, p[t], offset);
+        q[t] += __shfl_xor_sync(kFullMask, q[t], offset);
+      }
+    }
+    if (lane == 0) {
+      Acc* products = static_cast<Acc*>(out.products) + row * out.nu;
+      Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * out.nz;
+#pragma unroll
+      for (int t = 0; t < kMaxRowProducts; ++t) {
+        if (t < out.nu) products[t] = p[t];
+        if (t < out.nz) magnitudes[t] = q[t];
+      }
+    }
+  }
+}
+
+template <typename T, typename Acc>
+int launch_products(const MatrixBatch& a, const RowProducts& out, cudaStream_t stream) {
+  const int64_t total_rows = a.batch * a.rows;
+  if (total_rows == 0) return cudaSuccess;
+  const unsigned grid = unsigned(min64(ceil_div(total_rows, kWarps), 0x7fffffff));
+  row_products_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(a, out, total_rows);
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream) {
+  if (out.nu > kMaxRowProducts || out.nz > kMaxRowProducts) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (a.dtype) {
+    case DType::F32:
+      return launch_products<float, float>(a, out, s);
+    case DType::F64:
+      return launch_products<double, double>(a, out, s);
+    case DType::BF16:
+      return launch_products<__nv_bfloat16, float>(a, out, s);
+    case DType::F16:
+      return launch_products<__half, float>(a, out, s);
+  }
+  return cudaErrorInvalidValue;
+}
 
 int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);

@@ -14,6 +14,7 @@
 #endif
 
 #include <tuple>
+#include <vector>
 #include <utility>
 
 #include "abft.h"
@@ -21,6 +22,8 @@
 namespace {
 
 using Sums = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+using Products = std::tuple<at::Tensor, at::Tensor>;
 
 abft::DType kernel_dtype(const at::Tensor& c) {
   switch (c.scalar_type()) {
@@ -56,6 +59,26 @@ void check_inputs(const at::Tensor& c, int64_t col_block, int64_t row_block,
               "megatron_abft::block_sums: give col_block or row_block (both are 0)");
 }
 
+// The kernels' view of a dense strided [*batch, rows, cols] tensor.
+abft::MatrixBatch describe(const at::Tensor& c) {
+  const int64_t dims = c.dim();
+  abft::MatrixBatch matrices{};
+  matrices.data = c.data_ptr();
+  matrices.dtype = kernel_dtype(c);
+  matrices.batch_dims = int(dims - 2);
+  matrices.batch = 1;
+  for (int64_t d = 0; d < dims - 2; ++d) {
+    matrices.batch_sizes[d] = c.size(d);
+    matrices.batch_strides[d] = c.stride(d);
+    matrices.batch *= c.size(d);
+  }
+  matrices.rows = c.size(-2);
+  matrices.cols = c.size(-1);
+  matrices.row_stride = c.stride(-2);
+  matrices.col_stride = c.stride(-1);
+  return matrices;
+}
+
 // The outputs, and the kernels' view of C and of the outputs. A C stored column by column is
 // handed to the kernels as C^T, whose rows are contiguous: its column side is C's row side.
 std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c,
@@ -73,22 +96,9 @@ std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c
             at::empty(shape(row_block, n, m), options), at::empty(shape(row_block, n, m), options)};
   auto& [col_sums, col_sizes, row_sums, row_sizes] = sums;
 
-  abft::MatrixBatch matrices{};
-  matrices.data = c.data_ptr();
-  matrices.dtype = kernel_dtype(c);
-  matrices.batch_dims = int(dims - 2);
-  matrices.batch = 1;
-  for (int64_t d = 0; d < dims - 2; ++d) {
-    matrices.batch_sizes[d] = c.size(d);
-    matrices.batch_strides[d] = c.stride(d);
-    matrices.batch *= c.size(d);
-  }
+  abft::MatrixBatch matrices = describe(c);
   abft::BlockSums out{col_sums.data_ptr(), col_sizes.data_ptr(), col_block,
                       row_sums.data_ptr(), row_sizes.data_ptr(), row_block};
-  matrices.rows = m;
-  matrices.cols = n;
-  matrices.row_stride = c.stride(-2);
-  matrices.col_stride = c.stride(-1);
   if (c.stride(-2) == 1 && c.stride(-1) != 1 && m > 1) {
     std::swap(matrices.rows, matrices.cols);
     std::swap(matrices.row_stride, matrices.col_stride);
@@ -108,7 +118,72 @@ Sums block_sums_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block) {
   return sums;
 }
 
+// row_products: checks a like block_sums' c, and u, z [*batch', r, k] in the accumulation dtype
+// with batch dims that broadcast to a's; returns a @ u^T and |a| @ z^T as [*batch, m, r].
+std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tensor> prepare_products(
+    const at::Tensor& a, const at::Tensor& u, const at::Tensor& z, at::DeviceType device) {
+  TORCH_CHECK(a.device().type() == device, "megatron_abft::row_products: a is on ", a.device(),
+              " but this kernel runs on ", device);
+  TORCH_CHECK(a.layout() == at::kStrided,
+              "megatron_abft::row_products: a must be a dense strided tensor; got ", a.layout());
+  TORCH_CHECK(a.dim() >= 2 && a.dim() <= 2 + abft::kMaxBatchDims,
+              "megatron_abft::row_products: a must be [*batch, m, k] with at most ",
+              abft::kMaxBatchDims, " batch dims; got shape ", a.sizes());
+  const auto acc = a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  kernel_dtype(a);
+  auto batch = a.sizes().slice(0, a.dim() - 2).vec();
+  std::vector<at::Tensor> vectors;
+  for (auto [name, v] : {std::pair{"u", &u}, std::pair{"z", &z}}) {
+    TORCH_CHECK(v->device() == a.device(), "megatron_abft::row_products: ", name, " is on ",
+                v->device(), " but a is on ", a.device());
+    TORCH_CHECK(v->scalar_type() == acc, "megatron_abft::row_products: ", name, " must be ", acc,
+                " (the accumulation dtype of a ", a.scalar_type(), "); got ", v->scalar_type());
+    TORCH_CHECK(v->dim() == a.dim() && v->size(-1) == a.size(-1),
+                "megatron_abft::row_products: ", name, " must be [*batch, r, ", a.size(-1),
+                "] with as many dims as a ", a.sizes(), "; got ", v->sizes());
+    auto shape = batch;
+    shape.insert(shape.end(), {v->size(-2), a.size(-1)});
+    for (int64_t d = 0; d < a.dim() - 2; ++d) {
+      TORCH_CHECK(v->size(d) == 1 || v->size(d) == a.size(d), "megatron_abft::row_products: ",
+                  name, " ", v->sizes(), " does not broadcast to the batch of a ", a.sizes());
+    }
+    vectors.push_back(v->expand(shape).contiguous());
+  }
+  const int64_t nu = vectors[0].size(-2), nz = vectors[1].size(-2);
+  auto shape = [&](int64_t r) {
+    auto s = batch;
+    s.insert(s.end(), {a.size(-2), r});
+    return s;
+  };
+  Products out{at::empty(shape(nu), a.options().dtype(acc)),
+               at::empty(shape(nz), a.options().dtype(acc))};
+  abft::RowProducts products{vectors[0].data_ptr(), nu, vectors[1].data_ptr(), nz,
+                             std::get<0>(out).data_ptr(), std::get<1>(out).data_ptr()};
+  return {std::move(out), describe(a), products, vectors[0], vectors[1]};
+}
+
+Products row_products_cpu(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
+  auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, at::kCPU);
+  const int64_t tasks = abft::row_products_tasks(matrix);
+  at::parallel_for(0, tasks, 1, [&, &matrix = matrix, &products = products](int64_t b, int64_t e) {
+    abft::row_products_cpu(matrix, products, b, e);
+  });
+  return out;
+}
+
 #ifdef ABFT_WITH_CUDA
+Products row_products_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, at::kCUDA);
+  TORCH_CHECK(products.nu <= abft::kMaxRowProducts && products.nz <= abft::kMaxRowProducts,
+              "megatron_abft::row_products: at most ", abft::kMaxRowProducts,
+              " vectors of each kind on CUDA; got ", products.nu, " and ", products.nz);
+  const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
+  C10_CUDA_CHECK(
+      static_cast<cudaError_t>(abft::row_products_cuda(matrix, products, stream.stream())));
+  return out;
+}
+
 Sums block_sums_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block) {
   check_inputs(c, col_block, row_block, at::kCUDA);
   const c10::cuda::CUDAGuard guard(c.device());
@@ -125,12 +200,20 @@ TORCH_LIBRARY(megatron_abft, m) {
   m.def(
       "block_sums(Tensor c, int col_block, int row_block) -> (Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def("row_products(Tensor a, Tensor u, Tensor z) -> (Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
 }
 
-TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) { m.impl("block_sums", &block_sums_cpu); }
+TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
+  m.impl("block_sums", &block_sums_cpu);
+  m.impl("row_products", &row_products_cpu);
+}
 
 #ifdef ABFT_WITH_CUDA
-TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) { m.impl("block_sums", &block_sums_cuda); }
+TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
+  m.impl("block_sums", &block_sums_cuda);
+  m.impl("row_products", &row_products_cuda);
+}
 #endif
 
 // Importing megatron_abft._C registers the ops above; the module itself only says how it was

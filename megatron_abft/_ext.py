@@ -2,8 +2,9 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums`` returns None wherever the kernels do not apply (no extension, a device without a
-kernel, meta tensors); callers then take their PyTorch path, which stays the reference.
+``block_sums`` and ``row_products`` return None wherever the kernels do not apply (no extension,
+a device without a kernel, meta tensors); callers then take their PyTorch path, which stays the
+reference.
 """
 
 from __future__ import annotations
@@ -82,6 +83,23 @@ def block_sums(
     return torch.ops.megatron_abft.block_sums(c, col_block, row_block)
 
 
+_MAX_CUDA_PRODUCTS = 16  # vectors of each kind per row_products call on CUDA (csrc/abft.h)
+
+
+def row_products(a: Tensor, u: Tensor, z: Tensor) -> tuple[Tensor, Tensor] | None:
+    """One read of the operand ``a [..., m, k]`` for the products the checksums of its GEMM need:
+    ``a @ u^T`` and ``|a| @ z^T`` as ``[..., m, r]`` in ``u``'s dtype (fp32, fp64 for fp64),
+    where ``u [..., r, k]`` and ``z [..., r', k]`` broadcast over a's batch dims. None where the
+    kernels do not apply."""
+    if not _serves(a) or u.dim() != a.dim() or z.dim() != a.dim():
+        return None
+    if a.stride(-2) == 1 and a.stride(-1) != 1 and a.shape[-2] > 1:
+        return None  # the kernels read rows; BLAS takes a column-major operand for free
+    if a.device.type == "cuda" and max(u.shape[-2], z.shape[-2]) > _MAX_CUDA_PRODUCTS:
+        return None
+    return torch.ops.megatron_abft.row_products(a, u, z)
+
+
 def _register_fake() -> None:
     @torch.library.register_fake("megatron_abft::block_sums")
     def _(c: Tensor, col_block: int, row_block: int):
@@ -92,4 +110,11 @@ def _register_fake() -> None:
         return (
             *(c.new_empty(col, dtype=dtype) for _ in range(2)),
             *(c.new_empty(row, dtype=dtype) for _ in range(2)),
+        )
+
+    @torch.library.register_fake("megatron_abft::row_products")
+    def _(a: Tensor, u: Tensor, z: Tensor):
+        batch, m = a.shape[:-2], a.shape[-2]
+        return a.new_empty((*batch, m, u.shape[-2]), dtype=u.dtype), a.new_empty(
+            (*batch, m, z.shape[-2]), dtype=z.dtype
         )

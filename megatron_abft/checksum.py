@@ -11,6 +11,7 @@ inputs), whatever the inputs' dtype. The per-block sums of A come from the compi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -106,13 +107,40 @@ def _check_operands(a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> No
         raise ValueError(f"block must be an int >= 2; got {block!r}")
 
 
-def _matmul(lhs: Tensor, rhs: Tensor) -> Tensor:
-    """``lhs @ rhs``. A 2D ``rhs`` (a weight) multiplies all of lhs's rows in one GEMM, where
-    BLAS takes a transposed operand for free; a batched ``rhs`` is made contiguous first, as
-    batched GEMMs broadcast over strided operands are slow."""
-    if rhs.dim() == 2:
-        return (lhs.flatten(0, -2) @ rhs).unflatten(0, lhs.shape[:-1])
-    return lhs @ rhs.contiguous()
+def _project(x: Tensor, sums: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    """``sums @ x^T`` and ``sizes @ |x|^T`` for an operand ``x [..., p, k]`` and checksum rows
+    ``sums [..., q, k]``, ``sizes [..., q', k]``: ``[..., q, p]`` and ``[..., q', p]``.
+
+    Computed as ``x @ sums^T``, so that the operand, the large factor, is read in its own layout
+    and never copied: by the compiled kernels in one read of x for both products, else by BLAS
+    (which takes either transpose for free). The batch dims along which ``x`` is broadcast are
+    folded into the GEMM's columns."""
+    batch = torch.broadcast_shapes(x.shape[:-2], sums.shape[:-2])
+    if x.shape[:-2] == batch:  # nothing to fold
+        products = _ext.row_products(x, sums, sizes)
+        if products is None:
+            x = x.to(sums.dtype)
+            products = (x @ sums.mT, x.abs() @ sizes.mT)
+        return products[0].mT, products[1].mT
+    p, k = x.shape[-2:]
+    x = x.reshape((1,) * (len(batch) + 2 - x.dim()) + x.shape)
+    fold = [d for d in range(len(batch)) if x.shape[d] == 1 and batch[d] > 1]
+    keep = [d for d in range(len(batch)) if d not in fold]
+    kept, folded = [batch[d] for d in keep], [batch[d] for d in fold]
+    x = x.reshape(*kept, p, k)  # a view: x is 1 along the folded dims
+
+    def fold_rows(rows: Tensor) -> Tensor:  # [*batch, q, k] -> [*kept, folded * q, k]
+        q = rows.shape[-2]
+        rows = rows.expand(*batch, q, k).permute(*keep, *fold, -2, -1)
+        return rows.reshape(*kept, math.prod(folded) * q, k)
+
+    products = _project(x, fold_rows(sums), fold_rows(sizes))  # [*kept, folded * q, p]
+    order = [0] * len(batch)
+    for i, d in enumerate(keep):
+        order[d] = i
+    for i, d in enumerate(fold):
+        order[d] = len(keep) + i
+    return tuple(t.unflatten(-2, (*folded, -1)).permute(*order, -2, -1) for t in products)
 
 
 def _operand_sums(a: Tensor, block: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -129,10 +157,9 @@ def _operand_sums(a: Tensor, block: int, dtype: torch.dtype) -> tuple[Tensor, Te
 def _column_sums(a: Tensor, b: Tensor, alpha: float, block: int) -> tuple[Tensor, Tensor]:
     dtype = accumulation_dtype(a, b)
     weighted, size = _operand_sums(a.detach(), block, dtype)
-    rhs = b.detach().to(dtype)
-    sums = _matmul(weighted.flatten(-3, -2), rhs).unflatten(-2, (-1, 2))  # [..., nb, 2, n]
-    magnitude = _matmul(size, rhs.abs())
-    return alpha * sums, abs(alpha) * magnitude
+    sums, magnitude = _project(b.detach().mT, weighted.flatten(-3, -2), size)
+    sums = sums.unflatten(-2, (-1, 2))  # [..., nb, 2, n]
+    return (sums, magnitude) if alpha == 1 else (alpha * sums, abs(alpha) * magnitude)
 
 
 @torch.no_grad()

@@ -98,6 +98,36 @@ def matrices(draw, device: str = "cpu"):
     return c, col_block, row_block
 
 
+@st.composite
+def products_cases(draw, device: str = "cpu"):
+    """An operand from ``matrices`` and the vectors of row_products: u [..., r, k] (finite, any
+    sign) and z [..., r', k] (non-negative, as magnitudes are), sometimes broadcast over a batch
+    dim of a; up to 16 of each on CUDA (the kernel's limit), more on CPU."""
+    a, _, _ = draw(matrices(device))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    batch, k = list(a.shape[:-2]), a.shape[-1]
+    if batch and draw(st.booleans()):
+        batch[draw(st.integers(0, len(batch) - 1))] = 1
+    top = 16 if device == "cuda" else 40
+    u = torch.randn(*batch, draw(st.integers(0, top)), k, generator=g, dtype=acc)
+    z = torch.rand(*batch, draw(st.integers(0, top)), k, generator=g, dtype=acc) * 300
+    return a, u.to(device), z.to(device)
+
+
+def check_row_products(a: torch.Tensor, u: torch.Tensor, z: torch.Tensor) -> None:
+    """Equal to fp64 products up to the rounding of k terms: same NaNs and INFs, finite values
+    within (k + 2) eps sum |terms|."""
+    products, magnitudes = torch.ops.megatron_abft.row_products(a, u, z)
+    x = a.cpu().double()
+    for got, vectors, operand in ((products, u, x), (magnitudes, z, x.abs())):
+        v = vectors.cpu().double()
+        want = operand @ v.mT
+        bound = x.abs().nan_to_num(0, 0, 0) @ v.abs().mT
+        assert got.device == a.device and got.is_contiguous()
+        assert_sums_match(got, want, bound, a.shape[-1], a.dtype)
+
+
 def test_the_extension_is_built_and_says_which_path_runs():
     if os.environ.get("ABFT_BUILD") == "none":
         assert not _ext.available() and _ext.backend().startswith("torch (")
@@ -119,6 +149,14 @@ def test_the_extension_is_built_and_says_which_path_runs():
 @example(case=(torch.randn(3, 600, 700).half().mT, 256, 512))
 def test_cpu_kernels_equal_the_fp64_sums(case):
     check_block_sums(*case)
+
+
+@needs_ext
+@PROPERTY
+@given(case=products_cases())
+@example(case=(torch.randn(8, 512, 512), torch.randn(8, 2, 512), torch.rand(1, 1, 512)))
+def test_cpu_row_products_equal_the_fp64_products(case):
+    check_row_products(*case)
 
 
 @needs_ext
@@ -242,6 +280,10 @@ def test_one_call_reads_c_for_both_sides(monkeypatch):
 )
 def test_opcheck_schema_fake_and_autograd_registration(c, col_block, row_block):
     torch.library.opcheck(torch.ops.megatron_abft.block_sums.default, (c, col_block, row_block))
+    u = torch.randn(*c.shape[:-2], 3, c.shape[-1], dtype=torch.float32).to(
+        torch.float64 if c.dtype == torch.float64 else torch.float32
+    )
+    torch.library.opcheck(torch.ops.megatron_abft.row_products.default, (c, u, u[..., :1, :]))
 
 
 @needs_ext
@@ -268,6 +310,45 @@ def test_bad_inputs_raise_clear_errors(c, col_block, row_block, message):
         block_sums(c, col_block, row_block)
 
 
+@needs_ext
+@pytest.mark.parametrize(
+    "a, u, z, message",
+    [
+        (torch.ones(4, 4, dtype=torch.int32), torch.ones(1, 4), torch.ones(1, 4), "got Int"),
+        (torch.ones(4, 4), torch.ones(1, 4).double(), torch.ones(1, 4), "u must be Float"),
+        (
+            torch.ones(4, 4).double(),
+            torch.ones(1, 4).double(),
+            torch.ones(1, 4),
+            "z must be Double",
+        ),
+        (torch.ones(4, 4), torch.ones(1, 3), torch.ones(1, 4), r"u must be \[\*batch, r, 4\]"),
+        (torch.ones(2, 4, 4), torch.ones(1, 4), torch.ones(1, 4), "as many dims as a"),
+        (torch.ones(2, 4, 4), torch.ones(3, 1, 4), torch.ones(2, 1, 4), "does not broadcast"),
+        (torch.ones(4), torch.ones(1, 4), torch.ones(1, 4), r"a must be \[\*batch, m, k\]"),
+    ],
+)
+def test_row_products_bad_inputs_raise_clear_errors(a, u, z, message):
+    with pytest.raises((RuntimeError, NotImplementedError), match=message):
+        torch.ops.megatron_abft.row_products(a, u, z)
+
+
+@needs_ext
+def test_encoding_reads_a_large_operand_through_row_products(monkeypatch):
+    calls = []
+    kernel = _ext.row_products
+
+    def spy(a, u, z):
+        calls.append(tuple(a.shape))
+        return kernel(a, u, z)
+
+    monkeypatch.setattr(_ext, "row_products", spy)
+    p = torch.rand(2, 4, 3, 128, 96)  # probabilities [b, groups, heads per group, sq, sk]
+    v = torch.randn(2, 4, 1, 96, 16)  # values shared by each group's heads
+    encode(p, v, block=32)
+    assert (2, 4, 3, 128, 96) in calls  # P read in place by the row side, never copied
+
+
 @needs_cuda
 @PROPERTY
 @given(case=matrices(device="cuda"))
@@ -276,6 +357,13 @@ def test_bad_inputs_raise_clear_errors(c, col_block, row_block, message):
 def test_cuda_kernels_equal_the_fp64_sums(case):
     c, col_block, row_block = case
     check_block_sums(c.cuda(), col_block, row_block)  # the examples are made on the CPU
+
+
+@needs_cuda
+@PROPERTY
+@given(case=products_cases(device="cuda"))
+def test_cuda_row_products_equal_the_fp64_products(case):
+    check_row_products(*case)
 
 
 @needs_cuda
@@ -301,6 +389,8 @@ def test_cuda_verify_and_correct_equals_the_cpu_result():
 def test_cuda_opcheck_and_current_stream():
     c = torch.randn(2, 300, 200, device="cuda")
     torch.library.opcheck(torch.ops.megatron_abft.block_sums.default, (c, 64, 128))
+    u = torch.randn(2, 5, 200, device="cuda")
+    torch.library.opcheck(torch.ops.megatron_abft.row_products.default, (c, u, u.abs()))
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         got = block_sums(c, 64, 128)
