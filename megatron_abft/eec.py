@@ -8,8 +8,14 @@ kernels of megatron_abft._ext where they are built), then for every flagged vect
    flagged (exact for any 0D error), else from the weighted checksum, loc = round(d2/d1) - 1, when
    the rounding bound makes that unambiguous, else as the single extreme element (NaN, INF or
    |x| > near_inf) when the differences themselves are not finite;
-2. rebuilds it: recomputed from the GEMM's operands when they are given (as exact as the GEMM),
-   else x[loc] = c0 - sum_{i != loc} x_i from the checksum;
+2. rebuilds it: x[loc] = c0 - sum_{i != loc} x_i from the checksum, or, when the GEMM's operands
+   are given, recomputes it from them (as exact as the GEMM). With the operands, a recomputed
+   element is kept only if its vector then checks clean; a vector not located tries the weighted
+   location however noisy, then the most suspect crossing vector; and a vector that no single
+   element makes clean, or that several flagged vectors cross (several errors, more perhaps too
+   small to flag), has its whole block recomputed. The vectors one side wrote into are then
+   revisited on the other side (columns, rows, columns again): a partial correction can expose
+   errors that cancelled below their threshold;
 3. re-verifies both sides: a matrix with any vector still inconsistent is uncorrectable, and is
    put back exactly as the GEMM produced it.
 
@@ -126,7 +132,8 @@ def verify_and_correct(
 
     ``operands`` (the GEMM's inputs) make corrections as exact as the GEMM; without them the bad
     element is rebuilt from the checksum. At most ``max_corrections`` (default max(m, n)) vectors
-    per side are corrected in one call, enough for one 1D fault; the rest are uncorrectable.
+    per side are corrected in one call, enough for one 1D fault; the rest are uncorrectable. Whole
+    blocks recomputed from the operands are limited to as many elements per side and pass.
     ``check_references`` rejects non-finite reference checksums with a ValueError, at the cost of
     one host synchronisation; the protected layers turn it off and count such matrices as
     uncorrectable instead.
@@ -137,13 +144,7 @@ def verify_and_correct(
     if check_references:
         _check_references_finite(col, row)
     if c.numel() == 0:  # an empty output: nothing to check
-        batch = c.shape[:-2]
-        none = torch.full(batch, -1, dtype=torch.long, device=c.device)
-        zeros = torch.zeros(batch, dtype=torch.int8, device=c.device)
-        counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.long, device=c.device)
-        return EECResult(
-            counts, zeros, zeros.clone(), none, none.clone(), torch.zeros(batch, device=c.device)
-        )
+        return _clean_result(c)
     if c.dim() == 2:  # one matrix: give it a batch dim so that indexing is uniform
         result = verify_and_correct(
             c.unsqueeze(0),
@@ -165,25 +166,28 @@ def verify_and_correct(
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
     sides = _inspect(c, refs, check)
     detected = _any_flagged(sides.values(), c.shape[:-2])
+    if c.device.type == "cpu" and not bool(detected.any()):  # no sync on CPU: skip the rest
+        return _clean_result(c)
     kind = torch.stack([_kind(s, near_inf).amax((-2, -1)) for s in sides.values()]).amax(0)
     row, col, magnitude = _where(sides, c.shape[:-2])
 
-    if c.device.type != "cpu" or bool(detected.any()):
-        corrections, slack = [], {}
-        for name, side in sides.items():
-            other_name = "row" if name == "col" else "col"
-            other = sides.get(other_name)
-            crossing = _crossing(other, side) if other else None
-            correction = _correct_side(side, crossing, check)
-            corrections.append(correction)
-            if other and operands is None:  # rebuilt values carry this side's rounding noise
-                slack[other_name] = _slack(other, correction)
-        rechecked = _inspect(c, refs, check, slack).values()
-        unresolved = _any_flagged(rechecked, c.shape[:-2])
-        for correction in reversed(corrections):  # an uncorrectable matrix is left as it was
-            correction.undo_where(unresolved)
-    else:
-        unresolved = detected
+    corrections, slack, touched = [], {}, {}
+    # with the operands the column side goes again, for the columns the row side wrote into
+    order = ["col", "row", "col"] if operands is not None and len(sides) == 2 else list(sides)
+    for name in order:
+        side, other_name = sides[name], "row" if name == "col" else "col"
+        other = sides.get(other_name)
+        crossing = _crossing(other, side) if other else None
+        written = _correct_side(side, crossing, check, touched.get(name))
+        corrections += written
+        if other and operands is None:  # rebuilt values carry this side's rounding noise
+            slack[other_name] = _into(other, written, [w.error_bound for w in written])
+        elif other:
+            touched[other_name] = _into(other, written, [w.done for w in written]) > 0
+    rechecked = _inspect(c, refs, check, slack).values()
+    unresolved = _any_flagged(rechecked, c.shape[:-2])
+    for correction in reversed(corrections):  # an uncorrectable matrix is left as it was
+        correction.undo_where(unresolved)
 
     status = torch.where(unresolved, UNCORRECTABLE, torch.where(detected, CORRECTED, CLEAN))
     outcome = torch.stack([detected, detected & ~unresolved, unresolved]).reshape(3, -1)
@@ -196,6 +200,17 @@ def verify_and_correct(
         row=row,
         col=col,
         magnitude=magnitude,
+    )
+
+
+def _clean_result(c: Tensor) -> EECResult:
+    """The result of a check of ``c`` that found nothing."""
+    batch = c.shape[:-2]
+    none = torch.full(batch, -1, dtype=torch.long, device=c.device)
+    zeros = torch.zeros(batch, dtype=torch.int8, device=c.device)
+    counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.long, device=c.device)
+    return EECResult(
+        counts, zeros, zeros.clone(), none, none.clone(), torch.zeros(batch, device=c.device)
     )
 
 
@@ -235,6 +250,12 @@ class _Side:
         rows = blk.unsqueeze(-1) * block + torch.arange(block, device=blk.device)
         index = (*(i.unsqueeze(-1) for i in batch), rows.clamp(max=length - 1), j.unsqueeze(-1))
         return torch.where(rows < length, self.view[index].to(self.ref.sums.dtype), 0)
+
+    def recompute(self, operands: GemmOperands, *index: Tensor) -> Tensor:
+        """The elements (*batch, rows, j) of the view recomputed from the GEMM's operands."""
+        *batch, rows, j = index
+        c_rows, c_cols = (j, rows) if self.transposed else (rows, j)
+        return operands.elements(tuple(batch), self.view.shape[:-2], c_rows, c_cols)
 
 
 def _inspect(
@@ -341,23 +362,36 @@ def _any_flagged(sides, batch_shape) -> Tensor:
 
 def _crossing(other: _Side, side: _Side) -> tuple[Tensor, Tensor]:
     """For each vector of ``side``: how many flagged vectors of ``other`` cross it inside its
-    block, and the position of the first. Both ``[*batch, nb, N]``."""
+    block, and the position of the first, or where none is, of the most suspect (largest
+    |d1| / tau). Both ``[*batch, nb, N]``."""
     flags = as_blocks(other.flagged.mT.to(torch.uint8), side.ref.block, torch.uint8)
     count = flags.sum(-2, dtype=torch.int32)  # [*batch, nb, nb_other]
-    first = flags.argmax(-2)
+    ratio = (other.d1.abs() / other.tau).nan_to_num(0, 0, 0)
+    score = as_blocks(torch.where(other.flagged, torch.inf, ratio).mT, side.ref.block, ratio.dtype)
     other_block = torch.arange(side.d1.shape[-1], device=flags.device) // other.ref.block
-    return count[..., other_block], first[..., other_block]
+    return count[..., other_block], score.argmax(-2)[..., other_block]
 
 
 @dataclass
 class _Correction:
-    """Elements one side wrote: their index in its view, the values before, and a bound on the
-    error of each written value (0 for recomputed ones)."""
+    """Elements one side wrote: their index in its view, the values before, where a value was
+    written (``done``) and a bound on the error of each written value (0 for recomputed ones)."""
 
     view: Tensor
     index: tuple[Tensor, ...]
     before: Tensor
+    done: Tensor
     error_bound: Tensor
+
+    @classmethod
+    def write(
+        cls, view: Tensor, index: tuple[Tensor, ...], value: Tensor, ok: Tensor, error_bound: Tensor
+    ) -> _Correction:
+        """Write ``value`` where ``ok``, in place, and remember what was there."""
+        before = view[index]
+        view.index_put_(index, torch.where(ok, value.to(before.dtype), before))
+        done = ok.expand(before.shape)
+        return cls(view, index, before, done, torch.where(done, error_bound, 0))
 
     def undo_where(self, unresolved: Tensor) -> None:
         undo = unresolved[self.index[:-2]]
@@ -365,16 +399,22 @@ class _Correction:
 
 
 def _correct_side(
-    side: _Side, crossing: tuple[Tensor, Tensor] | None, check: _Check
-) -> _Correction:
-    """Locate and rebuild the bad element of up to ``check.capacity`` flagged vectors, in place."""
+    side: _Side,
+    crossing: tuple[Tensor, Tensor] | None,
+    check: _Check,
+    touched: Tensor | None = None,
+) -> list[_Correction]:
+    """Correct up to ``check.capacity`` vectors of one side in place: the flagged ones, and those
+    ``touched`` by the other side's corrections that no longer check clean. Without the operands
+    the located bad element is rebuilt from the checksum; with them, see _recompute."""
     batch_shape = side.view.shape[:-2]
     nb, n = side.d1.shape[-2:]
-    flagged = side.flagged.reshape(-1)
+    wanted = side.flagged if touched is None else side.flagged | touched
+    flat = wanted.reshape(-1)
     picked = torch.topk(
-        flagged.to(torch.uint8), min(check.capacity, flagged.numel()), sorted=False
+        flat.to(torch.uint8), min(check.capacity, flat.numel()), sorted=False
     ).indices
-    batch_flat, blk, j = torch.unravel_index(picked, (flagged.numel() // (nb * n), nb, n))
+    batch_flat, blk, j = torch.unravel_index(picked, (flat.numel() // (nb * n), nb, n))
     batch = torch.unravel_index(batch_flat, tuple(batch_shape))
 
     def take(t: Tensor) -> Tensor:
@@ -387,51 +427,152 @@ def _correct_side(
     # the weighted location, where the noise bound keeps d2/d1 within half a position
     finite = torch.isfinite(d1) & torch.isfinite(d2)
     loc_w = torch.round(d2 / d1).nan_to_num(0, 0, 0).clamp(-1, side.ref.block).long() - 1
-    ok_w = finite & (d1.abs() > 2 * (tau_w + length * tau)) & (loc_w >= 0) & (loc_w < length)
+    in_block = finite & (loc_w >= 0) & (loc_w < length)
+    ok_w = in_block & (d1.abs() > 2 * (tau_w + length * tau))
     # the single extreme element, where the differences overflowed or are NaN
     extreme = ~torch.isfinite(vec) | (vec.abs() > check.near_inf)
     loc_x = torch.where(torch.isnan(vec), torch.inf, vec.abs()).argmax(-1)
     ok_x = ~finite & (extreme.sum(-1) == 1)
     loc, ok = torch.where(ok_w, loc_w, loc_x), ok_w | ok_x
     if crossing is not None:  # exactly one flagged crossing vector pins the element down
-        count, first = take(crossing[0]), take(crossing[1])
-        loc = torch.where(count == 1, first, loc)
+        count, suspect = take(crossing[0]), take(crossing[1])
+        loc = torch.where(count == 1, suspect, loc)
         ok = torch.where(count == 1, True, ok & (count == 0))
-    ok &= take(side.flagged)
-    loc = torch.minimum(loc.clamp(min=0), length - 1)
+    flagged = take(side.flagged)
+    ok &= flagged
 
-    rows = blk * side.ref.block + loc  # along the view's checked dim
-    if check.operands is not None:
-        c_rows, c_cols = (j, rows) if side.transposed else (rows, j)
-        value = check.operands.elements(batch, batch_shape, c_rows, c_cols)
-        error_bound = torch.zeros_like(value)
-    else:
-        others = vec.scatter(-1, loc.unsqueeze(-1), 0)
-        value = take(side.ref.sums[..., 0, :]) - others.sum(-1)
-        bias = side.ref.bias_magnitude
-        error_bound, _ = thresholds(
+    bias = side.ref.bias_magnitude
+    picks = _Picked(
+        side,
+        batch,
+        blk,
+        j,
+        flagged,
+        vec,
+        length,
+        take(side.ref.sums[..., 0, :]),
+        take(side.ref.sums[..., 1, :]),
+        take(side.ref.magnitude),
+        None if bias is None else take(bias),
+    )
+    if check.operands is None:
+        value, bound, _ = picks.put(check, loc)
+        ok &= torch.isfinite(value) & torch.isfinite(bound)
+        return [_Correction.write(side.view, picks.at(loc), value, ok, bound)]
+
+    fix = flagged
+    if touched is not None:  # the other side's writes may have exposed errors there
+        current = vec.gather(-1, picks.clamp(loc).unsqueeze(-1)).squeeze(-1)
+        fix = fix | take(touched) & ~picks.put(check, loc, current)[2]
+    # not located: the weighted location however noisy, else the extreme element; then the most
+    # suspect crossing vector
+    candidates = [torch.where(ok, loc, torch.where(in_block, loc_w, loc_x))]
+    several = torch.zeros_like(fix)
+    if crossing is not None:
+        candidates.append(suspect)
+        several = flagged & (count >= 2)  # and maybe more below the threshold
+    return _recompute(picks, check, fix, several, candidates)
+
+
+@dataclass(frozen=True)
+class _Picked:
+    """The vectors of one side picked for correction: where they are, whether flagged, their
+    block ``vec`` (``[K, block]``, zero past its ``length``) and its checksums and magnitudes."""
+
+    side: _Side
+    batch: tuple[Tensor, ...]
+    blk: Tensor
+    j: Tensor
+    flagged: Tensor
+    vec: Tensor
+    length: Tensor
+    c0: Tensor
+    c0_w: Tensor
+    magnitude: Tensor
+    bias_magnitude: Tensor | None
+
+    def clamp(self, loc: Tensor) -> Tensor:
+        return torch.minimum(loc.clamp(min=0), self.length - 1)
+
+    def at(self, loc: Tensor) -> tuple[Tensor, ...]:
+        """The index in the view of element ``loc`` of each block."""
+        return (*self.batch, self.blk * self.side.ref.block + self.clamp(loc), self.j)
+
+    def put(
+        self, check: _Check, loc: Tensor, x: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Each block with element ``loc`` set to ``x``, by default the checksum's rebuild
+        c0 - sum_{i != loc} x_i: x, the block's threshold tau, and whether the block then checks
+        clean, with half of tau and tau_w to spare (the re-verification sums in another order)."""
+        loc = self.clamp(loc)
+        others = self.vec.scatter(-1, loc.unsqueeze(-1), 0)
+        x = self.c0 - others.sum(-1) if x is None else x
+        w = block_weights(self.side.ref.block, others.device, others.dtype)[1]
+        weight = (loc + 1).to(others.dtype)
+        tau, tau_w = thresholds(
             check.rounding,
-            size=others.abs().sum(-1) + value.abs(),
-            size_w=value.abs(),  # tau only
-            magnitude=take(side.ref.magnitude),
-            bias_magnitude=None if bias is None else take(bias),
-            length=side.length,
-            inner=side.ref.inner,
+            size=others.abs().sum(-1) + x.abs(),
+            size_w=others.abs() @ w + weight * x.abs(),
+            magnitude=self.magnitude,
+            bias_magnitude=self.bias_magnitude,
+            length=self.side.length,
+            inner=self.side.ref.inner,
             scale=check.scale,
         )
-    ok &= torch.isfinite(value) & torch.isfinite(error_bound)
-    index = (*batch, rows, j)
-    before = side.view[index]
-    side.view.index_put_(index, torch.where(ok, value.to(before.dtype), before))
-    return _Correction(side.view, index, before, torch.where(ok, error_bound, 0))
+        clean = (
+            torch.isfinite(x)
+            & torch.isfinite(tau)
+            & ((self.c0 - others.sum(-1) - x).abs() <= tau / 2)
+            & ((self.c0_w - others @ w - weight * x).abs() <= tau_w / 2)
+        )
+        return x, tau, clean
 
 
-def _slack(other: _Side, correction: _Correction) -> Tensor:
-    """Per vector of ``other``: the summed error bounds of the values written into it."""
-    slack = torch.zeros_like(other.d1)
-    *batch, rows, j = correction.index  # j indexes the writer's vectors, rows its checked dim
-    slack.index_put_((*batch, j // other.ref.block, rows), correction.error_bound, accumulate=True)
-    return slack
+def _recompute(
+    picks: _Picked, check: _Check, fix: Tensor, several: Tensor, candidates: list[Tensor]
+) -> list[_Correction]:
+    """Recompute from the operands, for each vector to ``fix``, the first of the ``candidates``
+    elements whose new value alone makes its vector check clean; or, for the others and those
+    with ``several`` errors, the whole block."""
+    view, corrections, left = picks.side.view, [], fix
+    for loc in candidates:
+        index = picks.at(loc)
+        value = picks.side.recompute(check.operands, *index)
+        stored = value.to(view.dtype).to(picks.vec.dtype)
+        alone = left & ~several & picks.put(check, loc, stored)[2]
+        corrections.append(_Correction.write(view, index, value, alone, torch.zeros_like(value)))
+        left = left & ~alone
+    return [*corrections, _recompute_blocks(picks, check, left)]
+
+
+def _recompute_blocks(picks: _Picked, check: _Check, whole: Tensor) -> _Correction:
+    """Recompute from the operands the whole block of the vectors marked ``whole``, flagged ones
+    first, in place: as many as ``check.capacity`` elements fill (the rest stay wrong, so they are
+    uncorrectable)."""
+    side = picks.side
+    budget = min(whole.numel(), -(-check.capacity // side.length))
+    priority = whole.to(torch.uint8) * (1 + picks.flagged.to(torch.uint8))
+    chosen = torch.topk(priority, budget, sorted=False).indices
+    # past the end of the view, each block repeats its last element, so that its writes agree
+    offset = torch.arange(side.ref.block, device=whole.device).minimum(
+        picks.length[chosen].unsqueeze(-1) - 1
+    )  # [B, block]
+    batch = tuple(i[chosen].unsqueeze(-1) for i in picks.batch)
+    rows = picks.blk[chosen].unsqueeze(-1) * side.ref.block + offset
+    index = (*batch, rows, picks.j[chosen].unsqueeze(-1))
+    value = side.recompute(check.operands, *index).gather(-1, offset)
+    ok = whole[chosen].unsqueeze(-1) & torch.isfinite(value).all(-1, keepdim=True)
+    return _Correction.write(side.view, index, value, ok, torch.zeros_like(value))
+
+
+def _into(other: _Side, corrections: list[_Correction], values: list[Tensor]) -> Tensor:
+    """Per vector of ``other``: the sum of ``values``, one per element the corrections wrote."""
+    total = torch.zeros_like(other.d1)
+    for correction, value in zip(corrections, values, strict=True):
+        *batch, rows, j = correction.index  # j indexes the writer's vectors, rows its checked dim
+        where = (*batch, j // other.ref.block, rows)
+        total.index_put_(where, value.to(total.dtype).expand(rows.shape), accumulate=True)
+    return total
 
 
 # --- input checks -----------------------------------------------------------------------------

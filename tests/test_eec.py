@@ -200,17 +200,19 @@ def test_without_operands_the_checksum_rebuilds_within_the_threshold(gemm, kind,
     pattern=st.sampled_from(["0d", "row", "col"]),
     seed=st.integers(0, 2**16),
 )
-def test_random_bitflips_leave_no_error_above_the_threshold(gemm, pattern, seed):
-    """Whatever bit flips: either corrected, or rolled back and reported, or below the bound."""
+def test_random_bitflips_are_corrected_and_leave_no_error_above_the_threshold(gemm, pattern, seed):
+    """A random bit flipped in one element, or the same bit along a whole row or column (each
+    element then changes by its own amount, some below the detection limit): with the operands,
+    corrected whenever detected, and what is left (undetected, or too small for either side to
+    see beside what was corrected) sums, per checked vector, to less than its threshold."""
     out = gemm.c.clone()
     hit = inject_(out, TensorFault("bitflip", pattern, seed=seed))
-    faulty = out.clone()
     col, row = gemm.checksums()
-    status = verify_and_correct(out, col, row, operands=gemm.operands).status.reshape(-1)
+    result = verify_and_correct(out, col, row, operands=gemm.operands)
     b = hit.batch_index
-    if status[b] == UNCORRECTABLE:
-        assert identical(out.view(-1, *out.shape[-2:])[b], faulty.view(-1, *out.shape[-2:])[b])
-        return
+    assert result.status.reshape(-1)[b] != UNCORRECTABLE
+    counts = report(result)
+    assert sum(counts["detected"].values()) == sum(counts["corrected"].values()) <= 1
     # whatever was left uncorrected sums, per checked vector, to less than its threshold
     m, n = out.shape[-2:]
     error = (out.double() - gemm.c.double()).reshape(-1, m, n)[b]
@@ -243,7 +245,7 @@ def test_2d_faults_are_never_silent_and_never_corrected_into_wrong_values(gemm, 
     if status == UNCORRECTABLE:  # left exactly as it was, and counted
         assert identical(out, faulty)
         assert sum(report(result)["uncorrectable"].values()) == 1
-    else:  # a block split by checksum-block borders is independent 0D faults: exact again
+    else:  # recomputed from the operands: exact again
         assert_within_flash_rule(out, gemm)
 
 
@@ -253,18 +255,63 @@ def small_gemm(dtype=torch.float32, m=40, k=16, n=30, block=16, seed=0) -> Gemm:
     return Gemm(a, b, 1.0, None, block, a @ b)
 
 
-@pytest.mark.parametrize("with_operands", [True, False])
-def test_a_2d_fault_inside_one_block_is_uncorrectable_and_left_untouched(with_operands):
+def test_without_operands_a_2d_fault_inside_one_block_is_uncorrectable_and_left_untouched():
     gemm = small_gemm()
     out = gemm.c.clone()
     inject_(out, TensorFault("inf", "2d", position=(2, 3), block=(3, 2), batch_index=1))
     faulty = out.clone()
-    result = verify_and_correct(
-        out, *gemm.checksums(), operands=gemm.operands if with_operands else None
-    )
+    result = verify_and_correct(out, *gemm.checksums())
     assert result.status.tolist() == [CLEAN, UNCORRECTABLE, CLEAN]
     assert report(result)["uncorrectable"]["inf"] == 1
     assert identical(out, faulty)
+
+
+@pytest.mark.parametrize("kind", ["inf", "value"])
+@pytest.mark.parametrize(
+    "position, block",
+    [((2, 3), (2, 2)), ((2, 3), (3, 2)), ((33, 17), (2, 2))],  # the last in both short blocks
+)
+def test_with_operands_a_2d_fault_inside_one_block_is_recomputed(kind, position, block):
+    """The flagged rows and columns cross each other twice or more, so no element is located:
+    their whole blocks are recomputed, in a strided view, writing nothing outside it."""
+    gemm = small_gemm()
+    big = torch.zeros(3, 50, 50)
+    view = big[:, 5:45, 2:32]  # a strided [3, 40, 30] view holding C
+    view.copy_(gemm.c)
+    fault = TensorFault(kind, "2d", value=1e3, position=position, block=block, batch_index=1)
+    inject_(view, fault)
+    result = verify_and_correct(view, *gemm.checksums(), operands=gemm.operands)
+    assert result.status.tolist() == [CLEAN, CORRECTED, CLEAN]
+    counts = report(result)
+    assert sum(counts["detected"].values()) == sum(counts["corrected"].values()) == 1
+    assert_within_flash_rule(view, gemm)
+    big[:, 5:45, 2:32] = 0
+    assert not big.any()
+
+
+@pytest.mark.parametrize(
+    "dtype, bit", [(torch.float32, 12), (torch.bfloat16, 4), (torch.float16, 4)]
+)
+@pytest.mark.parametrize("pattern", ["row", "col"])
+def test_with_operands_a_row_or_column_of_bitflips_is_corrected_exactly(dtype, bit, pattern):
+    """The same mantissa bit flipped in every element of a row (column) changes each by its own
+    amount: the column (row) checks flag some elements, the others stay below their detection
+    limit. All are corrected, as one detection and one correction."""
+    gemm = small_gemm(dtype)
+    out = gemm.c.clone()
+    inject_(out, TensorFault("bitflip", pattern, bit=bit, position=(5, 7), batch_index=1))
+    col, row = gemm.checksums()
+    across = (
+        residuals(out, col, side="col") if pattern == "row" else residuals(out, row, side="row")
+    )
+    flagged = across.flagged[1, 0].sum().item()  # the crossing vectors, in the fault's block
+    assert 0 < flagged < gemm.c.shape[-1 if pattern == "row" else -2]
+    result = verify_and_correct(out, col, row, operands=gemm.operands)
+    assert result.status.tolist() == [CLEAN, CORRECTED, CLEAN]
+    counts = report(result)
+    assert counts["detected"]["finite"] == counts["corrected"]["finite"] == 1
+    assert sum(counts["detected"].values()) == sum(counts["corrected"].values()) == 1
+    assert_within_flash_rule(out, gemm)
 
 
 @pytest.mark.parametrize("corrupt", ["plain", "weighted", "both", "nan"])
@@ -304,12 +351,15 @@ def test_one_side_alone_corrects_an_extreme_0d_fault(dtype, side, kind):
     assert_within_flash_rule(out, gemm)
 
 
-def test_more_faulty_vectors_than_the_capacity_are_uncorrectable():
+@pytest.mark.parametrize("with_operands", [True, False])
+def test_more_faulty_vectors_than_the_capacity_are_uncorrectable(with_operands):
+    """30 NaNs in a row, with 4 elements' worth of corrections per side (and per pass)."""
     gemm = small_gemm()
     out = gemm.c.clone()
     inject_(out, TensorFault("nan", "row", position=(7, 0), batch_index=0))
     faulty = out.clone()
-    result = verify_and_correct(out, *gemm.checksums(), operands=gemm.operands, max_corrections=4)
+    operands = gemm.operands if with_operands else None
+    result = verify_and_correct(out, *gemm.checksums(), operands=operands, max_corrections=4)
     assert result.status.tolist() == [UNCORRECTABLE, CLEAN, CLEAN]
     assert identical(out, faulty)
 
