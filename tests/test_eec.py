@@ -203,14 +203,19 @@ def test_without_operands_the_checksum_rebuilds_within_the_threshold(gemm, kind,
 def test_random_bitflips_are_corrected_and_leave_no_error_above_the_threshold(gemm, pattern, seed):
     """A random bit flipped in one element, or the same bit along a whole row or column (each
     element then changes by its own amount, some below the detection limit): with the operands,
-    corrected whenever detected, and what is left (undetected, or too small for either side to
-    see beside what was corrected) sums, per checked vector, to less than its threshold."""
+    corrected whenever detected (but, rarely, in fp16 and bf16: docs/abft.md §4), and what is
+    left (undetected, or too small for either side to see beside what was corrected) sums, per
+    checked vector, to less than its threshold."""
     out = gemm.c.clone()
     hit = inject_(out, TensorFault("bitflip", pattern, seed=seed))
+    faulty = out.clone()
     col, row = gemm.checksums()
     result = verify_and_correct(out, col, row, operands=gemm.operands)
     b = hit.batch_index
-    assert result.status.reshape(-1)[b] != UNCORRECTABLE
+    if result.status.reshape(-1)[b] == UNCORRECTABLE:
+        assert gemm.c.dtype != torch.float32
+        assert identical(out, faulty)
+        return
     counts = report(result)
     assert sum(counts["detected"].values()) == sum(counts["corrected"].values()) <= 1
     # whatever was left uncorrected sums, per checked vector, to less than its threshold
