@@ -57,6 +57,7 @@ FAULT_KEYS: dict[str, str] = {
     "value": "value",
     "bit": "bit",
     "seed": "seed",
+    "block": "block",
 }
 """The keys of an ``--abft-inject`` spec and the ``Fault`` fields they set."""
 
@@ -94,7 +95,7 @@ def parse_check_interval(text: str | int) -> int | dict[str, int]:
 def parse_fault(text: str) -> Fault:
     """A fault from its command-line spec: ``section=scores,layer=1,kind=inf,step=20,tp-rank=1``.
     Keys: section (required), kind, pattern, layer (1-based), step (required), tp-rank, value,
-    bit, seed."""
+    bit, seed, block (rows x columns of a 2d block: ``block=64x64``)."""
     fields: dict[str, object] = {}
     for item in (part.strip() for part in text.split(",")):
         key, sep, value = item.partition("=")
@@ -110,10 +111,15 @@ def parse_fault(text: str) -> Fault:
                 fields[name] = int(value)
             elif name == "value":
                 fields[name] = float(value)
+            elif name == "block":
+                fields[name] = tuple(int(size) for size in value.split("x"))
             else:
                 fields[name] = value.strip()
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: {key}={value!r} is not a number") from None
+            expected = "rows x columns such as 4x4" if name == "block" else "a number"
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {key}={value!r} is not {expected}"
+            ) from None
     for required in ("section", "step"):
         if required not in fields:
             raise argparse.ArgumentTypeError(

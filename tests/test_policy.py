@@ -1,7 +1,8 @@
 """Uncorrectable faults are never silent: each on_uncorrectable policy does what it says.
 
-Every test spawns 2 gloo ranks (TP=2) and lands a 2D fault (uncorrectable by construction) in
-layer 1's scores on tensor-parallel rank 1."""
+Every test spawns 2 gloo ranks (TP=2) and lands a fault beyond in-place correction in layer 1's
+scores on tensor-parallel rank 1: INF in every element of one matrix, so that every row and
+every column is wrong (recomputing the GEMM fixes it)."""
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from megatron_abft.config import ABFTConfig
 SHAPE = Shape(heads=4, groups=2)
 
 
-def two_d_fault(step=None) -> Fault:
-    return Fault("scores", "inf", "2d", layer=1, tp_rank=1, step=step, block=(2, 3), seed=4)
+def whole_matrix_fault(step=None) -> Fault:
+    block = (SHAPE.seq, SHAPE.seq)
+    return Fault("scores", "inf", "2d", layer=1, tp_rank=1, step=step, block=block, seed=4)
 
 
 def _model(policy):
@@ -35,7 +37,7 @@ def _raise_worker():
 
     model = _model("raise")
     set_step(model, 5)
-    with inject(model, [two_d_fault(step=5)]):
+    with inject(model, [whole_matrix_fault(step=5)]):
         loss_and_grads(model, SHAPE)
     try:
         finish_step(model)
@@ -45,7 +47,7 @@ def _raise_worker():
 
 
 def test_raise_names_rank_layer_section_and_step_and_stops_every_rank():
-    """The uncorrected fault spreads (softmax turns the INF block into NaN rows), so layer 2 is
+    """The uncorrected fault spreads (softmax turns the INF rows into NaN rows), so layer 2 is
     uncorrectable on both ranks too: every rank raises, naming its own faulty sections."""
     ranks = spawn(2, 2, _raise_worker)
     assert ranks[1].startswith("ABFT: uncorrectable fault at rank 1 layer 1 section scores step 5")
@@ -58,7 +60,7 @@ def _recompute_worker():
     model = _model("recompute")
     reference = loss_and_grads(model, SHAPE)
     collect_events(model)
-    with inject(model, [two_d_fault()]) as landed:
+    with inject(model, [whole_matrix_fault()]) as landed:
         result = loss_and_grads(model, SHAPE)
     counts = stats(model)["scores"]
     return {
@@ -94,15 +96,15 @@ def _step_recompute_worker():
     guard.recompute_in_place_possible = lambda t: False  # behave as on a GPU: decide per step
     model = _model("recompute")
     reference = loss_and_grads(model, SHAPE)
-    with inject(model, [two_d_fault()]):
+    with inject(model, [whole_matrix_fault()]):
         loss_and_grads(model, SHAPE)
     first = finish_step(model).action
     retried = loss_and_grads(model, SHAPE)  # the step again: the one-shot fault is gone
     after_retry = finish_step(model, retried=True).action
-    with inject(model, [two_d_fault()]):  # a fault that comes back on the retry
+    with inject(model, [whole_matrix_fault()]):  # a fault that comes back on the retry
         loss_and_grads(model, SHAPE)
     finish_step(model)
-    with inject(model, [two_d_fault()]):
+    with inject(model, [whole_matrix_fault()]):
         loss_and_grads(model, SHAPE)
     try:
         finish_step(model, retried=True)
@@ -133,7 +135,7 @@ def _skip_worker():
     before = [p.detach().clone() for p in model.parameters()]
     actions = []
     for faulty in (True, False):
-        with inject(model, [two_d_fault()] if faulty else []):
+        with inject(model, [whole_matrix_fault()] if faulty else []):
             loss_and_grads(model, SHAPE)
         outcome = finish_step(model)
         actions.append(outcome.action)
@@ -156,7 +158,7 @@ def _log_worker():
     from megatron_abft import finish_step, inject, stats
 
     model = _model("log")
-    with inject(model, [two_d_fault()]):
+    with inject(model, [whole_matrix_fault()]):
         loss_and_grads(model, SHAPE)
     outcome = finish_step(model)
     return {
@@ -195,7 +197,7 @@ def _rerun_worker():
     attempts, decisions = [], []
     for step in range(2):  # Megatron never re-runs the first iteration: the fault is in step 1
         attempts.append(0)
-        with inject(model, [two_d_fault()] if step == 1 else []):
+        with inject(model, [whole_matrix_fault()] if step == 1 else []):
             while rerun.should_run_forward_backward(data):
                 attempts[-1] += 1
                 tokens, positions, mask, labels = next(data)

@@ -71,20 +71,20 @@ def corpus(tmp_path_factory) -> Path:
     return prefix
 
 
-TWO_D = "section=scores,layer=2,kind=inf,pattern=2d,step=4,tp-rank=1,seed=3"
+WHOLE_MATRIX = "section=scores,layer=2,kind=inf,pattern=2d,block=64x64,step=4,tp-rank=1,seed=3"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus) -> dict[str, dict]:
     """Clean and faulty protected runs on the real corpus, saving at step 3 and at the end. The
-    faulty run gets a random fault every step, and at step 4 also a 2D block in the scores
-    (uncorrectable in place: the default policy recomputes the GEMM)."""
+    faulty run gets a random fault every step, and at step 4 also INF in every element of one
+    scores matrix (beyond in-place correction: the default policy recomputes the GEMM)."""
     tmp = tmp_path_factory.mktemp("runs")
     data = ["--data-path", str(corpus), "--save-interval", "3"]
     clean = launch(*data, "--abft-inject-every", "0", save=tmp / "clean")
     faulty = launch(
         *data,
-        "--abft-inject-every", "1", "--abft-inject", TWO_D,
+        "--abft-inject-every", "1", "--abft-inject", WHOLE_MATRIX,
         "--wandb-project", "abft-test", "--wandb-exp-name", "faulty", "--wandb-mode", "offline",
         save=tmp / "faulty",
     )  # fmt: skip
@@ -93,7 +93,7 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict]:
 
 def test_clean_and_faulty_runs_give_the_same_loss_curve(runs):
     """A fault in every step, in a random section, layer and TP rank, is corrected in place; the
-    2D fault is recomputed; the loss curve is the clean one up to fp32 rounding."""
+    whole-matrix fault is recomputed; the loss curve is the clean one up to fp32 rounding."""
     clean, faulty = runs["clean"], runs["faulty"]
     assert clean["faults_injected"] == clean["faults_detected"] == 0
     assert faulty["faults_injected"] == STEPS + 1
@@ -104,8 +104,8 @@ def test_clean_and_faulty_runs_give_the_same_loss_curve(runs):
     assert losses(clean)[-1] < losses(clean)[0]  # it learns
     events = [json.loads(line) for line in Path(faulty["events_file"]).read_text().splitlines()]
     assert sorted(e["step"] for e in events) == [1, 2, 3, 4, 4, 5, 6]
-    [two_d] = [e for e in events if e["action"] != "corrected"]
-    assert (two_d["action"], two_d["layer"], two_d["section"], two_d["tp_rank"]) == (
+    [whole] = [e for e in events if e["action"] != "corrected"]
+    assert (whole["action"], whole["layer"], whole["section"], whole["tp_rank"]) == (
         "recomputed", 2, "scores", 1,
     )  # fmt: skip
     assert all(e["policy"] == "recompute" for e in events)
@@ -146,8 +146,9 @@ def test_without_abft_the_plain_megatron_loop_gives_the_protected_loss(runs, cor
 
 def test_pipeline_parallel_with_skip_step_on_mock_data(tmp_path):
     """TP=1, PP=2 (2 ranks) on MockGPTDataset, policy skip_step: a fault in each stage is
-    corrected, and a 2D fault on the first stage makes step 4 uncorrectable on both stages (the
-    NaNs reach the second), so every rank skips that step; the last rank reports it all.
+    corrected, and a NaN in the softmax output on the first stage makes step 4 uncorrectable on
+    both stages (its context checksums are NaN, and the NaNs reach the second stage), so every
+    rank skips that step; the last rank reports it all.
     Untied embeddings: with tied ones Megatron syncs the two copies through ``Tensor.cuda()``
     (language_module.py:307), which CPU mode does not cover."""
     run = launch(
@@ -156,7 +157,7 @@ def test_pipeline_parallel_with_skip_step_on_mock_data(tmp_path):
         "--abft-inject-every", "0",
         "--abft-inject", "section=scores,layer=1,kind=nan,pattern=row,step=2",
         "--abft-inject", "section=proj,layer=2,kind=inf,step=3",
-        "--abft-inject", "section=context,layer=1,kind=inf,pattern=2d,step=4",
+        "--abft-inject", "section=probs,layer=1,kind=nan,step=4",
         save=tmp_path / "pp",
     )  # fmt: skip
     assert "PP=2" in run["stdout"] and "MockGPTDataset" in run["stdout"]
@@ -218,7 +219,7 @@ def test_the_wandb_offline_run_holds_abft_scalars_and_the_events_table(runs):
     [table_path] = [row["abft/events/path"] for row in rows if "abft/events/path" in row]
     table = json.loads((run_dir / "files" / table_path).read_text())
     assert table["columns"][:5] == ["step", "rank", "tp_rank", "layer", "section"]
-    assert len(table["data"]) == STEPS + 1  # the random faults and the 2D one
+    assert len(table["data"]) == STEPS + 1  # the random faults and the whole-matrix one
 
 
 # --- flags and config files, checked at start --------------------------------------------------
@@ -294,6 +295,8 @@ BAD = [
     (["--abft-inject", "section=scores,layer=1,kind=inf"], "step= is missing"),
     (["--abft-inject", "section=scores,lyer=1,step=2"], "'lyer=1' is not a key=value pair"),
     (["--abft-inject", "section=scores,layer=9,step=2"], "layer=9 is not a layer of this model"),
+    (["--abft-inject", "section=scores,pattern=2d,block=4by4,step=2"], "block='4by4' is not rows "
+     "x columns such as 4x4"),
     (["--abft-check-interval", "scores=0"], "use an int >= 1"),
     (["--abft-coverage-target", "1.5"], "'1.5' is not between 0 and 1"),
     (["--abft-fault-rates", "inf=1,bitrot=2"], "unknown fault kind 'bitrot'"),

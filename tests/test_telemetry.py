@@ -39,9 +39,12 @@ def _telemetry_worker(events_file: str):
     stream, run = io.StringIO(), FakeRun()
     config = TelemetryConfig(log_interval=2, train_iters=3, events_file=events_file, policy="log")
     telemetry = Telemetry(model, config, num_layers=SHAPE.layers, wandb_run=run, stream=stream)
+    seq = SHAPE.seq
     faults = {
         1: [Fault("scores", "inf", "0d", layer=1, tp_rank=0, step=1, seed=1)],  # corrected
-        2: [Fault("scores", "inf", "2d", layer=2, tp_rank=0, step=2, block=(2, 3), seed=4)],
+        2: [  # every element of one matrix: uncorrectable in place
+            Fault("scores", "inf", "2d", layer=2, tp_rank=0, step=2, block=(seq, seq), seed=4)
+        ],
         3: [],
     }
     intervals = []
@@ -84,7 +87,7 @@ def test_counters_are_summed_over_ranks_on_every_rank(ranks):
         first, second = result["intervals"]
         assert first.totals["injected"] == 2
         assert first.totals["corrected"] == 1
-        assert first.totals["uncorrectable"] >= 1  # the 2D block, and where its NaNs spread
+        assert first.totals["uncorrectable"] >= 1  # the INF matrix, and where its NaNs spread
         assert first.totals["detected"] == first.totals["corrected"] + first.totals["uncorrectable"]
         assert second.delta == {k: 0 for k in second.delta}  # nothing new in step 3
         assert first.scalars["abft/rank0/detected"] >= 2
