@@ -74,7 +74,7 @@ class SectionGuard:
         self.recomputed: Tensor | None = None  # GEMMs recomputed by the recompute policy
         self.pending: Tensor | None = None  # bool: an uncorrected fault this step
         self.recompute_failed = False  # a recomputed GEMM was still wrong this step
-        self.events: list[Tensor] = []  # one EVENT_FIELDS record per check, on the device
+        self.events: list[Tensor] = []  # EVENT_FIELDS records of checks not known clean
         self.batch_shape: tuple[int, ...] = ()  # of the checked matrices, to name heads
 
     @property
@@ -120,13 +120,15 @@ class SectionGuard:
             else:
                 failed = torch.zeros_like(failed)
                 event = torch.cat([event[:1], event.new_tensor([RECOMPUTED]), event[2:]])
-        self.events.append(event)
+        if event is not None:
+            self.events.append(event)
         self.pending = failed if self.pending is None else self.pending | failed
         return output
 
-    def _verify(self, output: Tensor, operands: GemmOperands) -> tuple[Tensor, Tensor]:
+    def _verify(self, output: Tensor, operands: GemmOperands) -> tuple[Tensor, Tensor | None]:
         """Verify and correct in place and count. Returns whether a matrix stayed uncorrectable
-        (a device bool) and the event record of the worst matrix (EVENT_FIELDS)."""
+        (a device bool) and the event record of the worst matrix (EVENT_FIELDS), None when the
+        check is known to be clean without a host synchronisation (CPU tensors)."""
         col, row = encode(
             operands.a,
             operands.b,
@@ -145,6 +147,8 @@ class SectionGuard:
         )
         self.counts = result.counts if self.counts is None else self.counts + result.counts
         status = result.status.reshape(-1)
+        if status.device.type == "cpu" and not bool(status.any()):  # no sync needed on CPU
+            return torch.zeros((), dtype=torch.bool), None
         worst = status.argmax()  # the first uncorrectable matrix, else the first corrected one
         fields = [result.kind, result.row, result.col, result.magnitude]
         event = torch.stack(

@@ -8,10 +8,15 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
 
 - ``torch``: the PyTorch path of megatron_abft.eec and .checksum, pass by pass: every fp32 copy,
   abs and reduction over C and the operands, as the code does them;
-- ``kernels``: today's code with the compiled block_sums kernel (megatron_abft._ext): one read
-  of C for both sides and of each encoded operand, the rest as the PyTorch path;
-- ``fused``: the target: one read of C for both sides' sums, one read of each operand to
-  encode, the small checksum GEMMs, and a few kernels for the rest.
+- ``kernels``: today's code with the compiled kernels (megatron_abft._ext): block_sums reads C
+  once for both sides and each operand once for its block sums, row_products reads each operand
+  once for its checksum products; the comparisons, flags and counters run op by op;
+- ``fused``: the target: the same passes, with the comparisons, location and counters in a few
+  kernels.
+
+Every check also launches a number of small tensor ops (CHECK_OPS, counted on the code by
+tests/test_scaling.py), each costing the device's op latency: on CPU, eager dispatch and the
+Python around it, which tools/bench_overhead.py measures on the check itself.
 
 The backward pass is not protected: protection costs forward work only, while the baseline step
 is forward + backward (2x the GEMM FLOPs) + optimizer. docs/scaling.md validates the model
@@ -26,9 +31,13 @@ from megatron_abft.config import SECTIONS
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 IMPLEMENTATIONS = ("torch", "kernels", "fused")
-"""How the checks run: the PyTorch path; today's code with the compiled block_sums kernel (one
-read of C for both sides, one of each encoded operand; the rest in PyTorch); and the fused
-target (encode, verify, correct and count in a few kernels)."""
+"""How the checks run: the PyTorch path; today's code with the compiled kernels (one read of C
+for both sides, two of each operand; comparisons and counters in PyTorch); and the fused target
+(the same passes, comparisons and counters in a few kernels)."""
+CHECK_OPS = {"torch": 143, "kernels": 103, "fused": 12}
+"""Tensor ops one clean check (encode both sides, verify, count) launches, for a batched GEMM.
+The torch and kernels figures are the code's own, counted with torch.profiler by
+tests/test_scaling.py; fused is the target."""
 
 
 @dataclass(frozen=True)
@@ -217,24 +226,22 @@ def _checked_gemms(shape: ModelShape) -> dict[str, _Checked]:
 
 
 def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str) -> Work:
-    """Work of one side's checks: encode A's block sums, the small checksum GEMMs with B, and
-    verify C's sums on this side (torch path; the fused path reads C once for both sides)."""
+    """Work of one side's checks: A's block sums, the checksum products with B, and (torch path)
+    C's sums on this side; the kernels read C once for both sides (protection_forward)."""
     blocks = -(-m // block)
     a_elems = g.batch * m * k / share_a
     b_elems = g.batch * k * n / share_b
     c_elems = g.batch * m * n
-    gemms = Work(flops=2 * g.batch * 3 * blocks * k * n, ops=2)  # [e w] rows and |.| row
-    if impl == "fused":  # one encode kernel reading A; B is read by the checksum GEMMs
-        return gemms + Work(bytes=(a_elems + b_elems) * e, ops=1)
-    # checksum.py: B to fp32 and |B| for the checksum GEMMs (a copy, an abs, two reads)
-    operand_b = Work(bytes=b_elems * (e + 4 + 8 + 4), ops=4)
-    if impl == "kernels":  # the block_sums kernel reads A once; C is read once for both sides
-        return gemms + operand_b + Work(bytes=a_elems * e, ops=2)
-    # checksum.py: A to fp32, block sums, abs and sums of A
-    encode = operand_b + Work(bytes=a_elems * (e + 4 + 4 + 8 + 4), ops=6)
-    # eec._inspect: C to fp32, weighted sums, abs, weighted sums of |C|, thresholds
-    verify = Work(bytes=c_elems * (e + 4 + 4 + 8 + 4), ops=16)
-    return gemms + encode + verify
+    products = Work(flops=2 * g.batch * 3 * blocks * k * n)  # [e w] rows and the |.| row
+    if impl != "torch":  # block_sums reads A, row_products reads B, once each
+        return products + Work(bytes=(a_elems + b_elems) * e)
+    # checksum.py: B to fp32, |B| (a copy), and the two products read both
+    operand_b = Work(bytes=b_elems * (e + 4 + 8 + 4))
+    # A to fp32, its block sums, abs and block sums of |A|
+    encode = Work(bytes=a_elems * (e + 4 + 4 + 8 + 4))
+    # eec._inspect: C to fp32, weighted sums, abs, weighted sums of |C|
+    verify = Work(bytes=c_elems * (e + 4 + 4 + 8 + 4))
+    return products + operand_b + encode + verify
 
 
 def protection_forward(shape: ModelShape, impl: str = "torch") -> dict[str, Work]:
@@ -246,12 +253,8 @@ def protection_forward(shape: ModelShape, impl: str = "torch") -> dict[str, Work
     for section, g in _checked_gemms(shape).items():
         col = _side(g, g.m, g.k, g.n, g.share_a, g.share_b, e, block, impl)
         row = _side(g, g.n, g.k, g.m, g.share_b, g.share_a, e, block, impl)
-        if impl == "fused":  # one read of C for both sides; correction and counters kernels
-            out[section] = col + row + Work(bytes=g.batch * g.m * g.n * e, ops=4)
-        elif impl == "kernels":  # one read of C; flags, kinds, counters, events op by op
-            out[section] = col + row + Work(bytes=g.batch * g.m * g.n * e, ops=50)
-        else:  # + flags, kinds, locations, counters and the event record, op by op
-            out[section] = col + row + Work(ops=40)
+        verify = Work(bytes=0 if impl == "torch" else g.batch * g.m * g.n * e)
+        out[section] = col + row + verify + Work(ops=CHECK_OPS[impl])
     return out
 
 

@@ -1,10 +1,14 @@
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_abft.config import SECTIONS
 from megatron_abft.scaling import (
     CATALOGUE,
+    CHECK_OPS,
     DEVICES,
     DeviceProfile,
     ModelShape,
@@ -13,6 +17,8 @@ from megatron_abft.scaling import (
     protection_forward,
     step_time,
 )
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
 
 SHAPES = {shape.name: shape for shape in CATALOGUE}
 
@@ -81,3 +87,21 @@ def test_bad_shapes_are_refused():
         ModelShape("m", 1, 64, 4, 256, 100, dtype="int8")
     with pytest.raises(ValueError, match="must divide"):
         ModelShape("m", 1, 64, 3, 256, 100)
+
+
+@pytest.mark.parametrize("impl", ["kernels", "torch"])
+def test_the_op_counts_the_model_assumes_are_the_code_s(impl):
+    """CHECK_OPS follows the code: a clean check of a batched GEMM launches that many ops
+    (counted by torch.profiler, as tools/bench_overhead.py does), within 15%."""
+    from contextlib import nullcontext
+
+    from bench_overhead import check_cost
+
+    from megatron_abft import _ext
+
+    if impl == "kernels" and not _ext.available():
+        pytest.skip(_ext.backend())
+    with _ext.disabled() if impl == "torch" else nullcontext():
+        ops, seconds = check_cost(torch.device("cpu"), reps=3)
+    assert ops == pytest.approx(CHECK_OPS[impl], rel=0.15)
+    assert seconds > 0

@@ -70,8 +70,39 @@ class Timer:
         return end - begin
 
 
+def check_cost(device: torch.device, reps: int = 200) -> tuple[int, float]:
+    """The tensor ops one clean check launches (counted by torch.profiler) and the time of one
+    such op, eager dispatch and the Python around it included: a guard checking a tiny batched
+    GEMM, whose time is all op overhead."""
+    from megatron_abft.eec import GemmOperands
+    from megatron_abft.guard import SectionGuard
+
+    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
+    a = torch.randn(1, 4, 2, 16, 8, device=device)
+    b = torch.randn(1, 4, 1, 8, 16, device=device)
+    operands, c = GemmOperands(a, b), a @ b
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
+        guard.check(c, operands)
+    ops = count_ops(profile)
+    for _ in range(10):
+        guard.check(c, operands)
+    timer = Timer(device.type == "cuda")
+    begin = timer.start()
+    for _ in range(reps):
+        guard.check(c, operands)
+    return ops, timer.seconds(begin, timer.start()) / reps / ops
+
+
+def count_ops(profile) -> int:
+    """Top-level operators of a torch.profiler run (aten ops and the extension's; the ops they
+    call are not counted)."""
+    return sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
+
+
 def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch.device) -> dict:
-    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, and one op's latency."""
+    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, and the
+    ops of one check with their latency."""
     timer = Timer(device.type == "cuda")
 
     def median(fn, reps=5):
@@ -90,7 +121,14 @@ def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch
     bandwidth = 2 * x.numel() * 4 / median(lambda: x.abs())
     one = torch.zeros(1, device=device)
     launch = median(lambda: [one.add(1) for _ in range(200)]) / 200
-    return {"matmul": matmul, "bandwidth": bandwidth, "launch": launch}
+    check_ops, check_op = check_cost(device)
+    return {
+        "matmul": matmul,
+        "bandwidth": bandwidth,
+        "launch": launch,
+        "check_ops": check_ops,
+        "check_op": check_op,
+    }
 
 
 def _build(args, config: ABFTConfig):

@@ -56,7 +56,7 @@ def calibrated(result: dict) -> DeviceProfile:
         f"{result['device']} (calibrated)",
         {result["args"]["dtype"]: m["matmul"]},
         m["bandwidth"],
-        m["launch"],
+        m.get("check_op", m["launch"]),  # the checks' own ops, Python around them included
         "bench_overhead micro-benchmarks",
     )
 
@@ -208,8 +208,8 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "operand). The backward pass is not protected.",
             "",
             f"Device profile for the predictions: {device.name}, {device.notes}. Predictions for a",
-        "device are only as good as the validation rows measured on it: a device with no row",
-        "below has not been measured, and its figures are the model's alone.",
+            "device are only as good as the validation rows measured on it: a device with no row",
+            "below has not been measured, and its figures are the model's alone.",
             "",
             "## Validation against measurements",
             "",
