@@ -48,6 +48,13 @@ class ABFTConfig:
     """Magnitude above which a finite value counts as extreme (ATTNChecker's near-INF). Only used
     to locate a fault when the checksum differences themselves overflow."""
 
+    sync_free: bool = False
+    """Never read a value on the host during a check, so that checks can be captured in CUDA
+    graphs. The correction path then runs on every check on a GPU, fault or not: many small
+    kernels until the fused correction kernel lands (docs/benchmarks.md). With False (default) a
+    GPU synchronises once per check to skip it when the check is clean; on CPUs that costs nothing
+    and always happens."""
+
     on_uncorrectable: str = "recompute"
     """Policy for a fault that cannot be corrected in place: recompute (run the work once more,
     then raise), raise, skip_step (discard the step's gradients), rerun (hand over to Megatron's
@@ -56,8 +63,9 @@ class ABFTConfig:
     _intervals: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise _bad("enabled", self.enabled, "use True or False")
+        for name in ("enabled", "sync_free"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "use True or False")
         self.sections = self._normalise_sections(self.sections)
         self._intervals = self._normalise_intervals(self.check_interval)
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):

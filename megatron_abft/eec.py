@@ -19,8 +19,9 @@ kernels of megatron_abft._ext where they are built), then for every flagged vect
 3. re-verifies both sides: a matrix with any vector still inconsistent is uncorrectable, and is
    put back exactly as the GEMM produced it.
 
-Everything stays on the device: results are tensors and no host synchronisation happens on CUDA
-(on CPU the correction pass is skipped when nothing was flagged, which costs no sync there).
+Results are device tensors. By default nothing is read on the host on CUDA (``sync_free``), so
+the correction path runs on every call there; on CPU it is skipped when nothing was flagged,
+which costs no sync there, and ``sync_free=False`` does the same on any device for one sync.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def verify_and_correct(
     near_inf: float = 1e10,
     max_corrections: int | None = None,
     check_references: bool = True,
+    sync_free: bool = True,
 ) -> EECResult:
     """Check ``c [..., m, n]`` against its column and/or row checksums and correct it in place.
 
@@ -136,7 +138,9 @@ def verify_and_correct(
     blocks recomputed from the operands are limited to as many elements per side and pass.
     ``check_references`` rejects non-finite reference checksums with a ValueError, at the cost of
     one host synchronisation; the protected layers turn it off and count such matrices as
-    uncorrectable instead.
+    uncorrectable instead. ``sync_free=False`` lets a device other than the CPU read whether
+    anything was flagged (one host synchronisation) and skip the correction path when nothing was,
+    as the CPU always does.
     """
     _check_inputs(c, col, row)
     if operands is not None:
@@ -155,6 +159,7 @@ def verify_and_correct(
             near_inf=near_inf,
             max_corrections=max_corrections,
             check_references=False,
+            sync_free=sync_free,
         )
         return EECResult(
             result.counts,
@@ -166,7 +171,7 @@ def verify_and_correct(
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
     sides = _inspect(c, refs, check)
     detected = _any_flagged(sides.values(), c.shape[:-2])
-    if c.device.type == "cpu" and not bool(detected.any()):  # no sync on CPU: skip the rest
+    if (c.device.type == "cpu" or not sync_free) and not bool(detected.any()):
         return _clean_result(c)
     kind = torch.stack([_kind(s, near_inf).amax((-2, -1)) for s in sides.values()]).amax(0)
     row, col, magnitude = _where(sides, c.shape[:-2])

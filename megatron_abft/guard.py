@@ -144,21 +144,19 @@ class SectionGuard:
             threshold_scale=self.config.threshold_scale,
             near_inf=self.config.near_inf,
             check_references=False,
+            sync_free=self.config.sync_free,
         )
         self.counts = result.counts if self.counts is None else self.counts + result.counts
         status = result.status.reshape(-1)
-        if status.device.type == "cpu" and not bool(status.any()):  # no sync needed on CPU
+        if (status.device.type == "cpu" or not self.config.sync_free) and not bool(status.any()):
             return torch.zeros((), dtype=torch.bool), None
-        worst = status.argmax()  # the first uncorrectable matrix, else the first corrected one
-        fields = [result.kind, result.row, result.col, result.magnitude]
-        event = torch.stack(
-            [
-                torch.tensor(float(self.step), dtype=torch.float64, device=status.device),
-                status[worst].double(),
-                worst.double(),
-            ]
-            + [f.reshape(-1)[worst].double() for f in fields]
-        )
+        # the first uncorrectable matrix, else the first corrected one; indexed with a 1-element
+        # tensor, as a 0-d index would be read on the host (a sync on GPUs)
+        worst = status.argmax().reshape(1)
+        fields = [result.status, result.kind, result.row, result.col, result.magnitude]
+        picked = [f.reshape(-1)[worst].double() for f in fields]
+        step = torch.full((1,), float(self.step), dtype=torch.float64, device=status.device)
+        event = torch.cat([step, picked[0], worst.double(), *picked[1:]])
         return (result.status == UNCORRECTABLE).any(), event
 
     def where(self) -> dict:

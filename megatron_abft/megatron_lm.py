@@ -221,6 +221,12 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Multiplies every detection threshold (1.0: the rigorous bound, no false alarms).",
     )
     group.add_argument(
+        "--abft-sync-free",
+        action="store_true",
+        help="Never synchronise with the host during a check (for CUDA graphs); the correction "
+        "path then runs on every check on GPUs (ABFTConfig.sync_free).",
+    )
+    group.add_argument(
         "--abft-inject",
         type=parse_fault,
         action="append",
@@ -364,6 +370,7 @@ def abft_config_from_args(args: argparse.Namespace, enabled: bool | None = None)
         check_interval=interval,
         block_size=args.abft_block_size,
         threshold_scale=args.abft_threshold_scale,
+        sync_free=args.abft_sync_free,
         on_uncorrectable=args.abft_on_uncorrectable,
     )
 

@@ -397,3 +397,22 @@ def test_cuda_opcheck_and_current_stream():
     stream.synchronize()
     for g, w in zip(got, block_sums(c, 64, 128), strict=True):
         torch.testing.assert_close(g, w)
+
+
+@needs_cuda
+def test_cuda_checks_that_may_sync_skip_the_correction_path_when_clean():
+    a, b, _, c = gemm_case(torch.bfloat16, (2, 4), 256, 64, 192, seed=5)
+    a, b, c = a.cuda(), b.cuda(), c.cuda()
+    col, row = encode(a, b, alpha=0.5, block=64)
+    operands = GemmOperands(a, b, 0.5)
+    ops = {}
+    for sync_free in (True, False):
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
+            verify_and_correct(c, col, row, operands=operands, sync_free=sync_free)
+        ops[sync_free] = sum(1 for e in profile.events() if e.cpu_parent is None)
+    assert ops[False] * 5 < ops[True]
+    faulty = c.clone()
+    inject_(faulty, TensorFault("nan", "row", batch_index=3, seed=2))
+    result = verify_and_correct(faulty, col, row, operands=operands, sync_free=False)
+    assert result.status.cpu().tolist().count(1) == 1 and torch.isfinite(faulty).all()

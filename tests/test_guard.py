@@ -98,3 +98,34 @@ def test_intervals_sections_and_summed_counters():
         "corrected",
     )
     assert faulty["drained"] == [] and ranks[1]["events"] == []
+
+
+def test_a_sync_free_guard_reads_nothing_on_the_host():
+    """With sync_free a guard checks, corrects and records its event without host reads: on
+    meta tensors any item(), bool() or 0-d index would raise."""
+    from megatron_abft.eec import GemmOperands
+    from megatron_abft.guard import SectionGuard
+
+    guard = SectionGuard("scores", ABFTConfig(sync_free=True, on_uncorrectable="log"), 0)
+    a = torch.empty(1, 4, 2, 16, 8, device="meta")
+    b = torch.empty(1, 4, 1, 8, 16, device="meta")
+    guard.check(a @ b, GemmOperands(a, b))
+    assert guard.counts.device.type == "meta" and len(guard.events) == 1
+    assert guard.events[0].shape == (7,)
+
+
+def test_clean_cpu_checks_record_no_event_and_faulty_ones_do():
+    from megatron_abft.eec import GemmOperands
+    from megatron_abft.guard import SectionGuard
+
+    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 3, 40, 8, generator=g), torch.randn(2, 1, 8, 30, generator=g)
+    guard.check(a @ b, GemmOperands(a, b))
+    assert guard.events == [] and int(guard.counts.sum()) == 0
+    c = a @ b
+    c[1, 2, 7, 11] = float("inf")
+    guard.check(c, GemmOperands(a, b))
+    step, status, matrix, kind, row, col, _ = guard.events[0].tolist()
+    assert (status, matrix, row, col) == (1, 5, 7, 11) and kind == 2  # corrected, an INF
+    torch.testing.assert_close(c, a @ b)
