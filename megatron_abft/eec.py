@@ -14,8 +14,8 @@ kernels of megatron_abft._ext where they are built), then for every flagged vect
    location however noisy, then the most suspect crossing vector; and a vector that no single
    element makes clean, or that several flagged vectors cross (several errors, more perhaps too
    small to flag), has its whole block recomputed. The vectors one side wrote into are then
-   revisited on the other side (columns, rows, columns again): a partial correction can expose
-   errors that cancelled below their threshold;
+   revisited on the other side (columns, rows, then the columns the rows wrote into): a partial
+   correction can expose errors that cancelled below their threshold;
 3. re-verifies both sides: a matrix with any vector still inconsistent is uncorrectable, and is
    put back exactly as the GEMM produced it.
 
@@ -179,11 +179,11 @@ def verify_and_correct(
     corrections, slack, touched = [], {}, {}
     # with the operands the column side goes again, for the columns the row side wrote into
     order = ["col", "row", "col"] if operands is not None and len(sides) == 2 else list(sides)
-    for name in order:
+    for i, name in enumerate(order):
         side, other_name = sides[name], "row" if name == "col" else "col"
         other = sides.get(other_name)
         crossing = _crossing(other, side) if other else None
-        written = _correct_side(side, crossing, check, touched.get(name))
+        written = _correct_side(side, crossing, check, touched.get(name), name in order[:i])
         corrections += written
         if other and operands is None:  # rebuilt values carry this side's rounding noise
             slack[other_name] = _into(other, written, [w.error_bound for w in written])
@@ -408,13 +408,15 @@ def _correct_side(
     crossing: tuple[Tensor, Tensor] | None,
     check: _Check,
     touched: Tensor | None = None,
+    again: bool = False,
 ) -> list[_Correction]:
-    """Correct up to ``check.capacity`` vectors of one side in place: the flagged ones, and those
-    ``touched`` by the other side's corrections that no longer check clean. Without the operands
-    the located bad element is rebuilt from the checksum; with them, see _recompute."""
+    """Correct up to ``check.capacity`` vectors of one side in place: the flagged ones (unless
+    the side goes ``again``), and those ``touched`` by the other side's corrections that no longer
+    check clean. Without the operands the located bad element is rebuilt from the checksum; with
+    them, see _recompute."""
     batch_shape = side.view.shape[:-2]
     nb, n = side.d1.shape[-2:]
-    wanted = side.flagged if touched is None else side.flagged | touched
+    wanted = side.flagged if touched is None else touched if again else side.flagged | touched
     flat = wanted.reshape(-1)
     picked = torch.topk(
         flat.to(torch.uint8), min(check.capacity, flat.numel()), sorted=False
@@ -465,7 +467,7 @@ def _correct_side(
         ok &= torch.isfinite(value) & torch.isfinite(bound)
         return [_Correction.write(side.view, picks.at(loc), value, ok, bound)]
 
-    fix = flagged
+    fix = torch.zeros_like(flagged) if again else flagged
     if touched is not None:  # the other side's writes may have exposed errors there
         current = vec.gather(-1, picks.clamp(loc).unsqueeze(-1)).squeeze(-1)
         fix = fix | take(touched) & ~picks.put(check, loc, current)[2]
