@@ -3,10 +3,11 @@
     python tools/bench_kernels.py [--batch 2] [--heads 8] [--seq 1024] [--head-dim 64]
                                   [--dtype bf16] [--block 256] [--device cpu] [--threads N]
 
-For S = Q K^T / sqrt(d) it times the GEMM itself, the encoding of both sides' checksums, the
-recomputed sums of both sides (one read of S through the kernels) and a whole clean
-verify_and_correct, each through the extension and through the PyTorch path (the reference).
-Runs of the two paths alternate, and each line reports the median.
+For S = Q K^T / sqrt(d) and the context P V (P = softmax(S)) it times the GEMMs themselves, the
+encoding of both sides' checksums and a whole clean verify_and_correct, each through the
+extension and through the PyTorch path (the reference); runs of the two paths alternate, and each
+line reports the median. Then each kernel alone, with its achieved bandwidth against a copy of
+the same tensor on the same device (the bandwidth the device sustains).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from megatron_abft import _ext
 from megatron_abft.checksum import encode
-from megatron_abft.eec import _block_sums, verify_and_correct
+from megatron_abft.eec import verify_and_correct
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,29 +76,67 @@ def main() -> None:
     scale = args.head_dim**-0.5
     scores = q @ k.mT * scale
     col, row = encode(q, k.mT, alpha=scale, block=args.block)
-    refs = {"col": col, "row": row}
-    gemm = statistics.median(timed(lambda: q @ k.mT, device) for _ in range(args.repeat))
 
     print(
         f"S = Q K^T / sqrt(d): {args.batch}x{args.heads} matrices of {args.seq}x{args.seq}, "
         f"d = {args.head_dim}, {args.dtype} on {device} ({torch.get_num_threads()} threads), "
         f"blocks of {args.block}; extension: {_ext.backend()}"
     )
-    print(f"{'step':<34} {'kernels ms':>11} {'torch ms':>9} {'speed-up':>9} {'x GEMM':>7}")
-    print(f"{'the GEMM Q K^T':<34} {gemm:>11.2f} {gemm:>9.2f} {'':>9} {1:>7.2f}")
+    v = torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+    probs = torch.softmax(scores.float(), -1).to(dtype)
+    context = probs @ v
+    pv = encode(probs, v, block=args.block)
+
+    def median(fn: Callable[[], object]) -> float:
+        fn()
+        return statistics.median(timed(fn, device) for _ in range(args.repeat))
+
+    gemms = {"S": median(lambda: q @ k.mT), "PV": median(lambda: probs @ v)}
+    print(f"{'step':<38} {'kernels ms':>11} {'torch ms':>9} {'speed-up':>9} {'x GEMM':>7}")
     steps = {
-        "encode both sides": lambda: encode(q, k.mT, alpha=scale, block=args.block),
-        "sums of both sides (one read of S)": lambda: _block_sums(scores, refs),
-        "verify_and_correct, clean": lambda: verify_and_correct(
+        ("S", "encode Q, K (both sides)"): lambda: encode(q, k.mT, alpha=scale, block=args.block),
+        ("S", "verify_and_correct S, clean"): lambda: verify_and_correct(
             scores, col, row, check_references=False
         ),
+        ("PV", "encode P, V (both sides)"): lambda: encode(probs, v, block=args.block),
+        ("PV", "verify_and_correct PV, clean"): lambda: verify_and_correct(
+            context, *pv, check_references=False
+        ),
     }
-    for name, fn in steps.items():
+    for (gemm, name), fn in steps.items():
+        print(
+            f"{'the GEMM ' + gemm:<38} {gemms[gemm]:>11.2f} {gemms[gemm]:>9.2f} {'':>9} {1:>7.2f}"
+        )
         fused, reference = compare(fn, device, args.repeat)
         print(
-            f"{name:<34} {fused:>11.2f} {reference:>9.2f} {reference / fused:>8.1f}x "
-            f"{fused / gemm:>7.2f}"
+            f"{name:<38} {fused:>11.2f} {reference:>9.2f} {reference / fused:>8.1f}x "
+            f"{fused / gemms[gemm]:>7.2f}"
         )
+    if not _ext.available():
+        return
+    u = torch.randn(*shape[:2], 2 * -(-args.head_dim // args.block), args.seq, device=device)
+    kernels = {  # name: (call, bytes it reads)
+        "block_sums of S, both sides": (
+            lambda: _ext.block_sums(scores, args.block, args.block),
+            scores.nbytes,
+        ),
+        "block_sums of P, one side (encode)": (
+            lambda: _ext.block_sums(probs, args.block, 0),
+            probs.nbytes,
+        ),
+        "row_products of P (encode)": (
+            lambda: _ext.row_products(probs, u, u[..., :1, :].abs()),
+            probs.nbytes,
+        ),
+    }
+    copy = median(lambda: scores.clone()) / 1e3
+    bandwidth = 2 * scores.nbytes / copy
+    print(f"\ncopy of S: {copy * 1e3:.2f} ms, {bandwidth / 1e9:.1f} GB/s (read + write)")
+    print(f"{'kernel':<38} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
+    for name, (fn, nbytes) in kernels.items():
+        ms = median(fn)
+        achieved = nbytes / (ms / 1e3)
+        print(f"{name:<38} {ms:>8.2f} {achieved / 1e9:>8.1f} {achieved / bandwidth:>7.0%}")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def plot(device: DeviceProfile, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for seq, color in zip(SEQUENCES, ("C0", "C1", "C2"), strict=True):
-        for impl, style in (("fused", "-"), ("torch", "--")):
+        for impl, style in (("fused", "-"), ("kernels", "--"), ("torch", ":")):
             points = sorted(
                 (shape.parameters(), predict(replace(shape, seq=seq), device, impl).step)
                 for shape in CATALOGUE
@@ -141,7 +141,7 @@ def prediction_table(device: DeviceProfile) -> list[str]:
     ]
     for shape in CATALOGUE:
         for seq in SEQUENCES:
-            for impl in ("fused", "torch"):
+            for impl in ("fused", "kernels", "torch"):
                 p = predict(replace(shape, seq=seq), device, impl)
                 cells = " | ".join(f"{100 * p.sections[s]:.2f}%" for s in SECTIONS)
                 lines.append(
@@ -201,11 +201,19 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "residuals and the MLP activation; Adam's traffic; the number of tensor ops) and the",
             "extra forward work of each checked section: encoding both operands, the small",
             "checksum GEMMs, and verifying C. Work becomes time with a device profile:",
-            "`flops / matmul rate + bytes / bandwidth + ops x op latency`. Two implementations",
-            "are modelled: `torch`, the",
-            "PyTorch path as the code does it today (every fp32 copy, abs and reduction counted),",
-            "and `fused`, the kernels' target (one read of C for both sides, one read of each",
-            "operand). The backward pass is not protected.",
+            "`flops / matmul rate + bytes / bandwidth + ops x op latency`. Three implementations",
+            "are modelled: `torch`, the PyTorch path (every fp32 copy, abs and reduction",
+            "counted); `kernels`, the code as it runs with the compiled kernels (one read of C",
+            "for both sides, one read of each operand per side; the comparisons and counters op",
+            "by op, CHECK_OPS per check, a figure a test keeps equal to the code's); and `fused`,",
+            "the target (the same passes, comparisons and counters in a few kernels). The",
+            "backward pass is not protected.",
+            "",
+            "On a GPU the op count dominates below a few billion parameters: each check is",
+            "about a hundred small kernels today, and a launch costs microseconds whatever its",
+            "size. GPUs also synchronise once per check (`ABFTConfig.sync_free=False`, the",
+            "default), which the model does not count. Hence the `kernels` rows below, and why",
+            "the fused kernels are the next step for GPUs.",
             "",
             f"Device profile for the predictions: {device.name}, {device.notes}. Predictions for a",
             "device are only as good as the validation rows measured on it: a device with no row",
