@@ -170,9 +170,11 @@ def verify_and_correct(
     check = _Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
     sides = _inspect(c, refs, check)
-    detected = _any_flagged(sides.values(), c.shape[:-2])
-    if (c.device.type == "cpu" or not sync_free) and not bool(detected.any()):
+    if (c.device.type == "cpu" or not sync_free) and not any(
+        bool(s.flagged.any()) for s in sides.values()
+    ):
         return _clean_result(c)
+    detected = _any_flagged(sides.values(), c.shape[:-2])
     kind = torch.stack([_kind(s, near_inf).amax((-2, -1)) for s in sides.values()]).amax(0)
     row, col, magnitude = _where(sides, c.shape[:-2])
 

@@ -81,9 +81,8 @@ def thresholds(
     adds u_out * (S + sum |bias|) (and its weighted analogue)."""
     if bias_magnitude is not None:
         size, size_w = 2 * size + bias_magnitude, 2 * size_w + length * bias_magnitude
-    g = rounding.gemm_factor(inner, length)
-    tau = scale * (rounding.output * size + length * rounding.floor + g * magnitude)
-    tau_w = scale * (
-        rounding.output * size_w + length * length * rounding.floor + g * length * magnitude
-    )
+    g = scale * rounding.gemm_factor(inner, length)
+    out, floor = scale * rounding.output, scale * length * rounding.floor
+    tau = torch.add(size * out, magnitude, alpha=g).add_(floor)  # few ops: they run per check
+    tau_w = torch.add(size_w * out, magnitude, alpha=g * length).add_(floor * length)
     return tau, tau_w
