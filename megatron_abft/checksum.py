@@ -75,6 +75,20 @@ def block_weights(block: int, device: torch.device, dtype: torch.dtype) -> Tenso
     return torch.stack([torch.ones_like(w), w])
 
 
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """torch.broadcast_shapes for plain int shapes, without its symbolic-shape machinery (it
+    costs more than a whole clean check's tensor ops); raises RuntimeError where they differ."""
+    ndim = max(len(s) for s in shapes)
+    result = [1] * ndim
+    for shape in shapes:
+        for i, size in enumerate(shape, ndim - len(shape)):
+            if size != result[i] and size != 1:
+                if result[i] != 1:
+                    raise RuntimeError(f"shapes {shapes} do not broadcast")
+                result[i] = size
+    return tuple(result)
+
+
 def _check_operands(a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> None:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Tensor):
@@ -93,7 +107,7 @@ def _check_operands(a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> No
             f"(a.shape[-1] must equal b.shape[-2])"
         )
     try:
-        torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        broadcast_shapes(a.shape[:-2], b.shape[:-2])
     except RuntimeError:
         raise ValueError(
             f"batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} do not broadcast"
@@ -115,7 +129,7 @@ def _project(x: Tensor, sums: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     and never copied: by the compiled kernels in one read of x for both products, else by BLAS
     (which takes either transpose for free). The batch dims along which ``x`` is broadcast are
     folded into the GEMM's columns."""
-    batch = torch.broadcast_shapes(x.shape[:-2], sums.shape[:-2])
+    batch = broadcast_shapes(x.shape[:-2], sums.shape[:-2])
     if x.shape[:-2] == batch:  # nothing to fold
         products = _ext.row_products(x, sums, sizes)
         if products is None:

@@ -32,7 +32,14 @@ import torch
 from torch import Tensor
 
 from megatron_abft import _ext
-from megatron_abft.checksum import FLOATING, Checksums, as_blocks, block_weights, nblocks
+from megatron_abft.checksum import (
+    FLOATING,
+    Checksums,
+    as_blocks,
+    block_weights,
+    broadcast_shapes,
+    nblocks,
+)
 from megatron_abft.tolerance import Rounding, gemm_rounding, thresholds
 
 KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
@@ -618,7 +625,7 @@ def _check_inputs(c: Tensor, col: Checksums | None, row: Checksums | None) -> No
             raise ValueError(f"{name} checksums are on {ref.sums.device} but c is on {c.device}")
         expected = (nblocks(checked, ref.block), 2, across)
         try:
-            fits = torch.broadcast_shapes(ref.sums.shape[:-3], c.shape[:-2]) == c.shape[:-2]
+            fits = broadcast_shapes(ref.sums.shape[:-3], c.shape[:-2]) == c.shape[:-2]
         except RuntimeError:
             fits = False
         if ref.length != checked or tuple(ref.sums.shape[-3:]) != expected or not fits:
