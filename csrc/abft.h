@@ -82,8 +82,11 @@ ABFT_HD inline int64_t batch_offset(const MatrixBatch& c, int64_t b) {
 
 // CPU: the work splits into independent tasks (one band of rows of one matrix each); the binding
 // runs tasks [begin, end) on each of its threads.
+// With `products`, the same pass also gives row_products of C (operand_pass: an operand's block
+// sums and its checksum products in one read).
 int64_t block_sums_tasks(const MatrixBatch& c, const BlockSums& out);
-void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, int64_t end);
+void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, int64_t end,
+                    const RowProducts* products = nullptr);
 
 // CPU, as block_sums: tasks of one band of rows of one matrix.
 int64_t row_products_tasks(const MatrixBatch& a);

@@ -133,9 +133,33 @@ ABFT_INLINE void rows_step(const MatrixBatch& c, const BlockSums& out, int64_t b
   }
 }
 
+// Row i of matrix b, loaded in x: its dot products with every u_t and, in magnitude, z_t.
+template <typename Acc>
+ABFT_INLINE void row_dots(const Acc* __restrict__ x, int64_t k, const RowProducts& out, int64_t b,
+                          int64_t rows, int64_t i) {
+  const Acc* u = static_cast<const Acc*>(out.u) + b * out.nu * k;
+  const Acc* z = static_cast<const Acc*>(out.z) + b * out.nz * k;
+  Acc* products = static_cast<Acc*>(out.products) + (b * rows + i) * out.nu;
+  Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + (b * rows + i) * out.nz;
+  for (int64_t t = 0; t < out.nu; ++t) {
+    const Acc* __restrict__ ut = u + t * k;
+    Acc dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < k; ++j) dot += x[j] * ut[j];
+    products[t] = dot;
+  }
+  for (int64_t t = 0; t < out.nz; ++t) {
+    const Acc* __restrict__ zt = z + t * k;
+    Acc dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < k; ++j) dot += std::abs(x[j]) * zt[j];
+    magnitudes[t] = dot;
+  }
+}
+
 template <bool kCols, typename T, typename Acc>
 ABFT_INLINE void band(const MatrixBatch& c, const BlockSums& out, int64_t task, Acc* x,
-                      const Acc* weight) {
+                      const Acc* weight, const RowProducts* products) {
   const int64_t rows = c.rows, cols = c.cols, height = band_height(out);
   const int64_t bands = ceil_div(rows, height);
   const int64_t b = task / bands, r0 = (task % bands) * height, r1 = std::min(rows, r0 + height);
@@ -155,10 +179,15 @@ ABFT_INLINE void band(const MatrixBatch& c, const BlockSums& out, int64_t task, 
   for (; i + 1 < r1; i += 2) {
     load_row(base + i * c.row_stride, c.col_stride, cols, x);
     load_row(base + (i + 1) * c.row_stride, c.col_stride, cols, x + cols);
+    if (products != nullptr) {
+      row_dots(x, cols, *products, b, rows, i);
+      row_dots(x + cols, cols, *products, b, rows, i + 1);
+    }
     rows_step<2, kCols>(c, out, b, i, nbr, x, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
   }
   if (i < r1) {
     load_row(base + i * c.row_stride, c.col_stride, cols, x);
+    if (products != nullptr) row_dots(x, cols, *products, b, rows, i);
     rows_step<1, kCols>(c, out, b, i, nbr, x, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
   }
 }
@@ -172,15 +201,15 @@ ABFT_INLINE void band(const MatrixBatch& c, const BlockSums& out, int64_t task, 
 
 #define ABFT_BANDS(NAME, T, ACC)                                                            \
   ABFT_CLONES void NAME(const MatrixBatch& c, const BlockSums& out, int64_t begin,          \
-                        int64_t end) {                                                      \
+                        int64_t end, const RowProducts* products) {                         \
     std::vector<ACC> x(2 * c.cols);                                                         \
     std::vector<ACC> weight(std::max<int64_t>(out.row_block, 0));                           \
     for (size_t j = 0; j < weight.size(); ++j) weight[j] = ACC(j + 1);                      \
     for (int64_t task = begin; task < end; ++task) {                                        \
       if (out.col_block > 0) {                                                              \
-        band<true, T, ACC>(c, out, task, x.data(), weight.data());                          \
+        band<true, T, ACC>(c, out, task, x.data(), weight.data(), products);                \
       } else {                                                                              \
-        band<false, T, ACC>(c, out, task, x.data(), weight.data());                         \
+        band<false, T, ACC>(c, out, task, x.data(), weight.data(), products);               \
       }                                                                                     \
     }                                                                                       \
   }
@@ -195,30 +224,13 @@ ABFT_BANDS(bands_f16, F16, float)
 template <typename T, typename Acc>
 ABFT_INLINE void product_band(const MatrixBatch& a, const RowProducts& out, int64_t task,
                               Acc* __restrict__ x) {
-  const int64_t rows = a.rows, k = a.cols, bands = ceil_div(rows, kRowBand);
+  const int64_t rows = a.rows, bands = ceil_div(rows, kRowBand);
   const int64_t b = task / bands, r0 = (task % bands) * kRowBand;
   const int64_t r1 = std::min(rows, r0 + kRowBand);
   const T* base = static_cast<const T*>(a.data) + batch_offset(a, b);
-  const Acc* u = static_cast<const Acc*>(out.u) + b * out.nu * k;
-  const Acc* z = static_cast<const Acc*>(out.z) + b * out.nz * k;
-  Acc* products = static_cast<Acc*>(out.products) + b * rows * out.nu;
-  Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + b * rows * out.nz;
   for (int64_t i = r0; i < r1; ++i) {
-    load_row(base + i * a.row_stride, a.col_stride, k, x);
-    for (int64_t t = 0; t < out.nu; ++t) {
-      const Acc* __restrict__ ut = u + t * k;
-      Acc dot = 0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < k; ++j) dot += x[j] * ut[j];
-      products[i * out.nu + t] = dot;
-    }
-    for (int64_t t = 0; t < out.nz; ++t) {
-      const Acc* __restrict__ zt = z + t * k;
-      Acc dot = 0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < k; ++j) dot += std::abs(x[j]) * zt[j];
-      magnitudes[i * out.nz + t] = dot;
-    }
+    load_row(base + i * a.row_stride, a.col_stride, a.cols, x);
+    row_dots(x, a.cols, out, b, rows, i);
   }
 }
 
@@ -255,16 +267,17 @@ int64_t block_sums_tasks(const MatrixBatch& c, const BlockSums& out) {
   return c.batch * ceil_div(c.rows, band_height(out));
 }
 
-void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, int64_t end) {
+void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, int64_t end,
+                    const RowProducts* products) {
   switch (c.dtype) {
     case DType::F32:
-      return bands_f32(c, out, begin, end);
+      return bands_f32(c, out, begin, end, products);
     case DType::F64:
-      return bands_f64(c, out, begin, end);
+      return bands_f64(c, out, begin, end, products);
     case DType::BF16:
-      return bands_bf16(c, out, begin, end);
+      return bands_bf16(c, out, begin, end, products);
     case DType::F16:
-      return bands_f16(c, out, begin, end);
+      return bands_f16(c, out, begin, end, products);
   }
 }
 

@@ -171,6 +171,51 @@ Products row_products_cpu(const at::Tensor& a, const at::Tensor& u, const at::Te
   return out;
 }
 
+// operand_pass: block_sums of a's column side and row_products of a, one read of a on CPU.
+using Pass = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+std::tuple<Pass, abft::MatrixBatch, abft::BlockSums, abft::RowProducts, at::Tensor, at::Tensor>
+prepare_pass(const at::Tensor& a, int64_t block, const at::Tensor& u, const at::Tensor& z,
+             at::DeviceType device) {
+  TORCH_CHECK(block >= 2, "megatron_abft::operand_pass: block must be >= 2; got ", block);
+  check_inputs(a, block, 0, device);
+  TORCH_CHECK(!(a.stride(-2) == 1 && a.stride(-1) != 1 && a.size(-2) > 1),
+              "megatron_abft::operand_pass: a must not be column-major (strides ", a.strides(),
+              "); use block_sums and row_products");
+  auto [sums, matrices, out] = prepare(a, block, 0);
+  auto [products, matrix, row_products, u_, z_] = prepare_products(a, u, z, device);
+  Pass result{std::get<0>(sums), std::get<1>(sums), std::get<0>(products),
+              std::get<1>(products)};
+  return {std::move(result), matrices, out, row_products, u_, z_};
+}
+
+Pass operand_pass_cpu(const at::Tensor& a, int64_t block, const at::Tensor& u,
+                      const at::Tensor& z) {
+  auto [result, matrices, out, products, u_, z_] = prepare_pass(a, block, u, z, at::kCPU);
+  const int64_t tasks = abft::block_sums_tasks(matrices, out);
+  at::parallel_for(0, tasks, 1,
+                   [&, &matrices = matrices, &out = out, &products = products](int64_t b,
+                                                                             int64_t e) {
+                     abft::block_sums_cpu(matrices, out, b, e, &products);
+                   });
+  return result;
+}
+
+#ifdef ABFT_WITH_CUDA
+Pass operand_pass_cuda(const at::Tensor& a, int64_t block, const at::Tensor& u,
+                       const at::Tensor& z) {
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto [result, matrices, out, products, u_, z_] = prepare_pass(a, block, u, z, at::kCUDA);
+  TORCH_CHECK(products.nu <= abft::kMaxRowProducts && products.nz <= abft::kMaxRowProducts,
+              "megatron_abft::operand_pass: at most ", abft::kMaxRowProducts,
+              " vectors of each kind on CUDA; got ", products.nu, " and ", products.nz);
+  const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream)));
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::row_products_cuda(matrices, products, stream)));
+  return result;
+}
+#endif
+
 #ifdef ABFT_WITH_CUDA
 Products row_products_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
   const c10::cuda::CUDAGuard guard(a.device());
@@ -202,17 +247,22 @@ TORCH_LIBRARY(megatron_abft, m) {
       {at::Tag::pt2_compliant_tag});
   m.def("row_products(Tensor a, Tensor u, Tensor z) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
+  m.def(
+      "operand_pass(Tensor a, int block, Tensor u, Tensor z) -> (Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
   m.impl("block_sums", &block_sums_cpu);
   m.impl("row_products", &row_products_cpu);
+  m.impl("operand_pass", &operand_pass_cpu);
 }
 
 #ifdef ABFT_WITH_CUDA
 TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
   m.impl("block_sums", &block_sums_cuda);
   m.impl("row_products", &row_products_cuda);
+  m.impl("operand_pass", &operand_pass_cuda);
 }
 #endif
 

@@ -2,9 +2,9 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums`` and ``row_products`` return None wherever the kernels do not apply (no extension,
-a device without a kernel, meta tensors); callers then take their PyTorch path, which stays the
-reference.
+``block_sums``, ``row_products`` and ``operand_pass`` return None wherever the kernels do not
+apply (no extension, a device without a kernel, meta tensors); callers then take their PyTorch
+path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -91,13 +91,28 @@ def row_products(a: Tensor, u: Tensor, z: Tensor) -> tuple[Tensor, Tensor] | Non
     ``a @ u^T`` and ``|a| @ z^T`` as ``[..., m, r]`` in ``u``'s dtype (fp32, fp64 for fp64),
     where ``u [..., r, k]`` and ``z [..., r', k]`` broadcast over a's batch dims. None where the
     kernels do not apply."""
-    if not _serves(a) or u.dim() != a.dim() or z.dim() != a.dim():
-        return None
-    if a.stride(-2) == 1 and a.stride(-1) != 1 and a.shape[-2] > 1:
-        return None  # the kernels read rows; BLAS takes a column-major operand for free
-    if a.device.type == "cuda" and max(u.shape[-2], z.shape[-2]) > _MAX_CUDA_PRODUCTS:
+    if not _products_apply(a, u, z):
         return None
     return torch.ops.megatron_abft.row_products(a, u, z)
+
+
+def _products_apply(a: Tensor, u: Tensor, z: Tensor) -> bool:
+    if not _serves(a) or u.dim() != a.dim() or z.dim() != a.dim():
+        return False
+    if a.stride(-2) == 1 and a.stride(-1) != 1 and a.shape[-2] > 1:
+        return False  # the kernels read rows; BLAS takes a column-major operand for free
+    return a.device.type != "cuda" or max(u.shape[-2], z.shape[-2]) <= _MAX_CUDA_PRODUCTS
+
+
+def operand_pass(
+    a: Tensor, block: int, u: Tensor, z: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """``block_sums(a, block, 0)``'s column side and ``row_products(a, u, z)`` together, from one
+    read of ``a`` on CPU (two kernels on CUDA): sums, sizes ``[..., nb, 2, k]``, products and
+    magnitudes ``[..., m, r]``. None where the kernels do not apply."""
+    if not _products_apply(a, u, z):
+        return None
+    return torch.ops.megatron_abft.operand_pass(a, block, u, z)
 
 
 def _register_fake() -> None:
@@ -110,6 +125,17 @@ def _register_fake() -> None:
         return (
             *(c.new_empty(col, dtype=dtype) for _ in range(2)),
             *(c.new_empty(row, dtype=dtype) for _ in range(2)),
+        )
+
+    @torch.library.register_fake("megatron_abft::operand_pass")
+    def _(a: Tensor, block: int, u: Tensor, z: Tensor):
+        batch, (m, k) = a.shape[:-2], a.shape[-2:]
+        sums = (*batch, -(-m // block), 2, k)
+        return (
+            a.new_empty(sums, dtype=u.dtype),
+            a.new_empty(sums, dtype=u.dtype),
+            a.new_empty((*batch, m, u.shape[-2]), dtype=u.dtype),
+            a.new_empty((*batch, m, z.shape[-2]), dtype=z.dtype),
         )
 
     @torch.library.register_fake("megatron_abft::row_products")

@@ -168,12 +168,47 @@ def _operand_sums(a: Tensor, block: int, dtype: torch.dtype) -> tuple[Tensor, Te
     return block_weights(block, a.device, dtype) @ ab, ab.abs().sum(-2)
 
 
+def _scaled(sums: Tensor, magnitude: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """``[..., 2 nb, n]`` products as ``[..., nb, 2, n]`` sums, and magnitudes, times alpha."""
+    sums = sums.unflatten(-2, (-1, 2))
+    return (sums, magnitude) if alpha == 1 else (alpha * sums, abs(alpha) * magnitude)
+
+
 def _column_sums(a: Tensor, b: Tensor, alpha: float, block: int) -> tuple[Tensor, Tensor]:
     dtype = accumulation_dtype(a, b)
     weighted, size = _operand_sums(a.detach(), block, dtype)
-    sums, magnitude = _project(b.detach().mT, weighted.flatten(-3, -2), size)
-    sums = sums.unflatten(-2, (-1, 2))  # [..., nb, 2, n]
-    return (sums, magnitude) if alpha == 1 else (alpha * sums, abs(alpha) * magnitude)
+    return _scaled(*_project(b.detach().mT, weighted.flatten(-3, -2), size), alpha)
+
+
+def _both_sides_sums(
+    a: Tensor, b: Tensor, alpha: float, block: int
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None:
+    """Both sides' (sums, magnitude) with the larger operand read once (operand_pass: its block
+    sums and its products with the other operand's block sums in one pass), the smaller twice.
+    None where the kernels cannot do that; encode then takes one side at a time."""
+    x, y = a.detach(), b.detach().mT  # the operands as rows of length k: A and B^T
+    big, small = (x, y) if x.numel() >= y.numel() else (y, x)
+    dtype = accumulation_dtype(a, b)
+    if (
+        not _ext.available()
+        or min(x.numel(), y.numel()) == 0
+        or (big.dtype == torch.float64) != (dtype == torch.float64)
+        or broadcast_shapes(big.shape[:-2], small.shape[:-2]) != big.shape[:-2]
+        or small.dim() > big.dim()
+    ):
+        return None
+    small_w, small_size = _operand_sums(small, block, dtype)
+    lead = (1,) * (big.dim() - small.dim())
+    u = small_w.flatten(-3, -2).reshape(*lead, *small_w.shape[:-3], -1, small_w.shape[-1])
+    z = small_size.reshape(*lead, *small_size.shape)
+    fused = _ext.operand_pass(big, block, u, z)
+    if fused is None:
+        return None
+    big_w, big_sizes, products, magnitudes = fused
+    # blocks of big's rows, projected on small; blocks of small's rows, from big's pass
+    of_big = _scaled(*_project(small, big_w.flatten(-3, -2), big_sizes[..., 0, :]), alpha)
+    of_small = _scaled(products.mT, magnitudes.mT, alpha)
+    return (of_big, of_small) if big is x else (of_small, of_big)
 
 
 @torch.no_grad()
@@ -186,7 +221,11 @@ def encode_columns(
     and added to every row. Returns ``sums [..., ceil(m/block), 2, n]``.
     """
     _check_operands(a, b, bias, block)
-    sums, magnitude = _column_sums(a, b, alpha, block)
+    return _columns(*_column_sums(a, b, alpha, block), a, b, bias, block)
+
+
+def _columns(sums, magnitude, a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> Checksums:
+    """encode_columns' Checksums from the product's column sums: the bias added."""
     m = a.shape[-2]
     if bias is not None:
         # each block adds bias_j once per row: (L_b, sum of its weights) times bias_j
@@ -206,7 +245,11 @@ def encode_rows(
     """Row checksums of ``C = alpha * a @ b + bias``: the column checksums of C^T over blocks of
     ``block`` columns. Returns ``sums [..., ceil(n/block), 2, m]``."""
     _check_operands(a, b, bias, block)
-    sums, magnitude = _column_sums(b.mT, a.mT, alpha, block)
+    return _rows(*_column_sums(b.mT, a.mT, alpha, block), a, b, bias, block)
+
+
+def _rows(sums, magnitude, a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> Checksums:
+    """encode_rows' Checksums from the product's row sums: the bias added."""
     if bias is not None:
         # every row i of C gains the same per-block sums of the bias
         bias_blocks = as_blocks(bias.detach().unsqueeze(-1), block, sums.dtype)  # [nb, block, 1]
@@ -221,8 +264,15 @@ def encode_rows(
 def encode(
     a: Tensor, b: Tensor, *, alpha: float = 1.0, bias: Tensor | None = None, block: int = 256
 ) -> tuple[Checksums, Checksums]:
-    """Both sides' checksums of ``C = alpha * a @ b + bias``: (columns, rows)."""
-    return (
-        encode_columns(a, b, alpha=alpha, bias=bias, block=block),
-        encode_rows(a, b, alpha=alpha, bias=bias, block=block),
-    )
+    """Both sides' checksums of ``C = alpha * a @ b + bias``: (columns, rows). With the
+    compiled kernels the larger operand is read once for both sides."""
+    _check_operands(a, b, bias, block)
+    with torch.no_grad():
+        both = _both_sides_sums(a, b, alpha, block)
+        if both is None:
+            both = (_column_sums(a, b, alpha, block), _column_sums(b.mT, a.mT, alpha, block))
+        (col, col_magnitude), (row, row_magnitude) = both
+        return (
+            _columns(col, col_magnitude, a, b, bias, block),
+            _rows(row, row_magnitude, a, b, bias, block),
+        )

@@ -9,8 +9,9 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
 - ``torch``: the PyTorch path of megatron_abft.eec and .checksum, pass by pass: every fp32 copy,
   abs and reduction over C and the operands, as the code does them;
 - ``kernels``: today's code with the compiled kernels (megatron_abft._ext): block_sums reads C
-  once for both sides and each operand once for its block sums, row_products reads each operand
-  once for its checksum products; the comparisons, flags and counters run op by op;
+  once for both sides; encoding reads the larger operand once (operand_pass: its block sums and
+  its checksum products together) and the smaller twice; the comparisons, flags and counters run
+  op by op;
 - ``fused``: the target: the same passes, with the comparisons, location and counters in a few
   kernels.
 
@@ -32,9 +33,10 @@ from megatron_abft.config import SECTIONS
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 IMPLEMENTATIONS = ("torch", "kernels", "fused")
 """How the checks run: the PyTorch path; today's code with the compiled kernels (one read of C
-for both sides, two of each operand; comparisons and counters in PyTorch); and the fused target
+for both sides, one of the larger operand and two of the smaller; comparisons and counters in
+PyTorch); and the fused target
 (the same passes, comparisons and counters in a few kernels)."""
-CHECK_OPS = {"torch": 129, "kernels": 89, "fused": 12}
+CHECK_OPS = {"torch": 132, "kernels": 85, "fused": 12}
 """Tensor ops one clean check (encode both sides, verify, count) launches, for a batched GEMM.
 The torch and kernels figures are the code's own, counted with torch.profiler by
 tests/test_scaling.py; fused is the target."""
@@ -103,6 +105,10 @@ class Work:
         return Work(self.flops * factor, self.bytes * factor, self.ops * factor)
 
 
+ADAM_BYTES_PER_PARAMETER = 16 * 4
+"""Traffic of one Adam update per parameter, op by op as torch's foreach Adam does it."""
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """What a device sustains: matrix FLOP/s per dtype, memory bandwidth, and the latency of one
@@ -113,11 +119,19 @@ class DeviceProfile:
     bandwidth: float
     launch: float
     notes: str = ""
+    check_op: float | None = None
+    """Latency of one of the checks' ops, the Python around it included (default: launch)."""
+    optimizer_bandwidth: float | None = None
+    """Bandwidth of the optimizer step's traffic (default: bandwidth). Calibrated apart on CPUs,
+    where a parameter's Adam passes run from the cache."""
 
-    def time(self, work: Work, dtype: str) -> float:
-        return (
-            work.flops / self.matmul[dtype] + work.bytes / self.bandwidth + work.ops * self.launch
-        )
+    def time(self, work: Work, dtype: str, op: float | None = None) -> float:
+        latency = self.launch if op is None else op
+        return work.flops / self.matmul[dtype] + work.bytes / self.bandwidth + work.ops * latency
+
+    def check_time(self, work: Work, dtype: str) -> float:
+        """Time of the checks' work, their ops at ``check_op``."""
+        return self.time(work, dtype, self.check_op)
 
 
 # Datasheet peaks (dense, no sparsity) at sustained fractions of 70% for GEMMs and 85% for memory;
@@ -187,8 +201,10 @@ def step_time(shape: ModelShape, device: DeviceProfile) -> float:
     logits = _gemm(tokens, shape.hidden, shape.vocab / shape.tp)
     forward = per_layer * shape.layers + logits
     backward = Work(flops=2 * forward.flops, bytes=2 * forward.bytes, ops=2 * forward.ops)
-    adam = Work(bytes=shape.parameters() / shape.tp * 16 * 4, ops=12 * 4 * shape.layers)
-    return device.time(forward + backward + adam, shape.dtype)
+    adam_bytes = shape.parameters() / shape.tp * ADAM_BYTES_PER_PARAMETER
+    adam = adam_bytes / (device.optimizer_bandwidth or device.bandwidth)
+    adam += 12 * 4 * shape.layers * device.launch
+    return device.time(forward + backward, shape.dtype) + adam
 
 
 # --- protection work ------------------------------------------------------------------------
@@ -233,8 +249,9 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
     b_elems = g.batch * k * n / share_b
     c_elems = g.batch * m * n
     products = Work(flops=2 * g.batch * 3 * blocks * k * n)  # [e w] rows and the |.| row
-    if impl != "torch":  # block_sums reads A, row_products reads B, once each
-        return products + Work(bytes=(a_elems + b_elems) * e)
+    if impl != "torch":  # per side, half of: the larger operand once, the smaller twice
+        larger, smaller = max(a_elems, b_elems), min(a_elems, b_elems)
+        return products + Work(bytes=(larger + 2 * smaller) * e / 2)
     # checksum.py: B to fp32, |B| (a copy), and the two products read both
     operand_b = Work(bytes=b_elems * (e + 4 + 8 + 4))
     # A to fp32, its block sums, abs and block sums of |A|
@@ -284,7 +301,7 @@ def predict(
     """Overhead of protecting ``sections`` (checked every ``intervals[s]`` steps) for ``shape``."""
     intervals = intervals or {}
     extra = {
-        s: device.time(w, shape.dtype) * shape.layers
+        s: device.check_time(w, shape.dtype) * shape.layers
         for s, w in protection_forward(shape, impl).items()
     }
     base = step_time(shape, device)

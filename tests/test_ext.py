@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_abft import _ext
-from megatron_abft.checksum import encode
+from megatron_abft.checksum import encode, encode_columns, encode_rows
 from megatron_abft.eec import GemmOperands, residuals, verify_and_correct
 from megatron_abft.faults import TensorFault, inject_
 
@@ -284,6 +284,11 @@ def test_opcheck_schema_fake_and_autograd_registration(c, col_block, row_block):
         torch.float64 if c.dtype == torch.float64 else torch.float32
     )
     torch.library.opcheck(torch.ops.megatron_abft.row_products.default, (c, u, u[..., :1, :]))
+    if not (c.stride(-2) == 1 and c.stride(-1) != 1):
+        block = max(col_block, 2)
+        torch.library.opcheck(
+            torch.ops.megatron_abft.operand_pass.default, (c, block, u, u[..., :1, :].abs())
+        )
 
 
 @needs_ext
@@ -334,19 +339,63 @@ def test_row_products_bad_inputs_raise_clear_errors(a, u, z, message):
 
 
 @needs_ext
-def test_encoding_reads_a_large_operand_through_row_products(monkeypatch):
+def test_encoding_reads_the_larger_operand_once(monkeypatch):
     calls = []
-    kernel = _ext.row_products
+    for name in ("block_sums", "row_products", "operand_pass"):
+        kernel = getattr(_ext, name)
 
-    def spy(a, u, z):
-        calls.append(tuple(a.shape))
-        return kernel(a, u, z)
+        def spy(a, *args, name=name, kernel=kernel):
+            calls.append((name, tuple(a.shape)))
+            return kernel(a, *args)
 
-    monkeypatch.setattr(_ext, "row_products", spy)
+        monkeypatch.setattr(_ext, name, spy)
     p = torch.rand(2, 4, 3, 128, 96)  # probabilities [b, groups, heads per group, sq, sk]
     v = torch.randn(2, 4, 1, 96, 16)  # values shared by each group's heads
-    encode(p, v, block=32)
-    assert (2, 4, 3, 128, 96) in calls  # P read in place by the row side, never copied
+    fused = encode(p, v, block=32)
+    big = [call for call in calls if call[1] == tuple(p.shape)]
+    assert big == [("operand_pass", tuple(p.shape))]  # P read once, in place, for both sides
+    for got, want in zip(
+        fused, (encode_columns(p, v, block=32), encode_rows(p, v, block=32)), strict=True
+    ):
+        torch.testing.assert_close(got.sums, want.sums)
+        torch.testing.assert_close(got.magnitude, want.magnitude)
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "a, block, u, z, message",
+    [
+        (
+            torch.ones(4, 4).mT.contiguous().mT[:, :3],
+            2,
+            torch.ones(1, 3),
+            torch.ones(1, 3),
+            "column",
+        ),
+        (torch.ones(4, 4), 0, torch.ones(1, 4), torch.ones(1, 4), "block must be >= 2"),
+        (torch.ones(4, 4), 2, torch.ones(1, 3), torch.ones(1, 4), r"u must be \[\*batch, r, 4\]"),
+    ],
+)
+def test_operand_pass_bad_inputs_raise_clear_errors(a, block, u, z, message):
+    with pytest.raises((RuntimeError, NotImplementedError), match=message):
+        torch.ops.megatron_abft.operand_pass(a, block, u, z)
+
+
+@needs_ext
+@PROPERTY
+@given(case=products_cases(), block=st.sampled_from([2, 16, 64, 256]))
+def test_operand_pass_equals_block_sums_and_row_products(case, block):
+    a, u, z = case
+    if a.stride(-2) == 1 and a.stride(-1) != 1 and a.shape[-2] > 1:
+        a = a.contiguous()  # operand_pass reads rows
+    sums, sizes, products, magnitudes = torch.ops.megatron_abft.operand_pass(a, block, u, z)
+    want = block_sums(a, block, 0)
+    for got, expected in ((sums, want[0]), (sizes, want[1])):
+        torch.testing.assert_close(got, expected, equal_nan=True)
+    for got, expected in zip(
+        (products, magnitudes), torch.ops.megatron_abft.row_products(a, u, z), strict=True
+    ):
+        torch.testing.assert_close(got, expected, equal_nan=True)
 
 
 @needs_cuda

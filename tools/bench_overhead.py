@@ -24,6 +24,7 @@ import torch
 
 from megatron_abft import _ext
 from megatron_abft.config import SECTIONS, ABFTConfig
+from megatron_abft.scaling import ADAM_BYTES_PER_PARAMETER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -200,7 +201,7 @@ def run(rank: int, args) -> dict | None:
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
     positions = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.micro_batch, -1)
     modes = _modes(args)
-    samples = {name: {"step": [], "attention": []} for name, _ in modes}
+    samples = {name: {"step": [], "attention": [], "optimizer": []} for name, _ in modes}
     step = 0
     for rep in range(args.warmup + args.reps):
         order = (
@@ -216,10 +217,12 @@ def run(rank: int, args) -> dict | None:
             optimizer.zero_grad(set_to_none=True)
             loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
             loss.backward()
+            before_optimizer = timer.start()
             optimizer.step()
-            seconds = timer.seconds(begin, timer.start())
+            end = timer.start()
             if rep >= args.warmup:
-                samples[name]["step"].append(seconds)
+                samples[name]["step"].append(timer.seconds(begin, end))
+                samples[name]["optimizer"].append(timer.seconds(before_optimizer, end))
                 samples[name]["attention"].append(
                     sum(timer.seconds(b, e) for b, e in attention_time)
                 )
@@ -236,6 +239,10 @@ def run(rank: int, args) -> dict | None:
         "machine": micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device),
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
     }
+    parameters = sum(p.numel() for p in model.parameters())  # this rank's
+    result["machine"]["optimizer_bandwidth"] = (
+        parameters * ADAM_BYTES_PER_PARAMETER / result["median"]["off"]["optimizer"]
+    )
     off = result["median"]["off"]
     result["overhead"] = {
         name: {k: med[k] / off[k] - 1 for k in med} for name, med in result["median"].items()

@@ -56,8 +56,10 @@ def calibrated(result: dict) -> DeviceProfile:
         f"{result['device']} (calibrated)",
         {result["args"]["dtype"]: m["matmul"]},
         m["bandwidth"],
-        m.get("check_op", m["launch"]),  # the checks' own ops, Python around them included
+        m["launch"],
         "bench_overhead micro-benchmarks",
+        check_op=m.get("check_op"),  # the checks' own ops, the Python around them included
+        optimizer_bandwidth=m.get("optimizer_bandwidth"),  # the bench's timed optimizer steps
     )
 
 
