@@ -190,15 +190,23 @@ def verify_and_correct(
     order = ["col", "row", "col"] if operands is not None and len(sides) == 2 else list(sides)
     for i, name in enumerate(order):
         side, other_name = sides[name], "row" if name == "col" else "col"
+        again = name in order[:i]
+        if c.device.type == "cpu" and not bool(_wanted(side, touched.get(name), again).any()):
+            continue  # nothing to correct on this side, which costs no sync to know on CPU
         other = sides.get(other_name)
         crossing = _crossing(other, side) if other else None
-        written = _correct_side(side, crossing, check, touched.get(name), name in order[:i])
+        written = _correct_side(side, crossing, check, touched.get(name), again)
         corrections += written
         if other and operands is None:  # rebuilt values carry this side's rounding noise
             slack[other_name] = _into(other, written, [w.error_bound for w in written])
         elif other:
             touched[other_name] = _into(other, written, [w.done for w in written]) > 0
-    rechecked = _inspect(c, refs, check, slack).values()
+        if c.device.type == "cpu" and i + 1 < len(order):  # stop once C checks clean
+            rechecked = _inspect(c, refs, check, slack).values()
+            if not any(bool(s.flagged.any()) for s in rechecked):
+                break
+    else:
+        rechecked = _inspect(c, refs, check, slack).values()
     unresolved = _any_flagged(rechecked, c.shape[:-2])
     for correction in reversed(corrections):  # an uncorrectable matrix is left as it was
         correction.undo_where(unresolved)
@@ -412,6 +420,12 @@ class _Correction:
         self.view.index_put_(self.index, torch.where(undo, self.before, self.view[self.index]))
 
 
+def _wanted(side: _Side, touched: Tensor | None, again: bool) -> Tensor:
+    """The vectors of a side to correct: the flagged ones (unless the side goes ``again``), and
+    those ``touched`` by the other side's corrections."""
+    return side.flagged if touched is None else touched if again else side.flagged | touched
+
+
 def _correct_side(
     side: _Side,
     crossing: tuple[Tensor, Tensor] | None,
@@ -419,14 +433,12 @@ def _correct_side(
     touched: Tensor | None = None,
     again: bool = False,
 ) -> list[_Correction]:
-    """Correct up to ``check.capacity`` vectors of one side in place: the flagged ones (unless
-    the side goes ``again``), and those ``touched`` by the other side's corrections that no longer
+    """Correct up to ``check.capacity`` vectors of one side in place (_wanted) that no longer
     check clean. Without the operands the located bad element is rebuilt from the checksum; with
     them, see _recompute."""
     batch_shape = side.view.shape[:-2]
     nb, n = side.d1.shape[-2:]
-    wanted = side.flagged if touched is None else touched if again else side.flagged | touched
-    flat = wanted.reshape(-1)
+    flat = _wanted(side, touched, again).reshape(-1)
     picked = torch.topk(
         flat.to(torch.uint8), min(check.capacity, flat.numel()), sorted=False
     ).indices
