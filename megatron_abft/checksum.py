@@ -224,7 +224,9 @@ def encode_columns(
     return _columns(*_column_sums(a, b, alpha, block), a, b, bias, block)
 
 
-def _columns(sums, magnitude, a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> Checksums:
+def _columns(
+    sums: Tensor, magnitude: Tensor, a: Tensor, b: Tensor, bias: Tensor | None, block: int
+) -> Checksums:
     """encode_columns' Checksums from the product's column sums: the bias added."""
     m = a.shape[-2]
     if bias is not None:
@@ -248,7 +250,9 @@ def encode_rows(
     return _rows(*_column_sums(b.mT, a.mT, alpha, block), a, b, bias, block)
 
 
-def _rows(sums, magnitude, a: Tensor, b: Tensor, bias: Tensor | None, block: int) -> Checksums:
+def _rows(
+    sums: Tensor, magnitude: Tensor, a: Tensor, b: Tensor, bias: Tensor | None, block: int
+) -> Checksums:
     """encode_rows' Checksums from the product's row sums: the bias added."""
     if bias is not None:
         # every row i of C gains the same per-block sums of the bias
