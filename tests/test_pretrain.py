@@ -289,6 +289,18 @@ def test_a_coverage_target_sets_the_check_intervals():
     )  # the target overrides --abft-sections
 
 
+def test_the_sync_free_flag_reaches_the_config():
+    from arguments import parse_args
+
+    from megatron_abft.megatron_lm import abft_config_from_args
+
+    def config(*flags):
+        args = parse_args(["--config", str(TINY), "--mock-data", "--abft", *flags], world_size=2)
+        return abft_config_from_args(args)
+
+    assert not config().sync_free and config("--abft-sync-free").sync_free
+
+
 BAD = [
     (["--abft-on-uncorrectable", "explode"], "invalid choice: 'explode'"),
     (["--abft-sections", "qkv,qk"], "unknown section 'qk'; choose from qkv, scores"),
