@@ -1,8 +1,9 @@
 """Measure what protection costs: protected vs unprotected in one run, interleaved.
 
 One model; the ABFT config is switched between modes on every repetition (off, all sections,
-then each section alone), in a rotating order, after warm-up. Reported: median times and the
-ratio to "off" for the training step (forward, backward, optimizer) and the attention block.
+then each section alone), in a rotating order, after warm-up. Reported: median times, and the
+overhead as the median over repetitions of each one's ratio to the "off" run of the same
+repetition, for the training step (forward, backward, optimizer) and the attention block.
 CPU timers on CPU, CUDA events on a GPU. The JSON also holds micro-benchmarks of the machine
 (matmul rate, elementwise bandwidth, op latency) that calibrate megatron_abft.scaling.
 
@@ -164,11 +165,13 @@ def _build(args, config: ABFTConfig):
     return model.cuda() if torch.cuda.is_available() else model
 
 
-def _modes(args) -> list[tuple[str, tuple[str, ...]]]:
+def _modes(args) -> list[tuple[str, tuple[str, ...] | None]]:
+    """(name, the sections checked; None: protection disabled). "idle" enables protection with
+    nothing due: what the protected layers cost when they check nothing."""
     sections = tuple(s for s in SECTIONS if s in args.sections.split(","))
-    modes = [("off", ()), ("all", sections)]
+    modes = [("off", None), ("all", sections)]
     if not args.no_per_section:
-        modes += [(s, (s,)) for s in sections]
+        modes += [("idle", ())] + [(s, (s,)) for s in sections]
     return modes
 
 
@@ -208,8 +211,8 @@ def run(rank: int, args) -> dict | None:
             modes[rep % len(modes) :] + modes[: rep % len(modes)]
         )  # rotate: no mode always first
         for name, sections in order:
-            config.enabled = bool(sections)
-            config.sections = sections or config.sections
+            config.enabled = sections is not None
+            config.sections = config.sections if sections is None else sections
             set_step(model, step)
             step += 1
             attention_time.clear()
@@ -243,9 +246,14 @@ def run(rank: int, args) -> dict | None:
     result["machine"]["optimizer_bandwidth"] = (
         parameters * ADAM_BYTES_PER_PARAMETER / result["median"]["off"]["optimizer"]
     )
-    off = result["median"]["off"]
+    # each repetition's ratio to the "off" step of the same repetition, then the median: slow
+    # drifts of the machine cancel within a repetition
     result["overhead"] = {
-        name: {k: med[k] / off[k] - 1 for k in med} for name, med in result["median"].items()
+        name: {
+            k: statistics.median(t / o for t, o in zip(v, samples["off"][k], strict=True)) - 1
+            for k, v in mode.items()
+        }
+        for name, mode in samples.items()
     }
     del tensor_parallel  # imported for its side effect of being ready in workers
     return result
