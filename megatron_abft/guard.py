@@ -149,7 +149,7 @@ class SectionGuard:
         self.counts = result.counts if self.counts is None else self.counts + result.counts
         status = result.status.reshape(-1)
         if (status.device.type == "cpu" or not self.config.sync_free) and not bool(status.any()):
-            return torch.zeros((), dtype=torch.bool), None
+            return torch.zeros((), dtype=torch.bool, device=status.device), None
         # the first uncorrectable matrix, else the first corrected one; indexed with a 1-element
         # tensor, as a 0-d index would be read on the host (a sync on GPUs)
         worst = status.argmax().reshape(1)
