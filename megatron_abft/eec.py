@@ -19,6 +19,8 @@ kernels of megatron_abft._ext where they are built), then for every flagged vect
 3. re-verifies both sides: a matrix with any vector still inconsistent is uncorrectable, and is
    put back exactly as the GEMM produced it.
 
+One side's comparison lives in megatron_abft.sides, steps 1 and 2 in megatron_abft.correction.
+
 Results are device tensors. By default nothing is read on the host on CUDA (``sync_free``), so
 the correction path runs on every call there; on CPU it is skipped when nothing was flagged,
 which costs no sync there, and ``sync_free=False`` does the same on any device for one sync.
@@ -31,16 +33,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from megatron_abft import _ext
-from megatron_abft.checksum import (
-    FLOATING,
-    Checksums,
-    as_blocks,
-    block_weights,
-    broadcast_shapes,
-    nblocks,
-)
-from megatron_abft.tolerance import Rounding, gemm_rounding, thresholds
+from megatron_abft.checksum import FLOATING, Checksums, broadcast_shapes, nblocks
+from megatron_abft.correction import correct_side, crossing_flags, sum_into, vectors_to_correct
+from megatron_abft.sides import Check, Side, inspect_sides
+from megatron_abft.tolerance import gemm_rounding
 
 KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
 """Kinds of fault, by the worst checksum difference a matrix showed."""
@@ -119,8 +115,8 @@ def residuals(
     if side not in ("col", "row"):
         raise ValueError(f"side must be 'col' or 'row', got {side!r}")
     _check_inputs(c, ref if side == "col" else None, ref if side == "row" else None)
-    check = _Check(gemm_rounding(c.dtype, c.device), threshold_scale, 0.0, 0, None)
-    found = _inspect(c, {side: ref}, check)[side]
+    check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, 0.0, 0, None)
+    found = inspect_sides(c, {side: ref}, check)[side]
     return Residuals(found.d1, found.d2, found.tau, found.tau_w, found.flagged)
 
 
@@ -174,9 +170,9 @@ def verify_and_correct(
         )
 
     capacity = max_corrections if max_corrections is not None else max(c.shape[-2:])
-    check = _Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
+    check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
-    sides = _inspect(c, refs, check)
+    sides = inspect_sides(c, refs, check)
     if (c.device.type == "cpu" or not sync_free) and not any(
         bool(s.flagged.any()) for s in sides.values()
     ):
@@ -191,22 +187,24 @@ def verify_and_correct(
     for i, name in enumerate(order):
         side, other_name = sides[name], "row" if name == "col" else "col"
         again = name in order[:i]
-        if c.device.type == "cpu" and not bool(_wanted(side, touched.get(name), again).any()):
+        if c.device.type == "cpu" and not bool(
+            vectors_to_correct(side, touched.get(name), again).any()
+        ):
             continue  # nothing to correct on this side, which costs no sync to know on CPU
         other = sides.get(other_name)
-        crossing = _crossing(other, side) if other else None
-        written = _correct_side(side, crossing, check, touched.get(name), again)
+        crossing = crossing_flags(other, side) if other else None
+        written = correct_side(side, crossing, check, touched.get(name), again)
         corrections += written
         if other and operands is None:  # rebuilt values carry this side's rounding noise
-            slack[other_name] = _into(other, written, [w.error_bound for w in written])
+            slack[other_name] = sum_into(other, written, [w.error_bound for w in written])
         elif other:
-            touched[other_name] = _into(other, written, [w.done for w in written]) > 0
+            touched[other_name] = sum_into(other, written, [w.done for w in written]) > 0
         if c.device.type == "cpu" and i + 1 < len(order):  # stop once C checks clean
-            rechecked = _inspect(c, refs, check, slack).values()
+            rechecked = inspect_sides(c, refs, check, slack).values()
             if not any(bool(s.flagged.any()) for s in rechecked):
                 break
     else:
-        rechecked = _inspect(c, refs, check, slack).values()
+        rechecked = inspect_sides(c, refs, check, slack).values()
     unresolved = _any_flagged(rechecked, c.shape[:-2])
     for correction in reversed(corrections):  # an uncorrectable matrix is left as it was
         correction.undo_where(unresolved)
@@ -236,122 +234,7 @@ def _clean_result(c: Tensor) -> EECResult:
     )
 
 
-# --- one side of a check: the vectors are the columns of a view (C or C^T), in blocks ---------
-
-
-@dataclass(frozen=True)
-class _Check:
-    """The settings of one verify_and_correct call."""
-
-    rounding: Rounding
-    scale: float
-    near_inf: float
-    capacity: int
-    operands: GemmOperands | None
-
-
-@dataclass
-class _Side:
-    view: Tensor  # [*batch, R, N]: the vectors are its N columns (C, or C^T for the rows)
-    ref: Checksums
-    transposed: bool
-    d1: Tensor  # [*batch, nb, N]
-    d2: Tensor
-    tau: Tensor
-    tau_w: Tensor
-    flagged: Tensor
-
-    @property
-    def length(self) -> int:
-        return min(self.ref.block, self.ref.length)
-
-    def vectors(self, batch: tuple[Tensor, ...], blk: Tensor, j: Tensor) -> Tensor:
-        """The blocks of the vectors (batch, blk, j) as ``[K, block]`` in the checksums' dtype,
-        zero past the end of the view (gathered from C, which is never copied whole)."""
-        block, length = self.ref.block, self.view.shape[-2]
-        rows = blk.unsqueeze(-1) * block + torch.arange(block, device=blk.device)
-        index = (*(i.unsqueeze(-1) for i in batch), rows.clamp(max=length - 1), j.unsqueeze(-1))
-        return torch.where(rows < length, self.view[index].to(self.ref.sums.dtype), 0)
-
-    def recompute(self, operands: GemmOperands, *index: Tensor) -> Tensor:
-        """The elements (*batch, rows, j) of the view recomputed from the GEMM's operands."""
-        *batch, rows, j = index
-        c_rows, c_cols = (j, rows) if self.transposed else (rows, j)
-        return operands.elements(tuple(batch), self.view.shape[:-2], c_rows, c_cols)
-
-
-def _inspect(
-    c: Tensor, refs: dict[str, Checksums], check: _Check, slack: dict[str, Tensor] | None = None
-) -> dict[str, _Side]:
-    """Recompute the sums of every vector of each side (``"col"``, ``"row"``) and compare them
-    with the references. ``slack`` widens a side's thresholds by the error of values rebuilt from
-    the other side."""
-    slack = slack or {}
-    found = _block_sums(c, refs)
-    return {
-        name: _compare(c, ref, name == "row", check, *found[name], slack.get(name))
-        for name, ref in refs.items()
-    }
-
-
-def _block_sums(c: Tensor, refs: dict[str, Checksums]) -> dict[str, tuple[Tensor, Tensor]]:
-    """Per side, the plain and weighted sums of C's vectors and of their magnitudes, each
-    ``[*batch, nb, 2, N]`` in the checksums' dtype. The compiled kernels read C once for both
-    sides; the PyTorch path (the reference) reads it once per side. Row sums run along C's own
-    last dim, so C is never transposed in memory."""
-    natural = torch.float64 if c.dtype == torch.float64 else torch.float32
-    if all(ref.sums.dtype == natural for ref in refs.values()):
-        col, row = (refs[name].block if name in refs else 0 for name in ("col", "row"))
-        fused = _ext.block_sums(c, col, row)
-        if fused is not None:
-            return {name: fused[:2] if name == "col" else fused[2:] for name in refs}
-    found = {}
-    for name, ref in refs.items():
-        dtype = ref.sums.dtype
-        weights = block_weights(ref.block, c.device, dtype)
-        if name == "row":
-            blocks = as_blocks(c, ref.block, dtype, dim=-1)  # [*batch, m, nb, block]
-            found[name] = (
-                (blocks @ weights.T).movedim(-3, -1),
-                (blocks.abs() @ weights.T).movedim(-3, -1),
-            )
-        else:
-            blocks = as_blocks(c, ref.block, dtype)  # [*batch, nb, block, n]
-            found[name] = (weights @ blocks, weights @ blocks.abs())
-    return found
-
-
-def _compare(
-    c: Tensor,
-    ref: Checksums,
-    transposed: bool,
-    check: _Check,
-    sums: Tensor,
-    sizes: Tensor,
-    slack: Tensor | None,
-) -> _Side:
-    """One side's differences, thresholds and flags from its recomputed ``sums`` and ``sizes``."""
-    d1, d2 = (ref.sums - sums).unbind(-2)  # plain and weighted differences
-    size, size_w = sizes.unbind(-2)
-    length = min(ref.block, ref.length)
-    tau, tau_w = thresholds(
-        check.rounding,
-        size=size,
-        size_w=size_w,
-        magnitude=ref.magnitude,
-        bias_magnitude=ref.bias_magnitude,
-        length=length,
-        inner=ref.inner,
-        scale=check.scale,
-    )
-    if slack is not None:
-        tau, tau_w = tau + slack, tau_w + length * slack
-    clean = torch.isfinite(tau_w) & (d1.abs() <= tau) & (d2.abs() <= tau_w)
-    view = c.mT if transposed else c
-    return _Side(view, ref, transposed, d1, d2, tau, tau_w, ~clean)
-
-
-def _kind(side: _Side, near_inf: float) -> Tensor:
+def _kind(side: Side, near_inf: float) -> Tensor:
     """Per vector: index into KINDS of its checksum difference (0 where not flagged). A difference
     of at least near_inf / 2 is near-INF: an injected |x| = near_inf minus the true value."""
     d1 = side.d1
@@ -361,7 +244,7 @@ def _kind(side: _Side, near_inf: float) -> Tensor:
     return torch.where(side.flagged, kind, 0)
 
 
-def _where(sides: dict[str, _Side], batch_shape) -> tuple[Tensor, Tensor, Tensor]:
+def _where(sides: dict[str, Side], batch_shape) -> tuple[Tensor, Tensor, Tensor]:
     """Per matrix: the most wrong flagged row (from the row side) and column (from the column
     side), -1 where that side flagged nothing or is not checked, and the largest |d1|."""
     index, magnitude = {}, []
@@ -380,227 +263,6 @@ def _where(sides: dict[str, _Side], batch_shape) -> tuple[Tensor, Tensor, Tensor
 def _any_flagged(sides, batch_shape) -> Tensor:
     flags = [s.flagged.flatten(-2).any(-1).expand(batch_shape) for s in sides]
     return torch.stack(flags).any(0)
-
-
-def _crossing(other: _Side, side: _Side) -> tuple[Tensor, Tensor]:
-    """For each vector of ``side``: how many flagged vectors of ``other`` cross it inside its
-    block, and the position of the first, or where none is, of the most suspect (largest
-    |d1| / tau). Both ``[*batch, nb, N]``."""
-    flags = as_blocks(other.flagged.mT.to(torch.uint8), side.ref.block, torch.uint8)
-    count = flags.sum(-2, dtype=torch.int32)  # [*batch, nb, nb_other]
-    ratio = (other.d1.abs() / other.tau).nan_to_num(0, 0, 0)
-    score = as_blocks(torch.where(other.flagged, torch.inf, ratio).mT, side.ref.block, ratio.dtype)
-    other_block = torch.arange(side.d1.shape[-1], device=flags.device) // other.ref.block
-    return count[..., other_block], score.argmax(-2)[..., other_block]
-
-
-@dataclass
-class _Correction:
-    """Elements one side wrote: their index in its view, the values before, where a value was
-    written (``done``) and a bound on the error of each written value (0 for recomputed ones)."""
-
-    view: Tensor
-    index: tuple[Tensor, ...]
-    before: Tensor
-    done: Tensor
-    error_bound: Tensor
-
-    @classmethod
-    def write(
-        cls, view: Tensor, index: tuple[Tensor, ...], value: Tensor, ok: Tensor, error_bound: Tensor
-    ) -> _Correction:
-        """Write ``value`` where ``ok``, in place, and remember what was there."""
-        before = view[index]
-        view.index_put_(index, torch.where(ok, value.to(before.dtype), before))
-        done = ok.expand(before.shape)
-        return cls(view, index, before, done, torch.where(done, error_bound, 0))
-
-    def undo_where(self, unresolved: Tensor) -> None:
-        undo = unresolved[self.index[:-2]]
-        self.view.index_put_(self.index, torch.where(undo, self.before, self.view[self.index]))
-
-
-def _wanted(side: _Side, touched: Tensor | None, again: bool) -> Tensor:
-    """The vectors of a side to correct: the flagged ones (unless the side goes ``again``), and
-    those ``touched`` by the other side's corrections."""
-    return side.flagged if touched is None else touched if again else side.flagged | touched
-
-
-def _correct_side(
-    side: _Side,
-    crossing: tuple[Tensor, Tensor] | None,
-    check: _Check,
-    touched: Tensor | None = None,
-    again: bool = False,
-) -> list[_Correction]:
-    """Correct up to ``check.capacity`` vectors of one side in place (_wanted) that no longer
-    check clean. Without the operands the located bad element is rebuilt from the checksum; with
-    them, see _recompute."""
-    batch_shape = side.view.shape[:-2]
-    nb, n = side.d1.shape[-2:]
-    flat = _wanted(side, touched, again).reshape(-1)
-    picked = torch.topk(
-        flat.to(torch.uint8), min(check.capacity, flat.numel()), sorted=False
-    ).indices
-    batch_flat, blk, j = torch.unravel_index(picked, (flat.numel() // (nb * n), nb, n))
-    batch = torch.unravel_index(batch_flat, tuple(batch_shape))
-
-    def take(t: Tensor) -> Tensor:
-        return t.expand(*batch_shape, nb, n).reshape(-1)[picked]
-
-    vec = side.vectors(batch, blk, j)  # [K, block]
-    d1, d2, tau, tau_w = take(side.d1), take(side.d2), take(side.tau), take(side.tau_w)
-    length = torch.clamp(side.ref.length - blk * side.ref.block, max=side.ref.block)
-
-    # the weighted location, where the noise bound keeps d2/d1 within half a position
-    finite = torch.isfinite(d1) & torch.isfinite(d2)
-    loc_w = torch.round(d2 / d1).nan_to_num(0, 0, 0).clamp(-1, side.ref.block).long() - 1
-    in_block = finite & (loc_w >= 0) & (loc_w < length)
-    ok_w = in_block & (d1.abs() > 2 * (tau_w + length * tau))
-    # the single extreme element, where the differences overflowed or are NaN
-    extreme = ~torch.isfinite(vec) | (vec.abs() > check.near_inf)
-    loc_x = torch.where(torch.isnan(vec), torch.inf, vec.abs()).argmax(-1)
-    ok_x = ~finite & (extreme.sum(-1) == 1)
-    loc, ok = torch.where(ok_w, loc_w, loc_x), ok_w | ok_x
-    if crossing is not None:  # exactly one flagged crossing vector pins the element down
-        count, suspect = take(crossing[0]), take(crossing[1])
-        loc = torch.where(count == 1, suspect, loc)
-        ok = torch.where(count == 1, True, ok & (count == 0))
-    flagged = take(side.flagged)
-    ok &= flagged
-
-    bias = side.ref.bias_magnitude
-    picks = _Picked(
-        side,
-        batch,
-        blk,
-        j,
-        flagged,
-        vec,
-        length,
-        take(side.ref.sums[..., 0, :]),
-        take(side.ref.sums[..., 1, :]),
-        take(side.ref.magnitude),
-        None if bias is None else take(bias),
-    )
-    if check.operands is None:
-        value, bound, _ = picks.put(check, loc)
-        ok &= torch.isfinite(value) & torch.isfinite(bound)
-        return [_Correction.write(side.view, picks.at(loc), value, ok, bound)]
-
-    fix = torch.zeros_like(flagged) if again else flagged
-    if touched is not None:  # the other side's writes may have exposed errors there
-        current = vec.gather(-1, picks.clamp(loc).unsqueeze(-1)).squeeze(-1)
-        fix = fix | take(touched) & ~picks.put(check, loc, current)[2]
-    # not located: the weighted location however noisy, else the extreme element; then the most
-    # suspect crossing vector
-    candidates = [torch.where(ok, loc, torch.where(in_block, loc_w, loc_x))]
-    several = torch.zeros_like(fix)
-    if crossing is not None:
-        candidates.append(suspect)
-        several = flagged & (count >= 2)  # and maybe more below the threshold
-    return _recompute(picks, check, fix, several, candidates)
-
-
-@dataclass(frozen=True)
-class _Picked:
-    """The vectors of one side picked for correction: where they are, whether flagged, their
-    block ``vec`` (``[K, block]``, zero past its ``length``) and its checksums and magnitudes."""
-
-    side: _Side
-    batch: tuple[Tensor, ...]
-    blk: Tensor
-    j: Tensor
-    flagged: Tensor
-    vec: Tensor
-    length: Tensor
-    c0: Tensor
-    c0_w: Tensor
-    magnitude: Tensor
-    bias_magnitude: Tensor | None
-
-    def clamp(self, loc: Tensor) -> Tensor:
-        return torch.minimum(loc.clamp(min=0), self.length - 1)
-
-    def at(self, loc: Tensor) -> tuple[Tensor, ...]:
-        """The index in the view of element ``loc`` of each block."""
-        return (*self.batch, self.blk * self.side.ref.block + self.clamp(loc), self.j)
-
-    def put(
-        self, check: _Check, loc: Tensor, x: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Each block with element ``loc`` set to ``x``, by default the checksum's rebuild
-        c0 - sum_{i != loc} x_i: x, the block's threshold tau, and whether the block then checks
-        clean, with half of tau and tau_w to spare (the re-verification sums in another order)."""
-        loc = self.clamp(loc)
-        others = self.vec.scatter(-1, loc.unsqueeze(-1), 0)
-        x = self.c0 - others.sum(-1) if x is None else x
-        w = block_weights(self.side.ref.block, others.device, others.dtype)[1]
-        weight = (loc + 1).to(others.dtype)
-        tau, tau_w = thresholds(
-            check.rounding,
-            size=others.abs().sum(-1) + x.abs(),
-            size_w=others.abs() @ w + weight * x.abs(),
-            magnitude=self.magnitude,
-            bias_magnitude=self.bias_magnitude,
-            length=self.side.length,
-            inner=self.side.ref.inner,
-            scale=check.scale,
-        )
-        clean = (
-            torch.isfinite(x)
-            & torch.isfinite(tau)
-            & ((self.c0 - others.sum(-1) - x).abs() <= tau / 2)
-            & ((self.c0_w - others @ w - weight * x).abs() <= tau_w / 2)
-        )
-        return x, tau, clean
-
-
-def _recompute(
-    picks: _Picked, check: _Check, fix: Tensor, several: Tensor, candidates: list[Tensor]
-) -> list[_Correction]:
-    """Recompute from the operands, for each vector to ``fix``, the first of the ``candidates``
-    elements whose new value alone makes its vector check clean; or, for the others and those
-    with ``several`` errors, the whole block."""
-    view, corrections, left = picks.side.view, [], fix
-    for loc in candidates:
-        index = picks.at(loc)
-        value = picks.side.recompute(check.operands, *index)
-        stored = value.to(view.dtype).to(picks.vec.dtype)
-        alone = left & ~several & picks.put(check, loc, stored)[2]
-        corrections.append(_Correction.write(view, index, value, alone, torch.zeros_like(value)))
-        left = left & ~alone
-    return [*corrections, _recompute_blocks(picks, check, left)]
-
-
-def _recompute_blocks(picks: _Picked, check: _Check, whole: Tensor) -> _Correction:
-    """Recompute from the operands the whole block of the vectors marked ``whole``, flagged ones
-    first, in place: as many as ``check.capacity`` elements fill (the rest stay wrong, so they are
-    uncorrectable)."""
-    side = picks.side
-    budget = min(whole.numel(), -(-check.capacity // side.length))
-    priority = whole.to(torch.uint8) * (1 + picks.flagged.to(torch.uint8))
-    chosen = torch.topk(priority, budget, sorted=False).indices
-    # past the end of the view, each block repeats its last element, so that its writes agree
-    offset = torch.arange(side.ref.block, device=whole.device).minimum(
-        picks.length[chosen].unsqueeze(-1) - 1
-    )  # [B, block]
-    batch = tuple(i[chosen].unsqueeze(-1) for i in picks.batch)
-    rows = picks.blk[chosen].unsqueeze(-1) * side.ref.block + offset
-    index = (*batch, rows, picks.j[chosen].unsqueeze(-1))
-    value = side.recompute(check.operands, *index).gather(-1, offset)
-    ok = whole[chosen].unsqueeze(-1) & torch.isfinite(value).all(-1, keepdim=True)
-    return _Correction.write(side.view, index, value, ok, torch.zeros_like(value))
-
-
-def _into(other: _Side, corrections: list[_Correction], values: list[Tensor]) -> Tensor:
-    """Per vector of ``other``: the sum of ``values``, one per element the corrections wrote."""
-    total = torch.zeros_like(other.d1)
-    for correction, value in zip(corrections, values, strict=True):
-        *batch, rows, j = correction.index  # j indexes the writer's vectors, rows its checked dim
-        where = (*batch, j // other.ref.block, rows)
-        total.index_put_(where, value.to(total.dtype).expand(rows.shape), accumulate=True)
-    return total
 
 
 # --- input checks -----------------------------------------------------------------------------

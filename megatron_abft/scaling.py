@@ -256,7 +256,7 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
     operand_b = Work(bytes=b_elems * (e + 4 + 8 + 4))
     # A to fp32, its block sums, abs and block sums of |A|
     encode = Work(bytes=a_elems * (e + 4 + 4 + 8 + 4))
-    # eec._inspect: C to fp32, weighted sums, abs, weighted sums of |C|
+    # sides.inspect_sides: C to fp32, weighted sums, abs, weighted sums of |C|
     verify = Work(bytes=c_elems * (e + 4 + 4 + 8 + 4))
     return products + operand_b + encode + verify
 
