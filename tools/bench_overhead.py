@@ -1,7 +1,8 @@
 """Measure what protection costs: protected vs unprotected in one run, interleaved.
 
 One model; the ABFT config is switched between modes on every repetition (off, all sections,
-then each section alone), in a rotating order, after warm-up. Reported: median times, and the
+idle: protection on with nothing due, then each section alone), in a rotating order, after
+warm-up. Reported: median times, and the
 overhead as the median over repetitions of each one's ratio to the "off" run of the same
 repetition, for the training step (forward, backward, optimizer) and the attention block.
 CPU timers on CPU, CUDA events on a GPU. The JSON also holds micro-benchmarks of the machine
