@@ -669,12 +669,17 @@ def _quiet_count(results: Path) -> list[str]:
     return [x for x in results.read_text().splitlines() if x.startswith('{"id"')]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def split_launch_flags(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """A tool's own flags and, after ``--``, those it hands to pretrain_gpt.py's parser."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    launch_flags: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, launch_flags = argv[:at], argv[at + 1 :]
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1 :]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv, launch_flags = split_launch_flags(argv)
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog="Flags after -- go to pretrain_gpt.py's parser (e.g. -- --seq-length 32).",

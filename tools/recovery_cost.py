@@ -412,11 +412,7 @@ def figure(table: list[dict], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    launch_flags: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, launch_flags = argv[:at], argv[at + 1 :]
+    argv, launch_flags = campaign.split_launch_flags(argv)
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog="Flags after -- go to pretrain_gpt.py's parser (e.g. -- --seq-length 128).",
