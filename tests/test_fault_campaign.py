@@ -1,6 +1,6 @@
-"""tools/fault_campaign.py: the seeded plan, how a trial's outcome is judged, the tables and the
-vulnerability file, and a tiny campaign end to end (2 workers of 2 gloo ranks each) that resumes
-from its results file."""
+"""tools/fault_campaign.py and its modules: the seeded plan (campaign_plan), how a trial's outcome
+is judged (campaign_outcomes), the tables and the vulnerability file (campaign_report), and a tiny
+campaign end to end (2 workers of 2 gloo ranks each) that resumes from its results file."""
 
 from __future__ import annotations
 
@@ -14,24 +14,37 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import fault_campaign as fc  # noqa: E402
+from campaign_outcomes import OUTCOMES_OFF, classify, magnitude_class  # noqa: E402
+from campaign_plan import (  # noqa: E402
+    KINDS,
+    PATTERNS,
+    SECTIONS,
+    VULNERABILITY_KINDS,
+    VULNERABILITY_SECTIONS,
+    Settings,
+    fault_of,
+    plan,
+    read_results,
+)
+from campaign_report import BEGIN, optimizer_check, tables  # noqa: E402
 
 TINY_MODEL = ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2"]
 
 
-def settings(**changes) -> fc.Settings:
+def settings(**changes) -> Settings:
     args = fc.parse_args(["--trials", "40", "--controls", "4"])
-    return fc.Settings(**{**fc.settings_of(args).__dict__, **changes})
+    return Settings(**{**fc.settings_of(args).__dict__, **changes})
 
 
 def test_the_plan_is_seeded_and_covers_every_combination_before_repeating():
     s = settings(trials=8 * 8 * 4 + 10, controls=10)
-    trials = fc.plan(s, num_layers=2, tp_size=2, dtype_bits=32)
-    assert trials == fc.plan(s, num_layers=2, tp_size=2, dtype_bits=32)
+    trials = plan(s, num_layers=2, tp_size=2, dtype_bits=32)
+    assert trials == plan(s, num_layers=2, tp_size=2, dtype_bits=32)
     assert [t["id"] for t in trials] == list(range(s.trials))
     assert sum(t["control"] for t in trials) == 10
     faulty = [t for t in trials if not t["control"]]
     combos = {(t["section"], t["kind"], t["pattern"]) for t in faulty}
-    assert len(combos) == len(fc.SECTIONS) * len(fc.KINDS) * len(fc.PATTERNS)
+    assert len(combos) == len(SECTIONS) * len(KINDS) * len(PATTERNS)
     for t in faulty:
         assert 1 <= t["step"] <= s.window and 1 <= t["layer"] <= 2 and t["tp_rank"] in (0, 1)
         assert 0 <= t["window"] < s.windows
@@ -39,7 +52,7 @@ def test_the_plan_is_seeded_and_covers_every_combination_before_repeating():
             assert 0 <= t["bit"] < 32
         if t["kind"].startswith("value_"):
             assert abs(t["value"]) == float(t["kind"].split("_")[1])
-    fault = fc.fault_of(next(t for t in faulty if t["kind"] == "value_1e4"), iteration=25)
+    fault = fault_of(next(t for t in faulty if t["kind"] == "value_1e4"), iteration=25)
     assert fault.kind == "value" and abs(fault.value) == 1e4 and fault.step == 25
 
 
@@ -68,17 +81,17 @@ def run(non_trainable=False, loss=0.0, params=0.0, detected=None, uncorrectable=
     ],
 )
 def test_an_outcome_is_judged_from_detections_and_the_deviation(result, control, outcome):
-    assert fc.classify(result, control, tolerance=1e-5) == outcome
+    assert classify(result, control, tolerance=1e-5) == outcome
 
 
 def test_the_magnitude_class_of_a_fault():
-    assert fc.magnitude_class({"kind": "-inf"}, {}) == "inf"
-    assert fc.magnitude_class({"kind": "value_1e8", "value": -1e8}, {}) == "finite"
+    assert magnitude_class({"kind": "-inf"}, {}) == "inf"
+    assert magnitude_class({"kind": "value_1e8", "value": -1e8}, {}) == "finite"
     flip = {"kind": "bitflip", "section": "q"}
-    assert fc.magnitude_class(flip, {"detected_kinds": {"qkv": ["finite", "near_inf"]}}) == (
+    assert magnitude_class(flip, {"detected_kinds": {"qkv": ["finite", "near_inf"]}}) == (
         "near_inf"
     )
-    assert fc.magnitude_class(flip, {"detected_kinds": {}}) == "finite"  # below the limit
+    assert magnitude_class(flip, {"detected_kinds": {}}) == "finite"  # below the limit
 
 
 def fake_trial(i, section, kind, pattern, off_nt, on_outcome, klass) -> dict:
@@ -105,7 +118,7 @@ def test_the_tables_count_the_trials_and_the_vulnerability_file_loads(tmp_path):
         fake_trial(5, "probs", "value_1e1", "0d", False, "silent", "finite"),
         {"id": 6, "control": True, "on": {**run(detected=0)}},
     ]
-    markdown, numbers = fc.tables(records, settings(), [], {"vulnerability": "v.json"})
+    markdown, numbers = tables(records, settings(), [], {"vulnerability": "v.json"})
     headline = numbers["headline"]
     assert headline["corrected_0d_row_col"] == [3, 3]  # the masked flip is not counted as missed
     assert headline["masked_0d_row_col"] == 1
@@ -121,12 +134,12 @@ def test_the_tables_count_the_trials_and_the_vulnerability_file_loads(tmp_path):
     assert vulnerability["qkv"]["inf"] == 1.0 and vulnerability["scores"]["nan"] == 1.0
     assert vulnerability["proj"]["finite"] == 0.0
     assert vulnerability["context"]["inf"] == 1.0  # no 0d trial: the defaults fill in
-    assert set(vulnerability) == set(fc.VULNERABILITY_SECTIONS)
-    assert all(set(v) == set(fc.VULNERABILITY_KINDS) for v in vulnerability.values())
+    assert set(vulnerability) == set(VULNERABILITY_SECTIONS)
+    assert all(set(v) == set(VULNERABILITY_KINDS) for v in vulnerability.values())
     assert "| **all** | 2/2 | - | 1/2 | - | 0/1 | 0/1 | - | - | 50% (3/6) |" in markdown
     path = tmp_path / "vulnerability.json"
     path.write_text(json.dumps(vulnerability))
-    intervals = fc.optimizer_check(path)  # through --abft-vulnerability of the launch script
+    intervals = optimizer_check(path)  # through --abft-vulnerability of the launch script
     assert set(intervals) == {"qkv", "scores", "context", "proj"}
 
 
@@ -158,7 +171,7 @@ def test_a_tiny_campaign_runs_in_two_workers_resumes_and_reports(tmp_path):
         json.dumps({"campaign": header}) + "\n" + json.dumps(earlier) + "\n" + '{"id": 3, "cu'
     )
     assert fc.main(argv) == 0
-    _, trials, sessions = fc.read_results(results)
+    _, trials, sessions = read_results(results)
     assert sorted(t["id"] for t in trials) == list(range(6))
     assert next(t for t in trials if t["id"] == 0) == earlier
     assert len(sessions) == 1 and sessions[0]["trials"] == 5
@@ -174,14 +187,14 @@ def test_a_tiny_campaign_runs_in_two_workers_resumes_and_reports(tmp_path):
             assert t["id"] == 3 and "off" not in t and t["on"]["outcome"] == "clean"
         else:
             assert t["on"]["landed"] == t["off"]["landed"] == 1
-            assert t["off"]["outcome"] in fc.OUTCOMES_OFF
+            assert t["off"]["outcome"] in OUTCOMES_OFF
             assert t["on"]["outcome"] in ("corrected", "reported", "masked")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["trials"] == 6 and summary["non_trainable_off"]["all"]["all"][1] == 5
     doc = (tmp_path / "doc.md").read_text()
-    assert doc.count(fc.BEGIN) == 1 and "Protection off" in doc
+    assert doc.count(BEGIN) == 1 and "Protection off" in doc
     vulnerability = json.loads((tmp_path / "vulnerability.json").read_text())
-    assert set(vulnerability) == set(fc.VULNERABILITY_SECTIONS)
+    assert set(vulnerability) == set(VULNERABILITY_SECTIONS)
     assert (tmp_path / "campaign.png").stat().st_size > 0
 
     before = results.read_text()

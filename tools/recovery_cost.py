@@ -40,10 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # fault_campaign: the shared Trainer
-import fault_campaign as campaign  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fault campaign's modules
+import campaign_worker  # noqa: E402
+from campaign_plan import CORPUS, DEFAULT_DOC, ROOT, Settings, rel  # noqa: E402
+from campaign_report import replace_block  # noqa: E402
+from fault_campaign import split_launch_flags  # noqa: E402
 
-ROOT = campaign.ROOT
 DEFAULT_JSON = ROOT / "docs" / "figures" / "recovery_cost.json"
 DEFAULT_FIGURE = ROOT / "docs" / "figures" / "recovery_cost.png"
 SCRATCH = ROOT / "out" / "recovery_cost"
@@ -93,7 +95,7 @@ def measure(options: dict) -> dict:
 
     from megatron_abft import Fault, reset_stats, stats
 
-    trainer = campaign.Trainer(options["launch_argv"])
+    trainer = campaign_worker.Trainer(options["launch_argv"])
     reps, ckpt_reps = options["reps"], options["ckpt_reps"]
     trainer.protect(False)
     data = trainer.batches(0)
@@ -372,7 +374,7 @@ def markdown(result: dict, intervals: tuple[int, ...], command: str) -> tuple[st
         f"{_ms(attn['save_plus_load'])} here: {attn['in_steps']:.1f} training steps and "
         f"{attn['ratio']:,.0f}x (a).",
         "",
-        f"Made by `{command}` (numbers: `{campaign._rel(DEFAULT_JSON)}`).",
+        f"Made by `{command}` (numbers: `{rel(DEFAULT_JSON)}`).",
     ]
     return "\n".join(lines), {"rows": table, **extra}
 
@@ -412,7 +414,7 @@ def figure(table: list[dict], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv, launch_flags = campaign.split_launch_flags(argv)
+    argv, launch_flags = split_launch_flags(argv)
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog="Flags after -- go to pretrain_gpt.py's parser (e.g. -- --seq-length 128).",
@@ -422,9 +424,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="training steps before timing")
     p.add_argument("--intervals", default="1,100", help="checkpoint/snapshot intervals, steps")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="numbers ('' = none)")
-    p.add_argument("--doc", default=str(campaign.DEFAULT_DOC), help="markdown ('' = none)")
+    p.add_argument("--doc", default=str(DEFAULT_DOC), help="markdown ('' = none)")
     p.add_argument("--figure", default=str(DEFAULT_FIGURE), help="PNG ('' = none)")
-    p.add_argument("--corpus", type=Path, default=campaign.CORPUS, help="indexed dataset prefix")
+    p.add_argument("--corpus", type=Path, default=CORPUS, help="indexed dataset prefix")
     p.add_argument(
         "--report-only", action="store_true", help="remake the table from --json, no measuring"
     )
@@ -449,17 +451,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def launch_argv(args: argparse.Namespace) -> list[str]:
     """The campaign's model, protected layers, policy skip_step, no stop on NaN."""
-    settings = campaign.Settings(
+    settings = Settings(
         trials=1, controls=0, window=1, windows=1, warmup=args.warmup, seed=0,
         policy="skip_step", tolerance=1e-5, sections=(), kinds=(), patterns=(),
         launch_flags=tuple(args.launch_flags),
     )  # fmt: skip
-    return campaign.launch_argv(settings, args.corpus)
+    return campaign_worker.launch_argv(settings, args.corpus)
 
 
 def measure_on_ranks(args: argparse.Namespace) -> dict | None:
     """Launch the measurement on 2 ranks; rank 0's numbers (None if it failed)."""
-    campaign.ensure_corpus(args.corpus)
+    campaign_worker.ensure_corpus(args.corpus)
     argv_launch = launch_argv(args)
     import pretrain_gpt
 
@@ -518,10 +520,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.figure:
         figure(numbers["rows"], Path(args.figure))
-        where = os.path.relpath(args.figure, Path(args.doc or campaign.DEFAULT_DOC).parent)
+        where = os.path.relpath(args.figure, Path(args.doc or DEFAULT_DOC).parent)
         text += f"\n\n![recovery cost]({where})"
     if args.doc:
-        campaign.replace_block(Path(args.doc), BEGIN, END, text)
+        replace_block(Path(args.doc), BEGIN, END, text)
     print(text)
     return 0
 
