@@ -14,8 +14,14 @@
 // a GEMM that A enters (megatron_abft/checksum.py), A u_t and |A| z_t for a few vectors u_t, z_t
 // per matrix: the other operand's block sums and magnitudes. One read replaces a copy of |A| and
 // two GEMMs over A and |A|.
+//
+// screen compares both sides' block sums of C with the reference checksums carried from the
+// GEMM's inputs and counts, per matrix, the vectors whose differences exceed the rounding
+// thresholds of megatron_abft/tolerance.py. It is the clean path of a check: a matrix with no
+// flagged vector needs nothing more; any other goes to the locate-and-correct path.
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 
 #ifdef __CUDACC__
@@ -67,6 +73,41 @@ struct RowProducts {
   void* magnitudes;
 };
 
+// One side of a screen. The recomputed sums and sizes are block_sums' outputs; the references
+// are strided views of C's batch (batch dims first, then block, pair, vector):
+//   ref_sums [*batch, nb, 2, n], magnitude and bias [*batch, nb, n] (bias null without one).
+// The thresholds, with S, S_w the sizes and M the magnitude of one vector of length `length`:
+//   tau = out S + gemm M + floor,   tau_w = out S_w + gemm length M + floor length,
+// where a bias first makes S = 2 S + bias and S_w = 2 S_w + length bias.
+struct ScreenSide {
+  const void* sums;
+  const void* sizes;
+  int64_t nb, n;
+  const void* ref_sums;
+  int64_t ref_strides[kMaxBatchDims + 3];
+  const void* magnitude;
+  int64_t magnitude_strides[kMaxBatchDims + 2];
+  const void* bias;
+  int64_t bias_strides[kMaxBatchDims + 2];
+  double out, gemm, floor, length;
+};
+
+// Both sides of a screen of a batch of matrices, and the output: flagged [batch] int32, the
+// number of flagged vectors of each matrix (zeroed by the caller on CUDA).
+struct Screen {
+  int batch_dims;
+  int64_t batch_sizes[kMaxBatchDims];
+  int64_t batch;
+  int sides;
+  ScreenSide side[2];
+  int32_t* flagged;
+};
+
+// The screen flags a vector a hair before the reference comparison would (its thresholds are
+// tightened by this factor), so that rounding differences in the threshold arithmetic can only
+// send a borderline clean vector to the full path, never pass a vector the reference flags.
+constexpr double kScreenMargin = 1.0 - 1.0 / 65536;
+
 ABFT_HD inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 ABFT_HD inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -78,6 +119,55 @@ ABFT_HD inline int64_t batch_offset(const MatrixBatch& c, int64_t b) {
     b /= c.batch_sizes[d];
   }
   return offset;
+}
+
+// The offset of matrix b in a tensor with C's batch dims and these batch strides.
+ABFT_HD inline int64_t strided_batch_offset(const Screen& s, const int64_t* strides, int64_t b) {
+  int64_t offset = 0;
+  for (int d = s.batch_dims - 1; d >= 0; --d) {
+    offset += (b % s.batch_sizes[d]) * strides[d];
+    b /= s.batch_sizes[d];
+  }
+  return offset;
+}
+
+ABFT_HD inline float abs_value(float x) { return x < 0 ? -x : x; }
+ABFT_HD inline double abs_value(double x) { return x < 0 ? -x : x; }
+ABFT_HD inline float largest_finite(float) { return FLT_MAX; }
+ABFT_HD inline double largest_finite(double) { return DBL_MAX; }
+
+// Whether vector j of block blk of matrix b fails the screen on this side (NaN fails).
+template <typename Acc>
+ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side, int64_t b, int64_t blk,
+                                 int64_t j) {
+  const int d = s.batch_dims;
+  const int64_t at = (b * side.nb + blk) * 2 * side.n + j;
+  const Acc* sums = static_cast<const Acc*>(side.sums);
+  const Acc* sizes = static_cast<const Acc*>(side.sizes);
+  const int64_t* rs = side.ref_strides;
+  const Acc* ref = static_cast<const Acc*>(side.ref_sums) + strided_batch_offset(s, rs, b) +
+                   blk * rs[d] + j * rs[d + 2];
+  const int64_t* ms = side.magnitude_strides;
+  const Acc magnitude = static_cast<const Acc*>(side.magnitude)[strided_batch_offset(s, ms, b) +
+                                                                blk * ms[d] + j * ms[d + 1]];
+  const Acc length = Acc(side.length);
+  Acc size = sizes[at], size_w = sizes[at + side.n];
+  if (side.bias != nullptr) {
+    const int64_t* bs = side.bias_strides;
+    const Acc bias = static_cast<const Acc*>(side.bias)[strided_batch_offset(s, bs, b) +
+                                                        blk * bs[d] + j * bs[d + 1]];
+    size = 2 * size + bias;
+    size_w = 2 * size_w + length * bias;
+  }
+  const Acc out = Acc(side.out), gemm = Acc(side.gemm), floor = Acc(side.floor);
+  const Acc tau = size * out + gemm * magnitude + floor;
+  const Acc tau_w =
+      size_w * out + Acc(side.gemm * side.length) * magnitude + Acc(side.floor * side.length);
+  const Acc d1 = ref[0] - sums[at], d2 = ref[rs[d + 1]] - sums[at + side.n];
+  const Acc margin = Acc(kScreenMargin);
+  const bool clean = tau_w <= Acc(0.5) * largest_finite(Acc(0)) &&
+                     abs_value(d1) <= tau * margin && abs_value(d2) <= tau_w * margin;
+  return !clean;
 }
 
 // CPU: the work splits into independent tasks (one band of rows of one matrix each); the binding
@@ -92,10 +182,14 @@ void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, i
 int64_t row_products_tasks(const MatrixBatch& a);
 void row_products_cpu(const MatrixBatch& a, const RowProducts& out, int64_t begin, int64_t end);
 
+// CPU, matrices [begin, end) of the batch: their flagged counts, both sides.
+void screen_cpu(const Screen& s, bool f64, int64_t begin, int64_t end);
+
 // CUDA: launches on `stream` (a cudaStream_t) and returns the launch's cudaError_t (0: success).
 int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream);
 // At most kMaxRowProducts vectors of each kind (u, z); the binding checks it.
 constexpr int kMaxRowProducts = 16;
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream);
+int screen_cuda(const Screen& s, bool f64, void* stream);
 
 }  // namespace abft

@@ -246,7 +246,29 @@ ABFT_PRODUCTS(products_f64, double, double)
 ABFT_PRODUCTS(products_bf16, Bf16, float)
 ABFT_PRODUCTS(products_f16, F16, float)
 
+template <typename Acc>
+void screen_matrices(const Screen& s, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b) {
+    int32_t count = 0;
+    for (int k = 0; k < s.sides; ++k) {
+      const ScreenSide& side = s.side[k];
+      for (int64_t blk = 0; blk < side.nb; ++blk) {
+        for (int64_t j = 0; j < side.n; ++j) count += screen_flags<Acc>(s, side, b, blk, j);
+      }
+    }
+    s.flagged[b] = count;
+  }
+}
+
 }  // namespace
+
+void screen_cpu(const Screen& s, bool f64, int64_t begin, int64_t end) {
+  if (f64) {
+    screen_matrices<double>(s, begin, end);
+  } else {
+    screen_matrices<float>(s, begin, end);
+  }
+}
 
 int64_t row_products_tasks(const MatrixBatch& a) { return a.batch * ceil_div(a.rows, kRowBand); }
 

@@ -4,6 +4,7 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -239,6 +240,127 @@ Sums block_sums_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block) 
 }
 #endif
 
+// screen: one side's references checked against c and expanded to its batch, in the kernels' view.
+// refs is [sums, magnitude] or [sums, magnitude, bias_magnitude]; bounds is (out, gemm, floor,
+// length) of abft.h's ScreenSide. The expanded views are kept alive in `keep`.
+abft::ScreenSide screen_side(const at::Tensor& c, const char* name, int64_t block, int64_t checked,
+                             int64_t across, at::TensorList refs, at::ArrayRef<double> bounds,
+                             std::vector<at::Tensor>& keep) {
+  TORCH_CHECK(refs.size() == 2 || refs.size() == 3, "megatron_abft::screen: ", name,
+              " must be [sums, magnitude] or [sums, magnitude, bias_magnitude]; got ",
+              refs.size(), " tensors");
+  TORCH_CHECK(bounds.size() == 4, "megatron_abft::screen: ", name,
+              "_bounds must be (out, gemm, floor, length); got ", bounds.size(), " numbers");
+  const auto acc = c.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t nb = abft::ceil_div(checked, block);
+  auto batch = c.sizes().slice(0, c.dim() - 2).vec();
+  auto sums_shape = batch, vector_shape = batch;
+  sums_shape.insert(sums_shape.end(), {nb, 2, across});
+  vector_shape.insert(vector_shape.end(), {nb, across});
+  const char* parts[] = {"sums", "magnitude", "bias_magnitude"};
+  std::vector<at::Tensor> views;
+  for (size_t k = 0; k < refs.size(); ++k) {
+    const at::Tensor& ref = refs[k];
+    const auto& shape = k == 0 ? sums_shape : vector_shape;
+    TORCH_CHECK(ref.device() == c.device(), "megatron_abft::screen: ", name, " ", parts[k],
+                " is on ", ref.device(), " but c is on ", c.device());
+    TORCH_CHECK(ref.scalar_type() == acc, "megatron_abft::screen: ", name, " ", parts[k],
+                " must be ", acc, " (the accumulation dtype of c ", c.scalar_type(), "); got ",
+                ref.scalar_type());
+    TORCH_CHECK(ref.layout() == at::kStrided && at::is_expandable_to(ref.sizes(), shape),
+                "megatron_abft::screen: ", name, " ", parts[k], " of shape ", ref.sizes(),
+                " does not broadcast to ", at::IntArrayRef(shape), " for c of shape ", c.sizes(),
+                " and block ", block);
+    views.push_back(ref.expand(shape));
+  }
+  abft::ScreenSide side{};
+  side.nb = nb;
+  side.n = across;
+  side.ref_sums = views[0].data_ptr();
+  side.magnitude = views[1].data_ptr();
+  side.bias = views.size() == 3 ? views[2].data_ptr() : nullptr;
+  for (int64_t d = 0; d < views[0].dim(); ++d) side.ref_strides[d] = views[0].stride(d);
+  for (int64_t d = 0; d < views[1].dim(); ++d) {
+    side.magnitude_strides[d] = views[1].stride(d);
+    if (views.size() == 3) side.bias_strides[d] = views[2].stride(d);
+  }
+  side.out = bounds[0];
+  side.gemm = bounds[1];
+  side.floor = bounds[2];
+  side.length = bounds[3];
+  keep.insert(keep.end(), views.begin(), views.end());
+  return side;
+}
+
+// The screen of c given its block sums (col_sums, col_sizes, row_sums, row_sizes).
+std::tuple<abft::Screen, at::Tensor> prepare_screen(const at::Tensor& c, const Sums& sums,
+                                                    int64_t col_block, int64_t row_block,
+                                                    at::TensorList col, at::TensorList row,
+                                                    at::ArrayRef<double> col_bounds,
+                                                    at::ArrayRef<double> row_bounds,
+                                                    std::vector<at::Tensor>& keep) {
+  const int64_t m = c.size(-2), n = c.size(-1);
+  abft::Screen screen{};
+  screen.batch_dims = int(c.dim() - 2);
+  screen.batch = 1;
+  for (int d = 0; d < screen.batch_dims; ++d) {
+    screen.batch_sizes[d] = c.size(d);
+    screen.batch *= c.size(d);
+  }
+  const at::Tensor* found[] = {&std::get<0>(sums), &std::get<1>(sums), &std::get<2>(sums),
+                               &std::get<3>(sums)};
+  for (int k = 0; k < 2; ++k) {
+    const bool is_col = k == 0;
+    const int64_t block = is_col ? col_block : row_block;
+    const at::TensorList refs = is_col ? col : row;
+    const char* name = is_col ? "col" : "row";
+    if (block == 0) {
+      TORCH_CHECK(refs.empty(), "megatron_abft::screen: ", name, "_block is 0 but ", name,
+                  " references were given");
+      continue;
+    }
+    abft::ScreenSide side =
+        screen_side(c, name, block, is_col ? m : n, is_col ? n : m, refs,
+                    is_col ? col_bounds : row_bounds, keep);
+    side.sums = found[2 * k]->data_ptr();
+    side.sizes = found[2 * k + 1]->data_ptr();
+    screen.side[screen.sides++] = side;
+  }
+  auto flagged = at::zeros(c.sizes().slice(0, c.dim() - 2), c.options().dtype(at::kInt));
+  screen.flagged = flagged.data_ptr<int32_t>();
+  return {screen, flagged};
+}
+
+at::Tensor screen_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                      at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                      at::ArrayRef<double> row_bounds) {
+  const Sums sums = block_sums_cpu(c, col_block, row_block);
+  std::vector<at::Tensor> keep;
+  auto [screen, flagged] =
+      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
+  const bool f64 = c.scalar_type() == at::kDouble;
+  at::parallel_for(0, screen.batch, 1, [&, &screen = screen](int64_t begin, int64_t end) {
+    abft::screen_cpu(screen, f64, begin, end);
+  });
+  return flagged;
+}
+
+#ifdef ABFT_WITH_CUDA
+at::Tensor screen_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                       at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                       at::ArrayRef<double> row_bounds) {
+  const c10::cuda::CUDAGuard guard(c.device());
+  const Sums sums = block_sums_cuda(c, col_block, row_block);
+  std::vector<at::Tensor> keep;
+  auto [screen, flagged] =
+      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
+  const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
+  C10_CUDA_CHECK(static_cast<cudaError_t>(
+      abft::screen_cuda(screen, c.scalar_type() == at::kDouble, stream)));
+  return flagged;
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_abft, m) {
@@ -250,12 +372,17 @@ TORCH_LIBRARY(megatron_abft, m) {
   m.def(
       "operand_pass(Tensor a, int block, Tensor u, Tensor z) -> (Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def(
+      "screen(Tensor c, int col_block, int row_block, Tensor[] col, Tensor[] row, "
+      "float[] col_bounds, float[] row_bounds) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
   m.impl("block_sums", &block_sums_cpu);
   m.impl("row_products", &row_products_cpu);
   m.impl("operand_pass", &operand_pass_cpu);
+  m.impl("screen", &screen_cpu);
 }
 
 #ifdef ABFT_WITH_CUDA
@@ -263,6 +390,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
   m.impl("block_sums", &block_sums_cuda);
   m.impl("row_products", &row_products_cuda);
   m.impl("operand_pass", &operand_pass_cuda);
+  m.impl("screen", &screen_cuda);
 }
 #endif
 

@@ -2,9 +2,9 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums``, ``row_products`` and ``operand_pass`` return None wherever the kernels do not
-apply (no extension, a device without a kernel, meta tensors); callers then take their PyTorch
-path, which stays the reference.
+``block_sums``, ``row_products``, ``operand_pass`` and ``screen`` return None wherever the
+kernels do not apply (no extension, a device without a kernel, meta tensors); callers then take
+their PyTorch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -115,7 +115,30 @@ def operand_pass(
     return torch.ops.megatron_abft.operand_pass(a, block, u, z)
 
 
+def screen(
+    c: Tensor,
+    col_block: int,
+    row_block: int,
+    col: list[Tensor],
+    row: list[Tensor],
+    col_bounds: list[float],
+    row_bounds: list[float],
+) -> Tensor | None:
+    """One read of ``c [..., m, n]`` compared with both sides' reference checksums: per matrix,
+    the number of vectors whose differences exceed their thresholds (int32 ``[...]``). A side
+    is ``[sums, magnitude]`` or ``[sums, magnitude, bias_magnitude]`` (``[]`` with a block of 0)
+    in c's accumulation dtype, broadcasting to c's batch; its bounds are (out, gemm, floor,
+    length) of csrc/abft.h's ScreenSide. None where the kernels do not apply."""
+    if not _serves(c):
+        return None
+    return torch.ops.megatron_abft.screen(c, col_block, row_block, col, row, col_bounds, row_bounds)
+
+
 def _register_fake() -> None:
+    @torch.library.register_fake("megatron_abft::screen")
+    def _(c: Tensor, col_block, row_block, col, row, col_bounds, row_bounds):
+        return c.new_empty(c.shape[:-2], dtype=torch.int32)
+
     @torch.library.register_fake("megatron_abft::block_sums")
     def _(c: Tensor, col_block: int, row_block: int):
         batch, (m, n) = c.shape[:-2], c.shape[-2:]

@@ -24,6 +24,7 @@ One side's comparison lives in megatron_abft.sides, steps 1 and 2 in megatron_ab
 Results are device tensors. By default nothing is read on the host on CUDA (``sync_free``), so
 the correction path runs on every call there; on CPU it is skipped when nothing was flagged,
 which costs no sync there, and ``sync_free=False`` does the same on any device for one sync.
+Where the compiled kernels are built, that clean path is one op (megatron_abft.sides.screen).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from megatron_abft.checksum import FLOATING, Checksums, broadcast_shapes, nblocks
 from megatron_abft.correction import correct_side, crossing_flags, sum_into, vectors_to_correct
-from megatron_abft.sides import Check, Side, inspect_sides
+from megatron_abft.sides import Check, Side, inspect_sides, screen
 from megatron_abft.tolerance import gemm_rounding
 
 KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
@@ -78,6 +79,7 @@ class EECResult:
     the rest is per matrix of the batch: ``status`` (CLEAN, CORRECTED or UNCORRECTABLE),
     ``kind``, the ``row`` and ``col`` of the most wrong flagged row and column (-1 where none is)
     and ``magnitude``, the largest checksum difference |d1| seen (the size of the error).
+    ``known_clean`` says, without reading the device, that nothing was found.
     """
 
     counts: Tensor
@@ -86,6 +88,7 @@ class EECResult:
     row: Tensor
     col: Tensor
     magnitude: Tensor
+    known_clean: bool = False
 
 
 def report(result: EECResult) -> dict[str, dict[str, int]]:
@@ -167,15 +170,19 @@ def verify_and_correct(
         return EECResult(
             result.counts,
             *(t[0] for t in (result.status, result.kind, result.row, result.col, result.magnitude)),
+            known_clean=result.known_clean,
         )
 
     capacity = max_corrections if max_corrections is not None else max(c.shape[-2:])
     check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
+    may_skip = c.device.type == "cpu" or not sync_free  # reading the flags costs no sync
+    if may_skip:
+        flagged = screen(c, refs, check)  # one op of the compiled kernels
+        if flagged is not None and not bool(flagged.any()):
+            return _clean_result(c)
     sides = inspect_sides(c, refs, check)
-    if (c.device.type == "cpu" or not sync_free) and not any(
-        bool(s.flagged.any()) for s in sides.values()
-    ):
+    if may_skip and not any(bool(s.flagged.any()) for s in sides.values()):
         return _clean_result(c)
     detected = _any_flagged(sides.values(), c.shape[:-2])
     kind = torch.stack([_kind(s, near_inf).amax((-2, -1)) for s in sides.values()]).amax(0)
@@ -230,7 +237,13 @@ def _clean_result(c: Tensor) -> EECResult:
     zeros = torch.zeros(batch, dtype=torch.int8, device=c.device)
     counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.long, device=c.device)
     return EECResult(
-        counts, zeros, zeros.clone(), none, none.clone(), torch.zeros(batch, device=c.device)
+        counts,
+        zeros,
+        zeros.clone(),
+        none,
+        none.clone(),
+        torch.zeros(batch, device=c.device),
+        known_clean=True,
     )
 
 

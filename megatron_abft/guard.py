@@ -107,13 +107,14 @@ class SectionGuard:
             recompute is not None
             and self.config.on_uncorrectable == "recompute"
             and recompute_in_place_possible(output)
+            and failed is not None
             and bool(failed)
         ):
             output = recompute()
             if self.recomputed is None:
                 self.recomputed = torch.zeros((), dtype=torch.int64, device=output.device)
             self.recomputed += 1
-            if bool(self._verify(output, operands)[0]):
+            if (again := self._verify(output, operands)[0]) is not None and bool(again):
                 # still wrong: the fault is in the inputs, or persistent. Leave it pending, so
                 # that finish_step raises on every rank together
                 self.recompute_failed = True
@@ -122,13 +123,17 @@ class SectionGuard:
                 event = torch.cat([event[:1], event.new_tensor([RECOMPUTED]), event[2:]])
         if event is not None:
             self.events.append(event)
-        self.pending = failed if self.pending is None else self.pending | failed
+        if failed is not None:
+            self.pending = failed if self.pending is None else self.pending | failed
         return output
 
-    def _verify(self, output: Tensor, operands: GemmOperands) -> tuple[Tensor, Tensor | None]:
+    def _verify(
+        self, output: Tensor, operands: GemmOperands
+    ) -> tuple[Tensor | None, Tensor | None]:
         """Verify and correct in place and count. Returns whether a matrix stayed uncorrectable
-        (a device bool) and the event record of the worst matrix (EVENT_FIELDS), None when the
-        check is known to be clean without a host synchronisation (CPU tensors)."""
+        (a device bool) and the event record of the worst matrix (EVENT_FIELDS); both None when
+        the check is known clean without a host synchronisation (EECResult.known_clean,
+        which every clean check is on CPU and with sync_free off)."""
         col, row = encode(
             operands.a,
             operands.b,
@@ -146,10 +151,13 @@ class SectionGuard:
             check_references=False,
             sync_free=self.config.sync_free,
         )
-        self.counts = result.counts if self.counts is None else self.counts + result.counts
+        if self.counts is None:
+            self.counts = result.counts
+        elif not result.known_clean:
+            self.counts = self.counts + result.counts
+        if result.known_clean:
+            return None, None
         status = result.status.reshape(-1)
-        if (status.device.type == "cpu" or not self.config.sync_free) and not bool(status.any()):
-            return torch.zeros((), dtype=torch.bool, device=status.device), None
         # the first uncorrectable matrix, else the first corrected one; indexed with a 1-element
         # tensor, as a 0-d index would be read on the host (a sync on GPUs)
         worst = status.argmax().reshape(1)

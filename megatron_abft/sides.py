@@ -13,7 +13,7 @@ from torch import Tensor
 
 from megatron_abft import _ext
 from megatron_abft.checksum import Checksums, as_blocks, block_weights
-from megatron_abft.tolerance import Rounding, thresholds
+from megatron_abft.tolerance import Rounding, threshold_terms, thresholds
 
 if TYPE_CHECKING:
     from megatron_abft.eec import GemmOperands
@@ -75,6 +75,31 @@ def inspect_sides(
         name: _compare(c, ref, name == "row", check, *found[name], slack.get(name))
         for name, ref in refs.items()
     }
+
+
+def screen(c: Tensor, refs: dict[str, Checksums], check: Check) -> Tensor | None:
+    """Per matrix of ``c``, how many vectors the compiled kernels flag in one op (block sums,
+    differences and thresholds of both sides), or None where they do not apply. The kernels'
+    thresholds are a hair tighter than inspect_sides' (csrc/abft.h, kScreenMargin), so a matrix
+    they pass has no vector that inspect_sides would flag."""
+    natural = torch.float64 if c.dtype == torch.float64 else torch.float32
+    sides, blocks, bounds = {}, {}, {}
+    for name in ("col", "row"):
+        ref = refs.get(name)
+        sides[name], blocks[name], bounds[name] = [], 0, []
+        if ref is None:
+            continue
+        tensors = [ref.sums, ref.magnitude]
+        if ref.bias_magnitude is not None:
+            tensors.append(ref.bias_magnitude)
+        if any(t.dtype != natural for t in tensors):
+            return None
+        length = min(ref.block, ref.length)
+        terms = threshold_terms(check.rounding, length=length, inner=ref.inner, scale=check.scale)
+        sides[name], blocks[name], bounds[name] = tensors, ref.block, [*terms, float(length)]
+    return _ext.screen(
+        c, blocks["col"], blocks["row"], sides["col"], sides["row"], bounds["col"], bounds["row"]
+    )
 
 
 def _block_sums(c: Tensor, refs: dict[str, Checksums]) -> dict[str, tuple[Tensor, Tensor]]:

@@ -65,6 +65,17 @@ def gemm_rounding(dtype: torch.dtype, device: torch.device) -> Rounding:
     return Rounding(output=output, floor=floor, inputs=inputs, accumulation=accumulation)
 
 
+def threshold_terms(
+    rounding: Rounding, *, length: int, inner: int, scale: float
+) -> tuple[float, float, float]:
+    """The constants of tau in the module docstring: (scale u_out, scale g, scale L f)."""
+    return (
+        scale * rounding.output,
+        scale * rounding.gemm_factor(inner, length),
+        scale * length * rounding.floor,
+    )
+
+
 def thresholds(
     rounding: Rounding,
     *,
@@ -81,8 +92,7 @@ def thresholds(
     adds u_out * (S + sum |bias|) (and its weighted analogue)."""
     if bias_magnitude is not None:
         size, size_w = 2 * size + bias_magnitude, 2 * size_w + length * bias_magnitude
-    g = scale * rounding.gemm_factor(inner, length)
-    out, floor = scale * rounding.output, scale * length * rounding.floor
+    out, g, floor = threshold_terms(rounding, length=length, inner=inner, scale=scale)
     tau = torch.add(size * out, magnitude, alpha=g).add_(floor)  # few ops: they run per check
     tau_w = torch.add(size_w * out, magnitude, alpha=g * length).add_(floor * length)
     return tau, tau_w

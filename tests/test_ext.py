@@ -465,3 +465,173 @@ def test_cuda_checks_that_may_sync_skip_the_correction_path_when_clean():
     inject_(faulty, TensorFault("nan", "row", batch_index=3, seed=2))
     result = verify_and_correct(faulty, col, row, operands=operands, sync_free=False)
     assert result.status.cpu().tolist().count(1) == 1 and torch.isfinite(faulty).all()
+
+
+def screen_case(dtype, batch, m, n, block, bias, sides, seed):
+    """A GEMM output [*batch, m, n] with its references on the chosen sides (a dict for
+    megatron_abft.sides) and the Check of a default verify_and_correct call."""
+    from megatron_abft.sides import Check
+    from megatron_abft.tolerance import gemm_rounding
+
+    a, b, bias_t, c = gemm_case(dtype, batch, m, 16, n, seed, bias)
+    col, row = encode(a, b, alpha=0.5, bias=bias_t, block=block)
+    refs = {name: ref for name, ref in (("col", col), ("row", row)) if name in sides}
+    return c, refs, Check(gemm_rounding(c.dtype, c.device), 1.0, 1e10, max(m, n), None)
+
+
+def reference_flags(c, refs, check) -> torch.Tensor:
+    """Per matrix, the vectors the PyTorch comparison of megatron_abft.sides flags."""
+    from megatron_abft.sides import inspect_sides
+
+    with _ext.disabled():
+        sides = inspect_sides(c, refs, check)
+    return sum(s.flagged.flatten(-2).sum(-1).expand(c.shape[:-2]) for s in sides.values())
+
+
+@needs_ext
+@PROPERTY
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.sampled_from([(), (2,), (2, 3)]),
+    m=st.integers(2, 200),
+    n=st.integers(2, 200),
+    block=st.sampled_from([2, 16, 64, 256]),
+    bias=st.booleans(),
+    sides=st.sampled_from([("col",), ("row",), ("col", "row")]),
+    layout=st.sampled_from(["contiguous", "column-major"]),
+    kind=st.sampled_from(["inf", "nan", "near_inf", "value", "bitflip", "none"]),
+    pattern=st.sampled_from(["0d", "row", "col", "2d"]),
+    seed=st.integers(0, 2**16),
+)
+def test_screen_flags_what_the_reference_comparison_flags(
+    dtype, batch, m, n, block, bias, sides, layout, kind, pattern, seed
+):
+    from megatron_abft.sides import screen
+
+    c, refs, check = screen_case(dtype, batch, m, n, block, bias, sides, seed)
+    if kind != "none":
+        inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))
+    if layout == "column-major":
+        c = c.mT.contiguous().mT
+    flagged = screen(c, refs, check)
+    assert flagged.dtype == torch.int32 and flagged.shape == c.shape[:-2]
+    assert torch.equal(flagged.long(), reference_flags(c, refs, check))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_screen_flags_a_difference_just_inside_the_threshold_and_the_check_stays_clean(dtype):
+    """A column whose difference sits between the screen's tightened threshold and the
+    reference's: the screen sends it on, the full comparison finds it clean."""
+    from megatron_abft.sides import screen
+
+    c = torch.zeros(1, 8, 3, dtype=dtype)
+    c[0, 0, 1], c[0, 1, 1] = 1.0, -1.0  # column 1 sums to exactly 0, its weighted sum to -1
+    col = encode(torch.eye(8, dtype=dtype).unsqueeze(0), c, block=8)[0]
+    tau = residuals(c, col).tau[0, 0, 1]
+    col.sums[0, 0, 0, 1] = tau * (1 - 2.0**-18)  # d1 just below tau, d2 = 0
+    _, refs, check = screen_case(dtype, (1,), 8, 3, 8, False, (), 0)
+    assert int(screen(c, {"col": col}, check)[0]) == 1
+    assert not bool(residuals(c, col).flagged.any())
+    before = c.clone()
+    result = verify_and_correct(c, col)
+    assert result.known_clean and int(result.status[0]) == 0 and torch.equal(c, before)
+
+
+@needs_ext
+def test_a_clean_check_is_one_op_of_the_kernels(monkeypatch):
+    calls = []
+    for name in ("block_sums", "screen"):
+        kernel = getattr(_ext, name)
+
+        def spy(c, *args, name=name, kernel=kernel):
+            calls.append(name)
+            return kernel(c, *args)
+
+        monkeypatch.setattr(_ext, name, spy)
+    a, b, _, c = gemm_case(torch.bfloat16, (2, 3), 64, 16, 48, seed=1)
+    col, row = encode(a, b, alpha=0.5, block=32)
+    calls.clear()
+    clean = verify_and_correct(c, col, row, operands=GemmOperands(a, b, 0.5))
+    assert clean.known_clean and calls == ["screen"]
+    inject_(c, TensorFault("inf", "0d", seed=1))
+    calls.clear()
+    faulty = verify_and_correct(c, col, row, operands=GemmOperands(a, b, 0.5))
+    assert not faulty.known_clean and int((faulty.status == 1).sum()) == 1
+    assert calls == ["screen", "block_sums", "block_sums"]  # then the check and the re-check
+
+
+def screen_args(c, refs, check):
+    """The arguments of megatron_abft::screen for references ``refs`` of c."""
+    from megatron_abft.tolerance import threshold_terms
+
+    args = [c]
+    sides = {"col": (0, [], []), "row": (0, [], [])}
+    for name, ref in refs.items():
+        length = min(ref.block, ref.length)
+        terms = threshold_terms(check.rounding, length=length, inner=ref.inner, scale=1.0)
+        tensors = [ref.sums, ref.magnitude] + (
+            [] if ref.bias_magnitude is None else [ref.bias_magnitude]
+        )
+        sides[name] = (ref.block, tensors, [*terms, float(length)])
+    args += [sides["col"][0], sides["row"][0], sides["col"][1], sides["row"][1]]
+    return (*args, sides["col"][2], sides["row"][2])
+
+
+@needs_ext
+@pytest.mark.parametrize("bias", [False, True])
+def test_screen_opcheck(bias):
+    c, refs, check = screen_case(torch.bfloat16, (2,), 40, 30, 16, bias, ("col", "row"), 2)
+    torch.library.opcheck(torch.ops.megatron_abft.screen.default, screen_args(c, refs, check))
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: (*a[:3], a[3][:1], *a[4:]), r"col must be \[sums, magnitude\]"),
+        (lambda a: (*a[:3], [a[3][0].double(), a[3][1]], *a[4:]), "col sums must be Float"),
+        (lambda a: (*a[:3], [a[3][0][..., :5], a[3][1]], *a[4:]), "does not broadcast"),
+        (lambda a: (a[0], 0, *a[2:]), "col_block is 0 but col references were given"),
+        (lambda a: (*a[:5], a[5][:3], a[6]), r"col_bounds must be \(out, gemm, floor, length\)"),
+        (lambda a: (a[0], 0, 0, [], [], [], []), "give col_block or row_block"),
+    ],
+)
+def test_screen_bad_inputs_raise_clear_errors(change, message):
+    c, refs, check = screen_case(torch.float32, (2,), 40, 30, 16, False, ("col", "row"), 2)
+    with pytest.raises((RuntimeError, NotImplementedError), match=message):
+        torch.ops.megatron_abft.screen(*change(screen_args(c, refs, check)))
+
+
+@needs_cuda
+@PROPERTY
+@given(
+    dtype=st.sampled_from(DTYPES),
+    block=st.sampled_from([2, 64, 256]),
+    bias=st.booleans(),
+    kind=st.sampled_from(["inf", "nan", "value", "bitflip", "none"]),
+    pattern=st.sampled_from(["0d", "row", "col"]),
+    seed=st.integers(0, 2**16),
+)
+def test_cuda_screen_equals_the_cpu_screen(dtype, block, bias, kind, pattern, seed):
+    from megatron_abft.sides import screen
+
+    c, refs, check = screen_case(dtype, (2, 3), 300, 200, block, bias, ("col", "row"), seed)
+    if kind != "none":
+        inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))
+    on_gpu = {name: _to_cuda(ref) for name, ref in refs.items()}
+    assert torch.equal(screen(c.cuda(), on_gpu, check).cpu(), screen(c, refs, check))
+    args = screen_args(c.cuda(), on_gpu, check)
+    torch.library.opcheck(torch.ops.megatron_abft.screen.default, args)
+
+
+def _to_cuda(ref):
+    from dataclasses import replace
+
+    bias = ref.bias_magnitude
+    return replace(
+        ref,
+        sums=ref.sums.cuda(),
+        magnitude=ref.magnitude.cuda(),
+        bias_magnitude=None if bias is None else bias.cuda(),
+    )

@@ -99,8 +99,14 @@ def main() -> None:
     results = {name: measure(DTYPES[name], ratios, args) for name in args.dtypes.split(",")}
     plot(ratios, results, args)
     args.out.with_suffix(".json").write_text(
-        json.dumps({"ratios": ratios.tolist(), "args": vars(args) | {"out": str(args.out)},
-                    "results": results}, indent=1)
+        json.dumps(
+            {
+                "ratios": ratios.tolist(),
+                "args": vars(args) | {"out": str(args.out)},
+                "results": results,
+            },
+            indent=1,
+        )
     )
     print(f"{'dtype':<6} {'rms(S)':>8} {'99% detection limit (|error|/rms)':>36}")
     for name, res in results.items():
