@@ -1,6 +1,7 @@
 // Torch binding of the checksum kernels (abft.h): checks the inputs, allocates the outputs and
-// forwards raw pointers. Registers megatron_abft::block_sums with torch.library, on CPU always and
-// on CUDA in CUDA builds; the fake implementation for torch.compile is in megatron_abft/_ext.py.
+// forwards raw pointers. Registers the ops megatron_abft::block_sums, row_products, operand_pass
+// and screen with torch.library, on CPU always and on CUDA in CUDA builds; their fake
+// implementations for torch.compile are in megatron_abft/_ext.py.
 #include <Python.h>
 
 #include <ATen/ATen.h>
