@@ -18,7 +18,10 @@ from setuptools import setup
 
 MODES = ("auto", "cuda", "cpu", "none")
 SOURCES = ["csrc/abft_ops.cpp", "csrc/abft_cpu.cpp"]
-CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp-simd"]
+# OpenMP: at::parallel_for runs its tasks on torch's threads only where _OPENMP is defined (it
+# is serial otherwise). libgomp.so.1 resolves to the copy torch has already loaded.
+CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 
 
@@ -73,7 +76,10 @@ def extensions() -> tuple[list, dict]:
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
     if not use_cuda:
         ext = cpp_extension.CppExtension(
-            "megatron_abft._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS}
+            "megatron_abft._C",
+            SOURCES,
+            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_link_args=LINK_FLAGS,
         )
         return [ext], {"build_ext": build_ext}
 
@@ -87,6 +93,7 @@ def extensions() -> tuple[list, dict]:
         define_macros=[("ABFT_WITH_CUDA", None)],
         library_dirs=nvidia_wheel_dirs("lib"),
         extra_compile_args={"cxx": CXX_FLAGS + wheel_includes, "nvcc": NVCC_FLAGS},
+        extra_link_args=LINK_FLAGS,
     )
     return [ext], {"build_ext": build_ext}
 

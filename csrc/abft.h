@@ -136,26 +136,44 @@ ABFT_HD inline double abs_value(double x) { return x < 0 ? -x : x; }
 ABFT_HD inline float largest_finite(float) { return FLT_MAX; }
 ABFT_HD inline double largest_finite(double) { return DBL_MAX; }
 
-// Whether vector j of block blk of matrix b fails the screen on this side (NaN fails).
+// One side's tensors at matrix b: its recomputed sums and sizes, and its references.
 template <typename Acc>
-ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side, int64_t b, int64_t blk,
-                                 int64_t j) {
+struct ScreenMatrix {
+  const Acc* sums;
+  const Acc* sizes;
+  const Acc* ref;
+  const Acc* magnitude;
+  const Acc* bias;  // null without a bias
+};
+
+template <typename Acc>
+ABFT_HD inline ScreenMatrix<Acc> screen_matrix(const Screen& s, const ScreenSide& side,
+                                               int64_t b) {
+  const int64_t at = b * side.nb * 2 * side.n;
+  return {static_cast<const Acc*>(side.sums) + at, static_cast<const Acc*>(side.sizes) + at,
+          static_cast<const Acc*>(side.ref_sums) + strided_batch_offset(s, side.ref_strides, b),
+          static_cast<const Acc*>(side.magnitude) +
+              strided_batch_offset(s, side.magnitude_strides, b),
+          side.bias == nullptr
+              ? nullptr
+              : static_cast<const Acc*>(side.bias) + strided_batch_offset(s, side.bias_strides, b)};
+}
+
+// Whether vector j of block blk of matrix x fails the screen on this side (NaN fails).
+template <typename Acc>
+ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side,
+                                 const ScreenMatrix<Acc>& x, int64_t blk, int64_t j) {
   const int d = s.batch_dims;
-  const int64_t at = (b * side.nb + blk) * 2 * side.n + j;
-  const Acc* sums = static_cast<const Acc*>(side.sums);
-  const Acc* sizes = static_cast<const Acc*>(side.sizes);
+  const int64_t at = blk * 2 * side.n + j;
   const int64_t* rs = side.ref_strides;
-  const Acc* ref = static_cast<const Acc*>(side.ref_sums) + strided_batch_offset(s, rs, b) +
-                   blk * rs[d] + j * rs[d + 2];
+  const Acc* ref = x.ref + blk * rs[d] + j * rs[d + 2];
   const int64_t* ms = side.magnitude_strides;
-  const Acc magnitude = static_cast<const Acc*>(side.magnitude)[strided_batch_offset(s, ms, b) +
-                                                                blk * ms[d] + j * ms[d + 1]];
+  const Acc magnitude = x.magnitude[blk * ms[d] + j * ms[d + 1]];
   const Acc length = Acc(side.length);
-  Acc size = sizes[at], size_w = sizes[at + side.n];
-  if (side.bias != nullptr) {
+  Acc size = x.sizes[at], size_w = x.sizes[at + side.n];
+  if (x.bias != nullptr) {
     const int64_t* bs = side.bias_strides;
-    const Acc bias = static_cast<const Acc*>(side.bias)[strided_batch_offset(s, bs, b) +
-                                                        blk * bs[d] + j * bs[d + 1]];
+    const Acc bias = x.bias[blk * bs[d] + j * bs[d + 1]];
     size = 2 * size + bias;
     size_w = 2 * size_w + length * bias;
   }
@@ -163,7 +181,7 @@ ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side, int64_
   const Acc tau = size * out + gemm * magnitude + floor;
   const Acc tau_w =
       size_w * out + Acc(side.gemm * side.length) * magnitude + Acc(side.floor * side.length);
-  const Acc d1 = ref[0] - sums[at], d2 = ref[rs[d + 1]] - sums[at + side.n];
+  const Acc d1 = ref[0] - x.sums[at], d2 = ref[rs[d + 1]] - x.sums[at + side.n];
   const Acc margin = Acc(kScreenMargin);
   const bool clean = tau_w <= Acc(0.5) * largest_finite(Acc(0)) &&
                      abs_value(d1) <= tau * margin && abs_value(d2) <= tau_w * margin;

@@ -133,28 +133,42 @@ ABFT_INLINE void rows_step(const MatrixBatch& c, const BlockSums& out, int64_t b
   }
 }
 
+// x . v_t for the rows v_t = vectors + t * k, t < count, into out[t]: four at a time, as four
+// independent chains, so that short rows are not bound by the adds' latency.
+template <bool kAbs, typename Acc>
+ABFT_INLINE void dots(const Acc* __restrict__ x, int64_t k, const Acc* __restrict__ vectors,
+                      int64_t count, Acc* __restrict__ out) {
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) {
+    const Acc *v0 = vectors + t * k, *v1 = v0 + k, *v2 = v1 + k, *v3 = v2 + k;
+    Acc p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+#pragma omp simd reduction(+ : p0, p1, p2, p3)
+    for (int64_t j = 0; j < k; ++j) {
+      const Acc xj = kAbs ? std::abs(x[j]) : x[j];
+      p0 += xj * v0[j];
+      p1 += xj * v1[j];
+      p2 += xj * v2[j];
+      p3 += xj * v3[j];
+    }
+    out[t] = p0, out[t + 1] = p1, out[t + 2] = p2, out[t + 3] = p3;
+  }
+  for (; t < count; ++t) {
+    const Acc* __restrict__ v = vectors + t * k;
+    Acc p = 0;
+#pragma omp simd reduction(+ : p)
+    for (int64_t j = 0; j < k; ++j) p += (kAbs ? std::abs(x[j]) : x[j]) * v[j];
+    out[t] = p;
+  }
+}
+
 // Row i of matrix b, loaded in x: its dot products with every u_t and, in magnitude, z_t.
 template <typename Acc>
 ABFT_INLINE void row_dots(const Acc* __restrict__ x, int64_t k, const RowProducts& out, int64_t b,
                           int64_t rows, int64_t i) {
-  const Acc* u = static_cast<const Acc*>(out.u) + b * out.nu * k;
-  const Acc* z = static_cast<const Acc*>(out.z) + b * out.nz * k;
-  Acc* products = static_cast<Acc*>(out.products) + (b * rows + i) * out.nu;
-  Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + (b * rows + i) * out.nz;
-  for (int64_t t = 0; t < out.nu; ++t) {
-    const Acc* __restrict__ ut = u + t * k;
-    Acc dot = 0;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j < k; ++j) dot += x[j] * ut[j];
-    products[t] = dot;
-  }
-  for (int64_t t = 0; t < out.nz; ++t) {
-    const Acc* __restrict__ zt = z + t * k;
-    Acc dot = 0;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j < k; ++j) dot += std::abs(x[j]) * zt[j];
-    magnitudes[t] = dot;
-  }
+  dots<false>(x, k, static_cast<const Acc*>(out.u) + b * out.nu * k, out.nu,
+              static_cast<Acc*>(out.products) + (b * rows + i) * out.nu);
+  dots<true>(x, k, static_cast<const Acc*>(out.z) + b * out.nz * k, out.nz,
+             static_cast<Acc*>(out.magnitudes) + (b * rows + i) * out.nz);
 }
 
 template <bool kCols, typename T, typename Acc>
@@ -252,8 +266,9 @@ void screen_matrices(const Screen& s, int64_t begin, int64_t end) {
     int32_t count = 0;
     for (int k = 0; k < s.sides; ++k) {
       const ScreenSide& side = s.side[k];
+      const ScreenMatrix<Acc> x = screen_matrix<Acc>(s, side, b);
       for (int64_t blk = 0; blk < side.nb; ++blk) {
-        for (int64_t j = 0; j < side.n; ++j) count += screen_flags<Acc>(s, side, b, blk, j);
+        for (int64_t j = 0; j < side.n; ++j) count += screen_flags<Acc>(s, side, x, blk, j);
       }
     }
     s.flagged[b] = count;

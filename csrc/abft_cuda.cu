@@ -195,7 +195,9 @@ __global__ void __launch_bounds__(kThreads) screen_kernel(Screen s, int64_t firs
     const ScreenSide& side = s.side[k];
     const int64_t v = k == 0 ? t : t - first;  // vector v of this side: (b, blk, j)
     const int64_t j = v % side.n, blk = (v / side.n) % side.nb, b = v / (side.n * side.nb);
-    if (screen_flags<Acc>(s, side, b, blk, j)) atomicAdd(s.flagged + b, 1);
+    if (screen_flags<Acc>(s, side, screen_matrix<Acc>(s, side, b), blk, j)) {
+      atomicAdd(s.flagged + b, 1);
+    }
   }
 }
 

@@ -396,7 +396,8 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
 #endif
 
 // Importing megatron_abft._C registers the ops above; the module itself only says how it was
-// built (cuda = 1 when the CUDA kernels are in).
+// built: cuda = 1 when the CUDA kernels are in, openmp = 1 when the CPU kernels' tasks run on
+// torch's threads (at::parallel_for is serial in code compiled without OpenMP).
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {
       PyModuleDef_HEAD_INIT, "_C", "megatron-abft checksum kernels", -1, nullptr, nullptr, nullptr,
@@ -407,7 +408,13 @@ PyMODINIT_FUNC PyInit__C(void) {
 #else
   const long cuda = 0;
 #endif
-  if (m != nullptr && PyModule_AddIntConstant(m, "cuda", cuda) != 0) {
+#ifdef _OPENMP
+  const long openmp = 1;
+#else
+  const long openmp = 0;
+#endif
+  if (m != nullptr && (PyModule_AddIntConstant(m, "cuda", cuda) != 0 ||
+                       PyModule_AddIntConstant(m, "openmp", openmp) != 0)) {
     Py_DECREF(m);
     return nullptr;
   }

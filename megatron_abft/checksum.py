@@ -125,17 +125,19 @@ def _project(x: Tensor, sums: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     """``sums @ x^T`` and ``sizes @ |x|^T`` for an operand ``x [..., p, k]`` and checksum rows
     ``sums [..., q, k]``, ``sizes [..., q', k]``: ``[..., q, p]`` and ``[..., q', p]``.
 
-    Computed as ``x @ sums^T``, so that the operand, the large factor, is read in its own layout
-    and never copied: by the compiled kernels in one read of x for both products, else by BLAS
-    (which takes either transpose for free). The batch dims along which ``x`` is broadcast are
-    folded into the GEMM's columns."""
+    The operand, the large factor, is read in its own layout and never copied: by the compiled
+    kernels in one read of x for both products (a row-major x), else by BLAS, given x as the
+    operand whose layout it reads fastest (x's rows for a row-major x, x^T's for a column-major
+    one). The batch dims along which ``x`` is broadcast are folded into the GEMM's columns."""
     batch = broadcast_shapes(x.shape[:-2], sums.shape[:-2])
     if x.shape[:-2] == batch:  # nothing to fold
         products = _ext.row_products(x, sums, sizes)
-        if products is None:
-            x = x.to(sums.dtype)
-            products = (x @ sums.mT, x.abs() @ sizes.mT)
-        return products[0].mT, products[1].mT
+        if products is not None:
+            return products[0].mT, products[1].mT
+        x = x.to(sums.dtype)
+        if x.stride(-2) == 1 and x.stride(-1) != 1:  # column-major: x^T is row-major
+            return sums @ x.mT, sizes @ x.abs().mT
+        return (x @ sums.mT).mT, (x.abs() @ sizes.mT).mT
     p, k = x.shape[-2:]
     x = x.reshape((1,) * (len(batch) + 2 - x.dim()) + x.shape)
     fold = [d for d in range(len(batch)) if x.shape[d] == 1 and batch[d] > 1]

@@ -136,6 +136,7 @@ def test_the_extension_is_built_and_says_which_path_runs():
     from megatron_abft import _C
 
     assert _ext.backend() == ("cuda" if _C.cuda and torch.cuda.is_available() else "cpu")
+    assert _C.openmp == 1  # else at::parallel_for runs the CPU kernels on one thread
     with _ext.disabled():
         assert not _ext.available() and "disabled" in _ext.backend()
         assert _ext.block_sums(torch.ones(2, 2), 2, 2) is None
