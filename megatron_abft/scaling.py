@@ -35,7 +35,7 @@ IMPLEMENTATIONS = ("torch", "kernels", "fused")
 """How the checks run: the PyTorch path; today's code with the compiled kernels (one read of C
 for both sides with the comparisons, one of the larger operand and two of the smaller; the
 encoding's products in PyTorch); and the fused target (the same passes in a few kernels)."""
-CHECK_OPS = {"torch": 132, "kernels": 44, "fused": 12}
+CHECK_OPS = {"torch": 132, "kernels": 42, "fused": 12}
 """Tensor ops one clean check (encode both sides, verify, count) launches, for a batched GEMM.
 The torch and kernels figures are the code's own, counted with torch.profiler by
 tests/test_scaling.py; fused is the target."""
@@ -123,14 +123,21 @@ class DeviceProfile:
     optimizer_bandwidth: float | None = None
     """Bandwidth of the optimizer step's traffic (default: bandwidth). Calibrated apart on CPUs,
     where a parameter's Adam passes run from the cache."""
+    check_bandwidth: float | None = None
+    """Bandwidth of the checks' passes (default: bandwidth). Calibrated apart on CPUs, where a
+    checked matrix is read from the cache its GEMM has just written it to."""
 
-    def time(self, work: Work, dtype: str, op: float | None = None) -> float:
+    def time(
+        self, work: Work, dtype: str, op: float | None = None, bandwidth: float | None = None
+    ) -> float:
         latency = self.launch if op is None else op
-        return work.flops / self.matmul[dtype] + work.bytes / self.bandwidth + work.ops * latency
+        bandwidth = bandwidth or self.bandwidth
+        return work.flops / self.matmul[dtype] + work.bytes / bandwidth + work.ops * latency
 
     def check_time(self, work: Work, dtype: str) -> float:
-        """Time of the checks' work, their ops at ``check_op``."""
-        return self.time(work, dtype, self.check_op)
+        """Time of the checks' work: their ops at ``check_op``, their bytes at
+        ``check_bandwidth``."""
+        return self.time(work, dtype, self.check_op, self.check_bandwidth)
 
 
 # Datasheet peaks (dense, no sparsity) at sustained fractions of 70% for GEMMs and 85% for memory;

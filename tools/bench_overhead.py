@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import time
@@ -103,9 +104,17 @@ def count_ops(profile) -> int:
     return sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
 
 
-def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch.device) -> dict:
-    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, and the
-    ops of one check with their latency."""
+def micro_benchmarks(
+    dtype: torch.dtype,
+    tokens: int,
+    hidden: int,
+    scores: tuple[int, int, int],
+    block: int,
+    device: torch.device,
+) -> dict:
+    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, the ops
+    of one check with their latency, and the bandwidth of the checks' pass over a matrix the size
+    of the attention scores (``scores``: matrices, rows, columns)."""
     timer = Timer(device.type == "cuda")
 
     def median(fn, reps=5):
@@ -125,12 +134,20 @@ def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch
     one = torch.zeros(1, device=device)
     launch = median(lambda: [one.add(1) for _ in range(200)]) / 200
     check_ops, check_op = check_cost(device)
+    # the checks read C as its GEMM leaves it: in the cache where it fits. The kernels read it
+    # once (block sums of both sides); the PyTorch path's passes are abs-like (read and write)
+    s = torch.randn(scores, device=device).to(dtype)
+    if _ext.block_sums(s, block, block) is not None:
+        passes, seconds = 1, median(lambda: _ext.block_sums(s, block, block))
+    else:
+        passes, seconds = 2, median(lambda: s.abs())
     return {
         "matmul": matmul,
         "bandwidth": bandwidth,
         "launch": launch,
         "check_ops": check_ops,
         "check_op": check_op,
+        "check_bandwidth": passes * s.numel() * s.element_size() / seconds,
     }
 
 
@@ -240,7 +257,14 @@ def run(rank: int, args) -> dict | None:
         "torch": torch.__version__,
         "impl": "kernels" if _ext.available() else "torch",
         "backend": _ext.backend(),
-        "machine": micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device),
+        "machine": micro_benchmarks(
+            DTYPES[args.dtype],
+            tokens_per_step,
+            args.hidden,
+            (args.micro_batch * args.heads // args.tp, args.seq, args.seq),
+            args.block,
+            device,
+        ),
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
     }
     parameters = sum(p.numel() for p in model.parameters())  # this rank's
@@ -249,15 +273,31 @@ def run(rank: int, args) -> dict | None:
     )
     # each repetition's ratio to the "off" step of the same repetition, then the median: slow
     # drifts of the machine cancel within a repetition
-    result["overhead"] = {
+    ratios = {
         name: {
-            k: statistics.median(t / o for t, o in zip(v, samples["off"][k], strict=True)) - 1
-            for k, v in mode.items()
+            k: [t / o for t, o in zip(v, samples["off"][k], strict=True)] for k, v in mode.items()
         }
         for name, mode in samples.items()
     }
+    result["overhead"] = {
+        name: {k: statistics.median(r) - 1 for k, r in mode.items()}
+        for name, mode in ratios.items()
+    }
+    result["interval"] = {
+        name: {k: median_interval(r) for k, r in mode.items()} for name, mode in ratios.items()
+    }
     del tensor_parallel  # imported for its side effect of being ready in workers
     return result
+
+
+def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> float:
+    """Half the width of a 95% bootstrap interval of the median of ``values``: how far the
+    measured median could be from the machine's true one, from the spread of the repetitions."""
+    draw = random.Random(seed)
+    medians = sorted(
+        statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return (medians[int(0.975 * resamples) - 1] - medians[int(0.025 * resamples)]) / 2
 
 
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
