@@ -123,21 +123,14 @@ class DeviceProfile:
     optimizer_bandwidth: float | None = None
     """Bandwidth of the optimizer step's traffic (default: bandwidth). Calibrated apart on CPUs,
     where a parameter's Adam passes run from the cache."""
-    check_bandwidth: float | None = None
-    """Bandwidth of the checks' passes (default: bandwidth). Calibrated apart on CPUs, where a
-    checked matrix is read from the cache its GEMM has just written it to."""
 
-    def time(
-        self, work: Work, dtype: str, op: float | None = None, bandwidth: float | None = None
-    ) -> float:
+    def time(self, work: Work, dtype: str, op: float | None = None) -> float:
         latency = self.launch if op is None else op
-        bandwidth = bandwidth or self.bandwidth
-        return work.flops / self.matmul[dtype] + work.bytes / bandwidth + work.ops * latency
+        return work.flops / self.matmul[dtype] + work.bytes / self.bandwidth + work.ops * latency
 
     def check_time(self, work: Work, dtype: str) -> float:
-        """Time of the checks' work: their ops at ``check_op``, their bytes at
-        ``check_bandwidth``."""
-        return self.time(work, dtype, self.check_op, self.check_bandwidth)
+        """Time of the checks' work, their ops at ``check_op``."""
+        return self.time(work, dtype, self.check_op)
 
 
 # Datasheet peaks (dense, no sparsity) at sustained fractions of 70% for GEMMs and 85% for memory;

@@ -104,17 +104,9 @@ def count_ops(profile) -> int:
     return sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
 
 
-def micro_benchmarks(
-    dtype: torch.dtype,
-    tokens: int,
-    hidden: int,
-    scores: tuple[int, int, int],
-    block: int,
-    device: torch.device,
-) -> dict:
-    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, the ops
-    of one check with their latency, and the bandwidth of the checks' pass over a matrix the size
-    of the attention scores (``scores``: matrices, rows, columns)."""
+def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch.device) -> dict:
+    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, and the
+    ops of one check with their latency."""
     timer = Timer(device.type == "cuda")
 
     def median(fn, reps=5):
@@ -134,20 +126,12 @@ def micro_benchmarks(
     one = torch.zeros(1, device=device)
     launch = median(lambda: [one.add(1) for _ in range(200)]) / 200
     check_ops, check_op = check_cost(device)
-    # the checks read C as its GEMM leaves it: in the cache where it fits. The kernels read it
-    # once (block sums of both sides); the PyTorch path's passes are abs-like (read and write)
-    s = torch.randn(scores, device=device).to(dtype)
-    if _ext.block_sums(s, block, block) is not None:
-        passes, seconds = 1, median(lambda: _ext.block_sums(s, block, block))
-    else:
-        passes, seconds = 2, median(lambda: s.abs())
     return {
         "matmul": matmul,
         "bandwidth": bandwidth,
         "launch": launch,
         "check_ops": check_ops,
         "check_op": check_op,
-        "check_bandwidth": passes * s.numel() * s.element_size() / seconds,
     }
 
 
@@ -257,14 +241,7 @@ def run(rank: int, args) -> dict | None:
         "torch": torch.__version__,
         "impl": "kernels" if _ext.available() else "torch",
         "backend": _ext.backend(),
-        "machine": micro_benchmarks(
-            DTYPES[args.dtype],
-            tokens_per_step,
-            args.hidden,
-            (args.micro_batch * args.heads // args.tp, args.seq, args.seq),
-            args.block,
-            device,
-        ),
+        "machine": micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device),
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
     }
     parameters = sum(p.numel() for p in model.parameters())  # this rank's

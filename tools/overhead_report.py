@@ -61,7 +61,6 @@ def calibrated(result: dict) -> DeviceProfile:
         "bench_overhead micro-benchmarks",
         check_op=m.get("check_op"),  # the checks' own ops, the Python around them included
         optimizer_bandwidth=m.get("optimizer_bandwidth"),  # the bench's timed optimizer steps
-        check_bandwidth=m.get("check_bandwidth"),  # the checks' pass over a scores-sized matrix
     )
 
 
@@ -253,21 +252,20 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "## Validation against measurements",
             "",
             "Each benchmark run is predicted with a profile calibrated from its own",
-            "micro-benchmarks (matmul rate, elementwise bandwidth, op latency, the checks' own",
-            "bandwidth over a scores-sized matrix, the optimizer's). Tolerance: ±25% relative or",
-            "±1 percentage point, whichever is looser. Each measured overhead comes with the",
-            "half-width of its 95% bootstrap interval over the run's repetitions",
-            "(`bench_overhead.py`): a row whose prediction falls inside it agrees with the",
-            "measurement as far as the measurement can tell.",
+            "micro-benchmarks (matmul rate, elementwise bandwidth, op latency, the optimizer's",
+            "bandwidth). Tolerance: ±25% relative or ±1 percentage point, whichever is looser.",
+            "Each measured overhead comes with the half-width of its 95% bootstrap interval",
+            "over the run's repetitions (`bench_overhead.py`): a row whose prediction falls",
+            "inside it agrees with the measurement as far as the measurement can tell.",
             "",
             *validation,
             "",
-            "On the CPU a single section costs a point or two of the step, about the run-to-run",
-            "noise of the shared 2-core machine (±2 points on the step, docs/benchmarks.md), so",
-            "the all-sections rows are the ones to judge the model by. The model counts the",
-            "checks' own work. What it leaves out is their effect on the work around them (the",
-            "caches they evict), which is why it predicts low, most of all for the attention",
-            "block.",
+            "On the CPU a single section costs a point or two of the step, no more than the",
+            "95% interval of its measurement on the shared 2-core machine: those rows cannot",
+            "tell a good model from a bad one, and the all-sections rows are the ones to judge it",
+            "by. The model costs the checks' bytes at the machine's streaming bandwidth, not at",
+            "the faster rate of a matrix read from the cache right after its GEMM: inside a",
+            "training step the checks share the cache with the work around them.",
             "",
             "## Predictions",
             "",
