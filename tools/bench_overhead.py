@@ -4,7 +4,8 @@ One model; the ABFT config is switched between modes on every repetition (off, a
 idle: protection on with nothing due, then each section alone), in a rotating order, after
 warm-up. Reported: median times, and the
 overhead as the median over repetitions of each one's ratio to the "off" run of the same
-repetition, for the training step (forward, backward, optimizer) and the attention block.
+repetition, for the training step (forward, backward, optimizer) and the attention block, with
+a 95% bootstrap interval; and the time of one check of each section inside the "all" steps.
 CPU timers on CPU, CUDA events on a GPU. The JSON also holds micro-benchmarks of the machine
 (matmul rate, elementwise bandwidth, op latency) that calibrate megatron_abft.scaling.
 
@@ -182,6 +183,7 @@ def run(rank: int, args) -> dict | None:
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_abft import set_step
+    from megatron_abft.guard import iter_guards
 
     config = ABFTConfig(
         check_interval=args.check_interval, block_size=args.block, on_uncorrectable="log"
@@ -201,6 +203,10 @@ def run(rank: int, args) -> dict | None:
     for layer in model.decoder.layers:
         layer.self_attention.register_forward_pre_hook(before)
         layer.self_attention.register_forward_hook(after)
+    check_time = {s: [] for s in SECTIONS}  # (section) -> (begin, end) of each timed check
+    timing = {"on": False}  # set on the measured "all" steps
+    for guard in iter_guards(model):
+        guard.check = _timed_check(guard, timer, check_time, timing)
 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
@@ -218,6 +224,7 @@ def run(rank: int, args) -> dict | None:
             set_step(model, step)
             step += 1
             attention_time.clear()
+            timing["on"] = name == "all" and rep >= args.warmup
             begin = timer.start()
             optimizer.zero_grad(set_to_none=True)
             loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
@@ -243,6 +250,12 @@ def run(rank: int, args) -> dict | None:
         "backend": _ext.backend(),
         "machine": micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device),
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
+        # one check of one layer, inside the measured "all" steps
+        "check_seconds": {
+            section: statistics.median(timer.seconds(b, e) for b, e in pairs)
+            for section, pairs in check_time.items()
+            if pairs
+        },
     }
     parameters = sum(p.numel() for p in model.parameters())  # this rank's
     result["machine"]["optimizer_bandwidth"] = (
@@ -265,6 +278,22 @@ def run(rank: int, args) -> dict | None:
     }
     del tensor_parallel  # imported for its side effect of being ready in workers
     return result
+
+
+def _timed_check(guard, timer: Timer, spans: dict[str, list], timing: dict):
+    """``guard.check`` that also records when each due check begins and ends while
+    ``timing["on"]`` (events on a GPU, read after the run: no extra synchronisation)."""
+    check = guard.check
+
+    def timed(*args, **kwargs):
+        if not (timing["on"] and guard.due):
+            return check(*args, **kwargs)
+        begin = timer.start()
+        output = check(*args, **kwargs)
+        spans[guard.section].append((begin, timer.start()))
+        return output
+
+    return timed
 
 
 def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> float:
