@@ -2,9 +2,9 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums``, ``row_products``, ``operand_pass`` and ``screen`` return None wherever the
-kernels do not apply (no extension, a device without a kernel, meta tensors); callers then take
-their PyTorch path, which stays the reference.
+``block_sums``, ``row_products``, ``operand_pass``, ``encode_pair`` and ``screen`` return None
+wherever the kernels do not apply (no extension, a device without a kernel, meta tensors);
+callers then take their PyTorch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -115,6 +115,29 @@ def operand_pass(
     return torch.ops.megatron_abft.operand_pass(a, block, u, z)
 
 
+def encode_pair(
+    a: Tensor, b: Tensor, alpha: float, block: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """Both sides' checksum sums of ``alpha * a @ b`` (no bias) in one op, the larger operand
+    read once: column sums ``[..., nb(m), 2, n]`` and magnitudes ``[..., nb(m), n]``, row sums
+    ``[..., nb(n), 2, m]`` and magnitudes, as megatron_abft.checksum computes them. None where
+    the kernels do not take these operands."""
+    if not (_serves(a) and _serves(b)) or a.dtype != b.dtype or a.device != b.device:
+        return None
+    x, y = a, b.mT  # the operands as rows of length k
+    big, small = (x, y) if x.numel() >= y.numel() else (y, x)
+    if small.numel() == 0 or small.dim() > big.dim():
+        return None
+    aligned = big.shape[big.dim() - small.dim() : -2]  # big's batch dims under small's
+    if any(s not in (1, g) for s, g in zip(small.shape[:-2], aligned, strict=True)):
+        return None  # small's batch dims must broadcast to big's
+    if big.stride(-2) == 1 and big.stride(-1) != 1 and big.shape[-2] > 1:
+        return None  # operand_pass reads rows
+    if big.device.type == "cuda" and 2 * -(-small.shape[-2] // block) > _MAX_CUDA_PRODUCTS:
+        return None
+    return torch.ops.megatron_abft.encode_pair(a, b, alpha, block)
+
+
 def screen(
     c: Tensor,
     col_block: int,
@@ -135,6 +158,19 @@ def screen(
 
 
 def _register_fake() -> None:
+    @torch.library.register_fake("megatron_abft::encode_pair")
+    def _(a: Tensor, b: Tensor, alpha: float, block: int):
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        (m, _), n = a.shape[-2:], b.shape[-1]
+        dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+        col, row = -(-m // block), -(-n // block)
+        return (
+            a.new_empty((*batch, col, 2, n), dtype=dtype),
+            a.new_empty((*batch, col, n), dtype=dtype),
+            a.new_empty((*batch, row, 2, m), dtype=dtype),
+            a.new_empty((*batch, row, m), dtype=dtype),
+        )
+
     @torch.library.register_fake("megatron_abft::screen")
     def _(c: Tensor, col_block, row_block, col, row, col_bounds, row_bounds):
         return c.new_empty(c.shape[:-2], dtype=torch.int32)

@@ -185,32 +185,15 @@ def _column_sums(a: Tensor, b: Tensor, alpha: float, block: int) -> tuple[Tensor
 def _both_sides_sums(
     a: Tensor, b: Tensor, alpha: float, block: int
 ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None:
-    """Both sides' (sums, magnitude) with the larger operand read once (operand_pass: its block
-    sums and its products with the other operand's block sums in one pass), the smaller twice.
-    None where the kernels cannot do that; encode then takes one side at a time."""
-    x, y = a.detach(), b.detach().mT  # the operands as rows of length k: A and B^T
-    big, small = (x, y) if x.numel() >= y.numel() else (y, x)
-    dtype = accumulation_dtype(a, b)
-    if (
-        not _ext.available()
-        or min(x.numel(), y.numel()) == 0
-        or (big.dtype == torch.float64) != (dtype == torch.float64)
-        or broadcast_shapes(big.shape[:-2], small.shape[:-2]) != big.shape[:-2]
-        or small.dim() > big.dim()
-    ):
+    """Both sides' (sums, magnitude) in one op of the compiled kernels (csrc/abft_encode.cpp:
+    the larger operand read once for its block sums and its products with the smaller one's
+    sums, the smaller one twice; the same steps as _operand_sums and _project). None where the
+    kernels cannot do that; encode then takes one side at a time."""
+    found = _ext.encode_pair(a.detach(), b.detach(), alpha, block)
+    if found is None:
         return None
-    small_w, small_size = _operand_sums(small, block, dtype)
-    lead = (1,) * (big.dim() - small.dim())
-    u = small_w.flatten(-3, -2).reshape(*lead, *small_w.shape[:-3], -1, small_w.shape[-1])
-    z = small_size.reshape(*lead, *small_size.shape)
-    fused = _ext.operand_pass(big, block, u, z)
-    if fused is None:
-        return None
-    big_w, big_sizes, products, magnitudes = fused
-    # blocks of big's rows, projected on small; blocks of small's rows, from big's pass
-    of_big = _scaled(*_project(small, big_w.flatten(-3, -2), big_sizes[..., 0, :]), alpha)
-    of_small = _scaled(products.mT, magnitudes.mT, alpha)
-    return (of_big, of_small) if big is x else (of_small, of_big)
+    col, col_magnitude, row, row_magnitude = found
+    return (col, col_magnitude), (row, row_magnitude)
 
 
 @torch.no_grad()

@@ -8,12 +8,12 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
 
 - ``torch``: the PyTorch path of megatron_abft.eec and .checksum, pass by pass: every fp32 copy,
   abs and reduction over C and the operands, as the code does them;
-- ``kernels``: today's code with the compiled kernels (megatron_abft._ext): a clean check's
-  verification is one op (screen: C read once for both sides, the differences, thresholds and
-  flags with it); encoding reads the larger operand once (operand_pass: its block sums and its
-  checksum products together) and the smaller twice, through a few dozen small tensor ops;
-- ``fused``: the target: the same passes, with the encoding's products, the location and the
-  counters in a few kernels too.
+- ``kernels``: today's code with the compiled kernels (megatron_abft._ext): a clean check is
+  two ops of them, encode_pair (the larger operand read once for its block sums and its
+  checksum products, the smaller twice) and screen (C read once for both sides, with the
+  differences, thresholds and flags);
+- ``fused``: the target of kernel 3: the softmax, which reads S and writes P anyway, also
+  verifies S and emits P's sums, so the scores' verify pass and the context's read of P go.
 
 Every check also launches a number of small tensor ops (CHECK_OPS, counted on the code by
 tests/test_scaling.py), each costing the device's op latency: on CPU, eager dispatch and the
@@ -33,12 +33,12 @@ from megatron_abft.config import SECTIONS
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 IMPLEMENTATIONS = ("torch", "kernels", "fused")
 """How the checks run: the PyTorch path; today's code with the compiled kernels (one read of C
-for both sides with the comparisons, one of the larger operand and two of the smaller; the
-encoding's products in PyTorch); and the fused target (the same passes in a few kernels)."""
-CHECK_OPS = {"torch": 132, "kernels": 42, "fused": 12}
+for both sides with the comparisons, one of the larger operand and two of the smaller); and the
+fused target (the softmax pass verifies S and sums P, so those two reads go)."""
+CHECK_OPS = {"torch": 132, "kernels": 13, "fused": 13}
 """Tensor ops one clean check (encode both sides, verify, count) launches, for a batched GEMM.
 The torch and kernels figures are the code's own, counted with torch.profiler by
-tests/test_scaling.py; fused is the target."""
+tests/test_scaling.py; the fused target removes passes, not ops."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +220,10 @@ class _Checked:
     n: float
     share_a: float = 1
     share_b: float = 1
+    softmax_output: bool = False
+    """C is the softmax's input (the scores): the fused target verifies it in that pass."""
+    softmax_operand: bool = False
+    """A is the softmax's output (the probabilities): the fused target sums it in that pass."""
 
 
 def _checked_gemms(shape: ModelShape) -> dict[str, _Checked]:
@@ -231,10 +235,20 @@ def _checked_gemms(shape: ModelShape) -> dict[str, _Checked]:
     return {
         "qkv": _Checked(1, tokens, shape.hidden, qkv_width),
         "scores": _Checked(
-            shape.micro_batch * heads, shape.seq, shape.head_dim, shape.seq, share_b=rep
+            shape.micro_batch * heads,
+            shape.seq,
+            shape.head_dim,
+            shape.seq,
+            share_b=rep,
+            softmax_output=True,
         ),
         "context": _Checked(
-            shape.micro_batch * heads, shape.seq, shape.seq, shape.head_dim, share_b=rep
+            shape.micro_batch * heads,
+            shape.seq,
+            shape.seq,
+            shape.head_dim,
+            share_b=rep,
+            softmax_operand=True,
         ),
         "proj": _Checked(1, tokens, shape.hidden / shape.tp, shape.hidden),
     }
@@ -250,6 +264,8 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
     products = Work(flops=2 * g.batch * 3 * blocks * k * n)  # [e w] rows and the |.| row
     if impl != "torch":  # per side, half of: the larger operand once, the smaller twice
         larger, smaller = max(a_elems, b_elems), min(a_elems, b_elems)
+        if impl == "fused" and g.softmax_operand:  # P's sums come out of the softmax
+            larger = 0
         return products + Work(bytes=(larger + 2 * smaller) * e / 2)
     # checksum.py: B to fp32, |B| (a copy), and the two products read both
     operand_b = Work(bytes=b_elems * (e + 4 + 8 + 4))
@@ -269,7 +285,8 @@ def protection_forward(shape: ModelShape, impl: str = "torch") -> dict[str, Work
     for section, g in _checked_gemms(shape).items():
         col = _side(g, g.m, g.k, g.n, g.share_a, g.share_b, e, block, impl)
         row = _side(g, g.n, g.k, g.m, g.share_b, g.share_a, e, block, impl)
-        verify = Work(bytes=0 if impl == "torch" else g.batch * g.m * g.n * e)
+        fused_away = impl == "torch" or (impl == "fused" and g.softmax_output)
+        verify = Work(bytes=0 if fused_away else g.batch * g.m * g.n * e)
         out[section] = col + row + verify + Work(ops=CHECK_OPS[impl])
     return out
 

@@ -340,21 +340,19 @@ def test_row_products_bad_inputs_raise_clear_errors(a, u, z, message):
 
 
 @needs_ext
-def test_encoding_reads_the_larger_operand_once(monkeypatch):
-    calls = []
-    for name in ("block_sums", "row_products", "operand_pass"):
-        kernel = getattr(_ext, name)
-
-        def spy(a, *args, name=name, kernel=kernel):
-            calls.append((name, tuple(a.shape)))
-            return kernel(a, *args)
-
-        monkeypatch.setattr(_ext, name, spy)
+def test_encoding_reads_the_larger_operand_once():
     p = torch.rand(2, 4, 3, 128, 96)  # probabilities [b, groups, heads per group, sq, sk]
     v = torch.randn(2, 4, 1, 96, 16)  # values shared by each group's heads
-    fused = encode(p, v, block=32)
-    big = [call for call in calls if call[1] == tuple(p.shape)]
-    assert big == [("operand_pass", tuple(p.shape))]  # P read once, in place, for both sides
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, record_shapes=True, acc_events=True) as profile:
+        fused = encode(p, v, block=32)
+    views = ("aten::detach", "detach", "megatron_abft::encode_pair")  # no data read
+    readers = [
+        e.name
+        for e in profile.events()
+        if e.input_shapes and e.input_shapes[0] == list(p.shape) and e.name not in views
+    ]
+    assert readers == ["megatron_abft::operand_pass"]  # P read once, in place, for both sides
     for got, want in zip(
         fused, (encode_columns(p, v, block=32), encode_rows(p, v, block=32)), strict=True
     ):
@@ -636,3 +634,69 @@ def _to_cuda(ref):
         magnitude=ref.magnitude.cuda(),
         bias_magnitude=None if bias is None else bias.cuda(),
     )
+
+
+# the attention GEMMs' operands as ProtectedDotProductAttention hands them over ([b, groups,
+# heads per group, rows, cols], K and V shared by a group's heads, K^T column-major), a linear
+# layer's (tokens x hidden, W^T column-major), and a GEMM whose second operand is the larger
+ENCODE_CASES = {
+    "scores": lambda g: (
+        torch.randn(2, 3, 4, 200, 32, generator=g),
+        torch.randn(2, 3, 1, 300, 32, generator=g).mT,
+    ),
+    "context": lambda g: (
+        torch.rand(2, 3, 4, 200, 300, generator=g),
+        torch.randn(2, 3, 1, 300, 32, generator=g),
+    ),
+    "linear": lambda g: (torch.randn(90, 64, generator=g), torch.randn(120, 64, generator=g).t()),
+    "wide b": lambda g: (
+        torch.randn(3, 40, 16, generator=g),
+        torch.randn(3, 500, 16, generator=g).mT,
+    ),
+}
+
+
+@needs_ext
+@pytest.mark.parametrize("case", sorted(ENCODE_CASES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("alpha", [1.0, -0.125])
+def test_encode_pair_equals_the_pytorch_path(case, dtype, alpha):
+    a, b = (t.to(dtype) for t in ENCODE_CASES[case](torch.Generator().manual_seed(0)))
+    fused = _ext.encode_pair(a, b, alpha, 64)
+    assert fused is not None
+    with _ext.disabled():
+        col, row = encode(a, b, alpha=alpha, block=64)
+    for got, want in zip(fused, (col.sums, col.magnitude, row.sums, row.magnitude), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@needs_ext
+def test_encode_pair_declines_what_the_kernels_do_not_take():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    assert _ext.encode_pair(a, b.double(), 1.0, 4) is None  # mixed dtypes
+    assert _ext.encode_pair(a.mT.contiguous().mT, b, 1.0, 4) is None  # the larger, column-major
+    assert _ext.encode_pair(torch.empty(8, 0), torch.empty(0, 4), 1.0, 4) is None
+    with _ext.disabled():
+        assert _ext.encode_pair(a, b, 1.0, 4) is None
+    col, row = encode(a.mT.contiguous().mT, b, block=4)  # one side at a time, still right
+    with _ext.disabled():
+        want = encode(a, b, block=4)
+    torch.testing.assert_close(col.sums, want[0].sums)
+    torch.testing.assert_close(row.sums, want[1].sums)
+
+
+@needs_ext
+def test_encode_pair_opcheck():
+    a, b = ENCODE_CASES["scores"](torch.Generator().manual_seed(1))
+    torch.library.opcheck(torch.ops.megatron_abft.encode_pair.default, (a, b, 0.5, 64))
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", sorted(ENCODE_CASES))
+def test_cuda_encode_pair_equals_the_cpu_one(case):
+    a, b = (t.bfloat16() for t in ENCODE_CASES[case](torch.Generator().manual_seed(2)))
+    cpu = _ext.encode_pair(a, b, 0.5, 64)
+    gpu = _ext.encode_pair(a.cuda(), b.cuda(), 0.5, 64)
+    for got, want in zip(gpu, cpu, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -51,6 +51,12 @@ def test_protection_costs_forward_work_that_scales_with_what_each_section_reads(
         assert grow[1] == pytest.approx(3 * grow[0]) and small[section].bytes > grow[0]
     fused = protection_forward(base, "fused")
     assert all(fused[s].bytes < small[s].bytes / 4 for s in SECTIONS)
+    # the fused target reads neither S (verified in the softmax) nor P (summed there)
+    kernels = protection_forward(base, "kernels")
+    s_or_p = base.micro_batch * base.heads * base.seq**2 * 2  # bf16, TP 1
+    assert kernels["scores"].bytes - fused["scores"].bytes == s_or_p
+    assert kernels["context"].bytes - fused["context"].bytes == s_or_p
+    assert all(kernels[s].bytes == fused[s].bytes for s in ("qkv", "proj"))
     with pytest.raises(ValueError, match="impl 'triton'"):
         protection_forward(base, "triton")
 

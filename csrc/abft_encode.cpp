@@ -1,0 +1,164 @@
+// encode_pair: both sides' checksum sums of C = alpha * A @ B in one op, composed of the kernels
+// (block_sums, operand_pass, row_products) and BLAS. The steps are those of
+// megatron_abft/checksum.py (_both_sides_sums, _project), which stays the reference: the larger
+// operand is read once for its block sums and its products with the smaller one's sums, the
+// smaller one twice. Composed in C++ so that a check pays one dispatch from Python for its
+// encoding instead of some thirty, most of them views.
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
+#include <torch/library.h>
+
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Pair = std::tuple<at::Tensor, at::Tensor>;
+using Four = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+constexpr int64_t kMaxCudaProducts = 16;  // abft.h kMaxRowProducts
+
+Four block_sums(const at::Tensor& c, int64_t col_block, int64_t row_block) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("megatron_abft::block_sums", "")
+                       .typed<Four(const at::Tensor&, int64_t, int64_t)>();
+  return op.call(c, col_block, row_block);
+}
+
+Pair row_products(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("megatron_abft::row_products", "")
+                       .typed<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return op.call(a, u, z);
+}
+
+Four operand_pass(const at::Tensor& a, int64_t block, const at::Tensor& u, const at::Tensor& z) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("megatron_abft::operand_pass", "")
+          .typed<Four(const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&)>();
+  return op.call(a, block, u, z);
+}
+
+bool column_major(const at::Tensor& x) { return x.stride(-2) == 1 && x.stride(-1) != 1; }
+
+// As _ext._products_apply: the kernels read rows, and on CUDA take at most 16 vectors.
+bool products_apply(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
+  if (u.dim() != a.dim() || z.dim() != a.dim()) return false;
+  if (column_major(a) && a.size(-2) > 1) return false;
+  return !a.is_cuda() || std::max(u.size(-2), z.size(-2)) <= kMaxCudaProducts;
+}
+
+std::vector<int64_t> batch_of(const at::Tensor& t) {
+  return t.sizes().slice(0, t.dim() - 2).vec();
+}
+
+// sums @ x^T and sizes @ |x|^T for an operand x [..., p, k]: [..., q, p] and [..., q', p]. As
+// checksum._project: x is read in its own layout, and its broadcast batch dims are folded into
+// the GEMM's columns.
+Pair project(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes) {
+  const auto batch = at::infer_size(batch_of(x), batch_of(sums));
+  if (batch_of(x) == batch) {
+    if (products_apply(x, sums, sizes)) {
+      auto [products, magnitudes] = row_products(x, sums, sizes);
+      return {products.mT(), magnitudes.mT()};
+    }
+    x = x.to(sums.scalar_type());
+    if (column_major(x)) return {sums.matmul(x.mT()), sizes.matmul(x.abs().mT())};
+    return {x.matmul(sums.mT()).mT(), x.abs().matmul(sizes.mT()).mT()};
+  }
+  const int64_t dims = int64_t(batch.size()), p = x.size(-2), k = x.size(-1);
+  std::vector<int64_t> padded(dims + 2 - x.dim(), 1);
+  padded.insert(padded.end(), x.sizes().begin(), x.sizes().end());
+  x = x.reshape(padded);
+  std::vector<int64_t> fold, keep, kept, order(dims);
+  int64_t folded = 1;
+  for (int64_t d = 0; d < dims; ++d) {
+    if (x.size(d) == 1 && batch[d] > 1) {
+      fold.push_back(d);
+      folded *= batch[d];
+    } else {
+      keep.push_back(d);
+      kept.push_back(batch[d]);
+    }
+  }
+  auto kept_shape = [&](std::initializer_list<int64_t> last) {
+    auto shape = kept;
+    shape.insert(shape.end(), last);
+    return shape;
+  };
+  x = x.reshape(kept_shape({p, k}));  // a view: x is 1 along the folded dims
+  std::vector<int64_t> permutation = keep;
+  permutation.insert(permutation.end(), fold.begin(), fold.end());
+  permutation.insert(permutation.end(), {dims, dims + 1});
+  auto fold_rows = [&](const at::Tensor& rows) {  // [*batch, q, k] -> [*kept, folded * q, k]
+    const int64_t q = rows.size(-2);
+    auto full = batch;
+    full.insert(full.end(), {q, k});
+    return rows.expand(full).permute(permutation).reshape(kept_shape({folded * q, k}));
+  };
+  auto [products, magnitudes] = project(x, fold_rows(sums), fold_rows(sizes));
+  for (size_t i = 0; i < keep.size(); ++i) order[keep[i]] = int64_t(i);
+  for (size_t i = 0; i < fold.size(); ++i) order[fold[i]] = int64_t(keep.size() + i);
+  order.insert(order.end(), {dims, dims + 1});
+  auto unfold = [&](const at::Tensor& t) {  // [*kept, folded * q, p] -> [*batch, q, p]
+    std::vector<int64_t> shape = kept;
+    for (int64_t d : fold) shape.push_back(batch[d]);
+    shape.insert(shape.end(), {t.size(-2) / folded, t.size(-1)});
+    return t.reshape(shape).permute(order);
+  };
+  return {unfold(products), unfold(magnitudes)};
+}
+
+// [..., 2 nb, n] products as [..., nb, 2, n] sums, and magnitudes, times alpha.
+Pair scaled(const Pair& found, double alpha) {
+  auto [sums, magnitude] = found;
+  sums = sums.unflatten(-2, {sums.size(-2) / 2, 2});
+  if (alpha == 1.0) return {sums, magnitude};
+  return {sums.mul(alpha), magnitude.mul(std::abs(alpha))};
+}
+
+// Both sides' (sums, magnitude) of alpha * a @ b: column side [..., nb(m), 2, n], [..., nb(m), n],
+// row side [..., nb(n), 2, m], [..., nb(n), m]. megatron_abft/_ext.py's encode_pair checks that
+// the kernels take these operands before it calls this.
+Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block) {
+  const at::Tensor x = a, y = b.mT();  // the operands as rows of length k: A and B^T
+  const bool x_big = x.numel() >= y.numel();
+  const at::Tensor& big = x_big ? x : y;
+  const at::Tensor& small = x_big ? y : x;
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && small.dim() <= big.dim(),
+              "megatron_abft::encode_pair: a ", a.sizes(), " ", a.scalar_type(), " and b ",
+              b.sizes(), " ", b.scalar_type(), " need one dtype, and the smaller operand no more ",
+              "dims than the larger");
+  const Four small_sums = block_sums(small, block, 0);
+  const at::Tensor& small_w = std::get<0>(small_sums);
+  const at::Tensor small_size = std::get<1>(small_sums).select(-2, 0);
+  const int64_t k = small.size(-1), lead = big.dim() - small.dim();
+  std::vector<int64_t> u_shape(lead, 1), z_shape(lead, 1);
+  u_shape.insert(u_shape.end(), small_w.sizes().begin(), small_w.sizes().end() - 3);
+  u_shape.insert(u_shape.end(), {-1, k});
+  z_shape.insert(z_shape.end(), small_size.sizes().begin(), small_size.sizes().end());
+  const at::Tensor u = small_w.flatten(-3, -2).reshape(u_shape);
+  const at::Tensor z = small_size.reshape(z_shape);
+  auto [big_w, big_sizes, products, magnitudes] = operand_pass(big, block, u, z);
+  // blocks of big's rows, projected on small; blocks of small's rows, from big's pass
+  auto of_big = scaled(project(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0)), alpha);
+  auto of_small = scaled({products.mT(), magnitudes.mT()}, alpha);
+  const Pair& col = x_big ? of_big : of_small;
+  const Pair& row = x_big ? of_small : of_big;
+  return {std::get<0>(col), std::get<1>(col), std::get<0>(row), std::get<1>(row)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
+  m.def(
+      "encode_pair(Tensor a, Tensor b, float alpha, int block) -> (Tensor, Tensor, Tensor, "
+      "Tensor)");
+}
+
+// On every backend, from the ops it is composed of; its fake (torch.compile) is in _ext.py.
+TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
+  m.impl("encode_pair", &encode_pair);
+}
