@@ -2,8 +2,8 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums``, ``row_products``, ``operand_pass``, ``encode_pair`` and ``screen`` return None
-wherever the kernels do not apply (no extension, a device without a kernel, meta tensors);
+``block_sums``, ``row_products``, ``encode_pair`` and ``screen`` return None wherever the
+kernels do not apply (no extension, a device without a kernel, meta tensors);
 callers then take their PyTorch path, which stays the reference.
 """
 
@@ -102,17 +102,6 @@ def _products_apply(a: Tensor, u: Tensor, z: Tensor) -> bool:
     if a.stride(-2) == 1 and a.stride(-1) != 1 and a.shape[-2] > 1:
         return False  # the kernels read rows; BLAS takes a column-major operand for free
     return a.device.type != "cuda" or max(u.shape[-2], z.shape[-2]) <= _MAX_CUDA_PRODUCTS
-
-
-def operand_pass(
-    a: Tensor, block: int, u: Tensor, z: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-    """``block_sums(a, block, 0)``'s column side and ``row_products(a, u, z)`` together, from one
-    read of ``a`` on CPU (two kernels on CUDA): sums, sizes ``[..., nb, 2, k]``, products and
-    magnitudes ``[..., m, r]``. None where the kernels do not apply."""
-    if not _products_apply(a, u, z):
-        return None
-    return torch.ops.megatron_abft.operand_pass(a, block, u, z)
 
 
 def encode_pair(
