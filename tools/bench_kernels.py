@@ -6,7 +6,8 @@
 For S = Q K^T / sqrt(d) and the context P V (P = softmax(S)) it times the GEMMs themselves, the
 encoding of both sides' checksums and a whole clean verify_and_correct, each through the
 extension and through the PyTorch path (the reference); runs of the two paths alternate, and each
-line reports the median. Then each kernel alone, with its achieved bandwidth against a copy of
+line reports the median. Then each kernel alone (the two ops a clean check runs, screen and
+encode_pair, and the kernels they are made of), with its achieved bandwidth against a copy of
 the same tensor on the same device (the bandwidth the device sustains).
 """
 
@@ -22,6 +23,8 @@ import torch
 from megatron_abft import _ext
 from megatron_abft.checksum import encode
 from megatron_abft.eec import verify_and_correct
+from megatron_abft.sides import Check, screen
+from megatron_abft.tolerance import gemm_rounding
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,10 +118,19 @@ def main() -> None:
     if not _ext.available():
         return
     u = torch.randn(*shape[:2], 2 * -(-args.head_dim // args.block), args.seq, device=device)
+    check = Check(gemm_rounding(dtype, device), 1.0, 1e10, 0, None)
     kernels = {  # name: (call, bytes it reads)
+        "screen of S (a clean verify)": (
+            lambda: screen(scores, {"col": col, "row": row}, check),
+            scores.nbytes,
+        ),
         "block_sums of S, both sides": (
             lambda: _ext.block_sums(scores, args.block, args.block),
             scores.nbytes,
+        ),
+        "encode_pair of P, V (encode)": (  # P once, V twice
+            lambda: _ext.encode_pair(probs, v, 1.0, args.block),
+            probs.nbytes + 2 * v.nbytes,
         ),
         "block_sums of P, one side (encode)": (
             lambda: _ext.block_sums(probs, args.block, 0),
@@ -126,6 +138,10 @@ def main() -> None:
         ),
         "row_products of P (encode)": (
             lambda: _ext.row_products(probs, u, u[..., :1, :].abs()),
+            probs.nbytes,
+        ),
+        "operand_pass of P: both in one read": (
+            lambda: torch.ops.megatron_abft.operand_pass(probs, args.block, u, u[..., :1, :].abs()),
             probs.nbytes,
         ),
     }
