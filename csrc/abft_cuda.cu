@@ -186,14 +186,13 @@ int launch_products(const MatrixBatch& a, const RowProducts& out, cudaStream_t s
   return cudaGetLastError();
 }
 
-// screen: one thread per checked vector of either side; a flagged one adds to its matrix's count.
+// screen: one thread per checked vector of one side (a launch per side, so that the side is a
+// parameter of its own, never indexed at run time); a flagged one adds to its matrix's count.
 template <typename Acc>
-__global__ void __launch_bounds__(kThreads) screen_kernel(Screen s, int64_t first, int64_t total) {
+__global__ void __launch_bounds__(kThreads)
+    screen_kernel(Screen s, ScreenSide side, int64_t total) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride) {
-    const int k = t < first ? 0 : 1;
-    const ScreenSide& side = s.side[k];
-    const int64_t v = k == 0 ? t : t - first;  // vector v of this side: (b, blk, j)
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < total; v += stride) {
     const int64_t j = v % side.n, blk = (v / side.n) % side.nb, b = v / (side.n * side.nb);
     if (screen_flags<Acc>(s, side, screen_matrix<Acc>(s, side, b), blk, j)) {
       atomicAdd(s.flagged + b, 1);
@@ -204,17 +203,20 @@ __global__ void __launch_bounds__(kThreads) screen_kernel(Screen s, int64_t firs
 }  // namespace
 
 int screen_cuda(const Screen& s, bool f64, void* stream) {
-  const int64_t first = s.batch * s.side[0].nb * s.side[0].n;
-  const int64_t total = first + (s.sides > 1 ? s.batch * s.side[1].nb * s.side[1].n : 0);
-  if (total == 0) return cudaSuccess;
-  const unsigned grid = unsigned(min64(ceil_div(total, kThreads), 0x7fffffff));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (f64) {
-    screen_kernel<double><<<grid, kThreads, 0, st>>>(s, first, total);
-  } else {
-    screen_kernel<float><<<grid, kThreads, 0, st>>>(s, first, total);
+  for (int k = 0; k < s.sides; ++k) {
+    const int64_t total = s.batch * s.side[k].nb * s.side[k].n;
+    if (total == 0) continue;
+    const unsigned grid = unsigned(min64(ceil_div(total, kThreads), 0x7fffffff));
+    if (f64) {
+      screen_kernel<double><<<grid, kThreads, 0, st>>>(s, s.side[k], total);
+    } else {
+      screen_kernel<float><<<grid, kThreads, 0, st>>>(s, s.side[k], total);
+    }
+    const cudaError_t error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
   }
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream) {
