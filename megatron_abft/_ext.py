@@ -10,6 +10,7 @@ callers then take their PyTorch path, which stays the reference.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -67,7 +68,33 @@ def disabled() -> Iterator[None]:
 def _serves(c: Tensor) -> bool:
     if not available() or c.dtype not in _KERNEL_DTYPES or not 2 <= c.dim() <= _MAX_DIMS:
         return False
-    return c.device.type == "cpu" or (c.device.type == "cuda" and bool(_load()[0].cuda))
+    if c.device.type == "cuda":
+        return bool(_load()[0].cuda) and trusted(c.device)
+    return c.device.type == "cpu"
+
+
+_trusted: dict[torch.device, bool] = {}
+
+
+def trusted(device: torch.device) -> bool:
+    """Whether the kernels passed megatron_abft.kernel_selftest on ``device`` (run on first
+    use, once per device). A device whose kernels disagree with the PyTorch path keeps that path,
+    with a warning that names what disagreed."""
+    if device not in _trusted:
+        from megatron_abft.kernel_selftest import mismatches
+
+        _trusted[device] = True  # while the test runs, its own calls reach the kernels
+        wrong = mismatches(device)
+        _trusted[device] = not wrong
+        if wrong:
+            warnings.warn(
+                f"megatron_abft: the compiled kernels disagree with the PyTorch path on {device} "
+                f"({', '.join(wrong)}); that device uses the PyTorch path. Please report it with "
+                "the output of tools/gpu_check.sh",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return _trusted[device]
 
 
 def block_sums(

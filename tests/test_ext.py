@@ -700,3 +700,39 @@ def test_cuda_encode_pair_equals_the_cpu_one(case):
     gpu = _ext.encode_pair(a.cuda(), b.cuda(), 0.5, 64)
     for got, want in zip(gpu, cpu, strict=True):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@needs_ext
+def test_the_kernel_selftest_passes_on_the_cpu_and_catches_a_wrong_kernel(monkeypatch):
+    from megatron_abft.kernel_selftest import mismatches
+
+    assert mismatches(torch.device("cpu")) == []
+    monkeypatch.setattr(
+        _ext, "screen", lambda c, *args: torch.zeros(c.shape[:-2], dtype=torch.int32)
+    )
+    wrong = mismatches(torch.device("cpu"))
+    assert (
+        "screen, one fault (torch.float32)" in wrong
+        and "screen, clean (torch.float32)" not in wrong
+    )
+
+
+@needs_ext
+def test_a_device_whose_kernels_disagree_keeps_the_pytorch_path(monkeypatch):
+    import megatron_abft.kernel_selftest as selftest
+
+    calls = []
+    monkeypatch.setattr(_ext, "_trusted", {})
+    monkeypatch.setattr(selftest, "mismatches", lambda device: calls.append(device) or ["screen"])
+    device = torch.device("cuda", 7)
+    with pytest.warns(RuntimeWarning, match=r"disagree .* on cuda:7 \(screen\)"):
+        assert not _ext.trusted(device)
+    assert not _ext.trusted(device) and calls == [device]  # tested once per device
+
+
+@needs_cuda
+def test_the_kernels_pass_their_selftest_on_the_gpu():
+    from megatron_abft.kernel_selftest import mismatches
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert mismatches(device) == [] and _ext.trusted(device)

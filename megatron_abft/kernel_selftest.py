@@ -1,0 +1,65 @@
+"""A known-answer test of the compiled kernels on one device against the PyTorch path.
+
+megatron_abft._ext runs it once per CUDA device before its kernels serve that device: a kernel
+that got a check wrong would let a fault through unseen, so a device whose kernels disagree with
+the reference keeps the PyTorch path (with a warning) instead. On CPU the test suite covers the
+same ground; ``mismatches`` runs there too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+
+
+def mismatches(device: torch.device) -> list[str]:
+    """What the kernels get wrong on ``device``: encode_pair, block_sums and screen on a small
+    batched GEMM in fp32 and bf16, clean and with one fault, against the PyTorch path. Empty when
+    they agree."""
+    from megatron_abft import _ext
+    from megatron_abft.checksum import encode
+    from megatron_abft.sides import Check, _block_sums, inspect_sides, screen
+    from megatron_abft.tolerance import gemm_rounding
+
+    module, reason = _ext._load()
+    if module is None:
+        return [reason]
+    wrong = []
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(2, 3, 96, 24, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(2, 1, 24, 80, generator=g).to(device=device, dtype=dtype)
+        c = a @ b
+        with _ext.disabled():
+            col, row = encode(a, b, block=BLOCK)
+        got = torch.ops.megatron_abft.encode_pair(a, b, 1.0, BLOCK)
+        want = (col.sums, col.magnitude, row.sums, row.magnitude)
+        if not all(_close(x, y) for x, y in zip(got, want, strict=True)):
+            wrong.append(f"encode_pair ({dtype})")
+        refs = {"col": col, "row": row}
+        check = Check(gemm_rounding(dtype, device), 1.0, 1e10, 0, None)
+        faulty = c.clone()
+        faulty[1, 2, 5, 7] += 1e3
+        for name, matrix in (("clean", c), ("one fault", faulty)):
+            with _ext.disabled():
+                sides = inspect_sides(matrix, refs, check).values()
+            expected = sum(s.flagged.flatten(-2).sum(-1).expand(c.shape[:-2]) for s in sides)
+            flagged = screen(matrix, refs, check)
+            if flagged is None or not torch.equal(flagged.long(), expected):
+                wrong.append(f"screen, {name} ({dtype})")
+        sums = torch.ops.megatron_abft.block_sums(c, BLOCK, BLOCK)
+        with _ext.disabled():
+            reference = _block_sums(c, refs)
+        for side, (plain, sizes) in reference.items():
+            got = sums[:2] if side == "col" else sums[2:]
+            if not (_close(got[0], plain) and _close(got[1], sizes)):
+                wrong.append(f"block_sums, {side} side ({dtype})")
+    return wrong
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    return got.shape == want.shape and torch.allclose(
+        got.double(), want.double(), rtol=1e-3, atol=1e-3 * scale
+    )
