@@ -18,7 +18,8 @@
 // screen compares both sides' block sums of C with the reference checksums carried from the
 // GEMM's inputs and counts, per matrix, the vectors whose differences exceed the rounding
 // thresholds of megatron_abft/tolerance.py. It is the clean path of a check: a matrix with no
-// flagged vector needs nothing more; any other goes to the locate-and-correct path.
+// flagged vector needs nothing more; any other goes to the locate-and-correct path (correct,
+// abft_correct.h).
 #pragma once
 
 #include <cfloat>
@@ -80,8 +81,8 @@ struct RowProducts {
 //   tau = out S + gemm M + floor,   tau_w = out S_w + gemm length M + floor length,
 // where a bias first makes S = 2 S + bias and S_w = 2 S_w + length bias.
 struct ScreenSide {
-  const void* sums;
-  const void* sizes;
+  void* sums;  // written only by correct, which keeps them current
+  void* sizes;
   int64_t nb, n;
   const void* ref_sums;
   int64_t ref_strides[kMaxBatchDims + 3];
@@ -159,10 +160,16 @@ ABFT_HD inline ScreenMatrix<Acc> screen_matrix(const Screen& s, const ScreenSide
               : static_cast<const Acc*>(side.bias) + strided_batch_offset(s, side.bias_strides, b)};
 }
 
-// Whether vector j of block blk of matrix x fails the screen on this side (NaN fails).
+// The differences d1, d2 of vector j of block blk of matrix x from its references, and their
+// thresholds tau, tau_w.
 template <typename Acc>
-ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side,
-                                 const ScreenMatrix<Acc>& x, int64_t blk, int64_t j) {
+struct Residual {
+  Acc d1, d2, tau, tau_w;
+};
+
+template <typename Acc>
+ABFT_HD inline Residual<Acc> residual(const Screen& s, const ScreenSide& side,
+                                      const ScreenMatrix<Acc>& x, int64_t blk, int64_t j) {
   const int d = s.batch_dims;
   const int64_t at = blk * 2 * side.n + j;
   const int64_t* rs = side.ref_strides;
@@ -178,15 +185,54 @@ ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side,
     size_w = 2 * size_w + length * bias;
   }
   const Acc out = Acc(side.out), gemm = Acc(side.gemm), floor = Acc(side.floor);
-  const Acc tau = size * out + gemm * magnitude + floor;
-  const Acc tau_w =
-      size_w * out + Acc(side.gemm * side.length) * magnitude + Acc(side.floor * side.length);
-  const Acc d1 = ref[0] - x.sums[at], d2 = ref[rs[d + 1]] - x.sums[at + side.n];
-  const Acc margin = Acc(kScreenMargin);
-  const bool clean = tau_w <= Acc(0.5) * largest_finite(Acc(0)) &&
-                     abs_value(d1) <= tau * margin && abs_value(d2) <= tau_w * margin;
-  return !clean;
+  return {ref[0] - x.sums[at], ref[rs[d + 1]] - x.sums[at + side.n],
+          size * out + gemm * magnitude + floor,
+          size_w * out + Acc(side.gemm * side.length) * magnitude + Acc(side.floor * side.length)};
 }
+
+// Whether both differences lie within `factor` times their (finite) thresholds (NaN does not).
+template <typename Acc>
+ABFT_HD inline bool within(const Residual<Acc>& r, Acc factor) {
+  return r.tau_w <= Acc(0.5) * largest_finite(Acc(0)) && abs_value(r.d1) <= r.tau * factor &&
+         abs_value(r.d2) <= r.tau_w * factor;
+}
+
+// Whether vector j of block blk of matrix x fails the screen on this side (NaN fails).
+template <typename Acc>
+ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side,
+                                 const ScreenMatrix<Acc>& x, int64_t blk, int64_t j) {
+  return !within(residual<Acc>(s, side, x, blk, j), Acc(kScreenMargin));
+}
+
+// Locate and correct, in place, the matrices a screen flagged: the fused path of
+// megatron_abft/eec.py with the GEMM's operands (abft_correct.h has the algorithm). The
+// screen's block sums are kept current as C is written. Per matrix: status (0 clean, 1
+// corrected, 2 unresolved: C put back bit for bit as it was), kind (index into eec.KINDS), the
+// most wrong flagged row and column (-1: none) and the largest |d1| of a flagged vector.
+struct Correct {
+  Screen screen;  // with flagged[b] filled in
+  int col_side, row_side;  // index of each side in screen.side; -1 where it is not checked
+  int64_t col_block, row_block;
+  MatrixBatch c;  // C's geometry; it is written through `data`
+  void* data;
+  MatrixBatch a, b;  // the operands, expanded to C's batch: A [*batch, m, k], B [*batch, k, n]
+  double alpha;
+  const void* bias;  // [n] (stride bias_stride), or null
+  DType bias_dtype;
+  int64_t bias_stride;
+  double near_inf;
+  int64_t vectors;     // vectors per side and pass that may be corrected
+  int64_t capacity;    // writes per matrix that can be undone
+  void* initial_sums[2];   // workspaces shaped as each side's sums and sizes: the sums as the
+  void* initial_sizes[2];  // screen found them, kept by the matrices that are corrected
+  int64_t* log_at;     // [batch, capacity]: offsets in C of the written elements
+  uint64_t* log_bits;  // [batch, capacity]: their bits before the write
+  int8_t* status;
+  int8_t* kind;
+  int64_t* row;
+  int64_t* col;
+  void* magnitude;  // in the accumulation type
+};
 
 // CPU: the work splits into independent tasks (one band of rows of one matrix each); the binding
 // runs tasks [begin, end) on each of its threads.
@@ -209,5 +255,9 @@ int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream);
 constexpr int kMaxRowProducts = 16;
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream);
 int screen_cuda(const Screen& s, bool f64, void* stream);
+
+// CPU, matrices [begin, end) of the batch; CUDA, on `stream`, after the screen's launches.
+void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);
+int correct_cuda(const Correct& k, bool f64, void* stream);
 
 }  // namespace abft

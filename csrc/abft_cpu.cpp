@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "abft.h"
+#include "abft_correct.h"
 
 namespace abft {
 namespace {
@@ -282,6 +283,16 @@ void screen_cpu(const Screen& s, bool f64, int64_t begin, int64_t end) {
     screen_matrices<double>(s, begin, end);
   } else {
     screen_matrices<float>(s, begin, end);
+  }
+}
+
+void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b) {
+    if (f64) {
+      Corrector<double>(k, b).run();
+    } else {
+      Corrector<float>(k, b).run();
+    }
   }
 }
 

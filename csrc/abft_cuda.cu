@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "abft.h"
+#include "abft_correct.h"
 
 namespace abft {
 namespace {
@@ -200,7 +201,27 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// correct: one thread per matrix; a clean one returns at once.
+template <typename Acc>
+__global__ void correct_kernel(Correct k) {
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < k.screen.batch) Corrector<Acc>(k, b).run();
+}
+
 }  // namespace
+
+int correct_cuda(const Correct& k, bool f64, void* stream) {
+  if (k.screen.batch == 0) return cudaSuccess;
+  constexpr int kPerBlock = 64;
+  const unsigned grid = unsigned(ceil_div(k.screen.batch, kPerBlock));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (f64) {
+    correct_kernel<double><<<grid, kPerBlock, 0, st>>>(k);
+  } else {
+    correct_kernel<float><<<grid, kPerBlock, 0, st>>>(k);
+  }
+  return cudaGetLastError();
+}
 
 int screen_cuda(const Screen& s, bool f64, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);

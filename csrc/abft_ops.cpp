@@ -1,7 +1,7 @@
 // Torch binding of the checksum kernels (abft.h): checks the inputs, allocates the outputs and
-// forwards raw pointers. Registers the ops megatron_abft::block_sums, row_products, operand_pass
-// and screen with torch.library, on CPU always and on CUDA in CUDA builds; their fake
-// implementations for torch.compile are in megatron_abft/_ext.py.
+// forwards raw pointers. Registers the ops megatron_abft::block_sums, row_products, operand_pass,
+// screen and verify_correct with torch.library, on CPU always and on CUDA in CUDA builds; their
+// fake implementations for torch.compile are in megatron_abft/_ext.py.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -15,6 +15,8 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
+#include <optional>
 #include <tuple>
 #include <vector>
 #include <utility>
@@ -27,7 +29,8 @@ using Sums = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 using Products = std::tuple<at::Tensor, at::Tensor>;
 
-abft::DType kernel_dtype(const at::Tensor& c) {
+// `what` names the tensor in the error message.
+abft::DType kernel_dtype(const at::Tensor& c, const char* what = "megatron_abft::block_sums: c") {
   switch (c.scalar_type()) {
     case at::kFloat:
       return abft::DType::F32;
@@ -38,8 +41,7 @@ abft::DType kernel_dtype(const at::Tensor& c) {
     case at::kHalf:
       return abft::DType::F16;
     default:
-      TORCH_CHECK(false, "megatron_abft::block_sums: c must be fp32, fp64, bf16 or fp16; got ",
-                  c.scalar_type());
+      TORCH_CHECK(false, what, " must be fp32, fp64, bf16 or fp16; got ", c.scalar_type());
   }
 }
 
@@ -132,7 +134,7 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
               "megatron_abft::row_products: a must be [*batch, m, k] with at most ",
               abft::kMaxBatchDims, " batch dims; got shape ", a.sizes());
   const auto acc = a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  kernel_dtype(a);
+  kernel_dtype(a, "megatron_abft::row_products: a");
   auto batch = a.sizes().slice(0, a.dim() - 2).vec();
   std::vector<at::Tensor> vectors;
   for (auto [name, v] : {std::pair{"u", &u}, std::pair{"z", &z}}) {
@@ -362,6 +364,151 @@ at::Tensor screen_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block
 }
 #endif
 
+// verify_correct: the screen, then the flagged matrices located and corrected in place from the
+// operands (abft.h's Correct), at most `capacity` vectors per side and pass. a [*, m, k],
+// b [*, k, n] and bias [n] are checked here and a, b expanded to c's batch; the outputs are per
+// matrix of c's batch.
+using Found = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+struct Correction {
+  abft::Correct k;
+  Found found;
+  std::vector<at::Tensor> keep;  // the expanded operands and the logs
+};
+
+Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Screen& screen,
+                           int64_t col_block, int64_t row_block, const at::Tensor& a,
+                           const at::Tensor& b, double alpha,
+                           const std::optional<at::Tensor>& bias, double near_inf,
+                           int64_t capacity) {
+  const int64_t m = c.size(-2), n = c.size(-1);
+  for (auto [name, t] : {std::pair{"a", &a}, std::pair{"b", &b}}) {
+    TORCH_CHECK(t->device() == c.device(), "megatron_abft::verify_correct: ", name, " is on ",
+                t->device(), " but c is on ", c.device());
+    TORCH_CHECK(t->layout() == at::kStrided && t->dim() >= 2,
+                "megatron_abft::verify_correct: ", name, " must be a dense strided matrix batch");
+    kernel_dtype(*t, name[0] == 'a' ? "megatron_abft::verify_correct: a"
+                                    : "megatron_abft::verify_correct: b");
+  }
+  TORCH_CHECK(a.size(-2) == m && b.size(-1) == n && a.size(-1) == b.size(-2),
+              "megatron_abft::verify_correct: a ", a.sizes(), " and b ", b.sizes(),
+              " do not produce c of shape ", c.sizes());
+  TORCH_CHECK(capacity >= 1, "megatron_abft::verify_correct: capacity must be >= 1; got ",
+              capacity);
+
+  auto batch = c.sizes().slice(0, c.dim() - 2).vec();
+  auto shape = [&](int64_t rows, int64_t cols) {
+    auto s = batch;
+    s.insert(s.end(), {rows, cols});
+    return s;
+  };
+  for (auto [name, t, rows, cols] :
+       {std::tuple{"a", &a, m, a.size(-1)}, std::tuple{"b", &b, b.size(-2), n}}) {
+    TORCH_CHECK(t->dim() <= c.dim() && at::is_expandable_to(t->sizes(), shape(rows, cols)),
+                "megatron_abft::verify_correct: ", name, " ", t->sizes(),
+                " does not broadcast to the batch of c ", c.sizes());
+  }
+  Correction out;
+  out.keep = {a.expand(shape(m, a.size(-1))), b.expand(shape(b.size(-2), n))};
+  abft::Correct& k = out.k;
+  k.screen = screen;
+  k.col_side = k.row_side = -1;
+  int side = 0;
+  if (col_block > 0) k.col_side = side++;
+  if (row_block > 0) k.row_side = side++;
+  k.col_block = col_block;
+  k.row_block = row_block;
+  k.c = describe(c);
+  k.data = c.data_ptr();
+  k.a = describe(out.keep[0]);
+  k.b = describe(out.keep[1]);
+  k.alpha = alpha;
+  k.bias = nullptr;
+  if (bias.has_value()) {
+    const at::Tensor& v = *bias;
+    TORCH_CHECK(v.device() == c.device() && v.dim() == 1 && v.size(0) == n,
+                "megatron_abft::verify_correct: bias must be [", n, "] on ", c.device(),
+                "; got ", v.sizes(), " on ", v.device());
+    k.bias = v.data_ptr();
+    k.bias_dtype = kernel_dtype(v, "megatron_abft::verify_correct: bias");
+    k.bias_stride = v.stride(0);
+  }
+  k.near_inf = near_inf;
+  k.vectors = capacity;
+  // a pass writes at most `capacity` single elements, or about as many in whole blocks
+  k.capacity = 2 * std::min(capacity, m * n) + 2 * std::max(col_block, row_block);
+  const at::Tensor* found[] = {&std::get<0>(sums), &std::get<1>(sums), &std::get<2>(sums),
+                               &std::get<3>(sums)};
+  for (int s = 0, side = 0; s < 2; ++s) {
+    if ((s == 0 ? col_block : row_block) == 0) continue;
+    at::Tensor kept_sums = at::empty_like(*found[2 * s]);
+    at::Tensor kept_sizes = at::empty_like(*found[2 * s + 1]);
+    k.initial_sums[side] = kept_sums.data_ptr();
+    k.initial_sizes[side++] = kept_sizes.data_ptr();
+    out.keep.insert(out.keep.end(), {kept_sums, kept_sizes});
+  }
+  const auto index = c.options().dtype(at::kLong);
+  at::Tensor log_at = at::empty({screen.batch, k.capacity}, index);
+  at::Tensor log_bits = at::empty({screen.batch, k.capacity}, index);
+  out.keep.insert(out.keep.end(), {log_at, log_bits});
+  k.log_at = log_at.data_ptr<int64_t>();
+  k.log_bits = reinterpret_cast<uint64_t*>(log_bits.data_ptr<int64_t>());
+  const auto acc = c.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  out.found = {at::empty(batch, c.options().dtype(at::kChar)),
+               at::empty(batch, c.options().dtype(at::kChar)), at::empty(batch, index),
+               at::empty(batch, index), at::empty(batch, c.options().dtype(acc))};
+  auto& [status, kind, row, col, magnitude] = out.found;
+  k.status = status.data_ptr<int8_t>();
+  k.kind = kind.data_ptr<int8_t>();
+  k.row = row.data_ptr<int64_t>();
+  k.col = col.data_ptr<int64_t>();
+  k.magnitude = magnitude.data_ptr();
+  return out;
+}
+
+Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                         at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                         at::ArrayRef<double> row_bounds, const at::Tensor& a,
+                         const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
+                         double near_inf, int64_t capacity) {
+  const Sums sums = block_sums_cpu(c, col_block, row_block);
+  std::vector<at::Tensor> keep;
+  auto [screen, flagged] =
+      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
+  Correction correction = prepare_correct(c, sums, screen, col_block, row_block, a, b, alpha,
+                                          bias, near_inf, capacity);
+  const bool f64 = c.scalar_type() == at::kDouble;
+  at::parallel_for(0, screen.batch, 1, [&, &screen = screen](int64_t begin, int64_t end) {
+    abft::screen_cpu(screen, f64, begin, end);
+  });
+  at::parallel_for(0, screen.batch, 1, [&](int64_t begin, int64_t end) {
+    abft::correct_cpu(correction.k, f64, begin, end);
+  });
+  return correction.found;
+}
+
+#ifdef ABFT_WITH_CUDA
+Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                          at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                          at::ArrayRef<double> row_bounds, const at::Tensor& a,
+                          const at::Tensor& b, double alpha,
+                          const std::optional<at::Tensor>& bias, double near_inf,
+                          int64_t capacity) {
+  const c10::cuda::CUDAGuard guard(c.device());
+  const Sums sums = block_sums_cuda(c, col_block, row_block);
+  std::vector<at::Tensor> keep;
+  auto [screen, flagged] =
+      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
+  Correction correction = prepare_correct(c, sums, screen, col_block, row_block, a, b, alpha,
+                                          bias, near_inf, capacity);
+  const bool f64 = c.scalar_type() == at::kDouble;
+  const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::screen_cuda(screen, f64, stream)));
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::correct_cuda(correction.k, f64, stream)));
+  return correction.found;
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_abft, m) {
@@ -377,6 +524,11 @@ TORCH_LIBRARY(megatron_abft, m) {
       "screen(Tensor c, int col_block, int row_block, Tensor[] col, Tensor[] row, "
       "float[] col_bounds, float[] row_bounds) -> Tensor",
       {at::Tag::pt2_compliant_tag});
+  m.def(
+      "verify_correct(Tensor(a!) c, int col_block, int row_block, Tensor[] col, Tensor[] row, "
+      "float[] col_bounds, float[] row_bounds, Tensor a, Tensor b, float alpha, Tensor? bias, "
+      "float near_inf, int capacity) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
@@ -384,6 +536,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
   m.impl("row_products", &row_products_cpu);
   m.impl("operand_pass", &operand_pass_cpu);
   m.impl("screen", &screen_cpu);
+  m.impl("verify_correct", &verify_correct_cpu);
 }
 
 #ifdef ABFT_WITH_CUDA
@@ -392,6 +545,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
   m.impl("row_products", &row_products_cuda);
   m.impl("operand_pass", &operand_pass_cuda);
   m.impl("screen", &screen_cuda);
+  m.impl("verify_correct", &verify_correct_cuda);
 }
 #endif
 

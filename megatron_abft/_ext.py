@@ -2,7 +2,8 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums``, ``row_products``, ``encode_pair`` and ``screen`` return None wherever the
+``block_sums``, ``row_products``, ``encode_pair``, ``screen`` and ``verify_correct`` return None
+wherever the
 kernels do not apply (no extension, a device without a kernel, meta tensors);
 callers then take their PyTorch path, which stays the reference.
 """
@@ -182,7 +183,56 @@ def screen(
     return torch.ops.megatron_abft.screen(c, col_block, row_block, col, row, col_bounds, row_bounds)
 
 
+def verify_correct(
+    c: Tensor,
+    col_block: int,
+    row_block: int,
+    col: list[Tensor],
+    row: list[Tensor],
+    col_bounds: list[float],
+    row_bounds: list[float],
+    operands: tuple[Tensor, Tensor, float, Tensor | None],
+    near_inf: float,
+    capacity: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+    """``screen``, then the flagged matrices of ``c`` located and corrected in place from the
+    GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/abft_correct.h). Per matrix: status
+    (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
+    flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass
+    are corrected (eec's max_corrections, per matrix). None where the kernels do not apply."""
+    a, b, alpha, bias = operands
+    if not (_serves(c) and _serves(a) and _serves(b)) or a.device != c.device:
+        return None
+    if bias is not None and not _serves(bias.unsqueeze(0).unsqueeze(0)):
+        return None
+    return torch.ops.megatron_abft.verify_correct(
+        c,
+        col_block,
+        row_block,
+        col,
+        row,
+        col_bounds,
+        row_bounds,
+        a,
+        b,
+        alpha,
+        bias,
+        near_inf,
+        capacity,
+    )
+
+
 def _register_fake() -> None:
+    @torch.library.register_fake("megatron_abft::verify_correct")
+    def _(c: Tensor, *args):
+        batch = c.shape[:-2]
+        dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
+        return (
+            *(c.new_empty(batch, dtype=torch.int8) for _ in range(2)),
+            *(c.new_empty(batch, dtype=torch.long) for _ in range(2)),
+            c.new_empty(batch, dtype=dtype),
+        )
+
     @torch.library.register_fake("megatron_abft::encode_pair")
     def _(a: Tensor, b: Tensor, alpha: float, block: int):
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])

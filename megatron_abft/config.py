@@ -50,10 +50,13 @@ class ABFTConfig:
 
     sync_free: bool = False
     """Never read a value on the host during a check, so that checks can be captured in CUDA
-    graphs. The correction path then runs on every check on a GPU, fault or not: many small
-    kernels until the fused correction kernel lands (docs/benchmarks.md). With False (default) a
-    GPU synchronises once per check to skip it when the check is clean; on CPUs that costs nothing
-    and always happens."""
+    graphs. With the compiled kernels a check is then one op that also corrects on the device;
+    a matrix it cannot settle (more than a 1D fault, or more flagged vectors than a pass takes)
+    counts as uncorrectable, for ``on_uncorrectable``. Without them the PyTorch correction path
+    runs on every check on a GPU, fault or not: many small kernels. With False (default) a GPU
+    synchronises once per check, to hand what the kernels could not settle to the PyTorch path
+    (megatron_abft.eec), or without them to skip that path when the check is clean; on CPUs that
+    costs nothing and always happens."""
 
     on_uncorrectable: str = "recompute"
     """Policy for a fault that cannot be corrected in place: recompute (run the work once more,

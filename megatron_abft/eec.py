@@ -21,10 +21,16 @@ kernels of megatron_abft._ext where they are built), then for every flagged vect
 
 One side's comparison lives in megatron_abft.sides, steps 1 and 2 in megatron_abft.correction.
 
-Results are device tensors. By default nothing is read on the host on CUDA (``sync_free``), so
-the correction path runs on every call there; on CPU it is skipped when nothing was flagged,
-which costs no sync there, and ``sync_free=False`` does the same on any device for one sync.
-Where the compiled kernels are built, that clean path is one op (megatron_abft.sides.screen).
+Results are device tensors. Where the compiled kernels are built and the GEMM's operands are
+given, a check is one op (``_ext.verify_correct``, csrc/abft_correct.h): it screens C, then
+takes steps 1 to 3 on the device for each flagged matrix, and puts back bit for bit a matrix it
+cannot settle. Where reading the device costs no sync (CPU, or ``sync_free=False``) such a
+matrix goes on to the PyTorch path below, so the result is that path's; with ``sync_free`` on a
+GPU it is reported uncorrectable, for the caller's policy. Without the kernels or the operands,
+by default nothing is read on the host on CUDA (``sync_free``), so the PyTorch correction path
+runs on every call there; on CPU it is skipped when nothing was flagged, which costs no sync
+there, and ``sync_free=False`` does the same on any device for one sync (the clean path is then
+one op of the kernels, megatron_abft.sides.screen).
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from megatron_abft import _ext
 from megatron_abft.checksum import FLOATING, Checksums, broadcast_shapes, nblocks
 from megatron_abft.correction import correct_side, crossing_flags, sum_into, vectors_to_correct
-from megatron_abft.sides import Check, Side, inspect_sides, screen
+from megatron_abft.sides import Check, Side, inspect_sides, kernel_sides, screen
 from megatron_abft.tolerance import gemm_rounding
 
 KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
@@ -177,10 +184,52 @@ def verify_and_correct(
     check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
     may_skip = c.device.type == "cpu" or not sync_free  # reading the flags costs no sync
+    found = _kernel_check(c, refs, check) if operands is not None else None
+    if found is not None:
+        if not may_skip:  # a matrix the kernels could not settle is uncorrectable, as it was
+            return _result(*found)
+        worst = int(found[0].max()) if found[0].numel() else CLEAN
+        if worst == CLEAN:
+            return _clean_result(c)
+        if worst == CORRECTED:
+            return _result(*found)
+        # the kernels put back the matrices they could not settle: the PyTorch path takes them
+        fixed = found[0] == CORRECTED
+        rest = _torch_path(c, refs, check, may_skip)
+        merged = [
+            torch.where(fixed, k, t)
+            for k, t in zip(
+                found, (rest.status, rest.kind, rest.row, rest.col, rest.magnitude), strict=True
+            )
+        ]
+        return _result(*merged)
     if may_skip:
         flagged = screen(c, refs, check)  # one op of the compiled kernels
         if flagged is not None and not bool(flagged.any()):
             return _clean_result(c)
+    return _torch_path(c, refs, check, may_skip)
+
+
+def _kernel_check(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple[Tensor, ...] | None:
+    """The compiled kernels' verify-and-correct of ``c`` in place (one op): per matrix status,
+    kind, row, col and magnitude, a status of UNCORRECTABLE for a matrix they could not settle
+    and put back as it was. None where the kernels do not apply."""
+    sides = kernel_sides(c, refs, check)
+    if sides is None:
+        return None
+    operands = check.operands  # read under no_grad: nothing to detach
+    return _ext.verify_correct(
+        c,
+        *sides,
+        (operands.a, operands.b, float(operands.alpha), operands.bias),
+        check.near_inf,
+        check.capacity,
+    )
+
+
+def _torch_path(c: Tensor, refs: dict[str, Checksums], check: Check, may_skip: bool) -> EECResult:
+    """Steps 1 to 3 of the module docstring in PyTorch: the reference."""
+    operands, near_inf = check.operands, check.near_inf
     sides = inspect_sides(c, refs, check)
     if may_skip and not any(bool(s.flagged.any()) for s in sides.values()):
         return _clean_result(c)
@@ -217,9 +266,14 @@ def verify_and_correct(
         correction.undo_where(unresolved)
 
     status = torch.where(unresolved, UNCORRECTABLE, torch.where(detected, CORRECTED, CLEAN))
-    outcome = torch.stack([detected, detected & ~unresolved, unresolved]).reshape(3, -1)
+    return _result(status, kind, row, col, magnitude)
+
+
+def _result(status: Tensor, kind: Tensor, row: Tensor, col: Tensor, magnitude: Tensor) -> EECResult:
+    """An EECResult from its per-matrix fields, with the counters."""
+    outcome = torch.stack([status != CLEAN, status == CORRECTED, status == UNCORRECTABLE])
     one_hot = torch.nn.functional.one_hot(kind.reshape(-1).long(), len(KINDS))
-    counts = (outcome.unsqueeze(-1).long() * one_hot).sum(1)
+    counts = (outcome.reshape(3, -1).unsqueeze(-1).long() * one_hot).sum(1)
     return EECResult(
         counts=counts,
         status=status.to(torch.int8),

@@ -14,9 +14,9 @@ BLOCK = 32
 
 
 def mismatches(device: torch.device) -> list[str]:
-    """What the kernels get wrong on ``device``: encode_pair, block_sums and screen on a small
-    batched GEMM in fp32 and bf16, clean and with one fault, against the PyTorch path. Empty when
-    they agree."""
+    """What the kernels get wrong on ``device``: encode_pair, block_sums, screen and
+    verify_correct on a small batched GEMM in fp32 and bf16, clean and with faults, against the
+    PyTorch path. Empty when they agree."""
     from megatron_abft import _ext
     from megatron_abft.checksum import encode
     from megatron_abft.sides import Check, _block_sums, inspect_sides, screen
@@ -48,6 +48,7 @@ def mismatches(device: torch.device) -> list[str]:
             flagged = screen(matrix, refs, check)
             if flagged is None or not torch.equal(flagged.long(), expected):
                 wrong.append(f"screen, {name} ({dtype})")
+        wrong += _correction_mismatches(a, b, c, refs, check, dtype)
         sums = torch.ops.megatron_abft.block_sums(c, BLOCK, BLOCK)
         with _ext.disabled():
             reference = _block_sums(c, refs)
@@ -55,6 +56,36 @@ def mismatches(device: torch.device) -> list[str]:
             got = sums[:2] if side == "col" else sums[2:]
             if not (_close(got[0], plain) and _close(got[1], sizes)):
                 wrong.append(f"block_sums, {side} side ({dtype})")
+    return wrong
+
+
+def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
+    """verify_correct against the PyTorch path: a 0D fault and a column of NaN corrected, and a
+    2D fault beyond a capacity of 2 put back bit for bit."""
+    from dataclasses import replace
+
+    from megatron_abft import _ext
+    from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
+
+    operands = GemmOperands(a, b)
+    wrong = []
+    faulty = c.clone()
+    faulty[0, 1, :, 3] = float("nan")
+    faulty[1, 0, 7, 9] += 1e3
+    settled = faulty.clone()
+    found = _kernel_check(settled, refs, replace(check, capacity=96, operands=operands))
+    with _ext.disabled():
+        want = verify_and_correct(faulty, **refs, operands=operands, check_references=False)
+    if found is None or not (torch.equal(found[0], want.status) and _close(settled, faulty)):
+        wrong.append(f"verify_correct, 0D and 1D ({dtype})")
+    block = c.clone()
+    block[1, 2, 10:20, 10:20] = float("nan")
+    kept = block.clone()
+    found = _kernel_check(block, refs, replace(check, capacity=2, operands=operands))
+    if found is None or int(found[0][1, 2]) != 2 or not torch.equal(block.isnan(), kept.isnan()):
+        wrong.append(f"verify_correct, put back ({dtype})")
+    elif not torch.equal(block.nan_to_num(), kept.nan_to_num()):
+        wrong.append(f"verify_correct, put back ({dtype})")
     return wrong
 
 

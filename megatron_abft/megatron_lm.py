@@ -223,8 +223,9 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--abft-sync-free",
         action="store_true",
-        help="Never synchronise with the host during a check (for CUDA graphs); the correction "
-        "path then runs on every check on GPUs (ABFTConfig.sync_free).",
+        help="Never synchronise with the host during a check (for CUDA graphs): a check is the "
+        "kernels' one op, or without them the PyTorch correction path on every check on GPUs "
+        "(ABFTConfig.sync_free).",
     )
     group.add_argument(
         "--abft-inject",

@@ -10,8 +10,8 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
   abs and reduction over C and the operands, as the code does them;
 - ``kernels``: today's code with the compiled kernels (megatron_abft._ext): a clean check is
   two ops of them, encode_pair (the larger operand read once for its block sums and its
-  checksum products, the smaller twice) and screen (C read once for both sides, with the
-  differences, thresholds and flags);
+  checksum products, the smaller twice) and verify_correct (C read once for both sides, with
+  the differences, thresholds and flags; a clean matrix needs nothing more);
 - ``fused``: the target of kernel 3: the softmax, which reads S and writes P anyway, also
   verifies S and emits P's sums, so the scores' verify pass and the context's read of P go.
 

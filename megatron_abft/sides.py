@@ -82,6 +82,14 @@ def screen(c: Tensor, refs: dict[str, Checksums], check: Check) -> Tensor | None
     differences and thresholds of both sides), or None where they do not apply. The kernels'
     thresholds are a hair tighter than inspect_sides' (csrc/abft.h, kScreenMargin), so a matrix
     they pass has no vector that inspect_sides would flag."""
+    sides = kernel_sides(c, refs, check)
+    return None if sides is None else _ext.screen(c, *sides)
+
+
+def kernel_sides(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple | None:
+    """Both sides of a check as the kernels take them: (col_block, row_block, col, row,
+    col_bounds, row_bounds), a side ``[sums, magnitude(, bias_magnitude)]`` with bounds (the
+    threshold terms and length); None where a reference is not in c's accumulation dtype."""
     natural = torch.float64 if c.dtype == torch.float64 else torch.float32
     sides, blocks, bounds = {}, {}, {}
     for name in ("col", "row"):
@@ -97,9 +105,7 @@ def screen(c: Tensor, refs: dict[str, Checksums], check: Check) -> Tensor | None
         length = min(ref.block, ref.length)
         terms = threshold_terms(check.rounding, length=length, inner=ref.inner, scale=check.scale)
         sides[name], blocks[name], bounds[name] = tensors, ref.block, [*terms, float(length)]
-    return _ext.screen(
-        c, blocks["col"], blocks["row"], sides["col"], sides["row"], bounds["col"], bounds["row"]
-    )
+    return blocks["col"], blocks["row"], sides["col"], sides["row"], bounds["col"], bounds["row"]
 
 
 def _block_sums(c: Tensor, refs: dict[str, Checksums]) -> dict[str, tuple[Tensor, Tensor]]:

@@ -21,10 +21,11 @@ torch.version.cuda, torch.cuda.get_device_name(), triton.__version__)'; nvcc --v
 step install bash -c "$PY -m pip install --no-index --no-deps wheels/*.whl && \
 $PY -m pip install --no-index --no-build-isolation --no-deps -e ."
 step backend "$PY" -c "from megatron_abft import _ext; print(_ext.backend())"
-step tests "$PY" -m pytest -q tests/test_ext.py tests/test_eec.py tests/test_checksum.py
+step tests "$PY" -m pytest -q tests/test_ext.py tests/test_ext_correct.py tests/test_eec.py \
+    tests/test_checksum.py
 if command -v compute-sanitizer >/dev/null; then
     step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
-        "$PY" -m pytest -q tests/test_ext.py -k cuda
+        "$PY" -m pytest -q tests/test_ext.py tests/test_ext_correct.py -k cuda
 fi
 step bench_kernels "$PY" tools/bench_kernels.py --device cuda --dtype bf16 --seq 2048 --heads 16
 step bench_overhead_350m "$PY" tools/bench_overhead.py --layers 24 --hidden 1024 --heads 16 \

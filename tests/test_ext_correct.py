@@ -1,0 +1,280 @@
+"""The compiled verify-and-correct (megatron_abft::verify_correct, csrc/abft_correct.h) against
+the PyTorch path of eec.py: through verify_and_correct, and the op alone as a sync-free check on
+a GPU runs it."""
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+from test_ext import DTYPES, PROPERTY, gemm_case, needs_cuda, needs_ext, recompute_tolerance
+
+from megatron_abft import _ext
+from megatron_abft.checksum import encode
+from megatron_abft.eec import (
+    CLEAN,
+    CORRECTED,
+    UNCORRECTABLE,
+    GemmOperands,
+    _kernel_check,
+    residuals,
+    verify_and_correct,
+)
+from megatron_abft.faults import TensorFault, inject_
+from megatron_abft.sides import Check
+from megatron_abft.tolerance import gemm_rounding
+
+
+def case(dtype, batch, m, n, block, bias, sides, seed):
+    """A GEMM output with its references on ``sides`` and its operands (alpha 0.5). C is the
+    product in fp32 (fp64) rounded once to ``dtype``, as a recomputed element is: a CPU GEMM in
+    bf16 may round partial sums too, and differ from it by more than one rounding."""
+    a, b, bias_t, _ = gemm_case(dtype, batch, m, 16, n, seed, bias)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    c = 0.5 * (a.to(wide) @ b.to(wide)) + (0 if bias_t is None else bias_t.to(wide))
+    c = c.to(dtype)
+    col, row = encode(a, b, alpha=0.5, bias=bias_t, block=block)
+    refs = {name: ref for name, ref in (("col", col), ("row", row)) if name in sides}
+    return c, refs, GemmOperands(a, b, 0.5, bias_t)
+
+
+def op_alone(c, refs, operands, capacity=None):
+    """The kernels' verify-and-correct by itself: (status, kind, row, col, magnitude)."""
+    capacity = capacity or max(c.shape[-2:])
+    check = Check(gemm_rounding(c.dtype, c.device), 1.0, 1e10, capacity, operands)
+    return _kernel_check(c, refs, check)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits, so that NaN payloads compare too."""
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@needs_ext
+@PROPERTY
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.sampled_from([(2,), (2, 3)]),
+    m=st.integers(2, 200),
+    n=st.integers(2, 200),
+    block=st.sampled_from([2, 16, 64, 256]),
+    bias=st.booleans(),
+    sides=st.sampled_from([("col",), ("row",), ("col", "row")]),
+    layout=st.sampled_from(["contiguous", "column-major"]),
+    kind=st.sampled_from(["inf", "-inf", "nan", "near_inf", "value", "bitflip", "none"]),
+    pattern=st.sampled_from(["0d", "row", "col", "2d"]),
+    seed=st.integers(0, 2**16),
+)
+@example(torch.bfloat16, (2, 3), 200, 150, 64, True, ("col", "row"), "contiguous", "nan", "row", 1)
+@example(torch.float16, (2,), 130, 90, 16, False, ("col",), "column-major", "value", "col", 2)
+def test_verify_and_correct_with_the_kernels_equals_the_pytorch_path(
+    dtype, batch, m, n, block, bias, sides, layout, kind, pattern, seed
+):
+    c, refs, operands = case(dtype, batch, m, n, block, bias, sides, seed)
+    if kind != "none":
+        inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))
+    if layout == "column-major":
+        c = c.mT.contiguous().mT
+    fused_c, torch_c = c.clone(), c.clone()
+    fused = verify_and_correct(fused_c, **refs, operands=operands, check_references=False)
+    with _ext.disabled():
+        want = verify_and_correct(torch_c, **refs, operands=operands, check_references=False)
+    for name in ("counts", "status", "kind"):
+        assert torch.equal(getattr(fused, name), getattr(want, name)), name
+    for name in ("row", "col"):  # the worst of equally wrong vectors may differ by rounding
+        got, expected = getattr(fused, name), getattr(want, name)
+        assert torch.equal(got, expected) if pattern == "0d" else torch.equal(got < 0, expected < 0)
+    torch.testing.assert_close(fused.magnitude, want.magnitude, equal_nan=True)
+    assert torch.equal(fused_c.isnan(), torch_c.isnan())
+    settled = fused.status != UNCORRECTABLE
+    for side, ref in refs.items():  # what the kernels settled checks clean on the PyTorch path
+        with _ext.disabled():
+            flagged = residuals(fused_c, ref, side=side).flagged.flatten(-2).any(-1)
+        assert not bool((flagged & settled).any())
+    if kind != "bitflip":  # flips of low bits may stay below the thresholds, and the two paths
+        # (budgets per call and per matrix) may leave different ones; both check clean (above)
+        torch.testing.assert_close(fused_c, torch_c, equal_nan=True, **recompute_tolerance(dtype))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sides", [("col",), ("col", "row")])
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [("value", "0d"), ("nan", "0d"), ("inf", "0d"), ("near_inf", "0d"), ("value", "row")]
+    + [("nan", "col"), ("bitflip", "0d")],
+)
+def test_the_op_alone_corrects_0d_and_1d_faults(dtype, sides, kind, pattern):
+    """A sync-free check on a GPU has no PyTorch path behind the op: 0D and 1D faults are
+    settled by the op itself."""
+    c, refs, operands = case(dtype, (2, 3), 150, 120, 64, True, sides, seed=7)
+    faulty = c.clone()
+    inject_(faulty, TensorFault(kind, pattern, value=1e4, batch_index=4, seed=7))
+    status, found_kind, *_ = op_alone(faulty, refs, operands)
+    expected = torch.zeros(6, dtype=torch.int8)
+    expected[4] = CORRECTED
+    assert torch.equal(status.flatten(), expected)
+    if kind != "bitflip":  # a flipped bit may make any kind of value
+        expected_kind = {"nan": 3, "inf": 2, "near_inf": 1}.get(kind, 0)
+        if kind == "near_inf" and dtype == torch.float16:
+            expected_kind = 2  # 1e10 overflows fp16
+        assert int(found_kind.flatten()[4]) == expected_kind
+    torch.testing.assert_close(faulty, c, **recompute_tolerance(dtype))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_what_the_op_cannot_settle_it_puts_back_bit_for_bit(dtype):
+    c, refs, operands = case(dtype, (2,), 96, 80, 32, False, ("col", "row"), seed=3)
+    c[1, 10:20, 10:20] = float("nan")  # a 2D fault
+    before = bits(c).clone()
+    assert int((c != c).sum()) > 4  # more flagged vectors than a capacity of 2 corrects
+    status, *_ = op_alone(c, refs, operands, capacity=2)
+    assert status.tolist() == [CLEAN, UNCORRECTABLE]
+    assert torch.equal(bits(c), before)
+    # verify_and_correct on CPU hands that matrix to the PyTorch path, which reports the same
+    result = verify_and_correct(c, **refs, operands=operands, max_corrections=2)
+    assert result.status.tolist() == [CLEAN, UNCORRECTABLE] and torch.equal(bits(c), before)
+
+
+@needs_ext
+def test_more_flagged_vectors_than_the_capacity_put_the_matrix_back():
+    c, refs, operands = case(torch.float32, (3,), 64, 64, 32, False, ("col", "row"), seed=4)
+    clean = c.clone()
+    inject_(c, TensorFault("value", "row", value=1e4, batch_index=2, seed=4))
+    before = bits(c).clone()
+    status, *_ = op_alone(c.clone(), refs, operands, capacity=64)
+    assert status.tolist() == [CLEAN, CLEAN, CORRECTED]
+    out = c.clone()
+    status, *_ = _ext.verify_correct(
+        out, *_sides(out, refs, operands), (operands.a, operands.b, 0.5, None), 1e10, 5
+    )
+    assert status.tolist() == [CLEAN, CLEAN, UNCORRECTABLE] and torch.equal(bits(out), before)
+    # through verify_and_correct on CPU, the PyTorch path takes it
+    result = verify_and_correct(c, **refs, operands=operands)
+    assert result.status.tolist() == [CLEAN, CLEAN, CORRECTED]
+    torch.testing.assert_close(c, clean, **recompute_tolerance(torch.float32))
+
+
+def _sides(c, refs, operands):
+    from megatron_abft.sides import kernel_sides
+
+    return kernel_sides(c, refs, Check(gemm_rounding(c.dtype, c.device), 1.0, 1e10, 1, operands))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_recomputed_values_round_to_the_dtype_as_torch_does(dtype):
+    """Operands in fp32 and C in half precision: every element the op writes is its fp32
+    value rounded to nearest even, as torch's conversion rounds it, subnormals and ties too."""
+    g = torch.Generator().manual_seed(0)
+    big = 60000.0 if dtype == torch.float16 else 1e30
+    values = torch.cat(
+        [
+            (torch.randn(3000, generator=g) * torch.logspace(-7, 4.7, 3000)).clamp(-big, big),
+            torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, big]),  # ties
+            -torch.rand(1000, generator=g) * 2**-14,  # fp16 subnormals
+        ]
+    )  # (a subnormal tie is off by exactly the threshold's floor: the screen sends it on)
+    a = values.reshape(-1, 1, 1)  # [N, m=1, k=1]
+    b = torch.ones(1, 1)
+    c = torch.full((values.numel(), 1, 1), 7.0, dtype=dtype)  # every element wrong
+    col = encode(a, b, block=2)[0]
+    status, *_ = op_alone(c, {"col": col}, GemmOperands(a, b))
+    assert bool((status == CORRECTED).all())
+    assert torch.equal(bits(c), bits(values.to(dtype).reshape(c.shape)))
+
+
+@needs_ext
+def test_a_faulty_check_is_a_few_ops_with_the_kernels():
+    c, refs, operands = case(torch.bfloat16, (2, 4), 128, 96, 32, False, ("col", "row"), seed=5)
+    inject_(c, TensorFault("nan", "row", batch_index=3, seed=5))
+    ops = {}
+    for path in ("kernels", "torch"):
+        out = c.clone()
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
+            if path == "kernels":
+                verify_and_correct(out, **refs, operands=operands, check_references=False)
+            else:
+                with _ext.disabled():
+                    verify_and_correct(out, **refs, operands=operands, check_references=False)
+        ops[path] = sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
+        assert torch.isfinite(out).all()
+    assert ops["kernels"] <= 30 and ops["torch"] > 10 * ops["kernels"], ops
+
+
+@needs_ext
+def test_verify_correct_opcheck():
+    c, refs, operands = case(torch.float32, (2,), 40, 30, 16, True, ("col", "row"), seed=6)
+    args = (c, *_sides(c, refs, operands), operands.a, operands.b, 0.5, operands.bias, 1e10, 64)
+    torch.library.opcheck(torch.ops.megatron_abft.verify_correct.default, args)
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"a": torch.randn(2, 41, 16)}, "do not produce c"),
+        ({"b": torch.randn(3, 16, 30)}, "does not broadcast to the batch of c"),
+        ({"bias": torch.randn(31)}, "bias must be"),
+        ({"capacity": 0}, "capacity must be >= 1"),
+        ({"a": torch.ones(2, 40, 16, dtype=torch.int32)}, "verify_correct: a must be fp32"),
+    ],
+)
+def test_verify_correct_bad_inputs_raise_clear_errors(change, message):
+    c, refs, operands = case(torch.float32, (2,), 40, 30, 16, False, ("col", "row"), seed=6)
+    args = {"a": operands.a, "b": operands.b, "bias": None, "capacity": 64} | change
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.megatron_abft.verify_correct(
+            c,
+            *_sides(c, refs, operands),
+            args["a"],
+            args["b"],
+            0.5,
+            args["bias"],
+            1e10,
+            args["capacity"],
+        )
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_verify_correct_equals_the_cpu_op(dtype):
+    c, refs, operands = case(dtype, (2, 4), 256, 192, 64, True, ("col", "row"), seed=8)
+    inject_(c, TensorFault("nan", "row", batch_index=5, seed=8))
+    inject_(c, TensorFault("near_inf", "0d", batch_index=2, seed=9))
+    inject_(c, TensorFault("value", "2d", value=1e4, batch_index=7, seed=9))
+    cpu_c = c.clone()
+    cpu = op_alone(cpu_c, refs, operands)
+    a, b, bias = (t.cuda() for t in (operands.a, operands.b, operands.bias))
+    col, row = encode(a, b, alpha=0.5, bias=bias, block=64)
+    gpu_refs, gpu_operands = {"col": col, "row": row}, GemmOperands(a, b, 0.5, bias)
+    gpu_c = c.cuda()
+    gpu = op_alone(gpu_c, gpu_refs, gpu_operands)
+    for got, want in zip(gpu[:2], cpu[:2], strict=True):
+        assert torch.equal(got.cpu(), want)
+    assert torch.equal(gpu_c.isnan().cpu(), cpu_c.isnan())
+    torch.testing.assert_close(gpu_c.cpu(), cpu_c, equal_nan=True, **recompute_tolerance(dtype))
+    args = (gpu_c, *_sides(gpu_c, gpu_refs, gpu_operands), a, b, 0.5, bias, 1e10, 64)
+    torch.library.opcheck(torch.ops.megatron_abft.verify_correct.default, args)
+
+
+@needs_ext
+def test_the_kernel_selftest_checks_the_correction(monkeypatch):
+    from megatron_abft.kernel_selftest import mismatches
+
+    assert mismatches(torch.device("cpu")) == []
+
+    def settles_nothing(c, *args):
+        if not _ext.available():  # inside _ext.disabled(), as the real op
+            return None
+        return tuple(torch.zeros(c.shape[:-2], dtype=t) for t in (torch.int8,) * 2) + (
+            torch.full(c.shape[:-2], -1),
+            torch.full(c.shape[:-2], -1),
+            torch.zeros(c.shape[:-2]),
+        )
+
+    monkeypatch.setattr(_ext, "verify_correct", settles_nothing)
+    wrong = mismatches(torch.device("cpu"))
+    assert "verify_correct, 0D and 1D (torch.float32)" in wrong
+    assert "verify_correct, put back (torch.float32)" in wrong
