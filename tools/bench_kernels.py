@@ -5,10 +5,11 @@
 
 For S = Q K^T / sqrt(d) and the context P V (P = softmax(S)) it times the GEMMs themselves, the
 encoding of both sides' checksums and a whole clean verify_and_correct, each through the
-extension and through the PyTorch path (the reference); runs of the two paths alternate, and each
-line reports the median. Then each kernel alone (the two ops a clean check runs, screen and
-encode_pair, and the kernels they are made of), with its achieved bandwidth against a copy of
-the same tensor on the same device (the bandwidth the device sustains).
+extension and through the PyTorch path (the reference), without and with the GEMM's operands
+(verify_correct: clean, and correcting one 0D fault); runs of the two paths alternate, and each
+line reports the median. Then each kernel alone (the ops a clean check runs, screen or
+verify_correct and encode_pair, and the kernels they are made of), with its achieved bandwidth
+against a copy of the same tensor on the same device (the bandwidth the device sustains).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from megatron_abft import _ext
 from megatron_abft.checksum import encode
-from megatron_abft.eec import verify_and_correct
+from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
 from megatron_abft.sides import Check, screen
 from megatron_abft.tolerance import gemm_rounding
 
@@ -95,12 +96,23 @@ def main() -> None:
         return statistics.median(timed(fn, device) for _ in range(args.repeat))
 
     gemms = {"S": median(lambda: q @ k.mT), "PV": median(lambda: probs @ v)}
+    operands = GemmOperands(q, k.mT, scale)
+    faulty = scores.clone()
+
+    def one_fault():  # lands a fault (one indexing op), then checks: the correction's cost
+        faulty[0, 0, 5, 7] = 1e4
+        return verify_and_correct(faulty, col, row, operands=operands, check_references=False)
+
     print(f"{'step':<38} {'kernels ms':>11} {'torch ms':>9} {'speed-up':>9} {'x GEMM':>7}")
     steps = {
         ("S", "encode Q, K (both sides)"): lambda: encode(q, k.mT, alpha=scale, block=args.block),
         ("S", "verify_and_correct S, clean"): lambda: verify_and_correct(
             scores, col, row, check_references=False
         ),
+        ("S", "... with the operands, clean"): lambda: verify_and_correct(
+            scores, col, row, operands=operands, check_references=False
+        ),
+        ("S", "... with the operands, one 0D fault"): lambda: one_fault(),
         ("PV", "encode P, V (both sides)"): lambda: encode(probs, v, block=args.block),
         ("PV", "verify_and_correct PV, clean"): lambda: verify_and_correct(
             context, *pv, check_references=False
@@ -119,9 +131,14 @@ def main() -> None:
         return
     u = torch.randn(*shape[:2], 2 * -(-args.head_dim // args.block), args.seq, device=device)
     check = Check(gemm_rounding(dtype, device), 1.0, 1e10, 0, None)
+    with_operands = Check(check.rounding, 1.0, 1e10, args.seq, operands)
     kernels = {  # name: (call, bytes it reads)
         "screen of S (a clean verify)": (
             lambda: screen(scores, {"col": col, "row": row}, check),
+            scores.nbytes,
+        ),
+        "verify_correct of S, clean": (
+            lambda: _kernel_check(scores, {"col": col, "row": row}, with_operands),
             scores.nbytes,
         ),
         "block_sums of S, both sides": (
