@@ -3,10 +3,12 @@
 // and the CUDA kernel (abft_cuda.cu, one thread per matrix). Faults are rare and a clean matrix
 // returns at once, so a serial walk over a flagged matrix costs nothing that matters.
 //
-// The passes go over the column side, the row side, then the column side again (one pass with
-// one side), as eec's do, and stop once the matrix checks clean. A pass settles the vectors the
-// screen flagged (but on the column side's second pass) and those the previous pass wrote into
-// that do not check clean with half their thresholds to spare:
+// A matrix the screen flagged only by its tighter thresholds (abft.h, kScreenMargin) is clean.
+// Otherwise the passes go over the column side, the row side, then the column side again (one
+// pass with one side), as eec's do, and stop once the matrix checks clean (by the screen's
+// thresholds). A pass settles the vectors flagged as found (but on the column side's second
+// pass) and those the previous pass wrote into that do not check clean with half their
+// thresholds to spare:
 //   - the bad element is the single flagged vector of the other side that crosses it (flags as
 //     the screen found them); with none, the weighted location round(d2/d1) - 1 of the
 //     differences as found, where they are finite and it lies in the block, else the extreme
@@ -138,7 +140,7 @@ class Corrector {
     *magnitude = 0;
     if (k_.screen.flagged[b_] == 0) return;
     keep_initial_sums();
-    describe(magnitude);
+    if (!describe(magnitude)) return;  // flagged only by the screen's tighter thresholds
     const int passes = k_.col_side >= 0 && k_.row_side >= 0 ? 3 : 1;
     bool settled = true;
     int64_t previous = 0;  // the previous pass's writes are log entries [previous, pass_start)
@@ -217,10 +219,11 @@ class Corrector {
     return residual_of(initial_[side], blk, j);
   }
 
-  // Kind, most wrong row and column, and largest |d1|, over the flagged vectors (eec._kind,
-  // eec._where).
-  ABFT_HD void describe(Acc* magnitude) const {
+  // Kind, most wrong row and column, and largest |d1|, over the vectors flagged by the
+  // reference's thresholds (eec._kind, eec._where). False when there is none.
+  ABFT_HD bool describe(Acc* magnitude) const {
     int kind = 0;
+    bool any = false;
     for (int side = 0; side < k_.screen.sides; ++side) {
       const ScreenSide& s = k_.screen.side[side];
       Acc worst = -1;
@@ -228,7 +231,8 @@ class Corrector {
       for (int64_t blk = 0; blk < s.nb; ++blk) {
         for (int64_t j = 0; j < s.n; ++j) {
           const Residual<Acc> r = initial(side, blk, j);
-          if (within(r, Acc(kScreenMargin))) continue;
+          if (within(r, Acc(1))) continue;
+          any = true;
           const Acc d1 = abs_value(r.d1);
           const bool nan = d1 != d1 || r.d2 != r.d2;
           const int this_kind = nan                      ? 3
@@ -247,6 +251,7 @@ class Corrector {
       (is_col(side) ? k_.col : k_.row)[b_] = where;
     }
     k_.kind[b_] = int8_t(kind);
+    return any;
   }
 
   ABFT_HD bool clean() const {
@@ -345,7 +350,7 @@ class Corrector {
     blocks_left_ = ceil_div(k_.vectors, int64_t(s.length));
     for (int64_t blk = 0; blk < s.nb; ++blk) {
       for (int64_t j = 0; j < s.n; ++j) {
-        const bool flagged = !within(initial(side, blk, j), Acc(kScreenMargin));
+        const bool flagged = !within(initial(side, blk, j), Acc(1));
         const bool exposed = begin < end && !within(current(side, blk, j), Acc(0.5)) &&
                              written(side, blk, j, begin, end);
         if (!(flagged && pass < 2) && !exposed) continue;
@@ -369,7 +374,7 @@ class Corrector {
         const int64_t vector = is_col(side) ? r : c;
         const int64_t oblk = is_col(side) ? c / block(o) : r / block(o);
         const Residual<Acc> x = initial(o, oblk, vector);
-        const bool hit = !within(x, Acc(kScreenMargin));
+        const bool hit = !within(x, Acc(1));
         crossing += hit;
         Acc score = hit ? Acc(INFINITY) : abs_value(x.d1) / x.tau;
         if (!is_finite(double(score)) && !hit) score = 0;

@@ -278,3 +278,26 @@ def test_the_kernel_selftest_checks_the_correction(monkeypatch):
     wrong = mismatches(torch.device("cpu"))
     assert "verify_correct, 0D and 1D (torch.float32)" in wrong
     assert "verify_correct, put back (torch.float32)" in wrong
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_difference_just_inside_the_threshold_is_clean_and_left_alone(dtype):
+    """The screen flags a column whose difference lies between its tightened threshold and the
+    reference's; the op finds it clean by the reference's threshold and writes nothing."""
+    c = torch.zeros(1, 8, 3, dtype=dtype)
+    c[0, 0, 1], c[0, 1, 1] = 1.0, -1.0  # column 1 sums to exactly 0, its weighted sum to -1
+    eye = torch.eye(8, dtype=dtype).unsqueeze(0)
+    col = encode(eye, c, block=8)[0]
+    tau = residuals(c, col).tau[0, 0, 1]
+    col.sums[0, 0, 0, 1] = tau * (1 - 2.0**-18)  # d1 just below tau, d2 = 0
+    from megatron_abft.sides import screen
+
+    operands = GemmOperands(eye, c.clone())
+    check = Check(gemm_rounding(dtype, c.device), 1.0, 1e10, 8, operands)
+    assert int(screen(c, {"col": col}, check)[0]) == 1
+    before = c.clone()
+    status, kind, row, col_index, magnitude = op_alone(c, {"col": col}, operands)
+    assert status.tolist() == [CLEAN] and col_index.tolist() == [-1] and torch.equal(c, before)
+    result = verify_and_correct(c, col, operands=operands)
+    assert result.known_clean and torch.equal(c, before)
