@@ -110,7 +110,7 @@ def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch
     ops of one check with their latency."""
     timer = Timer(device.type == "cuda")
 
-    def median(fn, reps=5):
+    def median(fn, reps=15):
         fn()
         times = []
         for _ in range(reps):
@@ -212,6 +212,9 @@ def run(rank: int, args) -> dict | None:
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
     positions = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.micro_batch, -1)
     modes = _modes(args)
+    tokens_per_step = args.seq * args.micro_batch
+    # the device's rates, before the timed steps: after them the machine may have drifted
+    machine = micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device)
     samples = {name: {"step": [], "attention": [], "optimizer": []} for name, _ in modes}
     step = 0
     for rep in range(args.warmup + args.reps):
@@ -240,7 +243,6 @@ def run(rank: int, args) -> dict | None:
                 )
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
-    tokens_per_step = args.seq * args.micro_batch
     result = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -248,7 +250,7 @@ def run(rank: int, args) -> dict | None:
         "torch": torch.__version__,
         "impl": "kernels" if _ext.available() else "torch",
         "backend": _ext.backend(),
-        "machine": micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device),
+        "machine": machine,
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
         # one check of one layer, inside the measured "all" steps
         "check_seconds": {
