@@ -111,3 +111,27 @@ def test_the_op_counts_the_model_assumes_are_the_code_s(impl):
         ops, seconds = check_cost(torch.device("cpu"), reps=3)
     assert ops == pytest.approx(CHECK_OPS[impl], rel=0.15)
     assert seconds > 0
+
+
+def test_the_report_judges_every_measured_row_and_sums_them_up():
+    """tools/overhead_report.py on a committed benchmark run: each overhead row is judged by
+    the tolerance (±25% or ±1 pp, the looser), each check row by ±25%, and the summary counts
+    the rows that agree."""
+    from overhead_report import summary, validation_rows
+
+    run = Path(__file__).parents[1] / "docs" / "figures" / "bench_cpu_run4.json"
+    rows = validation_rows([run])
+    judged = [r for r in rows if r["ok"] is not None]
+    assert [r["what"] for r in judged] == [
+        *SECTIONS,
+        "step, all",
+        "attention, all",
+        *(f"{s} check" for s in SECTIONS),
+    ]
+    for r in judged:
+        error, measured = abs(r["predicted"] - r["measured"]), abs(r["measured"])
+        allowed = 0.25 * measured if r["unit"] == "ms" else max(0.25 * measured, 0.01)
+        assert r["ok"] == (error <= allowed), r
+    agree = sum(r["ok"] for r in judged)
+    assert summary(rows)[0] == f"{agree} of {len(judged)} rows agree within the tolerance."
+    assert "model's alone" in summary([])[0]

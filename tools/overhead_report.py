@@ -236,6 +236,37 @@ def shown(row: dict, key: str) -> str:
     return f"{SCALE[row['unit']] * row[key]:.{digits}f}{space}{row['unit']}"
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """What the validation rows say, in numbers taken from them."""
+    judged = [r for r in rows if r["ok"] is not None]
+    if not judged:
+        return ["No measurement was given: the predictions below are the model's alone."]
+
+    def span(values: list[float], unit: str) -> str:
+        low, high = min(values), max(values)
+        return f"{low:.0f}{unit}" if round(low) == round(high) else f"{low:.0f} to {high:.0f}{unit}"
+
+    def of(what: str, key: str) -> list[float]:
+        return [100 * r[key] for r in rows if r["what"] == what]
+
+    checks = [r for r in rows if r["unit"] == "ms" and r["measured"]]
+    errors = [100 * (r["predicted"] / r["measured"] - 1) for r in checks]
+    return [
+        f"{sum(bool(r['ok']) for r in judged)} of {len(judged)} rows agree within the tolerance.",
+        "On the CPU a single section costs a point or two of the step, about the",
+        "95% interval of its measurement on the shared 2-core machine: those rows can hardly",
+        "tell a good model from a bad one. The `check` rows can. The model costs every byte",
+        "a check reads at the machine's streaming bandwidth, and its check times are off by",
+        f"{min(errors):+.0f}% to {max(errors):+.0f}% (qkv, whose weight comes from memory, lowest;",
+        "the others read matrices written just before the check, from the cache, and are",
+        "predicted high).",
+        f"For the step it predicts {span(of('step, all', 'predicted'), '%')} against "
+        f"{span(of('step, all', 'measured'), '%')} measured, and for the attention block",
+        f"{span(of('attention, all', 'predicted'), '%')} against "
+        f"{span(of('attention, all', 'measured'), '%')}: conservative on this machine.",
+    ]
+
+
 def render(device: DeviceProfile, rows: list[dict], args) -> str:
     validation = [
         "| benchmark | overhead of | predicted | measured (95% interval) | within ±25% or ±1 pp "
@@ -307,16 +338,7 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "",
             *validation,
             "",
-            "On the CPU a single section costs a point or two of the step, no more than the",
-            "95% interval of its measurement on the shared 2-core machine: those rows cannot",
-            "tell a good model from a bad one. The `check` rows can, and they show where the",
-            "model errs. It costs every byte a check reads at the machine's streaming bandwidth.",
-            "That is right for qkv, whose weight comes from memory, and 45-80% high for the",
-            "others. Their matrices were written just before the check, and it reads them from",
-            "the cache. Timed alone, with everything in the cache, the same checks run faster",
-            "still (`python tools/bench_kernels.py`), so neither bandwidth describes them inside",
-            "a step. The model is therefore conservative here: it predicts 5-7% for the step",
-            "and 34-42% for the attention block, against 3-5% and 31-35% measured.",
+            *summary(rows),
             "",
             "## Predictions",
             "",
