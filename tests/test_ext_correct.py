@@ -46,7 +46,8 @@ def op_alone(c, refs, operands, capacity=None):
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits, so that NaN payloads compare too."""
-    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+    sizes = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+    return t.contiguous().view(sizes[t.element_size()])
 
 
 @needs_ext
@@ -301,3 +302,27 @@ def test_a_difference_just_inside_the_threshold_is_clean_and_left_alone(dtype):
     assert status.tolist() == [CLEAN] and col_index.tolist() == [-1] and torch.equal(c, before)
     result = verify_and_correct(c, col, operands=operands)
     assert result.known_clean and torch.equal(c, before)
+
+
+@needs_ext
+def test_torch_compile_traces_verify_correct_and_keeps_its_correction():
+    """The fake implementation and the schema's mutation of c let torch.compile trace the op in
+    one graph (aot_eager: the same tracing as inductor, without its code generation), and the
+    compiled call corrects c in place as the eager one does."""
+    c, refs, operands = case(torch.float32, (2, 3), 64, 48, 16, True, ("col", "row"), seed=9)
+    inject_(c, TensorFault("nan", "0d", batch_index=4, seed=9))
+    sides = _sides(c, refs, operands)
+
+    def check(out):
+        return torch.ops.megatron_abft.verify_correct(
+            out, *sides, operands.a, operands.b, 0.5, operands.bias, 1e10, 64
+        )
+
+    eager_c, compiled_c = c.clone(), c.clone()
+    eager = check(eager_c)
+    torch._dynamo.reset()
+    compiled = torch.compile(check, backend="aot_eager", fullgraph=True)(compiled_c)
+    for got, want in zip(compiled, eager, strict=True):  # magnitude is NaN for a NaN fault
+        assert torch.equal(bits(got), bits(want))
+    assert int((eager[0] == CORRECTED).sum()) == 1 and torch.isfinite(compiled_c).all()
+    assert torch.equal(compiled_c, eager_c)
