@@ -326,3 +326,34 @@ def test_torch_compile_traces_verify_correct_and_keeps_its_correction():
         assert torch.equal(bits(got), bits(want))
     assert int((eager[0] == CORRECTED).sum()) == 1 and torch.isfinite(compiled_c).all()
     assert torch.equal(compiled_c, eager_c)
+
+
+@needs_ext
+@pytest.mark.parametrize("section", ["scores", "context"])
+@pytest.mark.parametrize("pattern", ["0d", "row", "col"])
+def test_the_attention_layouts_equal_the_pytorch_path(section, pattern):
+    """The operands as the protected attention passes them: [b, groups, heads per group, ...],
+    K and V shared by a group's heads (batch dims that broadcast), K^T column-major; C a view of
+    a strided batch."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(10, 2, 6, 32, generator=g).bfloat16()  # [s, b, heads, d]
+    k = torch.randn(10, 2, 2, 32, generator=g).bfloat16()  # [s, b, groups, d]
+    q5 = q.reshape(10, 2, 2, 3, 32).permute(1, 2, 3, 0, 4)  # [b, groups, 3, s, d]
+    k5 = k.permute(1, 2, 0, 3).unsqueeze(2)  # [b, groups, 1, s, d]
+    if section == "scores":
+        a, b, alpha = q5, k5.mT, 0.125
+    else:
+        a, b, alpha = torch.softmax(q5.float() @ k5.mT.float(), -1).bfloat16(), k5, 1.0
+    c = (alpha * (a.float() @ b.float())).bfloat16()
+    col, row = encode(a, b, alpha=alpha, block=4)
+    inject_(c, TensorFault("value", pattern, value=50.0, batch_index=7, seed=3))
+    operands = GemmOperands(a, b, alpha)
+    fused_c, torch_c = c.clone(), c.clone()
+    fused = verify_and_correct(fused_c, col, row, operands=operands)
+    with _ext.disabled():
+        want = verify_and_correct(torch_c, col, row, operands=operands)
+    assert torch.equal(fused.status, want.status) and torch.equal(fused.counts, want.counts)
+    assert int((fused.status == CORRECTED).sum()) == 1
+    torch.testing.assert_close(fused_c, torch_c, **recompute_tolerance(torch.bfloat16))
+    status, *_ = op_alone(c.clone(), {"col": col, "row": row}, operands)
+    assert torch.equal(status, fused.status)
