@@ -185,18 +185,14 @@ def screen(
 
 def verify_correct(
     c: Tensor,
-    col_block: int,
-    row_block: int,
-    col: list[Tensor],
-    row: list[Tensor],
-    col_bounds: list[float],
-    row_bounds: list[float],
+    sides: tuple,
     operands: tuple[Tensor, Tensor, float, Tensor | None],
     near_inf: float,
     capacity: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
     """``screen``, then the flagged matrices of ``c`` located and corrected in place from the
-    GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/abft_correct.h). Per matrix: status
+    GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/abft_correct.h). ``sides`` are the
+    six arguments of ``screen`` after c (megatron_abft.sides.kernel_sides). Per matrix: status
     (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
     flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass
     are corrected (eec's max_corrections, per matrix). None where the kernels do not apply."""
@@ -205,21 +201,7 @@ def verify_correct(
         return None
     if bias is not None and not _serves(bias.unsqueeze(0).unsqueeze(0)):
         return None
-    return torch.ops.megatron_abft.verify_correct(
-        c,
-        col_block,
-        row_block,
-        col,
-        row,
-        col_bounds,
-        row_bounds,
-        a,
-        b,
-        alpha,
-        bias,
-        near_inf,
-        capacity,
-    )
+    return torch.ops.megatron_abft.verify_correct(c, *sides, a, b, alpha, bias, near_inf, capacity)
 
 
 def _register_fake() -> None:

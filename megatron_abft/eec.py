@@ -220,7 +220,7 @@ def _kernel_check(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple[
     operands = check.operands  # read under no_grad: nothing to detach
     return _ext.verify_correct(
         c,
-        *sides,
+        sides,
         (operands.a, operands.b, float(operands.alpha), operands.bias),
         check.near_inf,
         check.capacity,

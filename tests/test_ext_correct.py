@@ -147,7 +147,7 @@ def test_more_flagged_vectors_than_the_capacity_put_the_matrix_back():
     assert status.tolist() == [CLEAN, CLEAN, CORRECTED]
     out = c.clone()
     status, *_ = _ext.verify_correct(
-        out, *_sides(out, refs, operands), (operands.a, operands.b, 0.5, None), 1e10, 5
+        out, _sides(out, refs, operands), (operands.a, operands.b, 0.5, None), 1e10, 5
     )
     assert status.tolist() == [CLEAN, CLEAN, UNCORRECTABLE] and torch.equal(bits(out), before)
     # through verify_and_correct on CPU, the PyTorch path takes it
