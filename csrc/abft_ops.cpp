@@ -466,25 +466,47 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   return out;
 }
 
+// The screen and the correction of c given its block sums; the tensors they point into are kept
+// alive here.
+struct Verification {
+  abft::Screen screen;
+  at::Tensor flagged;
+  std::vector<at::Tensor> keep;
+  Correction correction;
+};
+
+Verification prepare_verification(const at::Tensor& c, const Sums& sums, int64_t col_block,
+                                  int64_t row_block, at::TensorList col, at::TensorList row,
+                                  at::ArrayRef<double> col_bounds,
+                                  at::ArrayRef<double> row_bounds, const at::Tensor& a,
+                                  const at::Tensor& b, double alpha,
+                                  const std::optional<at::Tensor>& bias, double near_inf,
+                                  int64_t capacity) {
+  Verification v;
+  std::tie(v.screen, v.flagged) =
+      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, v.keep);
+  v.correction = prepare_correct(c, sums, v.screen, col_block, row_block, a, b, alpha, bias,
+                                 near_inf, capacity);
+  return v;
+}
+
 Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
                          at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
                          at::ArrayRef<double> row_bounds, const at::Tensor& a,
                          const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
                          double near_inf, int64_t capacity) {
   const Sums sums = block_sums_cpu(c, col_block, row_block);
-  std::vector<at::Tensor> keep;
-  auto [screen, flagged] =
-      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
-  Correction correction = prepare_correct(c, sums, screen, col_block, row_block, a, b, alpha,
-                                          bias, near_inf, capacity);
+  const Verification v = prepare_verification(c, sums, col_block, row_block, col, row,
+                                              col_bounds, row_bounds, a, b, alpha, bias,
+                                              near_inf, capacity);
   const bool f64 = c.scalar_type() == at::kDouble;
-  at::parallel_for(0, screen.batch, 1, [&, &screen = screen](int64_t begin, int64_t end) {
-    abft::screen_cpu(screen, f64, begin, end);
+  at::parallel_for(0, v.screen.batch, 1, [&](int64_t begin, int64_t end) {
+    abft::screen_cpu(v.screen, f64, begin, end);
   });
-  at::parallel_for(0, screen.batch, 1, [&](int64_t begin, int64_t end) {
-    abft::correct_cpu(correction.k, f64, begin, end);
+  at::parallel_for(0, v.screen.batch, 1, [&](int64_t begin, int64_t end) {
+    abft::correct_cpu(v.correction.k, f64, begin, end);
   });
-  return correction.found;
+  return v.correction.found;
 }
 
 #ifdef ABFT_WITH_CUDA
@@ -496,16 +518,14 @@ Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_bl
                           int64_t capacity) {
   const c10::cuda::CUDAGuard guard(c.device());
   const Sums sums = block_sums_cuda(c, col_block, row_block);
-  std::vector<at::Tensor> keep;
-  auto [screen, flagged] =
-      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
-  Correction correction = prepare_correct(c, sums, screen, col_block, row_block, a, b, alpha,
-                                          bias, near_inf, capacity);
+  const Verification v = prepare_verification(c, sums, col_block, row_block, col, row,
+                                              col_bounds, row_bounds, a, b, alpha, bias,
+                                              near_inf, capacity);
   const bool f64 = c.scalar_type() == at::kDouble;
   const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::screen_cuda(screen, f64, stream)));
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::correct_cuda(correction.k, f64, stream)));
-  return correction.found;
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::screen_cuda(v.screen, f64, stream)));
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::correct_cuda(v.correction.k, f64, stream)));
+  return v.correction.found;
 }
 #endif
 
