@@ -209,7 +209,7 @@ ABFT_INLINE void band(const MatrixBatch& c, const BlockSums& out, int64_t task, 
 
 // On x86 compiled once per instruction set, and the best one the CPU has runs.
 #if defined(__x86_64__) && defined(__GNUC__)
-#define ABFT_CLONES __attribute__((target_clones("avx2", "default")))
+#define ABFT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define ABFT_CLONES
 #endif
