@@ -225,7 +225,7 @@ struct Correct {
   int64_t capacity;    // writes per matrix that can be undone
   void* initial_sums[2];   // workspaces shaped as each side's sums and sizes: the sums as the
   void* initial_sizes[2];  // screen found them, kept by the matrices that are corrected
-  int64_t* log_at;     // [batch, capacity]: offsets in C of the written elements
+  int64_t* log_at;     // [batch, capacity]: row * cols + column of each written element
   uint64_t* log_bits;  // [batch, capacity]: their bits before the write
   int8_t* status;
   int8_t* kind;

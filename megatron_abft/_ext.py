@@ -3,8 +3,7 @@ reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
 ``block_sums``, ``row_products``, ``encode_pair``, ``screen`` and ``verify_correct`` return None
-wherever the
-kernels do not apply (no extension, a device without a kernel, meta tensors);
+wherever the kernels do not apply (no extension, a device without a kernel, meta tensors);
 callers then take their PyTorch path, which stays the reference.
 """
 

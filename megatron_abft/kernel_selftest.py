@@ -82,9 +82,10 @@ def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
     block[1, 2, 10:20, 10:20] = float("nan")
     kept = block.clone()
     found = _kernel_check(block, refs, replace(check, capacity=2, operands=operands))
-    if found is None or int(found[0][1, 2]) != 2 or not torch.equal(block.isnan(), kept.isnan()):
-        wrong.append(f"verify_correct, put back ({dtype})")
-    elif not torch.equal(block.nan_to_num(), kept.nan_to_num()):
+    put_back = torch.equal(block.isnan(), kept.isnan()) and torch.equal(
+        block.nan_to_num(), kept.nan_to_num()
+    )
+    if found is None or int(found[0][1, 2]) != 2 or not put_back:
         wrong.append(f"verify_correct, put back ({dtype})")
     return wrong
 
