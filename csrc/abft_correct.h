@@ -438,12 +438,15 @@ class Corrector {
     for (int64_t p = 0; p < len; ++p) {
       int64_t r, c;
       element(side, blk, j, p, r, c);
-      if (!is_finite(double(recompute(r, c)))) return true;  // the re-verification fails
-    }
-    for (int64_t p = 0; p < len; ++p) {
-      int64_t r, c;
-      element(side, blk, j, p, r, c);
-      if (!write(r, c, recompute(r, c))) return false;
+      const Acc x = recompute(r, c);
+      if (!is_finite(double(x))) {  // none of the block is written: take back what was
+        for (int64_t q = p - 1; q >= 0; --q) {
+          element(side, blk, j, q, r, c);
+          undo_last(r, c);
+        }
+        return true;  // the re-verification fails
+      }
+      if (!write(r, c, x)) return false;
     }
     return true;
   }

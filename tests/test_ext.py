@@ -484,6 +484,14 @@ def screen_case(dtype, batch, m, n, block, bias, sides, seed):
     return c, refs, Check(gemm_rounding(c.dtype, c.device), 1.0, 1e10, max(m, n), None)
 
 
+def corrupted(c: torch.Tensor, kind: str, pattern: str, layout: str, seed: int) -> torch.Tensor:
+    """``c`` with a fault of ``kind`` ("none": none) landed in place, stored row by row or, with
+    layout "column-major", column by column."""
+    if kind != "none":
+        inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))
+    return c.mT.contiguous().mT if layout == "column-major" else c
+
+
 def reference_flags(c, refs, check) -> torch.Tensor:
     """Per matrix, the vectors the PyTorch comparison of megatron_abft.sides flags."""
     from megatron_abft.sides import inspect_sides
@@ -514,10 +522,7 @@ def test_screen_flags_what_the_reference_comparison_flags(
     from megatron_abft.sides import screen
 
     c, refs, check = screen_case(dtype, batch, m, n, block, bias, sides, seed)
-    if kind != "none":
-        inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))
-    if layout == "column-major":
-        c = c.mT.contiguous().mT
+    c = corrupted(c, kind, pattern, layout, seed)
     flagged = screen(c, refs, check)
     assert flagged.dtype == torch.int32 and flagged.shape == c.shape[:-2]
     assert torch.equal(flagged.long(), reference_flags(c, refs, check))

@@ -6,7 +6,15 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from test_ext import DTYPES, PROPERTY, assert_same_result, gemm_case, needs_cuda, needs_ext
+from test_ext import (
+    DTYPES,
+    PROPERTY,
+    assert_same_result,
+    corrupted,
+    gemm_case,
+    needs_cuda,
+    needs_ext,
+)
 
 from megatron_abft import _ext
 from megatron_abft.checksum import encode
@@ -78,10 +86,7 @@ def test_verify_and_correct_with_the_kernels_equals_the_pytorch_path(
     dtype, batch, m, n, block, bias, sides, layout, kind, pattern, seed
 ):
     c, refs, operands = case(dtype, batch, m, n, block, bias, sides, seed)
-    if kind != "none":
-        inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))
-    if layout == "column-major":
-        c = c.mT.contiguous().mT
+    c = corrupted(c, kind, pattern, layout, seed)
     fused_c, torch_c = c.clone(), c.clone()
     fused = verify_and_correct(fused_c, **refs, operands=operands, check_references=False)
     with _ext.disabled():
