@@ -234,6 +234,49 @@ struct Correct {
   void* magnitude;  // in the accumulation type
 };
 
+// Tally what a check found, for a guard's counters and event log, with no host read: over the
+// per-matrix results of a batch (status 0 clean / 1 corrected / 2 uncorrectable, kind an index
+// into eec.KINDS) it adds 1 to counts[outcome][kind] for outcome 0 (detected: status != 0), 1
+// (corrected) and 2 (uncorrectable), sets *failed to whether a matrix is uncorrectable, and
+// writes the event record of the worst matrix, the first of the highest status: step, status,
+// matrix, kind, row, col, magnitude (guard.EVENT_FIELDS). Results outside those ranges are not
+// counted. batch >= 1.
+struct Tally {
+  const int8_t* status;
+  const int8_t* kind;
+  const int64_t* row;
+  const int64_t* col;
+  const void* magnitude;  // float, or double where magnitude_f64
+  bool magnitude_f64;
+  int64_t batch;
+  int kinds;  // at most kMaxKinds
+  int64_t* counts;  // [3, kinds], added to
+  bool* failed;
+  double* event;  // [7]
+  double step;
+};
+constexpr int kMaxKinds = 8;
+
+// A matrix's rank for the event record: the highest status first, then the lowest index.
+ABFT_HD inline uint64_t tally_rank(int8_t status, int64_t b) {
+  constexpr uint64_t kIndexMask = (uint64_t(1) << 48) - 1;
+  return (uint64_t(uint8_t(status)) << 48) | (kIndexMask - uint64_t(b));
+}
+ABFT_HD inline int64_t tally_matrix(uint64_t rank) {
+  constexpr uint64_t kIndexMask = (uint64_t(1) << 48) - 1;
+  return int64_t(kIndexMask - (rank & kIndexMask));
+}
+
+// The event record of matrix b (rank's), and whether the check failed.
+ABFT_HD inline void tally_event(const Tally& t, int64_t b) {
+  const double magnitude = t.magnitude_f64 ? static_cast<const double*>(t.magnitude)[b]
+                                           : double(static_cast<const float*>(t.magnitude)[b]);
+  const double record[7] = {t.step,        double(t.status[b]), double(b), double(t.kind[b]),
+                            double(t.row[b]), double(t.col[b]),    magnitude};
+  for (int i = 0; i < 7; ++i) t.event[i] = record[i];
+  *t.failed = t.status[b] == 2;
+}
+
 // CPU: the work splits into independent tasks (one band of rows of one matrix each); the binding
 // runs tasks [begin, end) on each of its threads.
 // With `products`, the same pass also gives row_products of C (operand_pass: an operand's block
@@ -255,6 +298,10 @@ int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream);
 constexpr int kMaxRowProducts = 16;
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream);
 int screen_cuda(const Screen& s, bool f64, void* stream);
+
+// CPU, one loop; CUDA, one thread block on `stream`.
+void tally_cpu(const Tally& t);
+int tally_cuda(const Tally& t, void* stream);
 
 // CPU, matrices [begin, end) of the batch; CUDA, on `stream`, after the screen's launches.
 void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);

@@ -296,6 +296,18 @@ void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end) {
   }
 }
 
+void tally_cpu(const Tally& t) {
+  uint64_t worst = 0;
+  for (int64_t b = 0; b < t.batch; ++b) {
+    const int8_t status = t.status[b], kind = t.kind[b];
+    worst = std::max(worst, tally_rank(status, b));
+    if (status < 1 || status > 2 || kind < 0 || kind >= t.kinds) continue;
+    t.counts[kind] += 1;
+    t.counts[status * t.kinds + kind] += 1;
+  }
+  tally_event(t, tally_matrix(worst));
+}
+
 int64_t row_products_tasks(const MatrixBatch& a) { return a.batch * ceil_div(a.rows, kRowBand); }
 
 void row_products_cpu(const MatrixBatch& a, const RowProducts& out, int64_t begin, int64_t end) {

@@ -208,6 +208,28 @@ __global__ void correct_kernel(Correct k) {
   if (b < k.screen.batch) Corrector<Acc>(k, b).run();
 }
 
+// tally: one block; counts in shared memory, the worst matrix by an atomic max of its rank.
+__global__ void __launch_bounds__(kThreads) tally_kernel(Tally t) {
+  __shared__ int counts[3 * kMaxKinds];
+  __shared__ unsigned long long worst;
+  for (int i = threadIdx.x; i < 3 * kMaxKinds; i += blockDim.x) counts[i] = 0;
+  if (threadIdx.x == 0) worst = 0;
+  __syncthreads();
+  unsigned long long mine = 0;
+  for (int64_t b = threadIdx.x; b < t.batch; b += blockDim.x) {
+    const int8_t status = t.status[b], kind = t.kind[b];
+    const unsigned long long rank = tally_rank(status, b);
+    mine = rank > mine ? rank : mine;
+    if (status < 1 || status > 2 || kind < 0 || kind >= t.kinds) continue;
+    atomicAdd(counts + kind, 1);
+    atomicAdd(counts + status * t.kinds + kind, 1);
+  }
+  atomicMax(&worst, mine);
+  __syncthreads();
+  for (int i = threadIdx.x; i < 3 * t.kinds; i += blockDim.x) t.counts[i] += counts[i];
+  if (threadIdx.x == 0) tally_event(t, tally_matrix(worst));
+}
+
 }  // namespace
 
 int correct_cuda(const Correct& k, bool f64, void* stream) {
@@ -238,6 +260,11 @@ int screen_cuda(const Screen& s, bool f64, void* stream) {
     if (error != cudaSuccess) return error;
   }
   return cudaSuccess;
+}
+
+int tally_cuda(const Tally& t, void* stream) {
+  tally_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(t);
+  return cudaGetLastError();
 }
 
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream) {

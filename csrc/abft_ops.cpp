@@ -1,7 +1,7 @@
 // Torch binding of the checksum kernels (abft.h): checks the inputs, allocates the outputs and
 // forwards raw pointers. Registers the ops megatron_abft::block_sums, row_products, operand_pass,
-// screen and verify_correct with torch.library, on CPU always and on CUDA in CUDA builds; their
-// fake implementations for torch.compile are in megatron_abft/_ext.py.
+// screen, verify_correct and tally with torch.library, on CPU always and on CUDA in CUDA builds;
+// their fake implementations for torch.compile are in megatron_abft/_ext.py.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -529,6 +529,68 @@ Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_bl
 }
 #endif
 
+// tally (abft.h): the per-matrix results of verify_correct (or of the PyTorch path), flattened;
+// counts [3, kinds] int64 is added to in place. Returns failed (bool) and the event record [7].
+std::tuple<abft::Tally, at::Tensor, at::Tensor, std::vector<at::Tensor>> prepare_tally(
+    const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row, const at::Tensor& col,
+    const at::Tensor& magnitude, const at::Tensor& counts, double step) {
+  const int64_t batch = status.numel();
+  TORCH_CHECK(batch >= 1, "megatron_abft::tally: no matrices");
+  const std::pair<const at::Tensor*, at::ScalarType> fields[] = {
+      {&status, at::kChar}, {&kind, at::kChar}, {&row, at::kLong}, {&col, at::kLong}};
+  const char* names[] = {"status", "kind", "row", "col"};
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor& t = *fields[i].first;
+    TORCH_CHECK(t.scalar_type() == fields[i].second && t.numel() == batch &&
+                    t.device() == status.device(),
+                "megatron_abft::tally: ", names[i], " ", t.sizes(), " ", t.scalar_type(), " on ",
+                t.device(), "; want ", batch, " ", fields[i].second, " on ", status.device());
+  }
+  TORCH_CHECK((magnitude.scalar_type() == at::kFloat || magnitude.scalar_type() == at::kDouble) &&
+                  magnitude.numel() == batch && magnitude.device() == status.device(),
+              "megatron_abft::tally: magnitude ", magnitude.sizes(), " ",
+              magnitude.scalar_type(), "; want ", batch, " float or double on ", status.device());
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 2 && counts.size(0) == 3 &&
+                  counts.size(1) >= 1 && counts.size(1) <= abft::kMaxKinds &&
+                  counts.is_contiguous() && counts.device() == status.device(),
+              "megatron_abft::tally: counts ", counts.sizes(), " ", counts.scalar_type(),
+              "; want a contiguous int64 [3, kinds <= ", abft::kMaxKinds, "] on ",
+              status.device());
+  std::vector<at::Tensor> flat = {status.reshape(-1).contiguous(), kind.reshape(-1).contiguous(),
+                                  row.reshape(-1).contiguous(), col.reshape(-1).contiguous(),
+                                  magnitude.reshape(-1).contiguous()};
+  at::Tensor failed = at::empty({}, status.options().dtype(at::kBool));
+  at::Tensor event = at::empty({7}, status.options().dtype(at::kDouble));
+  abft::Tally t{flat[0].data_ptr<int8_t>(), flat[1].data_ptr<int8_t>(),
+                flat[2].data_ptr<int64_t>(), flat[3].data_ptr<int64_t>(),
+                flat[4].data_ptr(), magnitude.scalar_type() == at::kDouble,
+                batch, int(counts.size(1)), counts.data_ptr<int64_t>(),
+                failed.data_ptr<bool>(), event.data_ptr<double>(), step};
+  return {t, failed, event, std::move(flat)};
+}
+
+std::tuple<at::Tensor, at::Tensor> tally_cpu(const at::Tensor& status, const at::Tensor& kind,
+                                             const at::Tensor& row, const at::Tensor& col,
+                                             const at::Tensor& magnitude, at::Tensor& counts,
+                                             double step) {
+  auto [t, failed, event, flat] = prepare_tally(status, kind, row, col, magnitude, counts, step);
+  abft::tally_cpu(t);
+  return {failed, event};
+}
+
+#ifdef ABFT_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> tally_cuda(const at::Tensor& status, const at::Tensor& kind,
+                                              const at::Tensor& row, const at::Tensor& col,
+                                              const at::Tensor& magnitude, at::Tensor& counts,
+                                              double step) {
+  const c10::cuda::CUDAGuard guard(status.device());
+  auto [t, failed, event, flat] = prepare_tally(status, kind, row, col, magnitude, counts, step);
+  const auto stream = c10::cuda::getCurrentCUDAStream(status.device().index()).stream();
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::tally_cuda(t, stream)));
+  return {failed, event};
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_abft, m) {
@@ -549,6 +611,10 @@ TORCH_LIBRARY(megatron_abft, m) {
       "float[] col_bounds, float[] row_bounds, Tensor a, Tensor b, float alpha, Tensor? bias, "
       "float near_inf, int capacity) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def(
+      "tally(Tensor status, Tensor kind, Tensor row, Tensor col, Tensor magnitude, "
+      "Tensor(a!) counts, float step) -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
@@ -557,6 +623,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
   m.impl("operand_pass", &operand_pass_cpu);
   m.impl("screen", &screen_cpu);
   m.impl("verify_correct", &verify_correct_cpu);
+  m.impl("tally", &tally_cpu);
 }
 
 #ifdef ABFT_WITH_CUDA
@@ -566,6 +633,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
   m.impl("operand_pass", &operand_pass_cuda);
   m.impl("screen", &screen_cuda);
   m.impl("verify_correct", &verify_correct_cuda);
+  m.impl("tally", &tally_cuda);
 }
 #endif
 

@@ -2,9 +2,9 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums``, ``row_products``, ``encode_pair``, ``screen`` and ``verify_correct`` return None
-wherever the kernels do not apply (no extension, a device without a kernel, meta tensors);
-callers then take their PyTorch path, which stays the reference.
+``block_sums``, ``row_products``, ``encode_pair``, ``screen``, ``verify_correct`` and ``tally``
+return None wherever the kernels do not apply (no extension, a device without a kernel, meta
+tensors); callers then take their PyTorch path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -66,11 +66,17 @@ def disabled() -> Iterator[None]:
 
 
 def _serves(c: Tensor) -> bool:
-    if not available() or c.dtype not in _KERNEL_DTYPES or not 2 <= c.dim() <= _MAX_DIMS:
+    if c.dtype not in _KERNEL_DTYPES or not 2 <= c.dim() <= _MAX_DIMS:
         return False
-    if c.device.type == "cuda":
-        return bool(_load()[0].cuda) and trusted(c.device)
-    return c.device.type == "cpu"
+    return _serves_device(c.device)
+
+
+def _serves_device(device: torch.device) -> bool:
+    if not available():
+        return False
+    if device.type == "cuda":
+        return bool(_load()[0].cuda) and trusted(device)
+    return device.type == "cpu"
 
 
 _trusted: dict[torch.device, bool] = {}
@@ -203,7 +209,25 @@ def verify_correct(
     return torch.ops.megatron_abft.verify_correct(c, *sides, a, b, alpha, bias, near_inf, capacity)
 
 
+def tally(
+    found: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], counts: Tensor, step: int
+) -> tuple[Tensor, Tensor] | None:
+    """What a check ``found`` (per matrix status, kind, row, col, magnitude, as verify_correct
+    returns them) adds to a guard, in one op with no host read: ``counts`` [3, len(KINDS)]
+    int64 += its outcomes by kind, in place; returns whether a matrix is uncorrectable (a bool
+    tensor) and the event record of the worst matrix (guard.EVENT_FIELDS, float64 [7]). None
+    where the kernels do not apply."""
+    status, *_, magnitude = found
+    if not _serves_device(status.device) or magnitude.dtype not in (torch.float32, torch.float64):
+        return None
+    return torch.ops.megatron_abft.tally(*found, counts, float(step))
+
+
 def _register_fake() -> None:
+    @torch.library.register_fake("megatron_abft::tally")
+    def _(status: Tensor, kind, row, col, magnitude, counts, step):
+        return status.new_empty((), dtype=torch.bool), status.new_empty(7, dtype=torch.float64)
+
     @torch.library.register_fake("megatron_abft::verify_correct")
     def _(c: Tensor, *args):
         batch = c.shape[:-2]

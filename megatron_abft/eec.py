@@ -82,20 +82,33 @@ class GemmOperands:
 class EECResult:
     """What one ``verify_and_correct`` call found, as device tensors.
 
-    ``counts[o, k]`` counts matrices with outcome ``OUTCOMES[o]`` and kind ``KINDS[k]``;
-    the rest is per matrix of the batch: ``status`` (CLEAN, CORRECTED or UNCORRECTABLE),
-    ``kind``, the ``row`` and ``col`` of the most wrong flagged row and column (-1 where none is)
-    and ``magnitude``, the largest checksum difference |d1| seen (the size of the error).
+    Per matrix of the batch: ``status`` (CLEAN, CORRECTED or UNCORRECTABLE), ``kind`` (index
+    into KINDS), the ``row`` and ``col`` of the most wrong flagged row and column (-1 where none
+    is) and ``magnitude``, the largest checksum difference |d1| seen (the size of the error).
     ``known_clean`` says, without reading the device, that nothing was found.
     """
 
-    counts: Tensor
     status: Tensor
     kind: Tensor
     row: Tensor
     col: Tensor
     magnitude: Tensor
     known_clean: bool = False
+
+    @property
+    def fields(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """status, kind, row, col and magnitude, in that order."""
+        return self.status, self.kind, self.row, self.col, self.magnitude
+
+    @property
+    def counts(self) -> Tensor:
+        """``counts[o, k]``: matrices with outcome ``OUTCOMES[o]`` and kind ``KINDS[k]``
+        (int64, on the device; computed on each access)."""
+        outcome = torch.stack(
+            [self.status != CLEAN, self.status == CORRECTED, self.status == UNCORRECTABLE]
+        )
+        one_hot = torch.nn.functional.one_hot(self.kind.reshape(-1).long(), len(KINDS))
+        return (outcome.reshape(3, -1).unsqueeze(-1).long() * one_hot).sum(1)
 
 
 def report(result: EECResult) -> dict[str, dict[str, int]]:
@@ -174,11 +187,7 @@ def verify_and_correct(
             check_references=False,
             sync_free=sync_free,
         )
-        return EECResult(
-            result.counts,
-            *(t[0] for t in (result.status, result.kind, result.row, result.col, result.magnitude)),
-            known_clean=result.known_clean,
-        )
+        return EECResult(*(t[0] for t in result.fields), known_clean=result.known_clean)
 
     capacity = max_corrections if max_corrections is not None else max(c.shape[-2:])
     check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
@@ -187,12 +196,10 @@ def verify_and_correct(
     found = _kernel_check(c, refs, check) if operands is not None else None
     if found is not None:
         if not may_skip:  # a matrix the kernels could not settle is uncorrectable, as it was
-            return _result(*found)
+            return EECResult(*found)
         worst = int(found[0].max()) if found[0].numel() else CLEAN
-        if worst == CLEAN:
-            return _clean_result(c)
-        if worst == CORRECTED:
-            return _result(*found)
+        if worst != UNCORRECTABLE:
+            return EECResult(*found, known_clean=worst == CLEAN)
         # the kernels put back the matrices they could not settle: the PyTorch path takes them
         fixed = found[0] == CORRECTED
         rest = _torch_path(c, refs, check, may_skip)
@@ -270,28 +277,18 @@ def _torch_path(c: Tensor, refs: dict[str, Checksums], check: Check, may_skip: b
 
 
 def _result(status: Tensor, kind: Tensor, row: Tensor, col: Tensor, magnitude: Tensor) -> EECResult:
-    """An EECResult from its per-matrix fields, with the counters."""
-    outcome = torch.stack([status != CLEAN, status == CORRECTED, status == UNCORRECTABLE])
-    one_hot = torch.nn.functional.one_hot(kind.reshape(-1).long(), len(KINDS))
-    counts = (outcome.reshape(3, -1).unsqueeze(-1).long() * one_hot).sum(1)
-    return EECResult(
-        counts=counts,
-        status=status.to(torch.int8),
-        kind=kind.to(torch.int8),
-        row=row,
-        col=col,
-        magnitude=magnitude,
-    )
+    """An EECResult from per-matrix fields of any integer dtypes."""
+    return EECResult(status.to(torch.int8), kind.to(torch.int8), row, col, magnitude)
 
 
 def _clean_result(c: Tensor) -> EECResult:
-    """The result of a check of ``c`` that found nothing (four allocations: on a GPU, kernels)."""
+    """The result of a check of ``c`` that found nothing (three allocations: on a GPU, kernels)."""
     batch = c.shape[:-2]
     row, col = torch.full((2, *batch), -1, dtype=torch.long, device=c.device).unbind()
     status, kind = torch.zeros((2, *batch), dtype=torch.int8, device=c.device).unbind()
-    counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.long, device=c.device)
-    magnitude = torch.zeros(batch, device=c.device)
-    return EECResult(counts, status, kind, row, col, magnitude, known_clean=True)
+    dtype = torch.float64 if c.dtype == torch.float64 else torch.float32  # as a check's |d1|
+    magnitude = torch.zeros(batch, dtype=dtype, device=c.device)
+    return EECResult(status, kind, row, col, magnitude, known_clean=True)
 
 
 def _kind(side: Side, near_inf: float) -> Tensor:

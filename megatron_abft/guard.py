@@ -16,9 +16,17 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from megatron_abft import _ext
 from megatron_abft.checksum import encode
 from megatron_abft.config import SECTIONS, ABFTConfig
-from megatron_abft.eec import KINDS, OUTCOMES, UNCORRECTABLE, GemmOperands, verify_and_correct
+from megatron_abft.eec import (
+    KINDS,
+    OUTCOMES,
+    UNCORRECTABLE,
+    EECResult,
+    GemmOperands,
+    verify_and_correct,
+)
 
 RECOMPUTED = 3
 """Event status of a fault that was uncorrectable in place and went away when recomputed."""
@@ -152,17 +160,25 @@ class SectionGuard:
             sync_free=self.config.sync_free,
         )
         if self.counts is None:
-            self.counts = result.counts
-        elif not result.known_clean:
-            self.counts = self.counts + result.counts
+            self.counts = torch.zeros(
+                len(OUTCOMES), len(KINDS), dtype=torch.int64, device=output.device
+            )
         if result.known_clean:
             return None, None
+        return self._tally(result)
+
+    def _tally(self, result: EECResult) -> tuple[Tensor, Tensor]:
+        """Add ``result`` to the counters; whether a matrix is uncorrectable, and the event
+        record. One op of the compiled kernels, else a few dozen small ones."""
+        tallied = _ext.tally(result.fields, self.counts, self.step)
+        if tallied is not None:
+            return tallied
+        self.counts += result.counts
         status = result.status.reshape(-1)
         # the first uncorrectable matrix, else the first corrected one; indexed with a 1-element
         # tensor, as a 0-d index would be read on the host (a sync on GPUs)
         worst = status.argmax().reshape(1)
-        fields = [result.status, result.kind, result.row, result.col, result.magnitude]
-        picked = [f.reshape(-1)[worst].double() for f in fields]
+        picked = [f.reshape(-1)[worst].double() for f in result.fields]
         step = torch.full((1,), float(self.step), dtype=torch.float64, device=status.device)
         event = torch.cat([step, picked[0], worst.double(), *picked[1:]])
         return (result.status == UNCORRECTABLE).any(), event

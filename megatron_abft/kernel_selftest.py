@@ -15,8 +15,8 @@ BLOCK = 32
 
 def mismatches(device: torch.device) -> list[str]:
     """What the kernels get wrong on ``device``: encode_pair, block_sums, screen and
-    verify_correct on a small batched GEMM in fp32 and bf16, clean and with faults, against the
-    PyTorch path. Empty when they agree."""
+    verify_correct on a small batched GEMM in fp32 and bf16, clean and with faults, and tally,
+    against the PyTorch path. Empty when they agree."""
     from megatron_abft import _ext
     from megatron_abft.checksum import encode
     from megatron_abft.sides import Check, _block_sums, inspect_sides, screen
@@ -56,7 +56,7 @@ def mismatches(device: torch.device) -> list[str]:
             got = sums[:2] if side == "col" else sums[2:]
             if not (_close(got[0], plain) and _close(got[1], sizes)):
                 wrong.append(f"block_sums, {side} side ({dtype})")
-    return wrong
+    return wrong + _tally_mismatches(device)
 
 
 def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
@@ -88,6 +88,32 @@ def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
     if found is None or int(found[0][1, 2]) != 2 or not put_back:
         wrong.append(f"verify_correct, put back ({dtype})")
     return wrong
+
+
+def _tally_mismatches(device: torch.device) -> list[str]:
+    """tally against the guard's PyTorch twin: 300 matrices (more than one CUDA thread block
+    takes at once) of every outcome and kind, the worst status on many of them."""
+    from contextlib import nullcontext
+
+    from megatron_abft import _ext
+    from megatron_abft.config import ABFTConfig
+    from megatron_abft.eec import KINDS, OUTCOMES, EECResult
+    from megatron_abft.guard import SectionGuard
+
+    index = torch.arange(300, device=device)
+    status = torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.int8, device=device).repeat(50)
+    found = EECResult(status, (index % len(KINDS)).to(torch.int8), index, 3 * index, index / 7.0)
+    got = []
+    for kernels in (True, False):
+        guard = SectionGuard("scores", ABFTConfig(), 0)
+        guard.step = 5
+        guard.counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.int64, device=device)
+        with nullcontext() if kernels else _ext.disabled():
+            failed, event = guard._tally(found)
+        got.append((guard.counts, bool(failed), event))
+    (counts, failed, event), (want_counts, want_failed, want_event) = got
+    same = torch.equal(counts, want_counts) and failed == want_failed
+    return [] if same and torch.equal(event, want_event) else ["tally"]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -15,9 +15,10 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
 - ``fused``: the target of kernel 3: the softmax, which reads S and writes P anyway, also
   verifies S and emits P's sums, so the scores' verify pass and the context's read of P go.
 
-Every check also launches a number of small tensor ops (CHECK_OPS, counted on the code by
-tests/test_scaling.py), each costing the device's op latency: on CPU, eager dispatch and the
-Python around it, which tools/bench_overhead.py measures on the check itself.
+Every check also costs a number of small ops, each at the device's op latency: on a CPU the
+top-level tensor ops of a clean check (CHECK_OPS, counted on the code by tests/test_scaling.py;
+eager dispatch and the Python around it, which tools/bench_overhead.py measures on the check
+itself), on a GPU the kernels a clean sync-free check launches (CHECK_KERNELS).
 
 The backward pass is not protected: protection costs forward work only, while the baseline step
 is forward + backward (2x the GEMM FLOPs) + optimizer. docs/scaling.md validates the model
@@ -35,10 +36,18 @@ IMPLEMENTATIONS = ("torch", "kernels", "fused")
 """How the checks run: the PyTorch path; today's code with the compiled kernels (one read of C
 for both sides with the comparisons, one of the larger operand and two of the smaller); and the
 fused target (the softmax pass verifies S and sums P, so those two reads go)."""
-CHECK_OPS = {"torch": 132, "kernels": 13, "fused": 13}
-"""Tensor ops one clean check (encode both sides, verify, count) launches, for a batched GEMM.
-The torch and kernels figures are the code's own, counted with torch.profiler by
-tests/test_scaling.py; the fused target removes passes, not ops."""
+CHECK_OPS = {"torch": 124, "kernels": 7, "fused": 7}
+"""Top-level tensor ops of one clean check (encode both sides, verify, read whether anything
+was found) of a batched GEMM on a CPU. The torch and kernels figures are the code's own,
+counted with torch.profiler by tests/test_scaling.py; the fused target removes passes, not
+ops."""
+CHECK_KERNELS = {"torch": 124, "kernels": 14, "fused": 13}
+"""GPU kernels one clean check launches with ``ABFTConfig.sync_free``, counted from the code
+(not yet on a GPU), at sequence 2048: encode_pair 6 to 12 (block sums of the smaller operand,
+the larger's pass, the smaller's products, with copies of their vectors; four scalings by a
+non-unit alpha for the scores), verify_correct 5 (C's block sums, the flag counters' fill, the
+screen of each side, the correction) and the guard's tally 1: 12 to 18 by section. The fused
+target drops C's block sums; the torch path is taken at its op count."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,11 @@ class DeviceProfile:
     optimizer_bandwidth: float | None = None
     """Bandwidth of the optimizer step's traffic (default: bandwidth). Calibrated apart on CPUs,
     where a parameter's Adam passes run from the cache."""
+    check_ops: dict[str, float] | None = None
+    """Ops of one clean check per implementation, each at ``check_op`` (default CHECK_OPS)."""
+
+    def ops_per_check(self, impl: str) -> float:
+        return (self.check_ops or CHECK_OPS)[impl]
 
     def time(self, work: Work, dtype: str, op: float | None = None) -> float:
         latency = self.launch if op is None else op
@@ -142,6 +156,7 @@ DEVICES = {
         0.85 * 3.35e12,
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM3)",
+        check_ops=CHECK_KERNELS,
     ),
     "H200": DeviceProfile(
         "H200 SXM",
@@ -149,6 +164,7 @@ DEVICES = {
         0.85 * 4.8e12,
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM3e)",
+        check_ops=CHECK_KERNELS,
     ),
     "A100": DeviceProfile(
         "A100 80GB SXM",
@@ -156,6 +172,7 @@ DEVICES = {
         0.85 * 2.04e12,
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM2e)",
+        check_ops=CHECK_KERNELS,
     ),
 }
 
@@ -276,8 +293,11 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
     return products + operand_b + encode + verify
 
 
-def protection_forward(shape: ModelShape, impl: str = "torch") -> dict[str, Work]:
-    """Extra forward work of each checked section, one layer, one rank, on a clean step."""
+def protection_forward(
+    shape: ModelShape, impl: str = "torch", ops: float | None = None
+) -> dict[str, Work]:
+    """Extra forward work of each checked section, one layer, one rank, on a clean step, with
+    ``ops`` ops a check (default CHECK_OPS[impl])."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
     e, block = BYTES[shape.dtype], shape.block
@@ -288,7 +308,7 @@ def protection_forward(shape: ModelShape, impl: str = "torch") -> dict[str, Work
         in_softmax = impl == "fused" and g.softmax_output  # S verified as the softmax reads it
         # the torch path's verify passes are counted per side (_side)
         verify = Work(bytes=0 if impl == "torch" or in_softmax else g.batch * g.m * g.n * e)
-        out[section] = col + row + verify + Work(ops=CHECK_OPS[impl])
+        out[section] = col + row + verify + Work(ops=CHECK_OPS[impl] if ops is None else ops)
     return out
 
 
@@ -319,7 +339,7 @@ def predict(
     intervals = intervals or {}
     extra = {
         s: device.check_time(w, shape.dtype) * shape.layers
-        for s, w in protection_forward(shape, impl).items()
+        for s, w in protection_forward(shape, impl, device.ops_per_check(impl)).items()
     }
     base = step_time(shape, device)
     forward = baseline_forward(shape)

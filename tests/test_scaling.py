@@ -1,3 +1,4 @@
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -8,6 +9,7 @@ import torch
 from megatron_abft.config import SECTIONS
 from megatron_abft.scaling import (
     CATALOGUE,
+    CHECK_KERNELS,
     CHECK_OPS,
     DEVICES,
     DeviceProfile,
@@ -135,3 +137,21 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
     agree = sum(r["ok"] for r in judged)
     assert summary(rows)[0] == f"{agree} of {len(judged)} rows agree within the tolerance."
     assert "model's alone" in summary([])[0]
+
+
+def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
+    """The GPU profiles cost a check's kernel launches (CHECK_KERNELS), a CPU its top-level ops
+    (CHECK_OPS); a benchmark run is predicted with the ops its own code launched, as counted in
+    that run."""
+    from overhead_report import calibrated, measured_shape
+
+    assert DEVICES["H100"].ops_per_check("kernels") == CHECK_KERNELS["kernels"]
+    run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
+    device = calibrated(run)
+    assert device.ops_per_check("kernels") == run["machine"]["check_ops"] == 13
+    assert device.ops_per_check("torch") == CHECK_OPS["torch"]
+    work = protection_forward(measured_shape(run["args"]), "kernels", 13)
+    assert {w.ops for w in work.values()} == {13}
+    assert {w.ops for w in protection_forward(SHAPES["GPT-3 125M"], "kernels").values()} == {
+        CHECK_OPS["kernels"]
+    }

@@ -20,6 +20,8 @@ from pathlib import Path
 from megatron_abft.config import SECTIONS
 from megatron_abft.scaling import (
     CATALOGUE,
+    CHECK_KERNELS,
+    CHECK_OPS,
     DEVICES,
     DeviceProfile,
     ModelShape,
@@ -59,7 +61,7 @@ def measured_shape(args: dict) -> ModelShape:
 
 
 def calibrated(result: dict) -> DeviceProfile:
-    m = result["machine"]
+    m, impl = result["machine"], result.get("impl", "torch")
     return DeviceProfile(
         f"{result['device']} (calibrated)",
         {result["args"]["dtype"]: m["matmul"]},
@@ -68,6 +70,7 @@ def calibrated(result: dict) -> DeviceProfile:
         "bench_overhead micro-benchmarks",
         check_op=m.get("check_op"),  # the checks' own ops, the Python around them included
         optimizer_bandwidth=m.get("optimizer_bandwidth"),  # the bench's timed optimizer steps
+        check_ops={**CHECK_OPS, impl: m["check_ops"]} if "check_ops" in m else None,  # its code's
     )
 
 
@@ -123,7 +126,7 @@ def validation_rows(paths: list[Path]) -> list[dict]:
                 }
             )
         # the checks' own time, one layer: measured inside the training step, far less noisy
-        work = protection_forward(shape, impl)
+        work = protection_forward(shape, impl, device.ops_per_check(impl))
         for section, seconds in result.get("check_seconds", {}).items():
             p = device.check_time(work[section], shape.dtype)
             rows.append(
@@ -308,16 +311,16 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "counted); `kernels`, the code as it runs with the compiled kernels (a clean check is",
             "two of their ops: `encode_pair` reads the larger operand once and the smaller twice,",
             "`verify_correct` reads C once for both sides and corrects a flagged matrix on the",
-            "device; CHECK_OPS tensor ops per check, a figure a",
+            f"device; on a CPU {CHECK_OPS['kernels']} tensor ops per clean check, a figure a",
             "test keeps equal to the code's); and `fused`, the target of kernel 3 (the softmax,",
             "which reads S and writes P anyway, verifies S and sums P, so those two reads go).",
             "The backward pass is not protected.",
             "",
-            "On a GPU the launches weigh most below a few billion parameters: a clean check is",
-            "13 tensor ops from Python, and its two composite ops launch about a dozen kernels",
-            "between them (from the code; no GPU has counted them yet), each costing",
-            "microseconds whatever its size. GPUs also synchronise once per check",
-            "(`ABFTConfig.sync_free=False`, the default), which the model does not count.",
+            "On a GPU the launches weigh most below a few billion parameters: a clean check",
+            f"launches about {CHECK_KERNELS['kernels']} kernels (`CHECK_KERNELS`, counted from the",
+            "code with `ABFTConfig.sync_free`; no GPU has counted them yet), each costing",
+            "microseconds whatever its size. Without `sync_free` (the default) a GPU also",
+            "synchronises once per check, which the model does not count.",
             "",
             f"Device profile for the predictions: {device.name}, {device.notes}. Predictions for a",
             "device are only as good as the validation rows measured on it: a device with no row",
