@@ -11,6 +11,7 @@ inputs), whatever the inputs' dtype. The per-block sums of A come from the compi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -69,10 +70,21 @@ def as_blocks(x: Tensor, block: int, dtype: torch.dtype = torch.float32, dim: in
     return x.unflatten(dim, (-1, block))
 
 
+@functools.lru_cache(maxsize=64)
 def block_weights(block: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """The ``[2, block]`` checksum weights: e = (1, ..., 1) and w = (1, ..., block)."""
+    """The ``[2, block]`` checksum weights: e = (1, ..., 1) and w = (1, ..., block). Made once
+    per block, device and dtype: do not write to it."""
     w = torch.arange(1, block + 1, device=device, dtype=dtype)
     return torch.stack([torch.ones_like(w), w])
+
+
+@functools.lru_cache(maxsize=64)
+def _block_counts(length: int, block: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``[nb, 2, 1]``: each block's number of rows and the sum of their weights, out of
+    ``length`` rows: what a bias adds to the column sums of each block, per unit of bias. Made
+    once per shape, device and dtype: do not write to it."""
+    rows = as_blocks(torch.ones(length, 1, device=device), block, dtype)  # [nb, block, 1]
+    return block_weights(block, device, dtype) @ rows
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -216,8 +228,7 @@ def _columns(
     m = a.shape[-2]
     if bias is not None:
         # each block adds bias_j once per row: (L_b, sum of its weights) times bias_j
-        rows = as_blocks(torch.ones(m, 1, device=a.device), block, sums.dtype)  # [nb, block, 1]
-        counts = block_weights(block, a.device, sums.dtype) @ rows  # [nb, 2, 1]
+        counts = _block_counts(m, block, a.device, sums.dtype)  # [nb, 2, 1]
         bias32 = bias.detach().to(sums.dtype)
         sums = sums + counts * bias32
         bias_magnitude = counts[:, 0] * bias32.abs()  # [nb, n]

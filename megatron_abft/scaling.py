@@ -46,8 +46,10 @@ CHECK_KERNELS = {"torch": 124, "kernels": 14, "fused": 13}
 (not yet on a GPU), at sequence 2048: encode_pair 6 to 12 (block sums of the smaller operand,
 the larger's pass, the smaller's products, with copies of their vectors; four scalings by a
 non-unit alpha for the scores), verify_correct 5 (C's block sums, the flag counters' fill, the
-screen of each side, the correction) and the guard's tally 1: 12 to 18 by section. The fused
-target drops C's block sums; the torch path is taken at its op count."""
+screen of each side, the correction) and the guard's tally 1: 12 to 18 by section. A GEMM
+with a bias (GPT's qkv) adds about 10 more, for the bias's terms in the references; that is
+not modelled. The fused target drops C's block sums; the torch path is taken at its op
+count."""
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,35 @@ def test_encoding_never_tracks_gradients():
 def test_bad_operands_raise_clear_errors(a, b, kwargs, error, message):
     with pytest.raises(error, match=message):
         encode(a, b, **kwargs)
+
+
+def test_a_bias_adds_a_few_ops_to_the_encoding():
+    """The bias's terms in the checksums come from constants made once per shape (each block's
+    row count and weight sum): a few elementwise ops and one small GEMM per side, not the
+    constants rebuilt on every check (on a GPU every op is a kernel launch)."""
+    a, w, bias = torch.randn(64, 32), torch.randn(96, 32), torch.randn(96)
+
+    def ops(bias):
+        encode(a, w.t(), bias=bias, block=16)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+            col, row = encode(a, w.t(), bias=bias, block=16)
+        names = [e.name for e in p.events() if e.cpu_parent is None and "::" in e.name]
+        return [n for n in names if n not in VIEWS], col, row
+
+    without, *_ = ops(None)
+    with_bias, col, row = ops(bias)
+    assert len(with_bias) - len(without) <= 12, with_bias
+    assert not {"aten::arange", "aten::ones", "aten::stack"} & set(with_bias)
+    want = exact_product(a, w.t(), 1.0, bias)
+    torch.testing.assert_close(col.sums.double(), blocked_sums(want, 16), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(row.sums.double(), blocked_sums(want.mT, 16), rtol=1e-5, atol=1e-4)
+
+
+VIEWS = {
+    "aten::t",
+    "aten::mT",
+    "aten::detach",
+    "aten::select",
+    "aten::unsqueeze",
+    "aten::unflatten",
+}
