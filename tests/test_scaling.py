@@ -129,6 +129,7 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
         "step, all",
         "attention, all",
         *(f"{s} check" for s in SECTIONS),
+        "checks' own time, all",
     ]
     for r in judged:
         error, measured = abs(r["predicted"] - r["measured"]), abs(r["measured"])
@@ -136,6 +137,9 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
         assert r["ok"] == (error <= allowed), r
     agree = sum(r["ok"] for r in judged)
     assert summary(rows)[0] == f"{agree} of {len(judged)} rows agree within the tolerance."
+    own = [r for r in rows if r["what"] == "checks' own time, all"][0]
+    assert own["measured"] == pytest.approx(0.0584, abs=0.0005)  # 4 layers x 5.83 ms / 0.400 s
+    assert any(f"add up to {100 * own['measured']:.0f}%" in line for line in summary(rows))
     assert "model's alone" in summary([])[0]
 
 
