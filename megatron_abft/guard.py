@@ -33,6 +33,8 @@ RECOMPUTED = 3
 ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed"}
 EVENT_FIELDS = ("step", "status", "matrix", "kind", "row", "col", "magnitude")
 """One event record per check: the worst matrix of the batch and where it went wrong."""
+MAX_EVENTS = 256
+"""Event records a guard keeps between two collect_events calls (SectionGuard._record)."""
 
 View = Callable[[Tensor], Tensor]
 """Maps a GEMM output to the ``[..., rows, cols]`` matrix a fault section names."""
@@ -130,7 +132,7 @@ class SectionGuard:
                 failed = torch.zeros_like(failed)
                 event = torch.cat([event[:1], event.new_tensor([RECOMPUTED]), event[2:]])
         if event is not None:
-            self.events.append(event)
+            self._record(event)
         if failed is not None:
             self.pending = failed if self.pending is None else self.pending | failed
         return output
@@ -182,6 +184,16 @@ class SectionGuard:
         step = torch.full((1,), float(self.step), dtype=torch.float64, device=status.device)
         event = torch.cat([step, picked[0], worst.double(), *picked[1:]])
         return (result.status == UNCORRECTABLE).any(), event
+
+    def _record(self, event: Tensor) -> None:
+        """Keep ``event`` until collect_events. A sync-free check on a GPU records one per check,
+        clean or not, as it cannot read which; at MAX_EVENTS records the list is cut, on the
+        device, to the half with the worst statuses, in their order (the counters stay exact)."""
+        self.events.append(event)
+        if len(self.events) >= MAX_EVENTS:
+            table = torch.stack(self.events)
+            worst = table[:, 1].topk(MAX_EVENTS // 2, sorted=False).indices.sort().values
+            self.events = list(table[worst].unbind())
 
     def where(self) -> dict:
         """Rank, layer, section and step of this guard, for error messages and events."""
@@ -263,7 +275,8 @@ def stats(
 def collect_events(model: torch.nn.Module) -> list[dict]:
     """The faults every guard saw since the last call, as dicts (step, rank, tp_rank, layer,
     section, sample, head, row, col, kind, magnitude, action); clears them. One host
-    synchronisation for the whole model: call it once per log interval."""
+    synchronisation for the whole model: call it once per log interval. A guard keeps at most
+    MAX_EVENTS records in between; past that, the worst half (by action) of what it has."""
     guards = [g for g in iter_guards(model) if g.events]
     if not guards:
         return []

@@ -10,7 +10,7 @@ from test_ext_correct import case
 
 from megatron_abft import _ext
 from megatron_abft.config import ABFTConfig
-from megatron_abft.eec import KINDS, OUTCOMES, EECResult
+from megatron_abft.eec import KINDS, OUTCOMES, EECResult, GemmOperands
 from megatron_abft.faults import TensorFault, inject_
 from megatron_abft.guard import SectionGuard
 
@@ -178,3 +178,34 @@ def test_the_kernel_selftest_checks_the_tally(monkeypatch):
 
     monkeypatch.setattr(torch.ops.megatron_abft, "tally", counts_nothing)
     assert mismatches(torch.device("cpu")) == ["tally"]
+
+
+@needs_cuda
+def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_few_kernels():
+    """The path the overhead model costs for a GPU (scaling.CHECK_KERNELS): with the kernels,
+    a clean sync-free check and a faulty one launch a few kernels and never synchronise with
+    the host (torch.cuda's sync debug mode raises on any synchronising call)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    from bench_overhead import check_launches
+
+    from megatron_abft.scaling import CHECK_KERNELS
+
+    launches = check_launches(torch.device("cuda"))
+    assert 3 <= launches <= CHECK_KERNELS["kernels"] + 6, launches
+    c, refs, operands = case(torch.bfloat16, (2, 4), 128, 96, 32, False, ("col", "row"), seed=5)
+    gpu = GemmOperands(operands.a.cuda(), operands.b.cuda(), operands.alpha)
+    faulty = c.cuda()
+    faulty[1, 2, 5, 7] = float("nan")
+    guard = SectionGuard("scores", ABFTConfig(sync_free=True, on_uncorrectable="log"), 0)
+    guard.check(c.cuda(), gpu)  # the counters, the self-test and the caches, outside the mode
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        guard.check(faulty, gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(guard.counts[1].sum()) == 1 and not bool(guard.pending)
+    assert not faulty.isnan().any()

@@ -114,6 +114,24 @@ def test_a_sync_free_guard_reads_nothing_on_the_host():
     assert guard.events[0].shape == (7,)
 
 
+def test_a_guard_keeps_its_worst_events_when_nobody_collects_them():
+    """A sync-free GPU check records an event on every check, clean or not: past MAX_EVENTS a
+    guard keeps the worst half, in order, so that memory stays bounded without telemetry."""
+    from megatron_abft.guard import MAX_EVENTS, SectionGuard
+
+    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
+    faults = {7: 1, 300: 2, 301: 1, 555: 3}  # check -> status (corrected, uncorrectable, ...)
+    for i in range(3 * MAX_EVENTS):
+        guard._record(
+            torch.tensor([float(i), faults.get(i, 0), 0, 0, -1, -1, 0], dtype=torch.float64)
+        )
+        assert len(guard.events) < MAX_EVENTS
+    kept = torch.stack(guard.events)
+    faulty = kept[kept[:, 1] > 0]
+    assert faulty[:, 0].tolist() == sorted(faults) and faulty[:, 1].tolist() == [1, 2, 1, 3]
+    assert torch.equal(kept[:, 0], kept[:, 0].sort().values)  # in the order they happened
+
+
 def test_clean_cpu_checks_record_no_event_and_faulty_ones_do():
     from megatron_abft.eec import GemmOperands
     from megatron_abft.guard import SectionGuard

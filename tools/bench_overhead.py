@@ -99,6 +99,30 @@ def check_cost(device: torch.device, reps: int = 200) -> tuple[int, float]:
     return ops, timer.seconds(begin, timer.start()) / reps / ops
 
 
+def check_launches(device: torch.device) -> int | None:
+    """GPU kernels (and memsets) one clean sync-free check launches, the figure the overhead
+    model takes for a GPU (scaling.CHECK_KERNELS), counted by torch.profiler on a small
+    attention-scores check (alpha 1/8, K shared by two heads). None off a GPU."""
+    if device.type != "cuda":
+        return None
+    from megatron_abft.eec import GemmOperands
+    from megatron_abft.guard import SectionGuard
+
+    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log", sync_free=True), 0)
+    a = torch.randn(1, 4, 2, 64, 32, device=device)
+    b = torch.randn(1, 4, 1, 32, 64, device=device)
+    operands = GemmOperands(a, b, 0.125)
+    c = 0.125 * (a @ b)
+    for _ in range(3):
+        guard.check(c, operands)
+    torch.cuda.synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        guard.check(c, operands)
+        torch.cuda.synchronize(device)
+    return sum(1 for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def count_ops(profile) -> int:
     """Top-level operators of a torch.profiler run (aten ops and the extension's; the ops they
     call are not counted)."""
@@ -133,6 +157,7 @@ def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch
         "launch": launch,
         "check_ops": check_ops,
         "check_op": check_op,
+        "check_launches": check_launches(device),
     }
 
 
@@ -362,6 +387,12 @@ def print_table(result: dict) -> None:
             f"{name:<8} {med['step'] * 1e3:>9.1f} {over['step'] * 100:>8.2f} "
             f"{med['attention'] * 1e3:>9.1f} {over['attention'] * 100:>8.2f}"
         )
+    m = result["machine"]
+    launches = m.get("check_launches")
+    print(
+        f"a small clean check: {m['check_ops']} ops at {m['check_op'] * 1e6:.1f} us each"
+        + ("" if launches is None else f"; {launches} GPU launches with sync_free")
+    )
 
 
 def main() -> None:
