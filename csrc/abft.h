@@ -63,13 +63,13 @@ struct BlockSums {
   int64_t row_block;
 };
 
-// Contiguous vectors and outputs in the accumulation type, for row_products:
-//   u [batch, nu, k], z [batch, nz, k]; products [batch, m, nu], magnitudes [batch, m, nz].
+// Vectors and outputs in the accumulation type, for row_products: u [*batch, nu, k] and
+// z [*batch, nz, k], strided views (a broadcast batch dim has stride 0; each vector's elements
+// are contiguous), so that the other operand's block sums are read where they are; contiguous
+// outputs products [batch, m, nu], magnitudes [batch, m, nz]. nu = u.rows, nz = z.rows.
 struct RowProducts {
-  const void* u;
-  int64_t nu;
-  const void* z;
-  int64_t nz;
+  MatrixBatch u;
+  MatrixBatch z;
   void* products;
   void* magnitudes;
 };

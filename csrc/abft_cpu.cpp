@@ -134,14 +134,15 @@ ABFT_INLINE void rows_step(const MatrixBatch& c, const BlockSums& out, int64_t b
   }
 }
 
-// x . v_t for the rows v_t = vectors + t * k, t < count, into out[t]: four at a time, as four
-// independent chains, so that short rows are not bound by the adds' latency.
+// x . v_t for the rows v_t = vectors + t * stride, t < count, into out[t]: four at a time, as
+// four independent chains, so that short rows are not bound by the adds' latency.
 template <bool kAbs, typename Acc>
 ABFT_INLINE void dots(const Acc* __restrict__ x, int64_t k, const Acc* __restrict__ vectors,
-                      int64_t count, Acc* __restrict__ out) {
+                      int64_t stride, int64_t count, Acc* __restrict__ out) {
   int64_t t = 0;
   for (; t + 4 <= count; t += 4) {
-    const Acc *v0 = vectors + t * k, *v1 = v0 + k, *v2 = v1 + k, *v3 = v2 + k;
+    const Acc *v0 = vectors + t * stride, *v1 = v0 + stride, *v2 = v1 + stride,
+              *v3 = v2 + stride;
     Acc p0 = 0, p1 = 0, p2 = 0, p3 = 0;
 #pragma omp simd reduction(+ : p0, p1, p2, p3)
     for (int64_t j = 0; j < k; ++j) {
@@ -154,7 +155,7 @@ ABFT_INLINE void dots(const Acc* __restrict__ x, int64_t k, const Acc* __restric
     out[t] = p0, out[t + 1] = p1, out[t + 2] = p2, out[t + 3] = p3;
   }
   for (; t < count; ++t) {
-    const Acc* __restrict__ v = vectors + t * k;
+    const Acc* __restrict__ v = vectors + t * stride;
     Acc p = 0;
 #pragma omp simd reduction(+ : p)
     for (int64_t j = 0; j < k; ++j) p += (kAbs ? std::abs(x[j]) : x[j]) * v[j];
@@ -166,10 +167,11 @@ ABFT_INLINE void dots(const Acc* __restrict__ x, int64_t k, const Acc* __restric
 template <typename Acc>
 ABFT_INLINE void row_dots(const Acc* __restrict__ x, int64_t k, const RowProducts& out, int64_t b,
                           int64_t rows, int64_t i) {
-  dots<false>(x, k, static_cast<const Acc*>(out.u) + b * out.nu * k, out.nu,
-              static_cast<Acc*>(out.products) + (b * rows + i) * out.nu);
-  dots<true>(x, k, static_cast<const Acc*>(out.z) + b * out.nz * k, out.nz,
-             static_cast<Acc*>(out.magnitudes) + (b * rows + i) * out.nz);
+  const MatrixBatch &u = out.u, &z = out.z;
+  dots<false>(x, k, static_cast<const Acc*>(u.data) + batch_offset(u, b), u.row_stride, u.rows,
+              static_cast<Acc*>(out.products) + (b * rows + i) * u.rows);
+  dots<true>(x, k, static_cast<const Acc*>(z.data) + batch_offset(z, b), z.row_stride, z.rows,
+             static_cast<Acc*>(out.magnitudes) + (b * rows + i) * z.rows);
 }
 
 template <bool kCols, typename T, typename Acc>

@@ -145,8 +145,10 @@ __global__ void __launch_bounds__(kThreads)
        row < total_rows; row += warps) {
     const int64_t b = row / a.rows, i = row % a.rows;
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + i * a.row_stride;
-    const Acc* u = static_cast<const Acc*>(out.u) + b * out.nu * k;
-    const Acc* z = static_cast<const Acc*>(out.z) + b * out.nz * k;
+    const int64_t nu = out.u.rows, nz = out.z.rows;
+    const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
+    const Acc* u = static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b);
+    const Acc* z = static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b);
     Acc p[kMaxRowProducts], q[kMaxRowProducts];
 #pragma unroll
     for (int t = 0; t < kMaxRowProducts; ++t) p[t] = q[t] = Acc(0);
@@ -154,8 +156,8 @@ __global__ void __launch_bounds__(kThreads)
       const Acc v = Acc(load(x + j * a.col_stride)), m = magnitude(v);
 #pragma unroll
       for (int t = 0; t < kMaxRowProducts; ++t) {
-        if (t < out.nu) p[t] += v * u[t * k + j];
-        if (t < out.nz) q[t] += m * z[t * k + j];
+        if (t < nu) p[t] += v * u[t * u_stride + j];
+        if (t < nz) q[t] += m * z[t * z_stride + j];
       }
     }
 #pragma unroll
@@ -167,12 +169,12 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (lane == 0) {
-      Acc* products = static_cast<Acc*>(out.products) + row * out.nu;
-      Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * out.nz;
+      Acc* products = static_cast<Acc*>(out.products) + row * nu;
+      Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * nz;
 #pragma unroll
       for (int t = 0; t < kMaxRowProducts; ++t) {
-        if (t < out.nu) products[t] = p[t];
-        if (t < out.nz) magnitudes[t] = q[t];
+        if (t < nu) products[t] = p[t];
+        if (t < nz) magnitudes[t] = q[t];
       }
     }
   }
@@ -268,7 +270,7 @@ int tally_cuda(const Tally& t, void* stream) {
 }
 
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream) {
-  if (out.nu > kMaxRowProducts || out.nz > kMaxRowProducts) return cudaErrorInvalidValue;
+  if (out.u.rows > kMaxRowProducts || out.z.rows > kMaxRowProducts) return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (a.dtype) {
     case DType::F32:

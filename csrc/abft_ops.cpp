@@ -151,7 +151,8 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
       TORCH_CHECK(v->size(d) == 1 || v->size(d) == a.size(d), "megatron_abft::row_products: ",
                   name, " ", v->sizes(), " does not broadcast to the batch of a ", a.sizes());
     }
-    vectors.push_back(v->expand(shape).contiguous());
+    const at::Tensor view = v->expand(shape);  // read where it is, unless a vector is strided
+    vectors.push_back(view.size(-1) > 1 && view.stride(-1) != 1 ? view.contiguous() : view);
   }
   const int64_t nu = vectors[0].size(-2), nz = vectors[1].size(-2);
   auto shape = [&](int64_t r) {
@@ -161,7 +162,7 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
   };
   Products out{at::empty(shape(nu), a.options().dtype(acc)),
                at::empty(shape(nz), a.options().dtype(acc))};
-  abft::RowProducts products{vectors[0].data_ptr(), nu, vectors[1].data_ptr(), nz,
+  abft::RowProducts products{describe(vectors[0]), describe(vectors[1]),
                              std::get<0>(out).data_ptr(), std::get<1>(out).data_ptr()};
   return {std::move(out), describe(a), products, vectors[0], vectors[1]};
 }
@@ -210,9 +211,10 @@ Pass operand_pass_cuda(const at::Tensor& a, int64_t block, const at::Tensor& u,
                        const at::Tensor& z) {
   const c10::cuda::CUDAGuard guard(a.device());
   auto [result, matrices, out, products, u_, z_] = prepare_pass(a, block, u, z, at::kCUDA);
-  TORCH_CHECK(products.nu <= abft::kMaxRowProducts && products.nz <= abft::kMaxRowProducts,
+  TORCH_CHECK(products.u.rows <= abft::kMaxRowProducts &&
+                  products.z.rows <= abft::kMaxRowProducts,
               "megatron_abft::operand_pass: at most ", abft::kMaxRowProducts,
-              " vectors of each kind on CUDA; got ", products.nu, " and ", products.nz);
+              " vectors of each kind on CUDA; got ", products.u.rows, " and ", products.z.rows);
   const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream)));
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::row_products_cuda(matrices, products, stream)));
@@ -224,9 +226,10 @@ Pass operand_pass_cuda(const at::Tensor& a, int64_t block, const at::Tensor& u,
 Products row_products_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
   const c10::cuda::CUDAGuard guard(a.device());
   auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, at::kCUDA);
-  TORCH_CHECK(products.nu <= abft::kMaxRowProducts && products.nz <= abft::kMaxRowProducts,
+  TORCH_CHECK(products.u.rows <= abft::kMaxRowProducts &&
+                  products.z.rows <= abft::kMaxRowProducts,
               "megatron_abft::row_products: at most ", abft::kMaxRowProducts,
-              " vectors of each kind on CUDA; got ", products.nu, " and ", products.nz);
+              " vectors of each kind on CUDA; got ", products.u.rows, " and ", products.z.rows);
   const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
   C10_CUDA_CHECK(
       static_cast<cudaError_t>(abft::row_products_cuda(matrix, products, stream.stream())));

@@ -102,7 +102,9 @@ def matrices(draw, device: str = "cpu"):
 def products_cases(draw, device: str = "cpu"):
     """An operand from ``matrices`` and the vectors of row_products: u [..., r, k] (finite, any
     sign) and z [..., r', k] (non-negative, as magnitudes are), sometimes broadcast over a batch
-    dim of a; up to 16 of each on CUDA (the kernel's limit), more on CPU."""
+    dim of a, and laid out contiguously, as rows of a wider tensor (one of a pair, as encoding
+    takes the plain sums of magnitudes) or transposed; up to 16 of each on CUDA (the kernel's
+    limit), more on CPU."""
     a, _, _ = draw(matrices(device))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
@@ -110,8 +112,18 @@ def products_cases(draw, device: str = "cpu"):
     if batch and draw(st.booleans()):
         batch[draw(st.integers(0, len(batch) - 1))] = 1
     top = 16 if device == "cuda" else 40
-    u = torch.randn(*batch, draw(st.integers(0, top)), k, generator=g, dtype=acc)
-    z = torch.rand(*batch, draw(st.integers(0, top)), k, generator=g, dtype=acc) * 300
+
+    def vectors(make) -> torch.Tensor:
+        rows = draw(st.integers(0, top))
+        layout = draw(st.sampled_from(["contiguous", "one of a pair", "transposed"]))
+        if layout == "one of a pair":
+            return make(*batch, rows, 2, k)[..., 1, :]
+        if layout == "transposed":
+            return make(*batch, k, rows).mT
+        return make(*batch, rows, k)
+
+    u = vectors(lambda *shape: torch.randn(*shape, generator=g, dtype=acc))
+    z = vectors(lambda *shape: torch.rand(*shape, generator=g, dtype=acc) * 300)
     return a, u.to(device), z.to(device)
 
 
