@@ -11,8 +11,8 @@ inputs), whatever the inputs' dtype. The per-block sums of A come from the compi
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,21 +70,45 @@ def as_blocks(x: Tensor, block: int, dtype: torch.dtype = torch.float32, dim: in
     return x.unflatten(dim, (-1, block))
 
 
-@functools.lru_cache(maxsize=64)
+_CONSTANTS: dict[tuple, Tensor] = {}
+_MAX_CONSTANTS = 256
+
+
+def _constant(key: tuple, make: Callable[[], Tensor]) -> Tensor:
+    """``make()``, kept under ``key`` where keeping it is safe: a plain tensor, not one made
+    while a CUDA graph is captured (its kernels have not run yet) nor a fake tensor of a trace.
+    Callers must not write to it."""
+    found = _CONSTANTS.get(key)
+    if found is not None:
+        return found
+    value = make()
+    capturing = value.is_cuda and torch.cuda.is_current_stream_capturing()
+    if type(value) is Tensor and not capturing and len(_CONSTANTS) < _MAX_CONSTANTS:
+        _CONSTANTS[key] = value
+    return value
+
+
 def block_weights(block: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """The ``[2, block]`` checksum weights: e = (1, ..., 1) and w = (1, ..., block). Made once
-    per block, device and dtype: do not write to it."""
-    w = torch.arange(1, block + 1, device=device, dtype=dtype)
-    return torch.stack([torch.ones_like(w), w])
+    per block, device and dtype (_constant): do not write to it."""
+
+    def make() -> Tensor:
+        w = torch.arange(1, block + 1, device=device, dtype=dtype)
+        return torch.stack([torch.ones_like(w), w])
+
+    return _constant(("weights", block, device, dtype), make)
 
 
-@functools.lru_cache(maxsize=64)
 def _block_counts(length: int, block: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """``[nb, 2, 1]``: each block's number of rows and the sum of their weights, out of
     ``length`` rows: what a bias adds to the column sums of each block, per unit of bias. Made
-    once per shape, device and dtype: do not write to it."""
-    rows = as_blocks(torch.ones(length, 1, device=device), block, dtype)  # [nb, block, 1]
-    return block_weights(block, device, dtype) @ rows
+    once per shape, device and dtype (_constant): do not write to it."""
+
+    def make() -> Tensor:
+        rows = as_blocks(torch.ones(length, 1, device=device), block, dtype)  # [nb, block, 1]
+        return block_weights(block, device, dtype) @ rows
+
+    return _constant(("counts", length, block, device, dtype), make)
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:

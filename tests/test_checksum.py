@@ -108,3 +108,33 @@ VIEWS = {
     "aten::unsqueeze",
     "aten::unflatten",
 }
+
+
+def test_constants_are_kept_only_where_they_hold_their_values():
+    """block_weights and the bias's block counts are made once and kept, but never a fake
+    tensor of a torch.compile trace (it has no values); the next test covers CUDA graphs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_abft.checksum import _CONSTANTS, _block_counts, block_weights
+
+    cpu = torch.device("cpu")
+    with FakeTensorMode():
+        fake = block_weights(48, cpu, torch.float32)
+    assert type(fake) is not torch.Tensor and ("weights", 48, cpu, torch.float32) not in _CONSTANTS
+    kept = block_weights(48, cpu, torch.float32)
+    assert block_weights(48, cpu, torch.float32) is kept
+    assert kept.tolist() == [[1.0] * 48, [float(i) for i in range(1, 49)]]
+    counts = _block_counts(100, 48, cpu, torch.float32)
+    assert counts.flatten().tolist() == [48, 48 * 49 / 2, 48, 48 * 49 / 2, 4, 10]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_constants_made_while_a_cuda_graph_is_captured_are_not_kept():
+    from megatron_abft.checksum import _CONSTANTS, _block_counts
+
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        _block_counts(77, 16, gpu, torch.float32)
+    assert ("counts", 77, 16, gpu, torch.float32) not in _CONSTANTS
+    assert _block_counts(77, 16, gpu, torch.float32)[-1].flatten().tolist() == [13, 91]
