@@ -66,12 +66,15 @@ struct BlockSums {
 // Vectors and outputs in the accumulation type, for row_products: u [*batch, nu, k] and
 // z [*batch, nz, k], strided views (a broadcast batch dim has stride 0; each vector's elements
 // are contiguous), so that the other operand's block sums are read where they are; contiguous
-// outputs products [batch, m, nu], magnitudes [batch, m, nz]. nu = u.rows, nz = z.rows.
+// outputs products [batch, m, nu], magnitudes [batch, m, nz]. nu = u.rows, nz = z.rows. The
+// products come out times `scale` and the magnitudes times |scale| (a GEMM's alpha), each
+// rounded once, as a multiplication of the outputs would.
 struct RowProducts {
   MatrixBatch u;
   MatrixBatch z;
   void* products;
   void* magnitudes;
+  double scale;
 };
 
 // One side of a screen. The recomputed sums and sizes are block_sums' outputs; the references

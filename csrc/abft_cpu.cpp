@@ -138,7 +138,7 @@ ABFT_INLINE void rows_step(const MatrixBatch& c, const BlockSums& out, int64_t b
 // four independent chains, so that short rows are not bound by the adds' latency.
 template <bool kAbs, typename Acc>
 ABFT_INLINE void dots(const Acc* __restrict__ x, int64_t k, const Acc* __restrict__ vectors,
-                      int64_t stride, int64_t count, Acc* __restrict__ out) {
+                      int64_t stride, int64_t count, Acc scale, Acc* __restrict__ out) {
   int64_t t = 0;
   for (; t + 4 <= count; t += 4) {
     const Acc *v0 = vectors + t * stride, *v1 = v0 + stride, *v2 = v1 + stride,
@@ -152,14 +152,15 @@ ABFT_INLINE void dots(const Acc* __restrict__ x, int64_t k, const Acc* __restric
       p2 += xj * v2[j];
       p3 += xj * v3[j];
     }
-    out[t] = p0, out[t + 1] = p1, out[t + 2] = p2, out[t + 3] = p3;
+    out[t] = p0 * scale, out[t + 1] = p1 * scale, out[t + 2] = p2 * scale;
+    out[t + 3] = p3 * scale;
   }
   for (; t < count; ++t) {
     const Acc* __restrict__ v = vectors + t * stride;
     Acc p = 0;
 #pragma omp simd reduction(+ : p)
     for (int64_t j = 0; j < k; ++j) p += (kAbs ? std::abs(x[j]) : x[j]) * v[j];
-    out[t] = p;
+    out[t] = p * scale;
   }
 }
 
@@ -169,8 +170,9 @@ ABFT_INLINE void row_dots(const Acc* __restrict__ x, int64_t k, const RowProduct
                           int64_t rows, int64_t i) {
   const MatrixBatch &u = out.u, &z = out.z;
   dots<false>(x, k, static_cast<const Acc*>(u.data) + batch_offset(u, b), u.row_stride, u.rows,
-              static_cast<Acc*>(out.products) + (b * rows + i) * u.rows);
+              Acc(out.scale), static_cast<Acc*>(out.products) + (b * rows + i) * u.rows);
   dots<true>(x, k, static_cast<const Acc*>(z.data) + batch_offset(z, b), z.row_stride, z.rows,
+             Acc(std::abs(out.scale)),
              static_cast<Acc*>(out.magnitudes) + (b * rows + i) * z.rows);
 }
 

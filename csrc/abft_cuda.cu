@@ -171,10 +171,11 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == 0) {
       Acc* products = static_cast<Acc*>(out.products) + row * nu;
       Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * nz;
+      const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
 #pragma unroll
       for (int t = 0; t < kMaxRowProducts; ++t) {
-        if (t < nu) products[t] = p[t];
-        if (t < nz) magnitudes[t] = q[t];
+        if (t < nu) products[t] = p[t] * scale;
+        if (t < nz) magnitudes[t] = q[t] * size_scale;
       }
     }
   }

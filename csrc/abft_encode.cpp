@@ -8,6 +8,7 @@
 #include <ATen/ExpandUtils.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <numeric>
 #include <tuple>
 #include <vector>
@@ -26,19 +27,22 @@ Four block_sums(const at::Tensor& c, int64_t col_block, int64_t row_block) {
   return op.call(c, col_block, row_block);
 }
 
-Pair row_products(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("megatron_abft::row_products", "")
-                       .typed<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  return op.call(a, u, z);
+Pair row_products(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z, double scale) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("megatron_abft::row_products", "")
+          .typed<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(a, u, z, scale);
 }
 
-Four operand_pass(const at::Tensor& a, int64_t block, const at::Tensor& u, const at::Tensor& z) {
+Four operand_pass(const at::Tensor& a, int64_t block, const at::Tensor& u, const at::Tensor& z,
+                  double scale) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("megatron_abft::operand_pass", "")
-          .typed<Four(const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&)>();
-  return op.call(a, block, u, z);
+          .typed<Four(const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
+                      double)>();
+  return op.call(a, block, u, z, scale);
 }
 
 bool column_major(const at::Tensor& x) { return x.stride(-2) == 1 && x.stride(-1) != 1; }
@@ -54,19 +58,23 @@ std::vector<int64_t> batch_of(const at::Tensor& t) {
   return t.sizes().slice(0, t.dim() - 2).vec();
 }
 
-// sums @ x^T and sizes @ |x|^T for an operand x [..., p, k]: [..., q, p] and [..., q', p]. As
-// checksum._project: x is read in its own layout, and its broadcast batch dims are folded into
-// the GEMM's columns.
-Pair project(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes) {
+// scale sums @ x^T and |scale| sizes @ |x|^T for an operand x [..., p, k]: [..., q, p] and
+// [..., q', p]. As checksum._project, then _scaled: x is read in its own layout, and its
+// broadcast batch dims are folded into the GEMM's columns; the kernels apply the scale as they
+// write their outputs.
+Pair project(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes, double scale) {
   const auto batch = at::infer_size(batch_of(x), batch_of(sums));
   if (batch_of(x) == batch) {
     if (products_apply(x, sums, sizes)) {
-      auto [products, magnitudes] = row_products(x, sums, sizes);
+      auto [products, magnitudes] = row_products(x, sums, sizes, scale);
       return {products.mT(), magnitudes.mT()};
     }
     x = x.to(sums.scalar_type());
-    if (column_major(x)) return {sums.matmul(x.mT()), sizes.matmul(x.abs().mT())};
-    return {x.matmul(sums.mT()).mT(), x.abs().matmul(sizes.mT()).mT()};
+    Pair found = column_major(x)
+                     ? Pair{sums.matmul(x.mT()), sizes.matmul(x.abs().mT())}
+                     : Pair{x.matmul(sums.mT()).mT(), x.abs().matmul(sizes.mT()).mT()};
+    if (scale == 1.0) return found;
+    return {std::get<0>(found).mul(scale), std::get<1>(found).mul(std::abs(scale))};
   }
   const int64_t dims = int64_t(batch.size()), p = x.size(-2), k = x.size(-1);
   std::vector<int64_t> padded(dims + 2 - x.dim(), 1);
@@ -98,7 +106,7 @@ Pair project(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes) {
     full.insert(full.end(), {q, k});
     return rows.expand(full).permute(permutation).reshape(kept_shape({folded * q, k}));
   };
-  auto [products, magnitudes] = project(x, fold_rows(sums), fold_rows(sizes));
+  auto [products, magnitudes] = project(x, fold_rows(sums), fold_rows(sizes), scale);
   for (size_t i = 0; i < keep.size(); ++i) order[keep[i]] = int64_t(i);
   for (size_t i = 0; i < fold.size(); ++i) order[fold[i]] = int64_t(keep.size() + i);
   order.insert(order.end(), {dims, dims + 1});
@@ -111,12 +119,10 @@ Pair project(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes) {
   return {unfold(products), unfold(magnitudes)};
 }
 
-// [..., 2 nb, n] products as [..., nb, 2, n] sums, and magnitudes, times alpha.
-Pair scaled(const Pair& found, double alpha) {
-  auto [sums, magnitude] = found;
-  sums = sums.unflatten(-2, {sums.size(-2) / 2, 2});
-  if (alpha == 1.0) return {sums, magnitude};
-  return {sums.mul(alpha), magnitude.mul(std::abs(alpha))};
+// [..., 2 nb, n] products as [..., nb, 2, n] sums, and magnitudes.
+Pair paired(const Pair& found) {
+  const auto& [sums, magnitude] = found;
+  return {sums.unflatten(-2, {sums.size(-2) / 2, 2}), magnitude};
 }
 
 // Both sides' (sums, magnitude) of alpha * a @ b: column side [..., nb(m), 2, n], [..., nb(m), n],
@@ -141,10 +147,10 @@ Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t
   z_shape.insert(z_shape.end(), small_size.sizes().begin(), small_size.sizes().end());
   const at::Tensor u = small_w.flatten(-3, -2).reshape(u_shape);
   const at::Tensor z = small_size.reshape(z_shape);
-  auto [big_w, big_sizes, products, magnitudes] = operand_pass(big, block, u, z);
+  auto [big_w, big_sizes, products, magnitudes] = operand_pass(big, block, u, z, alpha);
   // blocks of big's rows, projected on small; blocks of small's rows, from big's pass
-  auto of_big = scaled(project(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0)), alpha);
-  auto of_small = scaled({products.mT(), magnitudes.mT()}, alpha);
+  auto of_big = paired(project(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0), alpha));
+  auto of_small = paired({products.mT(), magnitudes.mT()});
   const Pair& col = x_big ? of_big : of_small;
   const Pair& row = x_big ? of_small : of_big;
   return {std::get<0>(col), std::get<1>(col), std::get<0>(row), std::get<1>(row)};

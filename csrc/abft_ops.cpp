@@ -123,9 +123,11 @@ Sums block_sums_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block) {
 }
 
 // row_products: checks a like block_sums' c, and u, z [*batch', r, k] in the accumulation dtype
-// with batch dims that broadcast to a's; returns a @ u^T and |a| @ z^T as [*batch, m, r].
+// with batch dims that broadcast to a's; returns scale a @ u^T and |scale| |a| @ z^T as
+// [*batch, m, r].
 std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tensor> prepare_products(
-    const at::Tensor& a, const at::Tensor& u, const at::Tensor& z, at::DeviceType device) {
+    const at::Tensor& a, const at::Tensor& u, const at::Tensor& z, double scale,
+    at::DeviceType device) {
   TORCH_CHECK(a.device().type() == device, "megatron_abft::row_products: a is on ", a.device(),
               " but this kernel runs on ", device);
   TORCH_CHECK(a.layout() == at::kStrided,
@@ -163,12 +165,13 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
   Products out{at::empty(shape(nu), a.options().dtype(acc)),
                at::empty(shape(nz), a.options().dtype(acc))};
   abft::RowProducts products{describe(vectors[0]), describe(vectors[1]),
-                             std::get<0>(out).data_ptr(), std::get<1>(out).data_ptr()};
+                             std::get<0>(out).data_ptr(), std::get<1>(out).data_ptr(), scale};
   return {std::move(out), describe(a), products, vectors[0], vectors[1]};
 }
 
-Products row_products_cpu(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
-  auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, at::kCPU);
+Products row_products_cpu(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
+                          double scale) {
+  auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, scale, at::kCPU);
   const int64_t tasks = abft::row_products_tasks(matrix);
   at::parallel_for(0, tasks, 1, [&, &matrix = matrix, &products = products](int64_t b, int64_t e) {
     abft::row_products_cpu(matrix, products, b, e);
@@ -181,22 +184,23 @@ using Pass = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 std::tuple<Pass, abft::MatrixBatch, abft::BlockSums, abft::RowProducts, at::Tensor, at::Tensor>
 prepare_pass(const at::Tensor& a, int64_t block, const at::Tensor& u, const at::Tensor& z,
-             at::DeviceType device) {
+             double scale, at::DeviceType device) {
   TORCH_CHECK(block >= 2, "megatron_abft::operand_pass: block must be >= 2; got ", block);
   check_inputs(a, block, 0, device);
   TORCH_CHECK(!(a.stride(-2) == 1 && a.stride(-1) != 1 && a.size(-2) > 1),
               "megatron_abft::operand_pass: a must not be column-major (strides ", a.strides(),
               "); use block_sums and row_products");
   auto [sums, matrices, out] = prepare(a, block, 0);
-  auto [products, matrix, row_products, u_, z_] = prepare_products(a, u, z, device);
+  auto [products, matrix, row_products, u_, z_] = prepare_products(a, u, z, scale, device);
   Pass result{std::get<0>(sums), std::get<1>(sums), std::get<0>(products),
               std::get<1>(products)};
   return {std::move(result), matrices, out, row_products, u_, z_};
 }
 
 Pass operand_pass_cpu(const at::Tensor& a, int64_t block, const at::Tensor& u,
-                      const at::Tensor& z) {
-  auto [result, matrices, out, products, u_, z_] = prepare_pass(a, block, u, z, at::kCPU);
+                      const at::Tensor& z, double scale) {
+  auto [result, matrices, out, products, u_, z_] =
+      prepare_pass(a, block, u, z, scale, at::kCPU);
   const int64_t tasks = abft::block_sums_tasks(matrices, out);
   at::parallel_for(0, tasks, 1,
                    [&, &matrices = matrices, &out = out, &products = products](int64_t b,
@@ -208,9 +212,10 @@ Pass operand_pass_cpu(const at::Tensor& a, int64_t block, const at::Tensor& u,
 
 #ifdef ABFT_WITH_CUDA
 Pass operand_pass_cuda(const at::Tensor& a, int64_t block, const at::Tensor& u,
-                       const at::Tensor& z) {
+                       const at::Tensor& z, double scale) {
   const c10::cuda::CUDAGuard guard(a.device());
-  auto [result, matrices, out, products, u_, z_] = prepare_pass(a, block, u, z, at::kCUDA);
+  auto [result, matrices, out, products, u_, z_] =
+      prepare_pass(a, block, u, z, scale, at::kCUDA);
   TORCH_CHECK(products.u.rows <= abft::kMaxRowProducts &&
                   products.z.rows <= abft::kMaxRowProducts,
               "megatron_abft::operand_pass: at most ", abft::kMaxRowProducts,
@@ -223,9 +228,10 @@ Pass operand_pass_cuda(const at::Tensor& a, int64_t block, const at::Tensor& u,
 #endif
 
 #ifdef ABFT_WITH_CUDA
-Products row_products_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
+Products row_products_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
+                           double scale) {
   const c10::cuda::CUDAGuard guard(a.device());
-  auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, at::kCUDA);
+  auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, scale, at::kCUDA);
   TORCH_CHECK(products.u.rows <= abft::kMaxRowProducts &&
                   products.z.rows <= abft::kMaxRowProducts,
               "megatron_abft::row_products: at most ", abft::kMaxRowProducts,
@@ -600,10 +606,11 @@ TORCH_LIBRARY(megatron_abft, m) {
   m.def(
       "block_sums(Tensor c, int col_block, int row_block) -> (Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
-  m.def("row_products(Tensor a, Tensor u, Tensor z) -> (Tensor, Tensor)",
+  m.def("row_products(Tensor a, Tensor u, Tensor z, float scale=1.0) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
   m.def(
-      "operand_pass(Tensor a, int block, Tensor u, Tensor z) -> (Tensor, Tensor, Tensor, Tensor)",
+      "operand_pass(Tensor a, int block, Tensor u, Tensor z, float scale=1.0) -> (Tensor, Tensor, "
+      "Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "screen(Tensor c, int col_block, int row_block, Tensor[] col, Tensor[] row, "

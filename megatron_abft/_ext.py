@@ -267,7 +267,7 @@ def _register_fake() -> None:
         )
 
     @torch.library.register_fake("megatron_abft::operand_pass")
-    def _(a: Tensor, block: int, u: Tensor, z: Tensor):
+    def _(a: Tensor, block: int, u: Tensor, z: Tensor, scale: float = 1.0):
         batch, (m, k) = a.shape[:-2], a.shape[-2:]
         sums = (*batch, -(-m // block), 2, k)
         return (
@@ -278,7 +278,7 @@ def _register_fake() -> None:
         )
 
     @torch.library.register_fake("megatron_abft::row_products")
-    def _(a: Tensor, u: Tensor, z: Tensor):
+    def _(a: Tensor, u: Tensor, z: Tensor, scale: float = 1.0):
         batch, m = a.shape[:-2], a.shape[-2]
         return a.new_empty((*batch, m, u.shape[-2]), dtype=u.dtype), a.new_empty(
             (*batch, m, z.shape[-2]), dtype=z.dtype

@@ -357,6 +357,27 @@ def test_row_products_bad_inputs_raise_clear_errors(a, u, z, message):
 
 
 @needs_ext
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_product_kernels_scale_their_outputs_as_a_multiplication_would(device, dtype):
+    """row_products and operand_pass apply a GEMM's alpha as they write (one launch fewer each
+    on a GPU than multiplying after): bit for bit the unscaled outputs times alpha, and the
+    magnitudes times |alpha|."""
+    g = torch.Generator().manual_seed(3)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    a = torch.randn(2, 3, 70, 40, generator=g).to(device=device, dtype=dtype)
+    u = torch.randn(2, 1, 6, 40, generator=g, dtype=acc).to(device)
+    z = torch.rand(2, 3, 2, 5, 40, generator=g, dtype=acc).to(device)[:, :, 0]
+    for alpha in (0.125, -3.0):
+        scaled = torch.ops.megatron_abft.row_products(a, u, z, alpha)
+        plain = torch.ops.megatron_abft.row_products(a, u, z)
+        assert torch.equal(scaled[0], plain[0] * alpha)
+        assert torch.equal(scaled[1], plain[1] * abs(alpha))
+        passed = torch.ops.megatron_abft.operand_pass(a, 16, u, z, alpha)
+        assert torch.equal(passed[2], scaled[0]) and torch.equal(passed[3], scaled[1])
+
+
+@needs_ext
 def test_encoding_reads_the_larger_operand_once():
     p = torch.rand(2, 4, 3, 128, 96)  # probabilities [b, groups, heads per group, sq, sk]
     v = torch.randn(2, 4, 1, 96, 16)  # values shared by each group's heads
