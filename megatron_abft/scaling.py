@@ -41,7 +41,7 @@ CHECK_OPS = {"torch": 124, "kernels": 7, "fused": 7}
 was found) of a batched GEMM on a CPU. The torch and kernels figures are the code's own,
 counted with torch.profiler by tests/test_scaling.py; the fused target removes passes, not
 ops."""
-CHECK_KERNELS = {"torch": 124, "kernels": 11, "fused": 10}
+CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 11, "fused": 10}
 """GPU kernels one clean check launches with ``ABFTConfig.sync_free``, counted from the code
 (not yet on a GPU), at sequence 2048: encode_pair 4 to 7 (the smaller operand's block sums, the
 larger one's pass, the smaller one's products, alpha applied as they are written; a cast, abs

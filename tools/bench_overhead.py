@@ -75,50 +75,48 @@ class Timer:
         return end - begin
 
 
+def _small_scores_check(device: torch.device, m: int, k: int, alpha: float, sync_free: bool):
+    """A guard's clean check of a small attention-scores GEMM (K shared by two heads), as a
+    call, after the warm-up checks that allocate the guard's counters."""
+    from megatron_abft.eec import GemmOperands
+    from megatron_abft.guard import SectionGuard
+
+    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log", sync_free=sync_free), 0)
+    a = torch.randn(1, 4, 2, m, k, device=device)
+    b = torch.randn(1, 4, 1, k, m, device=device)
+    operands, c = GemmOperands(a, b, alpha), alpha * (a @ b)
+    for _ in range(10):
+        guard.check(c, operands)
+    return lambda: guard.check(c, operands)
+
+
 def check_cost(device: torch.device, reps: int = 200) -> tuple[int, float]:
     """The tensor ops one clean check launches (counted by torch.profiler) and the time of one
     such op, eager dispatch and the Python around it included: a guard checking a tiny batched
     GEMM, whose time is all op overhead."""
-    from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard
-
-    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
-    a = torch.randn(1, 4, 2, 16, 8, device=device)
-    b = torch.randn(1, 4, 1, 8, 16, device=device)
-    operands, c = GemmOperands(a, b), a @ b
-    for _ in range(10):  # the first check allocates the guard's counters
-        guard.check(c, operands)
+    check = _small_scores_check(device, 16, 8, 1.0, sync_free=False)
     cpu = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
-        guard.check(c, operands)
+        check()
     ops = count_ops(profile)
     timer = Timer(device.type == "cuda")
     begin = timer.start()
     for _ in range(reps):
-        guard.check(c, operands)
+        check()
     return ops, timer.seconds(begin, timer.start()) / reps / ops
 
 
 def check_launches(device: torch.device) -> int | None:
     """GPU kernels (and memsets) one clean sync-free check launches, the figure the overhead
     model takes for a GPU (scaling.CHECK_KERNELS), counted by torch.profiler on a small
-    attention-scores check (alpha 1/8, K shared by two heads). None off a GPU."""
+    attention-scores check (alpha 1/8). None off a GPU."""
     if device.type != "cuda":
         return None
-    from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard
-
-    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log", sync_free=True), 0)
-    a = torch.randn(1, 4, 2, 64, 32, device=device)
-    b = torch.randn(1, 4, 1, 32, 64, device=device)
-    operands = GemmOperands(a, b, 0.125)
-    c = 0.125 * (a @ b)
-    for _ in range(3):
-        guard.check(c, operands)
+    check = _small_scores_check(device, 64, 32, 0.125, sync_free=True)
     torch.cuda.synchronize(device)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
-        guard.check(c, operands)
+        check()
         torch.cuda.synchronize(device)
     return sum(1 for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
