@@ -175,20 +175,6 @@ def verify_and_correct(
         _check_references_finite(col, row)
     if c.numel() == 0:  # an empty output: nothing to check
         return _clean_result(c)
-    if c.dim() == 2:  # one matrix: give it a batch dim so that indexing is uniform
-        result = verify_and_correct(
-            c.unsqueeze(0),
-            _batched(col),
-            _batched(row),
-            operands=operands,
-            threshold_scale=threshold_scale,
-            near_inf=near_inf,
-            max_corrections=max_corrections,
-            check_references=False,
-            sync_free=sync_free,
-        )
-        return EECResult(*(t[0] for t in result.fields), known_clean=result.known_clean)
-
     capacity = max_corrections if max_corrections is not None else max(c.shape[-2:])
     check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
@@ -200,7 +186,24 @@ def verify_and_correct(
         worst = int(found[0].max()) if found[0].numel() else CLEAN
         if worst != UNCORRECTABLE:
             return EECResult(*found, known_clean=worst == CLEAN)
-        # the kernels put back the matrices they could not settle: the PyTorch path takes them
+    if c.dim() == 2:  # one matrix: the PyTorch path indexes a batch dim
+        batched = {name: _batched(ref) for name, ref in refs.items()}
+        kernels = None if found is None else tuple(t.unsqueeze(0) for t in found)
+        result = _rest(c.unsqueeze(0), batched, check, may_skip, kernels)
+        return EECResult(*(t[0] for t in result.fields), known_clean=result.known_clean)
+    return _rest(c, refs, check, may_skip, found)
+
+
+def _rest(
+    c: Tensor,
+    refs: dict[str, Checksums],
+    check: Check,
+    may_skip: bool,
+    found: tuple[Tensor, ...] | None,
+) -> EECResult:
+    """The PyTorch path: for the matrices the kernels ``found`` UNCORRECTABLE (and put back as
+    they were), or for all of them where the kernels did not run (``found`` None)."""
+    if found is not None:
         fixed = found[0] == CORRECTED
         rest = _torch_path(c, refs, check, may_skip)
         merged = [

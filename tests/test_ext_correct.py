@@ -69,7 +69,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @PROPERTY
 @given(
     dtype=st.sampled_from(DTYPES),
-    batch=st.sampled_from([(2,), (2, 3)]),
+    batch=st.sampled_from([(), (2,), (2, 3)]),
     m=st.integers(2, 200),
     n=st.integers(2, 200),
     block=st.sampled_from([2, 16, 64, 256]),
@@ -82,6 +82,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 )
 @example(torch.bfloat16, (2, 3), 200, 150, 64, True, ("col", "row"), "contiguous", "nan", "row", 1)
 @example(torch.float16, (2,), 130, 90, 16, False, ("col",), "column-major", "value", "col", 2)
+@example(torch.float32, (), 96, 120, 32, True, ("col",), "contiguous", "nan", "0d", 3)
+@example(torch.bfloat16, (), 64, 80, 16, False, ("col", "row"), "contiguous", "nan", "2d", 4)
 def test_verify_and_correct_with_the_kernels_equals_the_pytorch_path(
     dtype, batch, m, n, block, bias, sides, layout, kind, pattern, seed
 ):
