@@ -280,6 +280,30 @@ ABFT_HD inline void tally_event(const Tally& t, int64_t b) {
   *t.failed = t.status[b] == 2;
 }
 
+// What a bias [n] adds to both sides' checksums of C = alpha * A @ B + bias, C with m rows
+// (megatron_abft/checksum.py, _columns and _rows): per block of rows, (rows, sum of their
+// weights) x bias_j and rows x |bias_j|; per block of columns, (sum bias_j, sum w_j bias_j) and
+// sum |bias_j|, the same for every row. Outputs contiguous, in the accumulation type (double
+// where f64, else float):
+//   col_sums [ceil(m / block), 2, n], col_sizes [ceil(m / block), n],
+//   row_sums [ceil(n / block), 2],    row_sizes [ceil(n / block)]
+// One item per column term, then one per block of columns.
+struct BiasTerms {
+  const void* bias;
+  DType dtype;
+  int64_t stride;  // of bias, in elements
+  int64_t n, m, block;
+  bool f64;
+  void* col_sums;
+  void* col_sizes;
+  void* row_sums;
+  void* row_sizes;
+};
+
+ABFT_HD inline int64_t bias_terms_items(const BiasTerms& t) {
+  return ceil_div(t.m, t.block) * t.n + ceil_div(t.n, t.block);
+}
+
 // CPU: the work splits into independent tasks (one band of rows of one matrix each); the binding
 // runs tasks [begin, end) on each of its threads.
 // With `products`, the same pass also gives row_products of C (operand_pass: an operand's block
@@ -305,6 +329,10 @@ int screen_cuda(const Screen& s, bool f64, void* stream);
 // CPU, one loop; CUDA, one thread block on `stream`.
 void tally_cpu(const Tally& t);
 int tally_cuda(const Tally& t, void* stream);
+
+// CPU, items [begin, end); CUDA, all of them on `stream`.
+void bias_terms_cpu(const BiasTerms& t, int64_t begin, int64_t end);
+int bias_terms_cuda(const BiasTerms& t, void* stream);
 
 // CPU, matrices [begin, end) of the batch; CUDA, on `stream`, after the screen's launches.
 void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);

@@ -94,6 +94,35 @@ ABFT_HD inline double load_element(const void* data, DType t, int64_t at) {
   return 0;
 }
 
+// Item `item` of a bias's checksum terms (abft.h, BiasTerms): a column term, with the products
+// rounded once as checksum._columns rounds them, or a block of columns summed in order.
+template <typename Acc>
+ABFT_HD inline void bias_term(const BiasTerms& t, int64_t item) {
+  const int64_t col_items = ceil_div(t.m, t.block) * t.n;
+  if (item < col_items) {
+    const int64_t blk = item / t.n, j = item % t.n;
+    const Acc rows = Acc(min64(t.block, t.m - blk * t.block));
+    const Acc x = Acc(load_element(t.bias, t.dtype, j * t.stride));
+    Acc* sums = static_cast<Acc*>(t.col_sums) + blk * 2 * t.n + j;
+    sums[0] = rows * x;
+    sums[t.n] = (rows * (rows + 1) / 2) * x;
+    static_cast<Acc*>(t.col_sizes)[item] = rows * (x < 0 ? -x : x);
+    return;
+  }
+  const int64_t blk = item - col_items, first = blk * t.block;
+  const int64_t length = min64(t.block, t.n - first);
+  Acc sum = 0, weighted = 0, size = 0;
+  for (int64_t p = 0; p < length; ++p) {
+    const Acc x = Acc(load_element(t.bias, t.dtype, (first + p) * t.stride));
+    sum += x;
+    weighted += Acc(p + 1) * x;
+    size += x < 0 ? -x : x;
+  }
+  static_cast<Acc*>(t.row_sums)[2 * blk] = sum;
+  static_cast<Acc*>(t.row_sums)[2 * blk + 1] = weighted;
+  static_cast<Acc*>(t.row_sizes)[blk] = size;
+}
+
 ABFT_HD inline uint64_t element_bits(const void* data, DType t, int64_t at) {
   uint64_t bits = 0;
   memcpy(&bits, static_cast<const char*>(data) + at * dtype_bytes(t), dtype_bytes(t));

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "abft.h"
@@ -105,10 +106,10 @@ ABFT_INLINE void load_row(const T* row, int64_t stride, int64_t cols, Acc* __res
 // checked, nbr > 0).
 template <int R, bool kCols, typename Acc>
 ABFT_INLINE void rows_step(const MatrixBatch& c, const BlockSums& out, int64_t b, int64_t i,
-                           int64_t nbr, const Acc* x, const Acc* weight, Acc w0, Acc* s0,
+                           int64_t nbr, const Acc* x, const Acc* x1, const Acc* weight, Acc w0,
+                           Acc* s0,
                            Acc* s1, Acc* z0, Acc* z1) {
   const int64_t cols = c.cols, rows = c.rows;
-  const Acc* x1 = x + cols;
   Acc t[2][4];
   if (nbr == 0) {
     segment<R, kCols, false>(x, x1, cols, weight, w0, w0 + 1, s0, s1, z0, z1, t);
@@ -194,20 +195,28 @@ ABFT_INLINE void band(const MatrixBatch& c, const BlockSums& out, int64_t task, 
     std::fill(z0, z0 + 2 * cols, Acc(0));
   }
   const int64_t nbr = out.row_block > 0 ? ceil_div(cols, out.row_block) : 0;
+  // row r of the band in the accumulation type: read where it is when it already is (fp32 or
+  // fp64 rows stored contiguously), else converted into buffer
+  auto row = [&](int64_t r, Acc* buffer) -> const Acc* {
+    if constexpr (std::is_same_v<T, Acc>) {
+      if (c.col_stride == 1) return base + r * c.row_stride;
+    }
+    load_row(base + r * c.row_stride, c.col_stride, cols, buffer);
+    return buffer;
+  };
   int64_t i = r0;
   for (; i + 1 < r1; i += 2) {
-    load_row(base + i * c.row_stride, c.col_stride, cols, x);
-    load_row(base + (i + 1) * c.row_stride, c.col_stride, cols, x + cols);
+    const Acc *x0 = row(i, x), *x1 = row(i + 1, x + cols);
     if (products != nullptr) {
-      row_dots(x, cols, *products, b, rows, i);
-      row_dots(x + cols, cols, *products, b, rows, i + 1);
+      row_dots(x0, cols, *products, b, rows, i);
+      row_dots(x1, cols, *products, b, rows, i + 1);
     }
-    rows_step<2, kCols>(c, out, b, i, nbr, x, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
+    rows_step<2, kCols>(c, out, b, i, nbr, x0, x1, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
   }
   if (i < r1) {
-    load_row(base + i * c.row_stride, c.col_stride, cols, x);
-    if (products != nullptr) row_dots(x, cols, *products, b, rows, i);
-    rows_step<1, kCols>(c, out, b, i, nbr, x, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
+    const Acc* x0 = row(i, x);
+    if (products != nullptr) row_dots(x0, cols, *products, b, rows, i);
+    rows_step<1, kCols>(c, out, b, i, nbr, x0, x0, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
   }
 }
 
@@ -296,6 +305,16 @@ void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end) {
       Corrector<double>(k, b).run();
     } else {
       Corrector<float>(k, b).run();
+    }
+  }
+}
+
+void bias_terms_cpu(const BiasTerms& t, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) {
+    if (t.f64) {
+      bias_term<double>(t, item);
+    } else {
+      bias_term<float>(t, item);
     }
   }
 }

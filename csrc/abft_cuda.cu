@@ -233,7 +233,28 @@ __global__ void __launch_bounds__(kThreads) tally_kernel(Tally t) {
   if (threadIdx.x == 0) tally_event(t, tally_matrix(worst));
 }
 
+template <typename Acc>
+__global__ void __launch_bounds__(kThreads) bias_terms_kernel(BiasTerms t, int64_t items) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; item < items; item += step) {
+    bias_term<Acc>(t, item);
+  }
+}
+
 }  // namespace
+
+int bias_terms_cuda(const BiasTerms& t, void* stream) {
+  const int64_t items = bias_terms_items(t);
+  if (items == 0) return cudaSuccess;
+  const unsigned grid = unsigned(min64(ceil_div(items, kThreads), 1024));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (t.f64) {
+    bias_terms_kernel<double><<<grid, kThreads, 0, st>>>(t, items);
+  } else {
+    bias_terms_kernel<float><<<grid, kThreads, 0, st>>>(t, items);
+  }
+  return cudaGetLastError();
+}
 
 int correct_cuda(const Correct& k, bool f64, void* stream) {
   if (k.screen.batch == 0) return cudaSuccess;

@@ -600,6 +600,70 @@ std::tuple<at::Tensor, at::Tensor> tally_cuda(const at::Tensor& status, const at
 }
 #endif
 
+// add_bias: both sides' checksum sums and magnitudes of alpha * a @ b (encode_pair's outputs) with
+// a bias [n] added to every row of C (m rows), and the bias's magnitudes [nb(m), n], [nb(n), 1].
+using Six = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+std::tuple<abft::BiasTerms, std::vector<at::Tensor>> prepare_bias(
+    const at::Tensor& col, const at::Tensor& col_magnitude, const at::Tensor& row,
+    const at::Tensor& row_magnitude, const at::Tensor& bias, int64_t m, int64_t block) {
+  const char* what = "megatron_abft::add_bias";
+  TORCH_CHECK(block >= 1 && m >= 1, what, ": block and m must be >= 1; got ", block, " and ", m);
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) >= 1 && bias.device() == col.device(), what,
+              ": bias must be a vector on ", col.device(), "; got ", bias.sizes(), " on ",
+              bias.device());
+  const int64_t n = bias.size(0);
+  const auto acc = col.scalar_type();
+  TORCH_CHECK(acc == at::kFloat || acc == at::kDouble, what, ": sums must be fp32 or fp64; got ",
+              acc);
+  for (const at::Tensor* t : {&col_magnitude, &row, &row_magnitude}) {
+    TORCH_CHECK(t->scalar_type() == acc && t->device() == col.device(), what,
+                ": sums and magnitudes need one dtype and device");
+  }
+  TORCH_CHECK(col.dim() >= 3 && col.size(-3) == abft::ceil_div(m, block) && col.size(-2) == 2 &&
+                  col.size(-1) == n && row.dim() >= 3 &&
+                  row.size(-3) == abft::ceil_div(n, block) && row.size(-2) == 2 &&
+                  row.size(-1) == m,
+              what, ": sums ", col.sizes(), " and ", row.sizes(), " are not those of ", m,
+              " rows and ", n, " columns in blocks of ", block);
+  const auto options = col.options();
+  const int64_t col_blocks = abft::ceil_div(m, block), row_blocks = abft::ceil_div(n, block);
+  std::vector<at::Tensor> out = {at::empty({col_blocks, 2, n}, options),
+                                 at::empty({col_blocks, n}, options),
+                                 at::empty({row_blocks, 2, 1}, options),
+                                 at::empty({row_blocks, 1}, options)};
+  const abft::BiasTerms t{bias.data_ptr(), kernel_dtype(bias, "megatron_abft::add_bias: bias"),
+                          bias.stride(0), n, m, block, acc == at::kDouble, out[0].data_ptr(),
+                          out[1].data_ptr(), out[2].data_ptr(), out[3].data_ptr()};
+  return {t, std::move(out)};
+}
+
+Six with_bias(const at::Tensor& col, const at::Tensor& col_magnitude, const at::Tensor& row,
+              const at::Tensor& row_magnitude, const std::vector<at::Tensor>& terms) {
+  return {col + terms[0], col_magnitude + terms[1], row + terms[2], row_magnitude + terms[3],
+          terms[1], terms[3]};
+}
+
+Six add_bias_cpu(const at::Tensor& col, const at::Tensor& col_magnitude, const at::Tensor& row,
+                 const at::Tensor& row_magnitude, const at::Tensor& bias, int64_t m,
+                 int64_t block) {
+  auto [t, terms] = prepare_bias(col, col_magnitude, row, row_magnitude, bias, m, block);
+  abft::bias_terms_cpu(t, 0, abft::bias_terms_items(t));
+  return with_bias(col, col_magnitude, row, row_magnitude, terms);
+}
+
+#ifdef ABFT_WITH_CUDA
+Six add_bias_cuda(const at::Tensor& col, const at::Tensor& col_magnitude, const at::Tensor& row,
+                  const at::Tensor& row_magnitude, const at::Tensor& bias, int64_t m,
+                  int64_t block) {
+  const c10::cuda::CUDAGuard guard(col.device());
+  auto [t, terms] = prepare_bias(col, col_magnitude, row, row_magnitude, bias, m, block);
+  const auto stream = c10::cuda::getCurrentCUDAStream(col.device().index()).stream();
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::bias_terms_cuda(t, stream)));
+  return with_bias(col, col_magnitude, row, row_magnitude, terms);
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_abft, m) {
@@ -625,6 +689,10 @@ TORCH_LIBRARY(megatron_abft, m) {
       "tally(Tensor status, Tensor kind, Tensor row, Tensor col, Tensor magnitude, "
       "Tensor(a!) counts, float step) -> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def(
+      "add_bias(Tensor col, Tensor col_magnitude, Tensor row, Tensor row_magnitude, Tensor bias, "
+      "int m, int block) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
@@ -634,6 +702,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
   m.impl("screen", &screen_cpu);
   m.impl("verify_correct", &verify_correct_cpu);
   m.impl("tally", &tally_cpu);
+  m.impl("add_bias", &add_bias_cpu);
 }
 
 #ifdef ABFT_WITH_CUDA
@@ -644,6 +713,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
   m.impl("screen", &screen_cuda);
   m.impl("verify_correct", &verify_correct_cuda);
   m.impl("tally", &tally_cuda);
+  m.impl("add_bias", &add_bias_cuda);
 }
 #endif
 

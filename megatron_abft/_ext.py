@@ -2,7 +2,8 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums``, ``row_products``, ``encode_pair``, ``screen``, ``verify_correct`` and ``tally``
+``block_sums``, ``row_products``, ``encode_pair``, ``add_bias``, ``screen``, ``verify_correct`` and
+``tally``
 return None wherever the kernels do not apply (no extension, a device without a kernel, meta
 tensors); callers then take their PyTorch path, which stays the reference.
 """
@@ -169,6 +170,18 @@ def encode_pair(
     return torch.ops.megatron_abft.encode_pair(a, b, alpha, block)
 
 
+def add_bias(
+    sums: tuple[Tensor, Tensor, Tensor, Tensor], bias: Tensor, m: int, block: int
+) -> tuple[Tensor, ...] | None:
+    """encode_pair's ``sums`` (both sides' sums and magnitudes of ``alpha * a @ b``, ``a`` with
+    ``m`` rows) with ``bias [n]`` added to every row of C, in one op: the four, then the bias's
+    magnitudes ``[nb(m), n]`` and ``[nb(n), 1]`` (checksum.Checksums.bias_magnitude). None where
+    the kernels do not apply."""
+    if not _serves_device(bias.device) or bias.dtype not in _KERNEL_DTYPES or bias.dim() != 1:
+        return None
+    return torch.ops.megatron_abft.add_bias(*sums, bias, m, block)
+
+
 def screen(
     c: Tensor,
     col_block: int,
@@ -204,7 +217,7 @@ def verify_correct(
     a, b, alpha, bias = operands
     if not (_serves(c) and _serves(a) and _serves(b)) or a.device != c.device:
         return None
-    if bias is not None and not _serves(bias.unsqueeze(0).unsqueeze(0)):
+    if bias is not None and (bias.dtype not in _KERNEL_DTYPES or bias.device != c.device):
         return None
     return torch.ops.megatron_abft.verify_correct(c, *sides, a, b, alpha, bias, near_inf, capacity)
 
@@ -249,6 +262,23 @@ def _register_fake() -> None:
             a.new_empty((*batch, col, n), dtype=dtype),
             a.new_empty((*batch, row, 2, m), dtype=dtype),
             a.new_empty((*batch, row, m), dtype=dtype),
+        )
+
+    @torch.library.register_fake("megatron_abft::add_bias")
+    def _(col: Tensor, col_magnitude: Tensor, row: Tensor, row_magnitude: Tensor, bias, m, block):
+        n = bias.shape[0]
+        return (
+            *(
+                t.new_empty(torch.broadcast_shapes(t.shape, s))
+                for t, s in (
+                    (col, (-(-m // block), 2, n)),
+                    (col_magnitude, (-(-m // block), n)),
+                    (row, (-(-n // block), 2, 1)),
+                    (row_magnitude, (-(-n // block), 1)),
+                )
+            ),
+            col.new_empty((-(-m // block), n)),
+            col.new_empty((-(-n // block), 1)),
         )
 
     @torch.library.register_fake("megatron_abft::screen")

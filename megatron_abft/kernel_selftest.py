@@ -14,7 +14,7 @@ BLOCK = 32
 
 
 def mismatches(device: torch.device) -> list[str]:
-    """What the kernels get wrong on ``device``: encode_pair, block_sums, screen and
+    """What the kernels get wrong on ``device``: encode_pair, add_bias, block_sums, screen and
     verify_correct on a small batched GEMM in fp32 and bf16, clean and with faults, and tally,
     against the PyTorch path. Empty when they agree."""
     from megatron_abft import _ext
@@ -37,6 +37,14 @@ def mismatches(device: torch.device) -> list[str]:
         want = (col.sums, col.magnitude, row.sums, row.magnitude)
         if not all(_close(x, y) for x, y in zip(got, want, strict=True)):
             wrong.append(f"encode_pair ({dtype})")
+        bias = torch.randn(80, generator=g).to(device=device, dtype=dtype)
+        with _ext.disabled():
+            col_b, row_b = encode(a, b, bias=bias, block=BLOCK)
+        biased = torch.ops.megatron_abft.add_bias(*want, bias, 96, BLOCK)
+        want_b = (col_b.sums, col_b.magnitude, row_b.sums, row_b.magnitude)
+        want_b += (col_b.bias_magnitude, row_b.bias_magnitude)
+        if not all(_close(x, y) for x, y in zip(biased, want_b, strict=True)):
+            wrong.append(f"add_bias ({dtype})")
         refs = {"col": col, "row": row}
         check = Check(gemm_rounding(dtype, device), 1.0, 1e10, 0, None)
         faulty = c.clone()

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from megatron_abft import _ext
 from megatron_abft.checksum import encode, encode_columns, encode_rows, nblocks
 
 
@@ -79,14 +80,16 @@ def test_bad_operands_raise_clear_errors(a, b, kwargs, error, message):
 
 
 def test_a_bias_adds_a_few_ops_to_the_encoding():
-    """The bias's terms in the checksums come from constants made once per shape (each block's
-    row count and weight sum): a few elementwise ops and one small GEMM per side, not the
-    constants rebuilt on every check (on a GPU every op is a kernel launch)."""
+    """On the PyTorch path, the bias's terms in the checksums come from constants made once per
+    shape (each block's row count and weight sum): a few elementwise ops and one small GEMM per
+    side, not the constants rebuilt on every check (on a GPU every op is a kernel launch). The
+    kernels take one op (tests/test_ext.py)."""
     a, w, bias = torch.randn(64, 32), torch.randn(96, 32), torch.randn(96)
 
     def ops(bias):
         encode(a, w.t(), bias=bias, block=16)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with _ext.disabled(), torch.profiler.profile(activities=cpu, acc_events=True) as p:
             col, row = encode(a, w.t(), bias=bias, block=16)
         names = [e.name for e in p.events() if e.cpu_parent is None and "::" in e.name]
         return [n for n in names if n not in VIEWS], col, row

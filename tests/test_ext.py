@@ -743,6 +743,104 @@ def test_encode_pair_opcheck():
     torch.library.opcheck(torch.ops.megatron_abft.encode_pair.default, (a, b, 0.5, 64))
 
 
+def _biased(a, b, bias, block):
+    """add_bias on the sums without the bias, and the PyTorch path's checksums with it."""
+    with _ext.disabled():
+        col, row = encode(a, b, block=block)
+        sums = (col.sums, col.magnitude, row.sums, row.magnitude)
+        col, row = encode(a, b, bias=bias, block=block)
+    got = _ext.add_bias(sums, bias, a.shape[-2], block)
+    want = (col.sums, col.magnitude, row.sums, row.magnitude)
+    return got, want + (col.bias_magnitude, row.bias_magnitude)
+
+
+@needs_ext
+@PROPERTY
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.sampled_from([(), (3,), (2, 2)]),
+    m=st.integers(1, 150),
+    n=st.integers(1, 150),
+    block=st.sampled_from([2, 7, 32, 256]),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(torch.bfloat16, (), 100, 90, 32, True, 0)  # partial blocks on both sides
+def test_add_bias_equals_the_pytorch_path(dtype, batch, m, n, block, strided, seed):
+    """The bias's terms in one op: the column side bit for bit (one rounding per term, as the
+    PyTorch path), the row side's sums over each block of columns to fp32 rounding."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(*batch, m, 8, generator=g).to(dtype)
+    b = torch.randn(8, n, generator=g).to(dtype)
+    bias = (torch.randn(2 * n, generator=g) * 10).to(dtype)
+    bias = bias[::2] if strided else bias[:n]
+    got, want = _biased(a, b, bias, block)
+    for i, (x, y) in enumerate(zip(got, want, strict=True)):
+        assert x.dtype == y.dtype and x.shape == y.shape, (i, x.shape, y.shape)
+        if i in (0, 1, 4):  # the column side
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
+
+
+@needs_ext
+def test_add_bias_opcheck_and_bad_inputs():
+    a, b = torch.randn(2, 40, 8), torch.randn(8, 30)
+    sums = _ext.encode_pair(a, b, 1.0, 16)
+    bias = torch.randn(30)
+    torch.library.opcheck(torch.ops.megatron_abft.add_bias.default, (*sums, bias, 40, 16))
+    op = torch.ops.megatron_abft.add_bias
+    with pytest.raises(RuntimeError, match="are not those of 40 rows and 29 columns"):
+        op(*sums, bias[:29], 40, 16)
+    with pytest.raises(RuntimeError, match="are not those of 50 rows"):
+        op(*sums, bias, 50, 16)
+    with pytest.raises(RuntimeError, match="bias must be a vector"):
+        op(*sums, bias.view(5, 6), 40, 16)
+    with pytest.raises(RuntimeError, match="need one dtype"):
+        op(sums[0], sums[1].double(), *sums[2:], bias, 40, 16)
+    with pytest.raises(RuntimeError, match="block and m must be >= 1"):
+        op(*sums, bias, 40, 0)
+
+
+@needs_ext
+def test_a_bias_is_one_op_of_a_check():
+    """With the kernels, a GEMM with a bias encodes in two ops (encode_pair, add_bias) and a few
+    views, and its checksums are those of the PyTorch path."""
+    a, b, bias = torch.randn(64, 32), torch.randn(32, 48), torch.randn(48)
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
+        col, row = encode(a, b, bias=bias, block=16)
+    ops = [e.name for e in profile.events() if e.cpu_parent is None and "::" in e.name]
+    assert [op for op in ops if op.startswith("megatron_abft::")] == [
+        "megatron_abft::encode_pair",
+        "megatron_abft::add_bias",
+    ]
+    assert set(ops) - {"megatron_abft::encode_pair", "megatron_abft::add_bias"} <= {
+        "aten::detach",
+        "aten::mT",
+    }, ops  # views: no data read
+    with _ext.disabled():
+        want = encode(a, b, bias=bias, block=16)
+    for got, ref in zip((col, row), want, strict=True):
+        for x, y in ((got.sums, ref.sums), (got.bias_magnitude, ref.bias_magnitude)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_add_bias_equals_the_cpu_op(dtype):
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(3, 300, 16, generator=g).to(dtype), torch.randn(16, 700, generator=g)
+    bias = torch.randn(1400, generator=g).to(dtype)[::2]
+    b = b.to(dtype)
+    cpu = _ext.add_bias(_ext.encode_pair(a, b, 1.0, 64), bias, 300, 64)
+    sums = _ext.encode_pair(a.cuda(), b.cuda(), 1.0, 64)
+    gpu = _ext.add_bias(sums, bias.cuda(), 300, 64)
+    for got, want in zip(gpu, cpu, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    torch.library.opcheck(torch.ops.megatron_abft.add_bias.default, (*sums, bias.cuda(), 300, 64))
+
+
 @needs_cuda
 @pytest.mark.parametrize("case", sorted(ENCODE_CASES))
 def test_cuda_encode_pair_equals_the_cpu_one(case):
@@ -766,6 +864,16 @@ def test_the_kernel_selftest_passes_on_the_cpu_and_catches_a_wrong_kernel(monkey
         "screen, one fault (torch.float32)" in wrong
         and "screen, clean (torch.float32)" not in wrong
     )
+    monkeypatch.undo()
+    real = torch.ops.megatron_abft.add_bias
+
+    def row_side_without_the_bias(col, col_magnitude, row, row_magnitude, bias, m, block):
+        out = list(real(col, col_magnitude, row, row_magnitude, bias, m, block))
+        out[2] = row
+        return tuple(out)
+
+    monkeypatch.setattr(torch.ops.megatron_abft, "add_bias", row_side_without_the_bias)
+    assert mismatches(torch.device("cpu")) == [f"add_bias ({d})" for d in DTYPES[::2]]
 
 
 @needs_ext
