@@ -48,8 +48,8 @@ larger one's pass, the smaller one's products, alpha applied as they are written
 and BLAS instead where the smaller one is column-major, as V^T is for the context),
 verify_correct 5 (C's block sums, the flag counters' fill, the screen of each side, the
 correction) and the guard's tally 1: 10 to 13 by section. A GEMM with a bias (GPT's qkv) adds
-about 10 more, for the bias's terms in the references; that is not modelled. The fused target
-drops C's block sums; the torch path is taken at its op count."""
+5 (add_bias: its kernel and four additions), one op on a CPU; that is not modelled. The fused
+target drops C's block sums; the torch path is taken at its op count."""
 
 
 @dataclass(frozen=True)
@@ -136,17 +136,25 @@ class DeviceProfile:
     where a parameter's Adam passes run from the cache."""
     check_ops: dict[str, float] | None = None
     """Ops of one clean check per implementation, each at ``check_op`` (default CHECK_OPS)."""
+    check_bandwidth: float | None = None
+    """Rate at which the checks' kernels read a matrix that is in no cache, as a check reads its
+    GEMM's output in a step (default: bandwidth). Calibrated apart on CPUs, where the kernels
+    do several sums per element and read well below a plain stream."""
 
     def ops_per_check(self, impl: str) -> float:
         return (self.check_ops or CHECK_OPS)[impl]
 
-    def time(self, work: Work, dtype: str, op: float | None = None) -> float:
-        latency = self.launch if op is None else op
-        return work.flops / self.matmul[dtype] + work.bytes / self.bandwidth + work.ops * latency
+    def time(self, work: Work, dtype: str) -> float:
+        return self._roofline(work, dtype, self.bandwidth, self.launch)
 
     def check_time(self, work: Work, dtype: str) -> float:
-        """Time of the checks' work, their ops at ``check_op``."""
-        return self.time(work, dtype, self.check_op)
+        """Time of the checks' work: their bytes at ``check_bandwidth``, their ops at
+        ``check_op``."""
+        op = self.launch if self.check_op is None else self.check_op
+        return self._roofline(work, dtype, self.check_bandwidth or self.bandwidth, op)
+
+    def _roofline(self, work: Work, dtype: str, bandwidth: float, op: float) -> float:
+        return work.flops / self.matmul[dtype] + work.bytes / bandwidth + work.ops * op
 
 
 # Datasheet peaks (dense, no sparsity) at sustained fractions of 70% for GEMMs and 85% for memory;

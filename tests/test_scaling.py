@@ -82,6 +82,41 @@ def test_a_faster_memory_makes_the_memory_bound_checks_cheaper():
     assert predict(shape, fast, "fused").step < predict(shape, slow, "fused").step
 
 
+def test_checks_read_at_their_own_bandwidth():
+    """A profile's check_bandwidth prices the checks' bytes (and only theirs); without it they
+    read at the streaming bandwidth."""
+    work = Work(bytes=1e9, ops=2)
+    plain = DeviceProfile("d", {"fp32": 1e12}, 1e10, 1e-3)
+    slow_checks = replace(plain, check_bandwidth=2.5e9, check_op=2e-3)
+    assert plain.check_time(work, "fp32") == pytest.approx(0.1 + 0.002)
+    assert slow_checks.check_time(work, "fp32") == pytest.approx(0.4 + 0.004)
+    assert slow_checks.time(work, "fp32") == plain.time(work, "fp32")
+    shape = replace(SHAPES["GPT-3 125M"], seq=1024, dtype="fp32")
+    assert step_time(shape, slow_checks) == step_time(shape, plain)
+    assert predict(shape, slow_checks, "kernels").step > predict(shape, plain, "kernels").step
+
+
+def test_the_benchmark_measures_what_the_model_calibrates_on():
+    """bench_overhead's rates: the kernels' read rate of a matrix in no cache (None without the
+    kernels), and glibc malloc's thresholds pinned so that every mode reuses one heap."""
+    from bench_overhead import check_read_rate, pin_malloc
+    from overhead_report import calibrated
+
+    from megatron_abft import _ext
+
+    cpu = torch.device("cpu")
+    assert pin_malloc() == "glibc thresholds pinned"  # this suite runs on Linux (glibc)
+    if _ext.available():
+        rate = check_read_rate((2, 64, 64), torch.float32, cpu, 32)
+        assert 1e8 < rate < 1e13
+    with _ext.disabled():
+        assert check_read_rate((2, 64, 64), torch.float32, cpu, 32) is None
+    run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
+    assert calibrated(run).check_bandwidth is None  # a run from before the rate was measured
+    run["machine"]["check_bandwidth"] = 3e9
+    assert calibrated(run).check_bandwidth == 3e9
+
+
 def test_work_arithmetic_and_time():
     w = Work(2e12, 1e9, 10) + Work(2e12, 1e9, 10) * 0.5
     assert (w.flops, w.bytes, w.ops) == (3e12, 1.5e9, 15)

@@ -51,6 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--no-per-section", action="store_true", help="time only off and all")
+    p.add_argument(
+        "--no-pin-malloc",
+        dest="pin_malloc",
+        action="store_false",
+        help="CPU: keep glibc malloc's moving thresholds (see pin_malloc)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON results")
     return p.parse_args(argv)
 
@@ -121,15 +127,35 @@ def check_launches(device: torch.device) -> int | None:
     return sum(1 for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def check_read_rate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, block: int):
+    """Bytes per second at which the kernels' block sums (both sides) read a batch of matrices
+    of ``shape`` that is in no cache, as a check reads its GEMM's output inside a step: the
+    overhead model's ``check_bandwidth``. None where the kernels do not serve ``device``."""
+    c = torch.randn(shape, device=device).to(dtype)
+    if _ext.block_sums(c, block, block) is None:
+        return None
+    flush = torch.ones(64 * 2**20, device=device)  # 256 MiB, read between runs: more than caches
+    timer = Timer(device.type == "cuda")
+    times = []
+    for _ in range(15):
+        flush.sum()
+        begin = timer.start()
+        _ext.block_sums(c, block, block)
+        times.append(timer.seconds(begin, timer.start()))
+    return c.numel() * c.element_size() / statistics.median(times)
+
+
 def count_ops(profile) -> int:
     """Top-level operators of a torch.profiler run (aten ops and the extension's; the ops they
     call are not counted)."""
     return sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
 
 
-def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch.device) -> dict:
-    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, and the
-    ops of one check with their latency."""
+def micro_benchmarks(args, device: torch.device) -> dict:
+    """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, the ops
+    of one check with their latency, and the rate at which the kernels read the scores."""
+    dtype, hidden = DTYPES[args.dtype], args.hidden
+    tokens = args.seq * args.micro_batch
     timer = Timer(device.type == "cuda")
 
     def median(fn, reps=15):
@@ -145,7 +171,8 @@ def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch
     b = torch.randn(hidden, 4 * hidden, device=device).to(dtype)
     matmul = 2 * tokens * hidden * 4 * hidden / median(lambda: a @ b)
     x = torch.randn(32 * 2**20 // 4, device=device)
-    bandwidth = 2 * x.numel() * 4 / median(lambda: x.abs())
+    y = torch.empty_like(x)  # written in place: a fresh output would time the OS's page faults
+    bandwidth = 2 * x.numel() * 4 / median(lambda: torch.abs(x, out=y))
     one = torch.zeros(1, device=device)
     launch = median(lambda: [one.add(1) for _ in range(200)]) / 200
     check_ops, check_op = check_cost(device)
@@ -156,6 +183,12 @@ def micro_benchmarks(dtype: torch.dtype, tokens: int, hidden: int, device: torch
         "check_ops": check_ops,
         "check_op": check_op,
         "check_launches": check_launches(device),
+        "check_bandwidth": check_read_rate(
+            (args.micro_batch * args.heads // args.tp, args.seq, args.seq),
+            dtype,
+            device,
+            args.block,
+        ),
     }
 
 
@@ -235,9 +268,8 @@ def run(rank: int, args) -> dict | None:
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
     positions = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.micro_batch, -1)
     modes = _modes(args)
-    tokens_per_step = args.seq * args.micro_batch
     # the device's rates, before the timed steps: after them the machine may have drifted
-    machine = micro_benchmarks(DTYPES[args.dtype], tokens_per_step, args.hidden, device)
+    machine = micro_benchmarks(args, device)
     samples = {name: {"step": [], "attention": [], "optimizer": []} for name, _ in modes}
     step = 0
     for rep in range(args.warmup + args.reps):
@@ -331,11 +363,33 @@ def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -
     return (medians[int(0.975 * resamples) - 1] - medians[int(0.025 * resamples)]) / 2
 
 
+def pin_malloc() -> str:
+    """Fix glibc malloc's thresholds (mmap below 32 MiB off, heap never trimmed), so that every
+    mode reuses one warm heap. By default glibc moves its mmap threshold as blocks are freed, so
+    which of a step's large temporaries get fresh pages, and pay a page fault per 4 KiB, depends
+    on what else the step allocated: measured, an unprotected step took twice the page faults of
+    a protected one (20,000 against 10,700), about 2% of its time. Returns what was done."""
+    import ctypes
+
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        pinned = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(
+            m_trim_threshold, 1 << 30
+        )
+    except (OSError, AttributeError):
+        pinned = 0
+    return "glibc thresholds pinned" if pinned else "default (not glibc)"
+
+
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    malloc = "default"
     if not torch.cuda.is_available():
         from megatron_abft.cpu import enable_cpu_mode
 
+        if args.pin_malloc:
+            malloc = pin_malloc()
         enable_cpu_mode()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     else:
@@ -348,6 +402,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     result = run(rank, args)
     if result is not None:
+        result["malloc"] = malloc
         Path(out).write_text(json.dumps(result))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
@@ -390,6 +445,12 @@ def print_table(result: dict) -> None:
     print(
         f"a small clean check: {m['check_ops']} ops at {m['check_op'] * 1e6:.1f} us each"
         + ("" if launches is None else f"; {launches} GPU launches with sync_free")
+    )
+    read = m.get("check_bandwidth")
+    print(
+        f"bandwidth {m['bandwidth'] / 1e9:.1f} GB/s"
+        + ("" if read is None else f"; the kernels read the scores at {read / 1e9:.1f} GB/s")
+        + (f"; malloc: {result['malloc']}" if "malloc" in result else "")
     )
 
 

@@ -70,6 +70,7 @@ def calibrated(result: dict) -> DeviceProfile:
         "bench_overhead micro-benchmarks",
         check_op=m.get("check_op"),  # the checks' own ops, the Python around them included
         optimizer_bandwidth=m.get("optimizer_bandwidth"),  # the bench's timed optimizer steps
+        check_bandwidth=m.get("check_bandwidth"),  # the kernels reading the scores from memory
         check_ops={**CHECK_OPS, impl: m["check_ops"]} if "check_ops" in m else None,  # its code's
     )
 
