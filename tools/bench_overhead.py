@@ -2,12 +2,13 @@
 
 One model; the ABFT config is switched between modes on every repetition (off, all sections,
 idle: protection on with nothing due, then each section alone), in a rotating order, after
-warm-up. Reported: median times, and the
-overhead as the median over repetitions of each one's ratio to the "off" run of the same
-repetition, for the training step (forward, backward, optimizer) and the attention block, with
-a 95% bootstrap interval; and the time of one check of each section inside the "all" steps.
-CPU timers on CPU, CUDA events on a GPU. The JSON also holds micro-benchmarks of the machine
-(matmul rate, elementwise bandwidth, op latency) that calibrate megatron_abft.scaling.
+warm-up. Reported: median times and page faults per step, and the overhead as the median over
+repetitions of each one's ratio to the "off" run of the same repetition, for the training step
+(forward, backward, optimizer) and the attention block, with a 95% bootstrap interval; and the
+time of one check of each section inside the "all" steps. CPU timers on CPU, CUDA events on a
+GPU; on CPU, glibc malloc's thresholds are pinned first (pin_malloc). The JSON also holds
+micro-benchmarks of the machine (matmul rate, elementwise bandwidth, op latency, the kernels'
+read rate) that calibrate megatron_abft.scaling.
 
     python tools/bench_overhead.py --layers 4 --hidden 512 --heads 8 --seq 512 --dtype fp32 \
         --out docs/figures/bench_cpu.json
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import socket
 import statistics
 import time
@@ -271,6 +273,7 @@ def run(rank: int, args) -> dict | None:
     # the device's rates, before the timed steps: after them the machine may have drifted
     machine = micro_benchmarks(args, device)
     samples = {name: {"step": [], "attention": [], "optimizer": []} for name, _ in modes}
+    faults = {name: [] for name, _ in modes}  # the process's minor page faults in each step
     step = 0
     for rep in range(args.warmup + args.reps):
         order = (
@@ -283,6 +286,7 @@ def run(rank: int, args) -> dict | None:
             step += 1
             attention_time.clear()
             timing["on"] = name == "all" and rep >= args.warmup
+            faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             begin = timer.start()
             optimizer.zero_grad(set_to_none=True)
             loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
@@ -290,7 +294,9 @@ def run(rank: int, args) -> dict | None:
             before_optimizer = timer.start()
             optimizer.step()
             end = timer.start()
+            faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted
             if rep >= args.warmup:
+                faults[name].append(faulted)
                 samples[name]["step"].append(timer.seconds(begin, end))
                 samples[name]["optimizer"].append(timer.seconds(before_optimizer, end))
                 samples[name]["attention"].append(
@@ -307,6 +313,7 @@ def run(rank: int, args) -> dict | None:
         "backend": _ext.backend(),
         "machine": machine,
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
+        "page_faults": {n: statistics.median(f) for n, f in faults.items()},  # per step
         # one check of one layer, inside the measured "all" steps
         "check_seconds": {
             section: statistics.median(timer.seconds(b, e) for b, e in pairs)
@@ -433,12 +440,13 @@ def print_table(result: dict) -> None:
         f"micro-batch {a['micro_batch']}, TP {a['tp']}, {a['dtype']}, block {a['block']}, "
         f"interval {a['check_interval']} on {result['device']} ({result['threads']} threads)"
     )
-    print(f"{'mode':<8} {'step ms':>9} {'step +%':>8} {'attn ms':>9} {'attn +%':>8}")
+    print(f"{'mode':<8} {'step ms':>9} {'step +%':>8} {'attn ms':>9} {'attn +%':>8} {'faults':>7}")
     for name, med in result["median"].items():
         over = result["overhead"][name]
         print(
             f"{name:<8} {med['step'] * 1e3:>9.1f} {over['step'] * 100:>8.2f} "
-            f"{med['attention'] * 1e3:>9.1f} {over['attention'] * 100:>8.2f}"
+            f"{med['attention'] * 1e3:>9.1f} {over['attention'] * 100:>8.2f} "
+            f"{result['page_faults'][name]:>7.0f}"
         )
     m = result["machine"]
     launches = m.get("check_launches")
