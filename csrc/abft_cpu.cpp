@@ -102,13 +102,12 @@ ABFT_INLINE void load_row(const T* row, int64_t stride, int64_t cols, Acc* __res
   }
 }
 
-// Rows [i, i + R) of one band: their column sums (when kCols) and row sums (when the row side is
-// checked, nbr > 0).
+// Rows [i, i + R) of one band, x and x1 (x alone when R = 1): their column sums (when kCols) and
+// row sums (when the row side is checked, nbr > 0).
 template <int R, bool kCols, typename Acc>
 ABFT_INLINE void rows_step(const MatrixBatch& c, const BlockSums& out, int64_t b, int64_t i,
                            int64_t nbr, const Acc* x, const Acc* x1, const Acc* weight, Acc w0,
-                           Acc* s0,
-                           Acc* s1, Acc* z0, Acc* z1) {
+                           Acc* s0, Acc* s1, Acc* z0, Acc* z1) {
   const int64_t cols = c.cols, rows = c.rows;
   Acc t[2][4];
   if (nbr == 0) {

@@ -374,8 +374,9 @@ def pin_malloc() -> str:
     """Fix glibc malloc's thresholds (mmap below 32 MiB off, heap never trimmed), so that every
     mode reuses one warm heap. By default glibc moves its mmap threshold as blocks are freed, so
     which of a step's large temporaries get fresh pages, and pay a page fault per 4 KiB, depends
-    on what else the step allocated: measured, an unprotected step took twice the page faults of
-    a protected one (20,000 against 10,700), about 2% of its time. Returns what was done."""
+    on what else the step allocated: with glibc's defaults an unprotected step took 14,096 page
+    faults to a protected one's 8,128, which hid about 2 points of overhead (docs/benchmarks.md,
+    bench_cpu_run14_default_malloc.json). Returns what was done."""
     import ctypes
 
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
