@@ -375,8 +375,8 @@ def pin_malloc() -> str:
     mode reuses one warm heap. By default glibc moves its mmap threshold as blocks are freed, so
     which of a step's large temporaries get fresh pages, and pay a page fault per 4 KiB, depends
     on what else the step allocated: with glibc's defaults an unprotected step took 14,096 page
-    faults to a protected one's 8,128, which hid about 2 points of overhead (docs/benchmarks.md,
-    bench_cpu_run14_default_malloc.json). Returns what was done."""
+    faults to a protected one's 8,128, and the step grew 1.4 points less than its checks took
+    (docs/benchmarks.md, bench_cpu_run14_default_malloc.json). Returns what was done."""
     import ctypes
 
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
