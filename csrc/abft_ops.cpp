@@ -620,14 +620,13 @@ std::tuple<abft::BiasTerms, std::vector<at::Tensor>> prepare_bias(
     TORCH_CHECK(t->scalar_type() == acc && t->device() == col.device(), what,
                 ": sums and magnitudes need one dtype and device");
   }
-  TORCH_CHECK(col.dim() >= 3 && col.size(-3) == abft::ceil_div(m, block) && col.size(-2) == 2 &&
-                  col.size(-1) == n && row.dim() >= 3 &&
-                  row.size(-3) == abft::ceil_div(n, block) && row.size(-2) == 2 &&
-                  row.size(-1) == m,
+  const int64_t col_blocks = abft::ceil_div(m, block), row_blocks = abft::ceil_div(n, block);
+  TORCH_CHECK(col.dim() >= 3 && col.size(-3) == col_blocks && col.size(-2) == 2 &&
+                  col.size(-1) == n && row.dim() >= 3 && row.size(-3) == row_blocks &&
+                  row.size(-2) == 2 && row.size(-1) == m,
               what, ": sums ", col.sizes(), " and ", row.sizes(), " are not those of ", m,
               " rows and ", n, " columns in blocks of ", block);
   const auto options = col.options();
-  const int64_t col_blocks = abft::ceil_div(m, block), row_blocks = abft::ceil_div(n, block);
   std::vector<at::Tensor> out = {at::empty({col_blocks, 2, n}, options),
                                  at::empty({col_blocks, n}, options),
                                  at::empty({row_blocks, 2, 1}, options),
