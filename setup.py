@@ -17,10 +17,15 @@ from pathlib import Path
 from setuptools import setup
 
 MODES = ("auto", "cuda", "cpu", "none")
-SOURCES = ["csrc/abft_ops.cpp", "csrc/abft_encode.cpp", "csrc/abft_cpu.cpp"]
+SOURCES = [
+    "csrc/abft_ops.cpp",
+    "csrc/abft_encode.cpp",
+    "csrc/abft_softmax.cpp",
+    "csrc/abft_cpu.cpp",
+]
 # OpenMP: at::parallel_for runs its tasks on torch's threads only where _OPENMP is defined (it
 # is serial otherwise). libgomp.so.1 resolves to the copy torch has already loaded.
-CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
 LINK_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 

@@ -304,6 +304,47 @@ ABFT_HD inline int64_t bias_terms_items(const BiasTerms& t) {
   return ceil_div(t.m, t.block) * t.n + ceil_div(t.n, t.block);
 }
 
+// softmax_check, kernel 3: Megatron's scale-mask-softmax of the attention scores S
+// [*batch, rows, cols] (rows contiguous) in one read of S that also screens S and gives the
+// checksum sums of P, the operand of the context GEMM:
+//   P = softmax(mask(scale S)) row by row, where masked entries (mask nonzero, or j > i when
+//   causal) become -10000 as in Megatron's attention_mask_func; computed in the accumulation
+//   type, written contiguous in S's dtype;
+//   with screen.sides > 0, S's block sums into s_sums and screen.flagged[b] += the number of S's
+//   vectors that fail the screen (flagged zeroed by the caller);
+//   with products, P's column block sums into p_sums (row_block 0) and P's row products: what
+//   operand_pass gives for P as written (rounded to its dtype).
+// A task is a band of `band` rows of one matrix: the column side's block of S and of P.
+struct SoftmaxCheck {
+  MatrixBatch s;
+  void* p;
+  const uint8_t* mask;  // null: no mask tensor
+  int64_t mask_strides[kMaxBatchDims + 2];  // over S's batch dims, rows and columns (bytes)
+  bool causal;
+  double scale;
+  int64_t band;
+  BlockSums s_sums;
+  Screen screen;
+  BlockSums p_sums;
+  const RowProducts* products;  // null: P's sums are not wanted
+};
+
+ABFT_HD inline int64_t softmax_check_tasks(const SoftmaxCheck& k) {
+  return k.s.batch * ceil_div(k.s.rows, k.band);
+}
+
+// Row i of matrix b of softmax_check's mask (null without one); its entries are mask_strides[
+// batch_dims + 1] apart.
+ABFT_HD inline const uint8_t* softmax_mask_row(const SoftmaxCheck& k, int64_t b, int64_t i) {
+  if (k.mask == nullptr) return nullptr;
+  int64_t at = i * k.mask_strides[k.s.batch_dims];
+  for (int d = k.s.batch_dims - 1; d >= 0; --d) {
+    at += (b % k.s.batch_sizes[d]) * k.mask_strides[d];
+    b /= k.s.batch_sizes[d];
+  }
+  return k.mask + at;
+}
+
 // CPU: the work splits into independent tasks (one band of rows of one matrix each); the binding
 // runs tasks [begin, end) on each of its threads.
 // With `products`, the same pass also gives row_products of C (operand_pass: an operand's block
@@ -333,6 +374,11 @@ int tally_cuda(const Tally& t, void* stream);
 // CPU, items [begin, end); CUDA, all of them on `stream`.
 void bias_terms_cpu(const BiasTerms& t, int64_t begin, int64_t end);
 int bias_terms_cuda(const BiasTerms& t, void* stream);
+
+// CPU, tasks [begin, end) (softmax_check_tasks), one pass over S. CUDA, on `stream`: the
+// screen's launches, the softmax, then P's block sums and products (S and P each read twice).
+void softmax_check_cpu(const SoftmaxCheck& k, int64_t begin, int64_t end);
+int softmax_check_cuda(const SoftmaxCheck& k, void* stream);
 
 // CPU, matrices [begin, end) of the batch; CUDA, on `stream`, after the screen's launches.
 void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -15,8 +16,10 @@ namespace {
 
 constexpr int64_t kRowBand = 64;  // rows per task when the column side is not checked
 
-// Inlined into each instruction-set clone of the entry points below.
+// Inlined into each instruction-set clone of the entry points below (lambdas too: a lambda not
+// inlined is compiled for the baseline instruction set only).
 #define ABFT_INLINE inline __attribute__((always_inline))
+#define ABFT_LAMBDA __attribute__((always_inline))
 
 struct Bf16 {
   uint16_t bits;
@@ -273,6 +276,162 @@ ABFT_PRODUCTS(products_f64, double, double)
 ABFT_PRODUCTS(products_bf16, Bf16, float)
 ABFT_PRODUCTS(products_f16, F16, float)
 
+// e^x for x <= 0 (an entry of a softmax row minus the row's largest), branch free so that the
+// row loops vectorise: Cephes' expf (x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5 polynomial in
+// r, times 2^n set in the exponent bits); 0 where e^x is below the smallest normal float.
+ABFT_INLINE float exp_nonpositive(float x) {
+  constexpr float kLowest = -87.3365448f;  // e^x below the smallest normal float
+  const uint32_t keep = 0u - uint32_t(x >= kLowest);  // all ones, or 0 (NaN too): no branch
+  x = x >= kLowest ? x : kLowest;
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float q = 1.9875691500e-4f;
+  q = q * r + 1.3981999507e-3f;
+  q = q * r + 8.3334519073e-3f;
+  q = q * r + 4.1665795894e-2f;
+  q = q * r + 1.6666665459e-1f;
+  q = q * r + 5.0000001201e-1f;
+  // bit casts, not memcpy: a memcpy in the loop body stops it vectorising
+  const float e = (q * r * r + r + 1.0f) *
+                  __builtin_bit_cast(float, uint32_t(int32_t(n) + 127) << 23);
+  return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, e) & keep);
+}
+ABFT_INLINE double exp_nonpositive(double x) { return std::exp(x); }
+
+ABFT_INLINE void store(float v, float* p) { *p = v; }
+ABFT_INLINE void store(double v, double* p) { *p = v; }
+ABFT_INLINE void store(float v, Bf16* p) { p->bits = float_to_bf16(v); }
+ABFT_INLINE void store(float v, F16* p) { p->bits = float_to_half(v); }
+
+// Row i of matrix b of S, x in the accumulation type: its softmax written to out, and kept in
+// p as written (rounded to T), for P's sums.
+template <typename T, typename Acc>
+ABFT_INLINE void softmax_row(const SoftmaxCheck& k, int64_t b, int64_t i, const Acc* __restrict__ x,
+                             Acc* __restrict__ p, T* __restrict__ out) {
+  const int64_t cols = k.s.cols;
+  const Acc scale = Acc(k.scale), fill = Acc(-10000);
+  const int64_t open = k.causal ? std::min(cols, i + 1) : cols;  // entries j >= open: masked
+  const uint8_t* mask = softmax_mask_row(k, b, i);
+  const int64_t mask_step = k.mask_strides[k.s.batch_dims + 1];
+  // the causally masked tail is filled apart: in one loop, the compiler splits it off as a
+  // scalar loop with the running maximum carried through memory
+  Acc top = open < cols ? fill : -std::numeric_limits<Acc>::infinity();
+  if (mask != nullptr) {
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < open; ++j) {
+      const Acc v = mask[j * mask_step] == 0 ? x[j] * scale : fill;
+      p[j] = v;
+      top = v > top ? v : top;
+    }
+  } else {
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < open; ++j) {
+      const Acc v = x[j] * scale;
+      p[j] = v;
+      top = v > top ? v : top;
+    }
+  }
+  std::fill(p + open, p + cols, fill);
+  Acc sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < cols; ++j) {
+    const Acc e = exp_nonpositive(p[j] - top);
+    p[j] = e;
+    sum += e;
+  }
+  const Acc inverse = Acc(1) / sum;
+  for (int64_t j = 0; j < cols; ++j) {
+    store(p[j] * inverse, out + j);
+    p[j] = load(out + j);
+  }
+}
+
+// One band of softmax_check (abft.h): rows [r0, r1) of matrix b, two at a time as in band.
+template <typename T, typename Acc>
+ABFT_INLINE void softmax_band(const SoftmaxCheck& k, int64_t task, Acc* x, Acc* p,
+                              const Acc* weight) {
+  const MatrixBatch& s = k.s;
+  const int64_t rows = s.rows, cols = s.cols, bands = ceil_div(rows, k.band);
+  const int64_t b = task / bands, blk = task % bands, r0 = blk * k.band;
+  const int64_t r1 = std::min(rows, r0 + k.band);
+  const T* base = static_cast<const T*>(s.data) + batch_offset(s, b);
+  T* out = static_cast<T*>(k.p) + b * rows * cols;
+  const bool screened = k.screen.sides > 0, s_cols = screened && k.s_sums.col_block > 0;
+  const int64_t nbr = screened && k.s_sums.row_block > 0 ? ceil_div(cols, k.s_sums.row_block) : 0;
+  // a band's column accumulators: sums then sizes, each (plain, weighted), of block blk
+  auto accumulators = [&](const BlockSums& sums, bool used, Acc* (&to)[4]) ABFT_LAMBDA {
+    if (!used) return;
+    const int64_t at = (b * bands + blk) * 2 * cols;
+    to[0] = static_cast<Acc*>(sums.col_sums) + at;
+    to[1] = to[0] + cols;
+    to[2] = static_cast<Acc*>(sums.col_sizes) + at;
+    to[3] = to[2] + cols;
+    std::fill(to[0], to[0] + 2 * cols, Acc(0));
+    std::fill(to[2], to[2] + 2 * cols, Acc(0));
+  };
+  Acc *sc[4] = {}, *pc[4] = {};
+  accumulators(k.s_sums, s_cols, sc);
+  accumulators(k.p_sums, k.products != nullptr, pc);
+  auto row = [&](int64_t r, Acc* buffer) ABFT_LAMBDA -> const Acc* {
+    if constexpr (std::is_same_v<T, Acc>) {
+      if (s.col_stride == 1) return base + r * s.row_stride;
+    }
+    load_row(base + r * s.row_stride, s.col_stride, cols, buffer);
+    return buffer;
+  };
+  auto rows_of = [&](auto pair, int64_t i) ABFT_LAMBDA {
+    constexpr int R = decltype(pair)::value;
+    const Acc *x0 = row(i, x), *x1 = R == 2 ? row(i + 1, x + cols) : x0;
+    const Acc w0 = Acc(i - r0 + 1);
+    if (s_cols) {
+      rows_step<R, true>(s, k.s_sums, b, i, nbr, x0, x1, weight, w0, sc[0], sc[1], sc[2], sc[3]);
+    } else if (screened) {
+      rows_step<R, false>(s, k.s_sums, b, i, nbr, x0, x1, weight, w0, sc[0], sc[1], sc[2], sc[3]);
+    }
+    for (int r = 0; r < R; ++r) softmax_row<T, Acc>(k, b, i + r, r ? x1 : x0, p + r * cols,
+                                                   out + (i + r) * cols);
+    if (k.products != nullptr) {
+      for (int r = 0; r < R; ++r) row_dots(p + r * cols, cols, *k.products, b, rows, i + r);
+      rows_step<R, true>(s, k.p_sums, b, i, 0, p, p + cols, weight, w0, pc[0], pc[1], pc[2],
+                         pc[3]);
+    }
+  };
+  int64_t i = r0;
+  for (; i + 1 < r1; i += 2) rows_of(std::integral_constant<int, 2>{}, i);
+  if (i < r1) rows_of(std::integral_constant<int, 1>{}, i);
+  if (!screened) return;
+  // the screen of S's vectors this band completed: its block of every column, its rows
+  int32_t count = 0;
+  int side = 0;
+  if (k.s_sums.col_block > 0) {
+    const ScreenMatrix<Acc> m = screen_matrix<Acc>(k.screen, k.screen.side[side], b);
+    for (int64_t j = 0; j < cols; ++j) count += screen_flags<Acc>(k.screen, k.screen.side[side], m, blk, j);
+    ++side;
+  }
+  if (nbr > 0) {
+    const ScreenMatrix<Acc> m = screen_matrix<Acc>(k.screen, k.screen.side[side], b);
+    for (int64_t cb = 0; cb < nbr; ++cb) {
+      for (int64_t r = r0; r < r1; ++r) count += screen_flags<Acc>(k.screen, k.screen.side[side], m, cb, r);
+    }
+  }
+  if (count > 0) __atomic_fetch_add(k.screen.flagged + b, count, __ATOMIC_RELAXED);
+}
+
+#define ABFT_SOFTMAX(NAME, T, ACC)                                                          \
+  ABFT_CLONES void NAME(const SoftmaxCheck& k, int64_t begin, int64_t end) {                \
+    std::vector<ACC> x(2 * k.s.cols), p(2 * k.s.cols);                                      \
+    std::vector<ACC> weight(std::max<int64_t>(k.s_sums.row_block, 0));                      \
+    for (size_t j = 0; j < weight.size(); ++j) weight[j] = ACC(j + 1);                      \
+    for (int64_t task = begin; task < end; ++task) {                                        \
+      softmax_band<T, ACC>(k, task, x.data(), p.data(), weight.data());                     \
+    }                                                                                       \
+  }
+
+ABFT_SOFTMAX(softmax_f32, float, float)
+ABFT_SOFTMAX(softmax_f64, double, double)
+ABFT_SOFTMAX(softmax_bf16, Bf16, float)
+ABFT_SOFTMAX(softmax_f16, F16, float)
+
 template <typename Acc>
 void screen_matrices(const Screen& s, int64_t begin, int64_t end) {
   for (int64_t b = begin; b < end; ++b) {
@@ -295,6 +454,19 @@ void screen_cpu(const Screen& s, bool f64, int64_t begin, int64_t end) {
     screen_matrices<double>(s, begin, end);
   } else {
     screen_matrices<float>(s, begin, end);
+  }
+}
+
+void softmax_check_cpu(const SoftmaxCheck& k, int64_t begin, int64_t end) {
+  switch (k.s.dtype) {
+    case DType::F32:
+      return softmax_f32(k, begin, end);
+    case DType::F64:
+      return softmax_f64(k, begin, end);
+    case DType::BF16:
+      return softmax_bf16(k, begin, end);
+    case DType::F16:
+      return softmax_f16(k, begin, end);
   }
 }
 

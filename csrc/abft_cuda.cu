@@ -241,6 +241,73 @@ __global__ void __launch_bounds__(kThreads) bias_terms_kernel(BiasTerms t, int64
   }
 }
 
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(double* p, double v) { *p = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+
+__device__ __forceinline__ float exponential(float x) { return expf(x); }
+__device__ __forceinline__ double exponential(double x) { return exp(x); }
+
+template <typename Acc>
+__device__ __forceinline__ Acc warp_max(Acc v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const Acc other = __shfl_xor_sync(kFullMask, v, offset);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+template <typename Acc>
+__device__ __forceinline__ Acc warp_sum(Acc v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+// softmax_check's softmax (abft.h): one warp per row of S, three passes over the row (its
+// maximum, the sum of its exponentials, P), in the accumulation type.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads) softmax_kernel(SoftmaxCheck k, int64_t total_rows) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  const int64_t rows = k.s.rows, cols = k.s.cols;
+  const Acc scale = Acc(k.scale), fill = Acc(-10000);
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); r < total_rows;
+       r += warps) {
+    const int64_t b = r / rows, i = r % rows;
+    const T* x = static_cast<const T*>(k.s.data) + batch_offset(k.s, b) + i * k.s.row_stride;
+    T* out = static_cast<T*>(k.p) + r * cols;
+    const uint8_t* mask = softmax_mask_row(k, b, i);
+    const int64_t step = k.mask_strides[k.s.batch_dims + 1];
+    const int64_t open = k.causal ? min64(cols, i + 1) : cols;
+    auto value = [&](int64_t j) -> Acc {
+      const bool masked = j >= open || (mask != nullptr && mask[j * step] != 0);
+      return masked ? fill : Acc(load(x + j * k.s.col_stride)) * scale;
+    };
+    Acc top = -largest_finite(Acc(0));
+    for (int64_t j = lane; j < cols; j += 32) {
+      const Acc v = value(j);
+      top = v > top ? v : top;
+    }
+    top = warp_max(top);
+    Acc sum = 0;
+    for (int64_t j = lane; j < cols; j += 32) sum += exponential(value(j) - top);
+    const Acc inverse = Acc(1) / warp_sum(sum);
+    for (int64_t j = lane; j < cols; j += 32) store(out + j, exponential(value(j) - top) * inverse);
+  }
+}
+
+template <typename T, typename Acc>
+int launch_softmax(const SoftmaxCheck& k, cudaStream_t stream) {
+  const int64_t total_rows = k.s.batch * k.s.rows;
+  if (total_rows == 0) return cudaSuccess;
+  const unsigned grid = unsigned(min64(ceil_div(total_rows, kWarps), 0x7fffffff));
+  softmax_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(k, total_rows);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 int bias_terms_cuda(const BiasTerms& t, void* stream) {
@@ -320,6 +387,43 @@ int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream) {
       return launch<__half, float>(c, out, s);
   }
   return cudaErrorInvalidValue;
+}
+
+int softmax_check_cuda(const SoftmaxCheck& k, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const bool f64 = k.s.dtype == DType::F64;
+  if (k.screen.sides > 0) {
+    int error = block_sums_cuda(k.s, k.s_sums, stream);
+    if (error == cudaSuccess) error = screen_cuda(k.screen, f64, stream);
+    if (error != cudaSuccess) return error;
+  }
+  int error = cudaErrorInvalidValue;
+  switch (k.s.dtype) {
+    case DType::F32:
+      error = launch_softmax<float, float>(k, st);
+      break;
+    case DType::F64:
+      error = launch_softmax<double, double>(k, st);
+      break;
+    case DType::BF16:
+      error = launch_softmax<__nv_bfloat16, float>(k, st);
+      break;
+    case DType::F16:
+      error = launch_softmax<__half, float>(k, st);
+      break;
+  }
+  if (error != cudaSuccess || k.products == nullptr) return error;
+  MatrixBatch p = k.s;  // P: S's shape, contiguous
+  p.data = k.p;
+  p.row_stride = p.cols;
+  p.col_stride = 1;
+  int64_t stride = p.rows * p.cols;
+  for (int d = p.batch_dims - 1; d >= 0; --d) {
+    p.batch_strides[d] = stride;
+    stride *= p.batch_sizes[d];
+  }
+  error = block_sums_cuda(p, k.p_sums, stream);
+  return error == cudaSuccess ? row_products_cuda(p, *k.products, stream) : error;
 }
 
 }  // namespace abft

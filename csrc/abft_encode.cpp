@@ -11,6 +11,7 @@
 #include <cmath>
 #include <numeric>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -125,18 +126,15 @@ Pair paired(const Pair& found) {
   return {sums.unflatten(-2, {sums.size(-2) / 2, 2}), magnitude};
 }
 
-// Both sides' (sums, magnitude) of alpha * a @ b: column side [..., nb(m), 2, n], [..., nb(m), n],
-// row side [..., nb(n), 2, m], [..., nb(n), m]. megatron_abft/_ext.py's encode_pair checks that
-// the kernels take these operands before it calls this.
-Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block) {
-  const at::Tensor x = a, y = b.mT();  // the operands as rows of length k: A and B^T
-  const bool x_big = x.numel() >= y.numel();
-  const at::Tensor& big = x_big ? x : y;
-  const at::Tensor& small = x_big ? y : x;
-  TORCH_CHECK(a.scalar_type() == b.scalar_type() && small.dim() <= big.dim(),
-              "megatron_abft::encode_pair: a ", a.sizes(), " ", a.scalar_type(), " and b ",
-              b.sizes(), " ", b.scalar_type(), " need one dtype, and the smaller operand no more ",
-              "dims than the larger");
+// The larger operand of encode_pair, and whether it is x = a (else y = b^T).
+std::pair<bool, at::Tensor> larger(const at::Tensor& a, const at::Tensor& b) {
+  const bool x_big = a.numel() >= b.numel();
+  return {x_big, x_big ? a : b.mT()};
+}
+
+// u [..., 2 nb, k] and z [..., nb, k]: the smaller operand's block sums and sizes over blocks of
+// its rows, with as many dims as the larger operand, as its operand_pass takes them.
+Pair small_vectors(const at::Tensor& big, const at::Tensor& small, int64_t block) {
   const Four small_sums = block_sums(small, block, 0);
   const at::Tensor& small_w = std::get<0>(small_sums);
   const at::Tensor small_size = std::get<1>(small_sums).select(-2, 0);
@@ -145,9 +143,14 @@ Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t
   u_shape.insert(u_shape.end(), small_w.sizes().begin(), small_w.sizes().end() - 3);
   u_shape.insert(u_shape.end(), {-1, k});
   z_shape.insert(z_shape.end(), small_size.sizes().begin(), small_size.sizes().end());
-  const at::Tensor u = small_w.flatten(-3, -2).reshape(u_shape);
-  const at::Tensor z = small_size.reshape(z_shape);
-  auto [big_w, big_sizes, products, magnitudes] = operand_pass(big, block, u, z, alpha);
+  return {small_w.flatten(-3, -2).reshape(u_shape), small_size.reshape(z_shape)};
+}
+
+// Both sides' (sums, magnitude) from the larger operand's pass: its block sums and sizes, and its
+// products with small_vectors' u, z times alpha (operand_pass with scale alpha).
+Four from_pass(bool x_big, const at::Tensor& small, double alpha, int64_t block,
+               const Four& big_pass) {
+  const auto& [big_w, big_sizes, products, magnitudes] = big_pass;
   // blocks of big's rows, projected on small; blocks of small's rows, from big's pass
   auto of_big = paired(project(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0), alpha));
   auto of_small = paired({products.mT(), magnitudes.mT()});
@@ -156,15 +159,61 @@ Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t
   return {std::get<0>(col), std::get<1>(col), std::get<0>(row), std::get<1>(row)};
 }
 
+void check_pair(const char* op, const at::Tensor& a, const at::Tensor& b) {
+  const auto [x_big, big] = larger(a, b);
+  const int64_t small_dims = x_big ? b.dim() : a.dim();
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && small_dims <= big.dim(), op, ": a ",
+              a.sizes(), " ", a.scalar_type(), " and b ", b.sizes(), " ", b.scalar_type(),
+              " need one dtype, and the smaller operand no more dims than the larger");
+}
+
+// Both sides' (sums, magnitude) of alpha * a @ b: column side [..., nb(m), 2, n], [..., nb(m), n],
+// row side [..., nb(n), 2, m], [..., nb(n), m]. megatron_abft/_ext.py's encode_pair checks that
+// the kernels take these operands before it calls this.
+Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block) {
+  check_pair("megatron_abft::encode_pair", a, b);
+  const auto [x_big, big] = larger(a, b);
+  const at::Tensor small = x_big ? b.mT() : a;  // the operands as rows of length k
+  const auto [u, z] = small_vectors(big, small, block);
+  return from_pass(x_big, small, alpha, block, operand_pass(big, block, u, z, alpha));
+}
+
+// encode_pair's first half, for a pass over a made elsewhere (softmax_check): the u, z that the
+// pass over a needs, a being the larger operand.
+Pair pair_vectors(const at::Tensor& a, const at::Tensor& b, int64_t block) {
+  check_pair("megatron_abft::pair_vectors", a, b);
+  TORCH_CHECK(larger(a, b).first, "megatron_abft::pair_vectors: a ", a.sizes(),
+              " must be the larger operand (b is ", b.sizes(), ")");
+  return small_vectors(a, b.mT(), block);
+}
+
+// encode_pair's second half: both sides from a's pass (sums, sizes, products, magnitudes as
+// operand_pass(a, block, u, z, alpha) gives them with pair_vectors' u, z).
+Four encode_pair_from(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block,
+                      const at::Tensor& sums, const at::Tensor& sizes, const at::Tensor& products,
+                      const at::Tensor& magnitudes) {
+  check_pair("megatron_abft::encode_pair_from", a, b);
+  TORCH_CHECK(larger(a, b).first, "megatron_abft::encode_pair_from: a ", a.sizes(),
+              " must be the larger operand (b is ", b.sizes(), ")");
+  // the row side is a view of the products: copies, so that no output aliases an input
+  return from_pass(true, b.mT(), alpha, block, {sums, sizes, products.clone(), magnitudes.clone()});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
   m.def(
       "encode_pair(Tensor a, Tensor b, float alpha, int block) -> (Tensor, Tensor, Tensor, "
       "Tensor)");
+  m.def("pair_vectors(Tensor a, Tensor b, int block) -> (Tensor, Tensor)");
+  m.def(
+      "encode_pair_from(Tensor a, Tensor b, float alpha, int block, Tensor sums, Tensor sizes, "
+      "Tensor products, Tensor magnitudes) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 // On every backend, from the ops it is composed of; its fake (torch.compile) is in _ext.py.
 TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
   m.impl("encode_pair", &encode_pair);
+  m.impl("pair_vectors", &pair_vectors);
+  m.impl("encode_pair_from", &encode_pair_from);
 }

@@ -1,7 +1,8 @@
 // Torch binding of the checksum kernels (abft.h): checks the inputs, allocates the outputs and
 // forwards raw pointers. Registers the ops megatron_abft::block_sums, row_products, operand_pass,
-// screen, verify_correct and tally with torch.library, on CPU always and on CUDA in CUDA builds;
-// their fake implementations for torch.compile are in megatron_abft/_ext.py.
+// screen, verify_correct, tally and add_bias with torch.library, on CPU always and on CUDA in CUDA
+// builds; their fake implementations for torch.compile are in megatron_abft/_ext.py. The helpers
+// other bindings share are declared in abft_binding.h.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -22,15 +23,12 @@
 #include <utility>
 
 #include "abft.h"
+#include "abft_binding.h"
 
-namespace {
-
-using Sums = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-using Products = std::tuple<at::Tensor, at::Tensor>;
+namespace abft_binding {
 
 // `what` names the tensor in the error message.
-abft::DType kernel_dtype(const at::Tensor& c, const char* what = "megatron_abft::block_sums: c") {
+abft::DType kernel_dtype(const at::Tensor& c, const char* what) {
   switch (c.scalar_type()) {
     case at::kFloat:
       return abft::DType::F32;
@@ -663,7 +661,9 @@ Six add_bias_cuda(const at::Tensor& col, const at::Tensor& col_magnitude, const 
 }
 #endif
 
-}  // namespace
+}  // namespace abft_binding
+
+using namespace abft_binding;
 
 TORCH_LIBRARY(megatron_abft, m) {
   m.def(

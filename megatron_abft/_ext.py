@@ -2,10 +2,10 @@
 reason the PyTorch path is in use.
 
 The extension is imported on first use, so ``import megatron_abft`` works without it.
-``block_sums``, ``row_products``, ``encode_pair``, ``add_bias``, ``screen``, ``verify_correct`` and
-``tally``
-return None wherever the kernels do not apply (no extension, a device without a kernel, meta
-tensors); callers then take their PyTorch path, which stays the reference.
+``block_sums``, ``row_products``, ``encode_pair``, ``add_bias``, ``screen``, ``verify_correct``,
+``tally``, ``softmax_check`` and ``pair_vectors`` return None wherever the kernels do not apply
+(no extension, a device without a kernel, meta tensors); callers then take their PyTorch path,
+which stays the reference.
 """
 
 from __future__ import annotations
@@ -147,6 +147,22 @@ def _column_major(t: Tensor) -> bool:
     return t.stride(-2) == 1 and t.stride(-1) != 1 and t.shape[-2] > 1
 
 
+def encode_pair_applies(a: Tensor, b: Tensor, block: int) -> bool:
+    """Whether encode_pair's kernels take these operands."""
+    if not (_serves(a) and _serves(b)) or a.dtype != b.dtype or a.device != b.device:
+        return False
+    x, y = a, b.mT  # the operands as rows of length k
+    big, small = (x, y) if x.numel() >= y.numel() else (y, x)
+    if small.numel() == 0 or small.dim() > big.dim():
+        return False
+    aligned = big.shape[big.dim() - small.dim() : -2]  # big's batch dims under small's
+    if any(s not in (1, g) for s, g in zip(small.shape[:-2], aligned, strict=True)):
+        return False  # small's batch dims must broadcast to big's
+    if _column_major(big):
+        return False  # operand_pass reads rows
+    return not (big.device.type == "cuda" and 2 * -(-small.shape[-2] // block) > _MAX_CUDA_PRODUCTS)
+
+
 def encode_pair(
     a: Tensor, b: Tensor, alpha: float, block: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
@@ -154,18 +170,7 @@ def encode_pair(
     read once: column sums ``[..., nb(m), 2, n]`` and magnitudes ``[..., nb(m), n]``, row sums
     ``[..., nb(n), 2, m]`` and magnitudes, as megatron_abft.checksum computes them. None where
     the kernels do not take these operands."""
-    if not (_serves(a) and _serves(b)) or a.dtype != b.dtype or a.device != b.device:
-        return None
-    x, y = a, b.mT  # the operands as rows of length k
-    big, small = (x, y) if x.numel() >= y.numel() else (y, x)
-    if small.numel() == 0 or small.dim() > big.dim():
-        return None
-    aligned = big.shape[big.dim() - small.dim() : -2]  # big's batch dims under small's
-    if any(s not in (1, g) for s, g in zip(small.shape[:-2], aligned, strict=True)):
-        return None  # small's batch dims must broadcast to big's
-    if _column_major(big):
-        return None  # operand_pass reads rows
-    if big.device.type == "cuda" and 2 * -(-small.shape[-2] // block) > _MAX_CUDA_PRODUCTS:
+    if not encode_pair_applies(a, b, block):
         return None
     return torch.ops.megatron_abft.encode_pair(a, b, alpha, block)
 
@@ -236,6 +241,58 @@ def tally(
     return torch.ops.megatron_abft.tally(*found, counts, float(step))
 
 
+def softmax_check(
+    s: Tensor,
+    sides: tuple,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    block: int,
+    vectors: tuple[Tensor, Tensor] | None,
+) -> tuple[Tensor, ...] | None:
+    """Kernel 3: Megatron's scale-mask-softmax of the scores ``s [..., sq, sk]`` (rows
+    contiguous) in one read of ``s`` that also screens it and gives P's checksum pass, where the
+    kernels apply (else None). ``sides`` are screen's six arguments after c (``(0, 0, [], [], [],
+    [])`` for no screen); masked entries (``mask`` true, broadcast to ``s``, or j > i where
+    ``causal``) become -10000 before the softmax, as Megatron's attention_mask_func; ``vectors``
+    are pair_vectors' (u, z) for P's pass over blocks of ``block`` rows, or None. Returns P (in
+    ``s``'s dtype), the screen's flagged counts per matrix, and P's block sums, sizes, products
+    and magnitudes as operand_pass gives them (empty without ``vectors``)."""
+    if not softmax_check_applies(s, mask, vectors):
+        return None
+    u, z = vectors if vectors is not None else (None, None)
+    return torch.ops.megatron_abft.softmax_check(s, *sides, mask, causal, float(scale), block, u, z)
+
+
+def softmax_check_applies(
+    s: Tensor, mask: Tensor | None, vectors: tuple[Tensor, Tensor] | None
+) -> bool:
+    """Whether softmax_check's kernels take these inputs."""
+    if not _serves(s) or s.stride(-1) != 1 or s.shape[-1] == 0 or s.shape[-2] == 0:
+        return False
+    if mask is not None and (mask.dtype != torch.bool or mask.device != s.device):
+        return False
+    return vectors is None or _products_apply(s, *vectors)
+
+
+def pair_vectors(a: Tensor, b: Tensor, block: int) -> tuple[Tensor, Tensor] | None:
+    """encode_pair's first half, for a pass over ``a`` made elsewhere (softmax_check): the
+    smaller operand ``b``'s block sums (u, z) as that pass takes them. None where encode_pair
+    would not take these operands or ``a`` is not the larger one."""
+    if a.numel() < b.numel() or not encode_pair_applies(a, b, block):
+        return None
+    return torch.ops.megatron_abft.pair_vectors(a, b, block)
+
+
+def encode_pair_from(
+    a: Tensor, b: Tensor, alpha: float, block: int, found: tuple[Tensor, ...]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """encode_pair's second half: both sides' sums of ``alpha * a @ b`` from ``found``, the pass
+    over ``a`` (its block sums, sizes, products and magnitudes, as softmax_check returns them)
+    with pair_vectors' u, z, its products taken times ``alpha``."""
+    return torch.ops.megatron_abft.encode_pair_from(a, b, alpha, block, *found)
+
+
 def _register_fake() -> None:
     @torch.library.register_fake("megatron_abft::tally")
     def _(status: Tensor, kind, row, col, magnitude, counts, step):
@@ -262,6 +319,59 @@ def _register_fake() -> None:
             a.new_empty((*batch, col, n), dtype=dtype),
             a.new_empty((*batch, row, 2, m), dtype=dtype),
             a.new_empty((*batch, row, m), dtype=dtype),
+        )
+
+    @torch.library.register_fake("megatron_abft::softmax_check")
+    def _(
+        s: Tensor,
+        col_block,
+        row_block,
+        col,
+        row,
+        col_bounds,
+        row_bounds,
+        mask,
+        causal,
+        scale,
+        block,
+        u,
+        z,
+    ):
+        dtype = torch.float64 if s.dtype == torch.float64 else torch.float32
+        batch, (m, n) = s.shape[:-2], s.shape[-2:]
+        flagged = s.new_empty(batch, dtype=torch.int32)
+        if u is None:
+            return s.new_empty(s.shape), flagged, *(s.new_empty(0, dtype=dtype) for _ in range(4))
+        sums = (*batch, -(-m // block), 2, n)
+        return (
+            s.new_empty(s.shape),
+            flagged,
+            s.new_empty(sums, dtype=dtype),
+            s.new_empty(sums, dtype=dtype),
+            s.new_empty((*batch, m, u.shape[-2]), dtype=dtype),
+            s.new_empty((*batch, m, z.shape[-2]), dtype=dtype),
+        )
+
+    @torch.library.register_fake("megatron_abft::pair_vectors")
+    def _(a: Tensor, b: Tensor, block: int):
+        dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+        k, nb = b.shape[-2], -(-b.shape[-1] // block)
+        lead = (1,) * (a.dim() - b.dim())
+        return (
+            a.new_empty((*lead, *b.shape[:-2], 2 * nb, k), dtype=dtype),
+            a.new_empty((*lead, *b.shape[:-2], nb, k), dtype=dtype),
+        )
+
+    @torch.library.register_fake("megatron_abft::encode_pair_from")
+    def _(a: Tensor, b: Tensor, alpha, block, sums, sizes, products, magnitudes):
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        (m, _), n = a.shape[-2:], b.shape[-1]
+        col, row = -(-m // block), -(-n // block)
+        return (
+            a.new_empty((*batch, col, 2, n), dtype=sums.dtype),
+            a.new_empty((*batch, col, n), dtype=sums.dtype),
+            a.new_empty((*batch, row, 2, m), dtype=sums.dtype),
+            a.new_empty((*batch, row, m), dtype=sums.dtype),
         )
 
     @torch.library.register_fake("megatron_abft::add_bias")

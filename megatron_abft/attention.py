@@ -12,6 +12,8 @@ Softmax and dropout are elementwise and outside the GEMM checksums: a fault in P
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -21,9 +23,13 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from megatron_abft import _ext, fused_softmax
+from megatron_abft.checksum import Checksums, encode, encode_from_pass
 from megatron_abft.config import ABFTConfig
 from megatron_abft.eec import GemmOperands
 from megatron_abft.guard import SectionGuard
+from megatron_abft.sides import Check, kernel_sides
+from megatron_abft.tolerance import gemm_rounding
 
 
 def reject_unsupported(config: TransformerConfig, where: str) -> None:
@@ -126,17 +132,25 @@ class ProtectedDotProductAttention(DotProductAttention):
             )
             return torch.baddbmm(buffer, query3, key3, beta=0.0, alpha=self.softmax_scale)
 
-        matmul_result = self.scores_guard.check(
-            scores().view(b, groups, rep, sq, sk),
-            GemmOperands(q5, k5.mT, alpha=self.softmax_scale),
-            recompute=lambda: scores().view(b, groups, rep, sq, sk),
-        )
-        attention_scores = matmul_result.view(b, heads, sq, sk)
+        def recompute_scores() -> Tensor:
+            return scores().view(b, groups, rep, sq, sk)
 
-        # attention probs and dropout, as DotProductAttention
-        attention_probs = self.scale_mask_softmax(
-            attention_scores, attention_mask, self.softmax_offset
+        scores_operands = GemmOperands(q5, k5.mT, alpha=self.softmax_scale)
+        fused = self._fused_softmax(
+            recompute_scores(), scores_operands, v5, attention_mask, recompute_scores
         )
+        if fused is None:
+            matmul_result = self.scores_guard.check(
+                recompute_scores(), scores_operands, recompute=recompute_scores
+            )
+            attention_probs = self.scale_mask_softmax(
+                matmul_result.view(b, heads, sq, sk), attention_mask, self.softmax_offset
+            )
+            context_refs = None
+        else:
+            attention_probs, context_refs = fused
+
+        # dropout, as DotProductAttention
         if not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 attention_probs = self.attention_dropout(attention_probs)
@@ -155,8 +169,74 @@ class ProtectedDotProductAttention(DotProductAttention):
             torch.bmm(probs3, value3).view(b, groups, rep, sq, hn),
             GemmOperands(p5, v5),
             recompute=lambda: torch.bmm(probs3, value3).view(b, groups, rep, sq, hn),
+            refs=context_refs,
         )
 
         # [b, np, sq, hn] --> [sq, b, np * hn]
         context = context.view(b, heads, sq, hn).permute(2, 0, 1, 3).contiguous()
         return context.view(sq, b, self.hidden_size_per_partition)
+
+    def _fused_softmax(
+        self,
+        s5: Tensor,
+        operands: GemmOperands,
+        v5: Tensor,
+        mask: Tensor | None,
+        recompute: Callable[[], Tensor],
+    ) -> tuple[Tensor, tuple[Checksums, Checksums] | None] | None:
+        """Kernel 3 (megatron_abft.fused_softmax) on the scores ``s5 [b, ng, rep, sq, sk]``: the
+        probabilities ``[b, np, sq, sk]`` with the scores checked, and the context's references,
+        in the softmax's one read of S. The references are None where dropout or a fault in P
+        comes between P and the context GEMM. None where the kernel does not apply: the caller
+        then takes the unfused path, which lands and checks everything itself."""
+        b, groups, rep, sq, sk = s5.shape
+        heads, config = groups * rep, self.abft_config
+        if not config.fused_softmax or not fused_softmax.fusable(
+            self.scale_mask_softmax, s5.view(b, heads, sq, sk), mask, self.softmax_offset
+        ):
+            return None
+        # the screen's flags are read on the host: free on CPU, else the sync of sync_free=False
+        screen = self.scores_guard.due and (s5.device.type == "cpu" or not config.sync_free)
+        dropout = self.training and self.attention_dropout.p > 0
+        probs_faults = any(f.section == "probs" for f in self.context_guard.faults)
+        vectors = None
+        if self.context_guard.due and not dropout and not probs_faults:
+            vectors = _ext.pair_vectors(s5, v5, config.block_size)
+        if not screen and vectors is None:
+            return None
+        sides, refs = (0, 0, [], [], [], []), None
+        if screen:
+            refs = encode(operands.a, operands.b, alpha=operands.alpha, block=config.block_size)
+            rounding = gemm_rounding(s5.dtype, s5.device)
+            check = Check(rounding, config.threshold_scale, config.near_inf, 0, None)
+            sides = kernel_sides(s5, {"col": refs[0], "row": refs[1]}, check)
+            if sides is None:
+                return None
+        grouped = None if mask is None else _grouped(mask, groups, rep)
+        if not _ext.softmax_check_applies(s5, grouped, vectors):
+            return None
+        if screen:
+            self.scores_guard.land_faults(s5, {"scores": lambda t: t})
+        else:  # checked before the softmax reads S
+            s5 = self.scores_guard.check(s5, operands, recompute=recompute)
+        probs, flagged, *found = fused_softmax.softmax(
+            self.scale_mask_softmax, s5, grouped, sides, config.block_size, vectors
+        )
+        if screen:
+            if bool(flagged.any()):  # correct S, and take P from it unfused
+                s5 = self.scores_guard.verify(s5, operands, recompute, refs)
+                scores = s5.view(b, heads, sq, sk)
+                return self.scale_mask_softmax(scores, mask, self.softmax_offset), None
+            self.scores_guard.passed(s5)
+        context_refs = None
+        if vectors is not None:
+            context_refs = encode_from_pass(probs, v5, config.block_size, tuple(found))
+        return probs.view(b, heads, sq, sk), context_refs
+
+
+def _grouped(mask: Tensor, groups: int, rep: int) -> Tensor:
+    """An attention mask ``[b|1, np|1, sq|1, sk]`` with its head dim split as the scores' KV
+    groups, ``[b|1, ng|1, rep|1, sq|1, sk]``."""
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    return mask.unflatten(1, (groups, rep))

@@ -308,3 +308,14 @@ def encode(
             _columns(col, col_magnitude, a, b, bias, block),
             _rows(row, row_magnitude, a, b, bias, block),
         )
+
+
+def encode_from_pass(
+    a: Tensor, b: Tensor, block: int, found: tuple[Tensor, ...]
+) -> tuple[Checksums, Checksums]:
+    """``encode(a, b, block=block)`` from a pass over ``a`` made elsewhere: ``found`` are its
+    block sums, sizes, products and magnitudes with _ext.pair_vectors(a, b, block), as
+    _ext.softmax_check gives them for the context GEMM P @ V. Needs the compiled kernels."""
+    col, col_magnitude, row, row_magnitude = _ext.encode_pair_from(a, b, 1.0, block, found)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    return Checksums(col, col_magnitude, block, m, k), Checksums(row, row_magnitude, block, n, k)

@@ -58,6 +58,13 @@ class ABFTConfig:
     (megatron_abft.eec), or without them to skip that path when the check is clean; on CPUs that
     costs nothing and always happens."""
 
+    fused_softmax: bool = True
+    """Compute the attention softmax with kernel 3 (megatron_abft.fused_softmax) where the
+    compiled kernels apply: the scores' check and the context's checksum pass then ride on the
+    softmax's one read of the scores. Its probabilities equal Megatron's softmax to rounding (a
+    few units in the last place), not bit for bit; False keeps Megatron's softmax, and a clean
+    protected run bit for bit equal to an unprotected one."""
+
     on_uncorrectable: str = "recompute"
     """Policy for a fault that cannot be corrected in place: recompute (run the work once more,
     then raise), raise, skip_step (discard the step's gradients), rerun (hand over to Megatron's
@@ -66,7 +73,7 @@ class ABFTConfig:
     _intervals: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "sync_free"):
+        for name in ("enabled", "sync_free", "fused_softmax"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use True or False")
         self.sections = self._normalise_sections(self.sections)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from megatron_abft import _ext
-from megatron_abft.checksum import encode
+from megatron_abft.checksum import Checksums, encode
 from megatron_abft.config import SECTIONS, ABFTConfig
 from megatron_abft.eec import (
     KINDS,
@@ -105,14 +105,26 @@ class SectionGuard:
         operands: GemmOperands,
         views: dict[str, View] | None = None,
         recompute: Callable[[], Tensor] | None = None,
+        refs: tuple[Checksums, Checksums] | None = None,
     ) -> Tensor:
-        """Land faults, then verify and correct ``output = alpha * a @ b + bias`` in place.
-        Returns the output to use: ``output`` itself, or its recomputation."""
+        """Land faults, then verify and correct ``output = alpha * a @ b + bias`` in place,
+        against ``refs`` (both sides' checksums) where given, else against checksums encoded from
+        the operands. Returns the output to use: ``output`` itself, or its recomputation."""
         self.land_faults(output, views or {self.section: lambda t: t})
         if not self.due:
             return output
+        return self.verify(output, operands, recompute, refs)
+
+    def verify(
+        self,
+        output: Tensor,
+        operands: GemmOperands,
+        recompute: Callable[[], Tensor] | None = None,
+        refs: tuple[Checksums, Checksums] | None = None,
+    ) -> Tensor:
+        """``check`` of a due section whose faults have landed."""
         self.batch_shape = tuple(output.shape[:-2])
-        failed, event = self._verify(output, operands)
+        failed, event = self._verify(output, operands, refs)
         if (
             recompute is not None
             and self.config.on_uncorrectable == "recompute"
@@ -124,7 +136,7 @@ class SectionGuard:
             if self.recomputed is None:
                 self.recomputed = torch.zeros((), dtype=torch.int64, device=output.device)
             self.recomputed += 1
-            if (again := self._verify(output, operands)[0]) is not None and bool(again):
+            if (again := self._verify(output, operands, refs)[0]) is not None and bool(again):
                 # still wrong: the fault is in the inputs, or persistent. Leave it pending, so
                 # that finish_step raises on every rank together
                 self.recompute_failed = True
@@ -137,14 +149,24 @@ class SectionGuard:
             self.pending = failed if self.pending is None else self.pending | failed
         return output
 
+    def passed(self, output: Tensor) -> None:
+        """Count a due check of ``output`` that a screen elsewhere found clean (the fused
+        softmax's screen of the scores): nothing to correct, nothing to record."""
+        self.batch_shape = tuple(output.shape[:-2])
+        self._counters(output.device)
+
+    def _counters(self, device: torch.device) -> None:
+        if self.counts is None:
+            self.counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.int64, device=device)
+
     def _verify(
-        self, output: Tensor, operands: GemmOperands
+        self, output: Tensor, operands: GemmOperands, refs: tuple[Checksums, Checksums] | None
     ) -> tuple[Tensor | None, Tensor | None]:
         """Verify and correct in place and count. Returns whether a matrix stayed uncorrectable
         (a device bool) and the event record of the worst matrix (EVENT_FIELDS); both None when
         the check is known clean without a host synchronisation (EECResult.known_clean,
         which every clean check is on CPU and with sync_free off)."""
-        col, row = encode(
+        col, row = refs or encode(
             operands.a,
             operands.b,
             alpha=operands.alpha,
@@ -161,10 +183,7 @@ class SectionGuard:
             check_references=False,
             sync_free=self.config.sync_free,
         )
-        if self.counts is None:
-            self.counts = torch.zeros(
-                len(OUTCOMES), len(KINDS), dtype=torch.int64, device=output.device
-            )
+        self._counters(output.device)
         if result.known_clean:
             return None, None
         return self._tally(result)

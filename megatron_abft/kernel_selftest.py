@@ -14,9 +14,9 @@ BLOCK = 32
 
 
 def mismatches(device: torch.device) -> list[str]:
-    """What the kernels get wrong on ``device``: encode_pair, add_bias, block_sums, screen and
-    verify_correct on a small batched GEMM in fp32 and bf16, clean and with faults, and tally,
-    against the PyTorch path. Empty when they agree."""
+    """What the kernels get wrong on ``device``: encode_pair, add_bias, block_sums, screen,
+    verify_correct and softmax_check on a small batched GEMM in fp32 and bf16, clean and with
+    faults, and tally, against the PyTorch path. Empty when they agree."""
     from megatron_abft import _ext
     from megatron_abft.checksum import encode
     from megatron_abft.sides import Check, _block_sums, inspect_sides, screen
@@ -64,7 +64,36 @@ def mismatches(device: torch.device) -> list[str]:
             got = sums[:2] if side == "col" else sums[2:]
             if not (_close(got[0], plain) and _close(got[1], sizes)):
                 wrong.append(f"block_sums, {side} side ({dtype})")
+        wrong += _softmax_mismatches(c, faulty, refs, check, b, dtype)
     return wrong + _tally_mismatches(device)
+
+
+def _softmax_mismatches(c, faulty, refs, check, v, dtype) -> list[str]:
+    """softmax_check against the PyTorch path: P against a causally masked torch softmax, its
+    flags against the screen, P's pass against operand_pass."""
+    from megatron_abft.sides import kernel_sides
+
+    wrong = []
+    sides = kernel_sides(c, refs, check)
+    for name, matrix in (("clean", c), ("one fault", faulty)):
+        _, flagged, *_ = torch.ops.megatron_abft.softmax_check(
+            matrix, *sides, None, False, 1.0, BLOCK, None, None
+        )
+        if not torch.equal(flagged, torch.ops.megatron_abft.screen(matrix, *sides)):
+            wrong.append(f"softmax_check, screen {name} ({dtype})")
+    square = c[..., :80, :].contiguous()  # for the causal mask
+    u, z = torch.ops.megatron_abft.pair_vectors(square, v.mT, BLOCK)
+    p, _, *found = torch.ops.megatron_abft.softmax_check(
+        square, 0, 0, [], [], [], [], None, True, 0.5, BLOCK, u, z
+    )
+    causal = torch.ones(80, 80, dtype=torch.bool, device=c.device).triu(1)
+    want = torch.softmax((square.float() * 0.5).masked_fill(causal, -10000.0), -1).to(dtype)
+    if not _close(p, want):
+        wrong.append(f"softmax_check, probabilities ({dtype})")
+    direct = torch.ops.megatron_abft.operand_pass(p, BLOCK, u, z, 1.0)
+    if not all(_close(x, y) for x, y in zip(found, direct, strict=True)):
+        wrong.append(f"softmax_check, P's pass ({dtype})")
+    return wrong
 
 
 def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:

@@ -228,6 +228,14 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(ABFTConfig.sync_free).",
     )
     group.add_argument(
+        "--abft-no-fused-softmax",
+        dest="abft_fused_softmax",
+        action="store_false",
+        help="Keep Megatron's softmax: the scores' check and the context's checksums then read "
+        "S and P on their own, and a clean run equals an unprotected one bit for bit "
+        "(ABFTConfig.fused_softmax).",
+    )
+    group.add_argument(
         "--abft-inject",
         type=parse_fault,
         action="append",
@@ -372,6 +380,7 @@ def abft_config_from_args(args: argparse.Namespace, enabled: bool | None = None)
         block_size=args.abft_block_size,
         threshold_scale=args.abft_threshold_scale,
         sync_free=args.abft_sync_free,
+        fused_softmax=args.abft_fused_softmax,
         on_uncorrectable=args.abft_on_uncorrectable,
     )
 

@@ -53,11 +53,12 @@ def _difference(result, reference) -> float:
     return worst if torch.isfinite(torch.tensor(worst)) else float("inf")
 
 
-def _correction_worker(cases, policy):
+def _correction_worker(cases, policy, fused_softmax=True):
     from megatron_abft import inject, reset_stats, stats
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
-    model = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable=policy)))
+    config = ABFTConfig(on_uncorrectable=policy, fused_softmax=fused_softmax)
+    model = build_gpt(SHAPE, get_gpt_layer_abft_spec(config))
     reference = loss_and_grads(model, SHAPE)
     out = []
     for i, case in enumerate(cases):
@@ -74,13 +75,26 @@ def _correction_worker(cases, policy):
     return out
 
 
-@pytest.fixture(scope="module")
-def corrections():
-    ranks = spawn(2, 2, _correction_worker, CASES, "raise")
+ATTENTION_CASES = [case for case in CASES if case[0] in ("scores", "context")]
+"""The cases whose path the fused softmax (ABFTConfig.fused_softmax, on by default) changes."""
+
+
+def _spawned(*args) -> list:
+    ranks = spawn(2, 2, _correction_worker, *args)
     for rank, result in enumerate(ranks):
         if isinstance(result, Exception):
             raise AssertionError(f"rank {rank} failed") from result
     return ranks
+
+
+@pytest.fixture(scope="module")
+def corrections():
+    return _spawned(CASES, "raise")
+
+
+@pytest.fixture(scope="module")
+def unfused_corrections():
+    return _spawned(ATTENTION_CASES, "raise", False)
 
 
 def totals(stats: dict, outcome: str) -> dict[str, int]:
@@ -91,8 +105,19 @@ def totals(stats: dict, outcome: str) -> dict[str, int]:
 def test_a_fault_is_corrected_on_its_rank_and_training_sees_the_fault_free_values(
     corrections, case
 ):
+    assert_corrected(corrections, CASES, case)
+
+
+@pytest.mark.parametrize(
+    "case", ATTENTION_CASES, ids=["-".join(map(str, c)) for c in ATTENTION_CASES]
+)
+def test_the_same_with_megatrons_softmax(unfused_corrections, case):
+    assert_corrected(unfused_corrections, ATTENTION_CASES, case)
+
+
+def assert_corrected(corrections, cases, case):
     section, kind, pattern, faulty = case
-    i = CASES.index(case)
+    i = cases.index(case)
     for rank, results in enumerate(corrections):
         result = results[i]
         assert result["difference"] <= 1e-5, (rank, result["difference"])

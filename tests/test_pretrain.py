@@ -299,6 +299,7 @@ def test_the_sync_free_flag_reaches_the_config():
         return abft_config_from_args(args)
 
     assert not config().sync_free and config("--abft-sync-free").sync_free
+    assert config().fused_softmax and not config("--abft-no-fused-softmax").fused_softmax
 
 
 BAD = [

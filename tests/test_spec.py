@@ -34,8 +34,9 @@ def _equality_worker(shapes):
 
     specs = {
         "stock": get_gpt_layer_local_spec(),
-        "abft": get_gpt_layer_abft_spec(ABFTConfig()),
+        "abft": get_gpt_layer_abft_spec(ABFTConfig(fused_softmax=False)),
         "disabled": get_gpt_layer_abft_spec(ABFTConfig(enabled=False)),
+        "fused": get_gpt_layer_abft_spec(ABFTConfig()),
     }
     results = []
     for shape in shapes:
@@ -51,20 +52,35 @@ def _equality_worker(shapes):
 
 @pytest.mark.parametrize("tp", sorted(EQUALITY_CASES))
 def test_clean_protected_runs_are_bitwise_equal_to_megatron(tp):
-    """Spawns ``tp`` ranks. Protected and disabled-protection models give exactly the stock
-    model's losses and TP-gathered gradients, for every case of EQUALITY_CASES[tp]."""
+    """Spawns ``tp`` ranks. Protected (with Megatron's softmax) and disabled-protection models
+    give exactly the stock model's losses and TP-gathered gradients, for every case of
+    EQUALITY_CASES[tp]; with the fused softmax (kernel 3), the same to its rounding."""
     ranks = spawn(tp, tp, _equality_worker, EQUALITY_CASES[tp])
     for rank, result in enumerate(ranks):
         if isinstance(result, Exception):
             raise AssertionError(f"rank {rank} failed") from result
     for shape, runs in zip(EQUALITY_CASES[tp], ranks[0], strict=True):
-        for name in ("abft", "disabled"):
+        for name in ("abft", "disabled", "fused"):
             for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(
                 zip(runs[name], runs["stock"], strict=True)
             ):
-                assert torch.equal(loss, ref_loss), (shape, name, step)
-                for key in ref_grads:
-                    assert torch.equal(grads[key], ref_grads[key]), (shape, name, step, key)
+                if name != "fused":
+                    assert torch.equal(loss, ref_loss), (shape, name, step)
+                    for key in ref_grads:
+                        assert torch.equal(grads[key], ref_grads[key]), (shape, name, step, key)
+                    continue
+                assert_fused_close(loss, ref_loss, grads, ref_grads, shape.dtype)
+
+
+def assert_fused_close(loss, ref_loss, grads, ref_grads, dtype):
+    """The fused softmax's P differs from torch's by a few units in the last place; in fp16 and
+    bf16 its backward reads P as stored, where Megatron's torch path keeps P in fp32 (its fused
+    CUDA kernels do as ours), so gradients differ by the dtype's rounding."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3 if half else 1e-6, atol=0)
+    for key, ref in ref_grads.items():
+        error = (grads[key].double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)
+        assert error <= (2e-2 if half else 2e-6), (key, float(error))
 
 
 def _construction_worker():

@@ -59,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_false",
         help="CPU: keep glibc malloc's moving thresholds (see pin_malloc)",
     )
+    p.add_argument(
+        "--no-fused-softmax",
+        dest="fused_softmax",
+        action="store_false",
+        help="keep Megatron's softmax (ABFTConfig.fused_softmax): the checks read S and P apart",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON results")
     return p.parse_args(argv)
 
@@ -244,7 +250,10 @@ def run(rank: int, args) -> dict | None:
     from megatron_abft.guard import iter_guards
 
     config = ABFTConfig(
-        check_interval=args.check_interval, block_size=args.block, on_uncorrectable="log"
+        check_interval=args.check_interval,
+        block_size=args.block,
+        on_uncorrectable="log",
+        fused_softmax=args.fused_softmax,
     )
     model = _build(args, config)
     device = next(model.parameters()).device
@@ -309,7 +318,7 @@ def run(rank: int, args) -> dict | None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "impl": "kernels" if _ext.available() else "torch",
+        "impl": implementation(args, device),
         "backend": _ext.backend(),
         "machine": machine,
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
@@ -342,6 +351,16 @@ def run(rank: int, args) -> dict | None:
     }
     del tensor_parallel  # imported for its side effect of being ready in workers
     return result
+
+
+def implementation(args, device: torch.device) -> str:
+    """How the checks ran, as megatron_abft.scaling names it: ``fused`` where kernel 3 reads S
+    once for the softmax and both attention checks (the C++ kernels; on CUDA it is composed of
+    the other kernels, which read S and P as the unfused checks do), else ``kernels`` or
+    ``torch``."""
+    if not _ext.available():
+        return "torch"
+    return "fused" if args.fused_softmax and device.type == "cpu" else "kernels"
 
 
 def _timed_check(guard, timer: Timer, spans: dict[str, list], timing: dict):

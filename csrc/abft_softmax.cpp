@@ -1,0 +1,175 @@
+// Torch binding of softmax_check, kernel 3 (abft.h): Megatron's scale-mask-softmax of the
+// attention scores in one read of S that also screens S against its reference checksums and gives
+// P's checksum pass for the context GEMM. Registered on CPU, and on CUDA in CUDA builds; its fake
+// implementation for torch.compile is in megatron_abft/_ext.py.
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#ifdef ABFT_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "abft.h"
+#include "abft_binding.h"
+
+namespace {
+
+using Six = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using OptionalTensor = std::optional<at::Tensor>;
+
+constexpr int64_t kRowBand = 64;  // rows per task when neither side needs a block of rows
+
+// The kernel's arguments, its outputs (p, flagged, P's sums, sizes, products, magnitudes) and
+// the tensors its pointers read. Not copied: `k.products` points into it.
+struct Prepared {
+  abft::SoftmaxCheck k{};
+  abft::RowProducts row_products{};
+  std::vector<at::Tensor> outputs;
+  std::vector<at::Tensor> keep;
+};
+
+void check_block(const char* name, int64_t block) {
+  TORCH_CHECK(block == 0 || block >= 2, "megatron_abft::softmax_check: ", name,
+              " must be 0 (not wanted) or >= 2; got ", block);
+}
+
+void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int64_t row_block,
+                     at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                     at::ArrayRef<double> row_bounds, const OptionalTensor& mask, bool causal,
+                     double scale, int64_t block, const OptionalTensor& u,
+                     const OptionalTensor& z, at::DeviceType device) {
+  TORCH_CHECK(s.device().type() == device, "megatron_abft::softmax_check: s is on ", s.device(),
+              " but this kernel runs on ", device);
+  TORCH_CHECK(s.layout() == at::kStrided && s.dim() >= 2 && s.dim() <= 2 + abft::kMaxBatchDims &&
+                  s.stride(-1) == 1,
+              "megatron_abft::softmax_check: s must be a strided [*batch, sq, sk] tensor with at ",
+              "most ", abft::kMaxBatchDims, " batch dims and contiguous rows; got shape ",
+              s.sizes(), " strides ", s.strides());
+  abft_binding::kernel_dtype(s, "megatron_abft::softmax_check: s");
+  check_block("col_block", col_block);
+  check_block("row_block", row_block);
+  check_block("block", block);
+  TORCH_CHECK(u.has_value() == z.has_value(),
+              "megatron_abft::softmax_check: give both u and z (P's checksum pass) or neither");
+  const bool pass = u.has_value();
+  TORCH_CHECK(!pass || block > 0, "megatron_abft::softmax_check: P's checksum pass needs a block");
+  TORCH_CHECK(!pass || col_block == 0 || col_block == block,
+              "megatron_abft::softmax_check: the screen's col_block (", col_block,
+              ") and P's block (", block, ") must be equal: both are the rows of a task");
+  const auto batch = s.sizes().slice(0, s.dim() - 2).vec();
+  abft::SoftmaxCheck& k = out.k;
+  k.s = abft_binding::describe(s);
+  k.causal = causal;
+  k.scale = scale;
+  k.band = col_block > 0 ? col_block : pass ? block : kRowBand;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->device() == s.device(),
+                "megatron_abft::softmax_check: mask must be a bool tensor on ", s.device(),
+                " (true: masked out); got ", mask->scalar_type(), " on ", mask->device());
+    TORCH_CHECK(mask->layout() == at::kStrided && at::is_expandable_to(mask->sizes(), s.sizes()),
+                "megatron_abft::softmax_check: mask of shape ", mask->sizes(),
+                " does not broadcast to s ", s.sizes());
+    const at::Tensor view = mask->expand(s.sizes());
+    out.keep.push_back(view);
+    k.mask = static_cast<const uint8_t*>(view.data_ptr());
+    for (int64_t d = 0; d < view.dim(); ++d) k.mask_strides[d] = view.stride(d);
+  }
+  const at::Tensor p = at::empty(s.sizes(), s.options().memory_format(at::MemoryFormat::Contiguous));
+  k.p = p.data_ptr();
+  const auto acc = s.options().dtype(s.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  at::Tensor flagged;
+  if (col_block > 0 || row_block > 0) {
+    auto [sums, matrices, block_sums] = abft_binding::prepare(s, col_block, row_block);
+    auto [screen, found] = abft_binding::prepare_screen(s, sums, col_block, row_block, col, row,
+                                                        col_bounds, row_bounds, out.keep);
+    out.keep.insert(out.keep.end(), {std::get<0>(sums), std::get<1>(sums), std::get<2>(sums),
+                                     std::get<3>(sums)});
+    k.s_sums = block_sums;
+    k.screen = screen;
+    flagged = found;
+  } else {
+    TORCH_CHECK(col.empty() && row.empty(),
+                "megatron_abft::softmax_check: references given but both blocks are 0");
+    flagged = at::zeros(batch, s.options().dtype(at::kInt));
+  }
+  at::Tensor p_sums = at::empty({0}, acc), p_sizes = at::empty({0}, acc),
+             products = at::empty({0}, acc), magnitudes = at::empty({0}, acc);
+  if (pass) {
+    auto [sums, matrices, block_sums] = abft_binding::prepare(p, block, 0);
+    auto [found, matrix, row_products, u_, z_] =
+        abft_binding::prepare_products(p, *u, *z, 1.0, device);
+    out.keep.insert(out.keep.end(), {u_, z_});
+    out.row_products = row_products;
+    k.products = &out.row_products;
+    k.p_sums = block_sums;
+    p_sums = std::get<0>(sums);
+    p_sizes = std::get<1>(sums);
+    std::tie(products, magnitudes) = found;
+  }
+  out.outputs = {p, flagged, p_sums, p_sizes, products, magnitudes};
+}
+
+Six result(const Prepared& out) {
+  const auto& o = out.outputs;
+  return {o[0], o[1], o[2], o[3], o[4], o[5]};
+}
+
+Six softmax_check_cpu(const at::Tensor& s, int64_t col_block, int64_t row_block,
+                      at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                      at::ArrayRef<double> row_bounds, const OptionalTensor& mask, bool causal,
+                      double scale, int64_t block, const OptionalTensor& u,
+                      const OptionalTensor& z) {
+  Prepared out;
+  prepare_softmax(out, s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
+                  scale, block, u, z, at::kCPU);
+  const abft::SoftmaxCheck& k = out.k;
+  at::parallel_for(0, abft::softmax_check_tasks(k), 1, [&](int64_t begin, int64_t end) {
+    abft::softmax_check_cpu(k, begin, end);
+  });
+  return result(out);
+}
+
+#ifdef ABFT_WITH_CUDA
+Six softmax_check_cuda(const at::Tensor& s, int64_t col_block, int64_t row_block,
+                       at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                       at::ArrayRef<double> row_bounds, const OptionalTensor& mask, bool causal,
+                       double scale, int64_t block, const OptionalTensor& u,
+                       const OptionalTensor& z) {
+  const c10::cuda::CUDAGuard guard(s.device());
+  Prepared out;
+  prepare_softmax(out, s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
+                  scale, block, u, z, at::kCUDA);
+  const abft::SoftmaxCheck& k = out.k;
+  TORCH_CHECK(k.products == nullptr || (k.products->u.rows <= abft::kMaxRowProducts &&
+                                        k.products->z.rows <= abft::kMaxRowProducts),
+              "megatron_abft::softmax_check: at most ", abft::kMaxRowProducts,
+              " vectors of each kind on CUDA");
+  const auto stream = c10::cuda::getCurrentCUDAStream(s.device().index()).stream();
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::softmax_check_cuda(k, stream)));
+  return result(out);
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
+  m.def(
+      "softmax_check(Tensor s, int col_block, int row_block, Tensor[] col, Tensor[] row, "
+      "float[] col_bounds, float[] row_bounds, Tensor? mask, bool causal, float scale, int block, "
+      "Tensor? u, Tensor? z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) { m.impl("softmax_check", &softmax_check_cpu); }
+
+#ifdef ABFT_WITH_CUDA
+TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) { m.impl("softmax_check", &softmax_check_cuda); }
+#endif
