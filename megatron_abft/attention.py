@@ -136,12 +136,13 @@ class ProtectedDotProductAttention(DotProductAttention):
             return scores().view(b, groups, rep, sq, sk)
 
         scores_operands = GemmOperands(q5, k5.mT, alpha=self.softmax_scale)
+        matmul_result = recompute_scores()
         fused = self._fused_softmax(
-            recompute_scores(), scores_operands, v5, attention_mask, recompute_scores
+            matmul_result, scores_operands, v5, attention_mask, recompute_scores
         )
-        if fused is None:
+        if fused is None:  # S as the GEMM left it: _fused_softmax changes it only when it applies
             matmul_result = self.scores_guard.check(
-                recompute_scores(), scores_operands, recompute=recompute_scores
+                matmul_result, scores_operands, recompute=recompute_scores
             )
             attention_probs = self.scale_mask_softmax(
                 matmul_result.view(b, heads, sq, sk), attention_mask, self.softmax_offset

@@ -176,3 +176,39 @@ def test_context_parallelism_is_refused_with_what_to_use():
     config = SimpleNamespace(context_parallel_size=2, attention_backend=AttnBackend.auto)
     with pytest.raises(ValueError, match="use context_parallel_size=1"):
         reject_unsupported(config, "here")
+
+
+def _scores_gemm_worker():
+    from unittest import mock
+
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    configs = {
+        "idle": ABFTConfig(sections=()),
+        "all": ABFTConfig(),
+        "scores": ABFTConfig(sections="scores"),
+        "context": ABFTConfig(sections="context"),
+        "unfused": ABFTConfig(fused_softmax=False),
+    }
+    real, counts = torch.baddbmm, {}
+    for name, config in configs.items():
+        model = build_gpt(Shape(), get_gpt_layer_abft_spec(config))
+        calls = []
+
+        def counted(*args, calls=calls, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        with mock.patch.object(torch, "baddbmm", counted):
+            loss_and_grads(model, Shape())
+        counts[name] = len(calls)
+    return counts
+
+
+def test_the_scores_gemm_runs_once_a_layer_whatever_is_checked():
+    """Spawns 1 rank. A clean forward computes S = Q K^T once per layer, fused or not, whichever
+    sections are due."""
+    (counts,) = spawn(1, 1, _scores_gemm_worker)
+    if isinstance(counts, Exception):
+        raise counts
+    assert counts == dict.fromkeys(("idle", "all", "scores", "context", "unfused"), Shape().layers)

@@ -25,7 +25,7 @@ import torch
 from megatron_abft import _ext
 from megatron_abft.checksum import encode
 from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
-from megatron_abft.sides import Check, screen
+from megatron_abft.sides import Check, kernel_sides, screen
 from megatron_abft.tolerance import gemm_rounding
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -178,6 +178,42 @@ def main() -> None:
         ms = median(fn)
         achieved = nbytes / (ms / 1e3)
         print(f"{name:<38} {ms:>8.2f} {achieved / 1e9:>8.1f} {achieved / bandwidth:>7.0%}")
+    fused_softmax(scores, v, col, row, check, args.block, median)
+
+
+def fused_softmax(scores, v, col, row, check, block: int, median) -> None:
+    """Kernel 3 against what it replaces: Megatron's causal softmax (masked_fill, softmax in
+    fp32, back to the dtype), the screen of S and P's pass for the context's checksums."""
+    sq, sk = scores.shape[-2:]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+    sides = kernel_sides(scores, {"col": col, "row": row}, check)
+    vectors = _ext.pair_vectors(scores, v, block)
+    none = (0, 0, [], [], [], [])
+
+    def megatron():
+        return torch.softmax(scores.float().masked_fill(mask, -10000.0), -1).to(scores.dtype)
+
+    def unfused():
+        probs = megatron()
+        _ext.screen(scores, *sides)
+        return torch.ops.megatron_abft.operand_pass(probs, block, *vectors, 1.0)
+
+    rows = {
+        "Megatron's softmax (causal)": megatron,
+        "... + screen of S + pass over P": unfused,
+        "softmax_check, softmax alone": lambda: _ext.softmax_check(
+            scores, none, None, True, 1.0, block, None
+        ),
+        "softmax_check + screen of S": lambda: _ext.softmax_check(
+            scores, sides, None, True, 1.0, block, None
+        ),
+        "softmax_check + screen + P's pass": lambda: _ext.softmax_check(
+            scores, sides, None, True, 1.0, block, vectors
+        ),
+    }
+    print(f"\n{'kernel 3 (softmax_check)':<38} {'ms':>8}")
+    for name, fn in rows.items():
+        print(f"{name:<38} {median(fn):>8.2f}")
 
 
 if __name__ == "__main__":
