@@ -194,3 +194,30 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     assert {w.ops for w in protection_forward(SHAPES["GPT-3 125M"], "kernels").values()} == {
         CHECK_OPS["kernels"]
     }
+
+
+def test_the_report_explains_a_fused_section_the_model_misses():
+    """summary() adds why, where kernel 3's sections disagree, and says nothing of it where
+    they agree."""
+    from overhead_report import summary
+
+    def row(config, what, predicted, measured, ok):
+        return {
+            "config": config,
+            "what": what,
+            "predicted": predicted,
+            "measured": measured,
+            "ok": ok,
+            "unit": "%",
+            "interval": 0.01,
+        }
+
+    rows = [
+        row("cpu (fused)", "scores", 0.008, -0.013, False),
+        row("cpu (fused)", "step, all", 0.043, 0.038, True),
+        row("cpu (fused)", "attention, all", 0.32, 0.26, True),
+    ]
+    text = " ".join(summary(rows))
+    assert "2 of 3 rows agree" in text and "masked_fill" in text
+    rows[0]["ok"] = True
+    assert "masked_fill" not in " ".join(summary(rows))

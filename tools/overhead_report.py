@@ -290,6 +290,21 @@ def summary(rows: list[dict]) -> list[str]:
             f"times are off by {min(errors):+.0f}% to {max(errors):+.0f}% by section ({low}",
             f"lowest, {high} highest).",
         ]
+    fused = [
+        r
+        for r in judged
+        if "(fused)" in r["config"] and r["what"] in ("scores", "context") and not r["ok"]
+    ]
+    if fused:
+        lines += [
+            "With kernel 3 (`fused`) the scores and context sections alone measured "
+            f"{span([100 * r['measured'] for r in fused], '%')} against "
+            f"{span([100 * r['predicted'] for r in fused], '%')} predicted. On the CPU kernel 3",
+            "also replaces Megatron's masked_fill and softmax, which torch runs well below the",
+            "bandwidth the model prices a softmax at (tools/bench_kernels.py, docs/benchmarks.md):",
+            "the protected softmax is faster than the one it replaces, a saving in the baseline",
+            "the model does not describe; it credits kernel 3 only with the checks' passes.",
+        ]
     step, own = of("step, all", "measured"), of("checks' own time, all", "measured")
     lines += [
         f"For the step it predicts {span(of('step, all', 'predicted'), '%')} against "
