@@ -404,14 +404,15 @@ ABFT_INLINE void softmax_band(const SoftmaxCheck& k, int64_t task, Acc* x, Acc* 
   int32_t count = 0;
   int side = 0;
   if (k.s_sums.col_block > 0) {
-    const ScreenMatrix<Acc> m = screen_matrix<Acc>(k.screen, k.screen.side[side], b);
-    for (int64_t j = 0; j < cols; ++j) count += screen_flags<Acc>(k.screen, k.screen.side[side], m, blk, j);
-    ++side;
+    const ScreenSide& col = k.screen.side[side++];
+    const ScreenMatrix<Acc> m = screen_matrix<Acc>(k.screen, col, b);
+    for (int64_t j = 0; j < cols; ++j) count += screen_flags<Acc>(k.screen, col, m, blk, j);
   }
   if (nbr > 0) {
-    const ScreenMatrix<Acc> m = screen_matrix<Acc>(k.screen, k.screen.side[side], b);
+    const ScreenSide& row_side = k.screen.side[side];
+    const ScreenMatrix<Acc> m = screen_matrix<Acc>(k.screen, row_side, b);
     for (int64_t cb = 0; cb < nbr; ++cb) {
-      for (int64_t r = r0; r < r1; ++r) count += screen_flags<Acc>(k.screen, k.screen.side[side], m, cb, r);
+      for (int64_t r = r0; r < r1; ++r) count += screen_flags<Acc>(k.screen, row_side, m, cb, r);
     }
   }
   if (count > 0) __atomic_fetch_add(k.screen.flagged + b, count, __ATOMIC_RELAXED);

@@ -82,7 +82,7 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
     k.mask = static_cast<const uint8_t*>(view.data_ptr());
     for (int64_t d = 0; d < view.dim(); ++d) k.mask_strides[d] = view.stride(d);
   }
-  const at::Tensor p = at::empty(s.sizes(), s.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor p = at::empty(s.sizes(), s.options());  // contiguous
   k.p = p.data_ptr();
   const auto acc = s.options().dtype(s.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   at::Tensor flagged;

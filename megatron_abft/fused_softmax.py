@@ -22,9 +22,6 @@ from torch import Tensor
 from megatron_abft import _ext
 from megatron_abft.checksum import _constant
 
-MASK_FILL = -10000.0
-"""What Megatron's attention_mask_func writes into masked scores before the softmax."""
-
 
 def fusable(
     module: FusedScaleMaskSoftmax, scores: Tensor, mask: Tensor | None, offset: Tensor | None
