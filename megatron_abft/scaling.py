@@ -12,8 +12,9 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
   two ops of them, encode_pair (the larger operand read once for its block sums and its
   checksum products, the smaller twice) and verify_correct (C read once for both sides, with
   the differences, thresholds and flags; a clean matrix needs nothing more);
-- ``fused``: the target of kernel 3: the softmax, which reads S and writes P anyway, also
-  verifies S and emits P's sums, so the scores' verify pass and the context's read of P go.
+- ``fused``: kernel 3 (megatron_abft.fused_softmax): the softmax, which reads S and writes P
+  anyway, also verifies S and emits P's sums, so the scores' verify pass and the context's read
+  of P go. The code on a CPU; on CUDA still a target (the op is composed of the other kernels).
 
 Every check also costs a number of small ops, each at the device's op latency: on a CPU the
 top-level tensor ops of a clean check (CHECK_OPS, counted on the code by tests/test_scaling.py;
