@@ -91,13 +91,11 @@ def softmax(
     sides: tuple,
     block: int,
     vectors: tuple[Tensor, Tensor] | None,
-) -> tuple[Tensor, ...] | None:
+) -> tuple[Tensor, ...]:
     """``module``'s softmax of ``scores [..., sq, sk]`` (``fusable``; ``mask`` broadcast to
     ``scores``) by softmax_check, differentiable in ``scores``: P, the screen's flagged counts
-    per matrix, and P's checksum pass (see _ext.softmax_check). None where the kernels do not
-    take these inputs."""
-    if not _ext.softmax_check_applies(scores, mask, vectors):
-        return None
+    per matrix, and P's checksum pass (see _ext.softmax_check). The caller has checked that
+    the kernels take these inputs (_ext.softmax_check_applies)."""
     is_causal = mask is None and causal(module, scores)
     scale = 1.0 if module.scale is None else float(module.scale)
     return _ScaleMaskSoftmax.apply(scores, mask, is_causal, scale, sides, block, vectors)
