@@ -15,6 +15,9 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
 - ``fused``: kernel 3 (megatron_abft.fused_softmax): the softmax, which reads S and writes P
   anyway, also verifies S and emits P's sums, so the scores' verify pass and the context's read
   of P go. The code on a CPU; on CUDA still a target (the op is composed of the other kernels).
+  Kernel 3 also replaces Megatron's softmax, forward and backward: where a device profile has
+  timed both softmaxes and kernel 3's checks (SOFTMAX_PARTS, on the CPU), the difference is
+  part of the cost; elsewhere both run at the bandwidth and the checks in the pass are free.
 
 Every check also costs a number of small ops, each at the device's op latency: on a CPU the
 top-level tensor ops of a clean check (CHECK_OPS, counted on the code by tests/test_scaling.py;
@@ -28,7 +31,9 @@ against tools/bench_overhead.py and reports predictions for common model shapes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+from itertools import combinations
 
 from megatron_abft.config import SECTIONS
 
@@ -116,6 +121,13 @@ class Work:
         return Work(self.flops * factor, self.bytes * factor, self.ops * factor)
 
 
+SOFTMAX_PARTS = ("forward", "backward", "kernel3_forward", "kernel3_backward", "screen", "pass")
+"""What a device profile may time of the scale-mask-softmax, per element of S: Megatron's softmax
+forward and backward; what kernel 3 (megatron_abft.fused_softmax) with no checks adds to each,
+inside a training step (negative where it is faster); and what each of kernel 3's checks adds
+to its forward: the screen of S (the scores' check) and the pass over P (the context's
+encoding)."""
+
 ADAM_BYTES_PER_PARAMETER = 16 * 4
 """Traffic of one Adam update per parameter, op by op as torch's foreach Adam does it."""
 
@@ -141,6 +153,21 @@ class DeviceProfile:
     """Rate at which the checks' kernels read a matrix that is in no cache, as a check reads its
     GEMM's output in a step (default: bandwidth). Calibrated apart on CPUs, where the kernels
     do several sums per element and read well below a plain stream."""
+
+    softmax: dict[str, float] | None = None
+    """Seconds per element of S of the parts of the scale-mask-softmax (SOFTMAX_PARTS), measured
+    on the device by tools/bench_overhead.py; ``forward`` and ``backward`` at least. Without them
+    the softmax is priced by its bytes, kernel 3 as fast as Megatron's, and kernel 3's checks
+    at nothing of their own: the fused target takes its sums while it reads S anyway."""
+
+    def __post_init__(self) -> None:
+        if self.softmax is not None:
+            unknown = set(self.softmax) - set(SOFTMAX_PARTS)
+            if unknown or not {"forward", "backward"} <= set(self.softmax):
+                raise ValueError(
+                    f"DeviceProfile {self.name}: softmax parts {sorted(self.softmax)}; give "
+                    f"forward and backward, and any of {', '.join(SOFTMAX_PARTS[2:])}"
+                )
 
     def ops_per_check(self, impl: str) -> float:
         return (self.check_ops or CHECK_OPS)[impl]
@@ -196,19 +223,18 @@ def _gemm(m: float, k: float, n: float, batch: float = 1) -> Work:
 
 
 def baseline_forward(shape: ModelShape) -> dict[str, Work]:
-    """Forward work of one layer on one rank, by part; GEMMs as FLOPs, the rest as bytes."""
+    """Forward work of one layer on one rank, by part; GEMMs as FLOPs, the rest as bytes. The
+    softmax is apart (softmax_seconds)."""
     e = BYTES[shape.dtype]
     tokens = shape.seq * shape.micro_batch
     h, hn, tp = shape.hidden, shape.head_dim, shape.tp
     heads = shape.heads // tp
     qkv_width = (shape.heads + 2 * shape.groups) * hn // tp
-    scores = shape.micro_batch * heads * shape.seq * shape.seq  # elements of S on this rank
     activation = tokens * h
     return {
         "qkv": _gemm(tokens, h, qkv_width) + Work(bytes=2 * tokens * qkv_width * e, ops=1),
         "scores": _gemm(shape.seq, hn, shape.seq, shape.micro_batch * heads),
-        # scale-mask-softmax reads S and the mask and writes P; RoPE rewrites q and k
-        "softmax": Work(bytes=3 * scores * e + 4 * tokens * qkv_width * e, ops=6),
+        "rope": Work(bytes=4 * tokens * qkv_width * e, ops=3),  # rewrites q and k
         "context": _gemm(shape.seq, shape.seq, hn, shape.micro_batch * heads)
         + Work(bytes=2 * activation / tp * e, ops=2),  # permute + contiguous
         "proj": _gemm(tokens, h // tp, h),
@@ -220,18 +246,35 @@ def baseline_forward(shape: ModelShape) -> dict[str, Work]:
     }
 
 
+def softmax_seconds(shape: ModelShape, device: DeviceProfile, part: str) -> float:
+    """Time of one layer's ``part`` (SOFTMAX_PARTS) of the scale-mask-softmax on one rank: at
+    the device's measured cost per element of S where it has one; else Megatron's softmax by
+    its bytes (it reads S and the mask and writes P; backward twice that), and kernel 3 no
+    faster and its checks free (0)."""
+    if part not in SOFTMAX_PARTS:
+        raise ValueError(f"softmax part {part!r}; choose from {', '.join(SOFTMAX_PARTS)}")
+    elements = shape.micro_batch * shape.heads // shape.tp * shape.seq**2
+    if device.softmax is not None and part in device.softmax:
+        return elements * device.softmax[part]
+    if part not in ("forward", "backward"):
+        return 0.0
+    forward = device.time(Work(bytes=3 * elements * BYTES[shape.dtype], ops=3), shape.dtype)
+    return 2 * forward if part == "backward" else forward
+
+
 def step_time(shape: ModelShape, device: DeviceProfile) -> float:
     """Baseline training step: forward, backward (2x the GEMMs and memory traffic), the
-    logits GEMM, and an Adam update over this rank's parameters."""
+    softmax both ways, the logits GEMM, and an Adam update over this rank's parameters."""
     per_layer = sum(baseline_forward(shape).values(), Work())
     tokens = shape.seq * shape.micro_batch
     logits = _gemm(tokens, shape.hidden, shape.vocab / shape.tp)
     forward = per_layer * shape.layers + logits
     backward = Work(flops=2 * forward.flops, bytes=2 * forward.bytes, ops=2 * forward.ops)
+    softmax = sum(softmax_seconds(shape, device, p) for p in ("forward", "backward"))
     adam_bytes = shape.parameters() / shape.tp * ADAM_BYTES_PER_PARAMETER
     adam = adam_bytes / (device.optimizer_bandwidth or device.bandwidth)
     adam += 12 * 4 * shape.layers * device.launch
-    return device.time(forward + backward, shape.dtype) + adam
+    return device.time(forward + backward, shape.dtype) + softmax * shape.layers + adam
 
 
 # --- protection work ------------------------------------------------------------------------
@@ -292,8 +335,10 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
     products = Work(flops=2 * g.batch * 3 * blocks * k * n)  # [e w] rows and the |.| row
     if impl != "torch":  # per side, half of: the larger operand once, the smaller twice
         larger, smaller = max(a_elems, b_elems), min(a_elems, b_elems)
-        if impl == "fused" and g.softmax_operand:  # P's sums come out of the softmax
+        if impl == "fused" and g.softmax_operand:  # P's pass is the softmax's ("pass")
             larger = 0
+            if b_elems >= a_elems:  # the products of P's rows with the smaller one's sums
+                products = Work()
         return products + Work(bytes=(larger + 2 * smaller) * e / 2)
     # checksum.py: B to fp32, |B| (a copy), and the two products read both
     operand_b = Work(bytes=b_elems * (e + 4 + 8 + 4))
@@ -352,19 +397,45 @@ def predict(
         s: device.check_time(w, shape.dtype) * shape.layers
         for s, w in protection_forward(shape, impl, device.ops_per_check(impl)).items()
     }
+    # kernel 3 replaces Megatron's softmax on the steps that check the scores or the context
+    swap = dict.fromkeys(("forward", "backward"), 0.0)
+    if impl == "fused":
+        extra["scores"] += softmax_seconds(shape, device, "screen") * shape.layers
+        extra["context"] += softmax_seconds(shape, device, "pass") * shape.layers
+        for way in swap:
+            swap[way] = softmax_seconds(shape, device, f"kernel3_{way}") * shape.layers
+    fused_share = _share_of_steps([intervals.get(s, 1) for s in sections if s in FUSED_SECTIONS])
     base = step_time(shape, device)
     forward = baseline_forward(shape)
-    attention_parts = ("qkv", "scores", "softmax", "context", "proj")
+    attention_parts = ("qkv", "scores", "rope", "context", "proj")
     attention = device.time(sum((forward[p] for p in attention_parts), Work()), shape.dtype)
-    checked = sum(extra[s] / intervals.get(s, 1) for s in sections)
+    attention += softmax_seconds(shape, device, "forward")
+    swapped = sum(swap.values())
+    checked = sum(extra[s] / intervals.get(s, 1) for s in sections) + swapped * fused_share
+    attention_swap = swap["forward"] if fused_share else 0.0
     return Prediction(
         shape=shape,
         device=device.name,
         impl=impl,
-        sections={s: extra[s] / base for s in SECTIONS},
-        attention=sum(extra[s] for s in sections) / shape.layers / attention,
+        sections={s: (extra[s] + swapped * (s in FUSED_SECTIONS)) / base for s in SECTIONS},
+        attention=(sum(extra[s] for s in sections) + attention_swap) / shape.layers / attention,
         step=checked / base,
         step_seconds=base,
+    )
+
+
+FUSED_SECTIONS = ("scores", "context")
+"""The sections whose checks run kernel 3 in place of Megatron's softmax."""
+
+
+def _share_of_steps(intervals: list[int]) -> float:
+    """The share of steps on which at least one of the checks with these ``intervals`` is due
+    (a check every n steps is due on the steps that n divides): inclusion-exclusion over the
+    steps that several of them divide."""
+    return sum(
+        (-1) ** (len(subset) + 1) / math.lcm(*subset)
+        for r in range(1, len(intervals) + 1)
+        for subset in combinations(intervals, r)
     )
 
 

@@ -1,4 +1,5 @@
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -12,15 +13,19 @@ from megatron_abft.scaling import (
     CHECK_KERNELS,
     CHECK_OPS,
     DEVICES,
+    SOFTMAX_PARTS,
     DeviceProfile,
     ModelShape,
     Work,
+    _share_of_steps,
     predict,
     protection_forward,
+    softmax_seconds,
     step_time,
 )
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+from mcore import Shape, spawn  # noqa: E402
 
 SHAPES = {shape.name: shape for shape in CATALOGUE}
 
@@ -117,6 +122,162 @@ def test_the_benchmark_measures_what_the_model_calibrates_on():
     assert calibrated(run).check_bandwidth == 3e9
 
 
+def _timed_softmax(**costs) -> DeviceProfile:
+    """A device whose Megatron softmax costs 4 ns (forward) and 8 ns (backward) an element."""
+    return DeviceProfile(
+        "d", {"fp32": 1e11}, 3e10, 5e-6, softmax={"forward": 4e-9, "backward": 8e-9, **costs}
+    )
+
+
+def test_a_timed_softmax_prices_the_baseline_and_what_kernel_3_changes():
+    """Where the device's softmaxes were timed (tools/bench_overhead.py), the baseline step pays
+    Megatron's softmax at its measured cost, and kernel 3 costs its screen (the scores) and its
+    pass (the context) plus, once on the steps that run it, its difference to Megatron's."""
+    shape = ModelShape("m", 4, 512, 8, 2048, 1024, seq=512, dtype="fp32")
+    elements = 8 * 512**2
+    plain = _timed_softmax()
+    untimed = replace(plain, softmax=None)
+    baseline = step_time(shape, untimed) - 4 * sum(
+        softmax_seconds(shape, untimed, p) for p in ("forward", "backward")
+    )
+    assert step_time(shape, plain) == pytest.approx(baseline + 4 * elements * 12e-9)
+    # kernel 3 as fast as Megatron's softmax, its checks free: the fused figures are the checks'
+    even = predict(shape, plain, "fused")
+    assert even.step == pytest.approx(sum(even.sections.values()))
+    faster = replace(
+        plain, softmax={**plain.softmax, "kernel3_forward": -2e-9, "kernel3_backward": -3e-9}
+    )
+    swap = 4 * elements * (-2e-9 - 3e-9) / step_time(shape, plain)
+    fast = predict(shape, faster, "fused")
+    for s in SECTIONS:
+        assert fast.sections[s] == pytest.approx(
+            even.sections[s] + swap * (s in ("scores", "context"))
+        )
+    assert fast.step == pytest.approx(even.step + swap)  # once, whichever sections run it
+    checks = replace(faster, softmax={**faster.softmax, "screen": 1e-9, "pass": 2e-9})
+    checked = predict(shape, checks, "fused")
+    base = step_time(shape, checks)
+    assert checked.sections["scores"] == pytest.approx(
+        fast.sections["scores"] + 4 * elements * 1e-9 / base
+    )
+    assert checked.sections["context"] == pytest.approx(
+        fast.sections["context"] + 4 * elements * 2e-9 / base
+    )
+    assert checked.sections["qkv"] == fast.sections["qkv"]
+    # scores every 2 steps, context every 3: kernel 3 runs on 2 steps of 3
+    sparse = predict(shape, checks, "fused", intervals={"scores": 2, "context": 3})
+    others = sum(checked.sections[s] for s in ("qkv", "proj"))
+    own = (checked.sections["scores"] - swap) / 2 + (checked.sections["context"] - swap) / 3
+    assert sparse.step == pytest.approx(others + own + swap * 2 / 3)
+    # the implementations without kernel 3 keep Megatron's softmax
+    assert predict(shape, checks, "kernels").sections == predict(shape, plain, "kernels").sections
+
+
+@pytest.mark.parametrize("intervals", [[], [1], [2, 3], [4, 6], [3, 3], [5, 7, 2]])
+def test_the_share_of_steps_that_run_kernel_3_counts_the_steps(intervals):
+    period = math.lcm(*intervals) if intervals else 1
+    due = sum(any(step % n == 0 for n in intervals) for step in range(period))
+    assert _share_of_steps(intervals) == pytest.approx(due / period)
+
+
+def test_a_softmax_profile_names_its_parts():
+    every = DeviceProfile(
+        "d", {"fp32": 1e11}, 3e10, 5e-6, softmax=dict.fromkeys(SOFTMAX_PARTS, 1e-9)
+    )
+    assert softmax_seconds(SHAPES["GPT-3 125M"], every, "pass") > 0
+    with pytest.raises(ValueError, match="give forward and backward"):
+        DeviceProfile("d", {"fp32": 1e11}, 3e10, 5e-6, softmax={"forward": 1e-9})
+    with pytest.raises(ValueError, match="softmax parts"):
+        _timed_softmax(fused=1e-9)
+    with pytest.raises(ValueError, match="softmax part 'mask'"):
+        softmax_seconds(SHAPES["GPT-3 125M"], DEVICES["H100"], "mask")
+
+
+def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
+    """bench_overhead's softmax costs, per element of S: Megatron's module both ways, and with
+    the kernels what kernel 3's screen and pass add; the report's profile takes them."""
+    from bench_overhead import parse_args, softmax_costs
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+    from overhead_report import calibrated
+
+    from megatron_abft import _ext
+    from megatron_abft.cpu import enable_cpu_mode
+
+    enable_cpu_mode()  # Megatron makes its causal mask on the GPU
+    module = FusedScaleMaskSoftmax(
+        False, False, AttnMaskType.causal, False, attention_mask_func, True, None
+    )
+    args = parse_args(["--hidden", "64", "--heads", "2", "--seq", "64", "--block", "32"])
+    cpu = torch.device("cpu")
+    costs = softmax_costs(module, args, cpu)
+    both = {"forward", "backward"}
+    assert set(costs) == (both | {"screen", "pass"} if _ext.available() else both)
+    assert (
+        all(0 <= c < 1e-5 for c in costs.values()) and min(costs["forward"], costs["backward"]) > 0
+    )
+    with _ext.disabled():
+        assert set(softmax_costs(module, args, cpu)) == {"forward", "backward"}
+    run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
+    assert calibrated(run).softmax is None  # from before the softmax was timed
+    run["machine"]["softmax"] = costs
+    assert calibrated(run).softmax == costs
+
+
+def _kernel3_swap_worker():
+    from bench_overhead import kernel3_swap
+    from mcore import Shape, batch, build_gpt
+
+    from megatron_abft.config import ABFTConfig
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(sections=())))
+    tokens, positions, mask, labels = batch(Shape(), 0)
+    calls = []
+
+    def forward_backward():
+        """A step whose times say which softmax ran: 1 s and 2 s with kernel 3, else 3 and 5."""
+        with torch.profiler.profile() as profile:
+            model(tokens, positions, mask, labels=labels).float().mean().backward()
+        ran = sum(e.name == "megatron_abft::softmax_check" for e in profile.events())
+        calls.append(ran)
+        return (1.0, 2.0) if ran else (3.0, 5.0)
+
+    swap = kernel3_swap(model, forward_backward, pairs=3)
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    return swap, calls, any("_fused_softmax" in vars(core) for core in cores)
+
+
+def test_kernel3_swap_times_steps_with_each_softmax_in_turns():
+    """Spawns 1 rank. Each pair runs one step with kernel 3 as every layer's softmax and one with
+    Megatron's, in turns first; the swap is their difference a layer, and the model is left as
+    it was."""
+    from megatron_abft import _ext
+
+    if not _ext.available():
+        pytest.skip("kernel 3 needs the compiled kernels")
+    (found,) = spawn(1, 1, _kernel3_swap_worker)
+    if isinstance(found, Exception):
+        raise found
+    swap, calls, left_patched = found
+    layers = Shape().layers
+    assert calls == [layers, 0, 0, layers, layers, 0, 0, layers]
+    assert swap == pytest.approx(((1 - 3) / layers, (2 - 5) / layers))
+    assert not left_patched
+
+
+def test_the_benchmark_calibrates_on_the_median_of_its_rounds():
+    from bench_overhead import median_rates
+
+    rounds = [
+        {"matmul": 1e11, "launches": None, "softmax": {"forward": 3e-9}},
+        {"matmul": 3e11, "launches": None, "softmax": {"forward": 1e-9}},
+        {"matmul": 2e11, "launches": None, "softmax": {"forward": 2e-9}},
+    ]
+    assert median_rates(rounds) == {"matmul": 2e11, "launches": None, "softmax": {"forward": 2e-9}}
+
+
 def test_work_arithmetic_and_time():
     w = Work(2e12, 1e9, 10) + Work(2e12, 1e9, 10) * 0.5
     assert (w.flops, w.bytes, w.ops) == (3e12, 1.5e9, 15)
@@ -197,8 +358,8 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
 
 
 def test_the_report_explains_a_fused_section_the_model_misses():
-    """summary() adds why, where kernel 3's sections disagree, and says nothing of it where
-    they agree."""
+    """summary() adds why, where kernel 3's sections disagree in a run that did not time the
+    softmaxes, and says nothing of it where they agree or the run timed them."""
     from overhead_report import summary
 
     def row(config, what, predicted, measured, ok):
@@ -219,5 +380,7 @@ def test_the_report_explains_a_fused_section_the_model_misses():
     ]
     text = " ".join(summary(rows))
     assert "2 of 3 rows agree" in text and "masked_fill" in text
-    rows[0]["ok"] = True
+    rows[0]["softmax_timed"] = True  # a run that timed the softmaxes: the model counts the saving
+    assert "masked_fill" not in " ".join(summary(rows))
+    rows[0]["softmax_timed"], rows[0]["ok"] = False, True
     assert "masked_fill" not in " ".join(summary(rows))

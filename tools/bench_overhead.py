@@ -8,7 +8,8 @@ repetitions of each one's ratio to the "off" run of the same repetition, for the
 time of one check of each section inside the "all" steps. CPU timers on CPU, CUDA events on a
 GPU; on CPU, glibc malloc's thresholds are pinned first (pin_malloc). The JSON also holds
 micro-benchmarks of the machine (matmul rate, elementwise bandwidth, op latency, the kernels'
-read rate) that calibrate megatron_abft.scaling.
+read rate, the softmaxes' costs) that calibrate megatron_abft.scaling: taken before, halfway
+through and after the timed steps, and their medians.
 
     python tools/bench_overhead.py --layers 4 --hidden 512 --heads 8 --seq 512 --dtype fp32 \
         --out docs/figures/bench_cpu.json
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft import _ext
+from megatron_abft import _ext, fused_softmax
+from megatron_abft.checksum import encode
 from megatron_abft.config import SECTIONS, ABFTConfig
 from megatron_abft.scaling import ADAM_BYTES_PER_PARAMETER
 
@@ -159,9 +161,108 @@ def count_ops(profile) -> int:
     return sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
 
 
-def micro_benchmarks(args, device: torch.device) -> dict:
+def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
+    """Seconds per element of S of the scale-mask-softmax's parts (scaling.SOFTMAX_PARTS) at the
+    model's scores, each op alone: Megatron's ``module`` (the model's own) forward and
+    backward, and where kernel 3 serves the device (fused_softmax.fusable) what its screen of S
+    and its pass over P add to its forward. Medians of 31. Kernel 3's own difference to
+    Megatron's softmax is measured inside the steps (kernel3_swap)."""
+    from megatron_abft.eec import Check, kernel_sides
+    from megatron_abft.tolerance import gemm_rounding
+
+    heads, groups = args.heads // args.tp, max((args.kv_groups or args.heads) // args.tp, 1)
+    b, seq, hn = args.micro_batch, args.seq, args.hidden // args.heads
+    g = torch.Generator().manual_seed(2)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=DTYPES[args.dtype])
+
+    q, k = randn(b, groups, heads // groups, seq, hn), randn(b, groups, 1, hn, seq)  # k: K^T
+    v = randn(b, groups, 1, seq, hn)
+    alpha = hn**-0.5
+    leaf = (alpha * (q @ k)).requires_grad_()
+    grad = torch.randn_like(leaf)
+    timer = Timer(device.type == "cuda")
+
+    def timed(softmax) -> tuple[float, float]:
+        """Forward and backward of ``softmax`` on a fresh copy of S, as the scores GEMM hands
+        it over (Megatron's mask function writes into its input)."""
+        forward, backward = [], []
+        for _ in range(32):
+            scores = leaf.clone()
+            begin = timer.start()
+            out = softmax(scores)
+            middle = timer.start()
+            torch.autograd.grad(out, leaf, grad.view_as(out))
+            forward.append(timer.seconds(begin, middle))
+            backward.append(timer.seconds(middle, timer.start()))
+        return statistics.median(forward[1:]), statistics.median(backward[1:])
+
+    def megatron(scores):
+        return module(scores.view(b, heads, seq, seq), None, None)
+
+    costs = dict(zip(("forward", "backward"), timed(megatron), strict=True))
+    if fused_softmax.fusable(module, leaf.view(b, heads, seq, seq), None, None):
+        with torch.no_grad():
+            refs = encode(q, k, alpha=alpha, block=args.block)
+        check = Check(gemm_rounding(leaf.dtype, device), 1.0, 1e10, 0, None)
+        sides = kernel_sides(leaf.detach(), {"col": refs[0], "row": refs[1]}, check)
+        vectors = _ext.pair_vectors(leaf.detach(), v, args.block)
+
+        def kernel3(checks=(0, 0, [], [], [], []), pass_vectors=None):
+            return lambda s: fused_softmax.softmax(
+                module, s, None, checks, args.block, pass_vectors
+            )[0]
+
+        alone = timed(kernel3())[0]
+        costs["screen"] = max(timed(kernel3(sides))[0] - alone, 0.0)
+        costs["pass"] = max(timed(kernel3(pass_vectors=vectors))[0] - alone, 0.0)
+    return {part: seconds / leaf.numel() for part, seconds in costs.items()}
+
+
+def kernel3_swap(model, forward_backward, pairs: int = 20) -> tuple[float, float]:
+    """Forward and backward time one layer saves (negative) or loses where its softmax is
+    kernel 3 with no checks instead of Megatron's: medians over ``pairs`` pairs of training
+    steps with protection idle, each kind first in turns. Timed alone, kernel 3's advantage
+    comes out larger than inside a step. ``forward_backward`` runs a step's forward and backward
+    and returns their times. A layer whose softmax kernel 3 cannot compute keeps Megatron's."""
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+
+    def kernel3(core):
+        def softmax(s5, operands, v5, mask, recompute):
+            b, groups, rep, sq, sk = s5.shape
+            module = core.scale_mask_softmax
+            if mask is not None or not fused_softmax.fusable(
+                module, s5.view(b, -1, sq, sk), None, None
+            ):
+                return None
+            none = (0, 0, [], [], [], [])
+            p = fused_softmax.softmax(module, s5, None, none, core.abft_config.block_size, None)[0]
+            return p.view(b, groups * rep, sq, sk), None
+
+        return softmax
+
+    differences = []
+    for rep in range(pairs + 1):
+        times = {}
+        for fused in (rep % 2 == 0, rep % 2 == 1):
+            for core in cores:  # an instance attribute hides the class's _fused_softmax
+                if fused:
+                    core._fused_softmax = kernel3(core)
+                else:
+                    core.__dict__.pop("_fused_softmax", None)
+            times[fused] = forward_backward()
+        differences.append([x - y for x, y in zip(times[True], times[False], strict=True)])
+    for core in cores:
+        core.__dict__.pop("_fused_softmax", None)
+    return tuple(statistics.median(d[i] for d in differences[1:]) / len(cores) for i in (0, 1))
+
+
+def micro_benchmarks(args, device: torch.device, softmax) -> dict:
     """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, the ops
-    of one check with their latency, and the rate at which the kernels read the scores."""
+    of one check with their latency, the rate at which the kernels read the scores, and the
+    costs of the model's ``softmax`` (a Megatron FusedScaleMaskSoftmax) and of kernel 3's
+    checks."""
     dtype, hidden = DTYPES[args.dtype], args.hidden
     tokens = args.seq * args.micro_batch
     timer = Timer(device.type == "cuda")
@@ -197,6 +298,7 @@ def micro_benchmarks(args, device: torch.device) -> dict:
             device,
             args.block,
         ),
+        "softmax": softmax_costs(softmax, args, device),
     }
 
 
@@ -279,12 +381,29 @@ def run(rank: int, args) -> dict | None:
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
     positions = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.micro_batch, -1)
     modes = _modes(args)
-    # the device's rates, before the timed steps: after them the machine may have drifted
-    machine = micro_benchmarks(args, device)
+    # the device's rates, before, halfway through and after the timed steps (the machine drifts)
+    softmax = model.decoder.layers[0].self_attention.core_attention.scale_mask_softmax
+    rounds = [micro_benchmarks(args, device, softmax)]
+
+    def forward_backward() -> tuple[float, float]:
+        begin = timer.start()
+        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+        middle = timer.start()
+        loss.backward()
+        end = timer.start()
+        model.zero_grad(set_to_none=True)
+        return timer.seconds(begin, middle), timer.seconds(middle, end)
+
+    swap = None  # kernel 3's difference to Megatron's softmax, a layer, inside the steps
+    if "screen" in rounds[0]["softmax"]:  # kernel 3 takes the model's scores
+        config.enabled, config.sections = True, ()
+        swap = kernel3_swap(model, forward_backward)
     samples = {name: {"step": [], "attention": [], "optimizer": []} for name, _ in modes}
     faults = {name: [] for name, _ in modes}  # the process's minor page faults in each step
     step = 0
     for rep in range(args.warmup + args.reps):
+        if rep == args.warmup + args.reps // 2:
+            rounds.append(micro_benchmarks(args, device, softmax))
         order = (
             modes[rep % len(modes) :] + modes[: rep % len(modes)]
         )  # rotate: no mode always first
@@ -311,6 +430,7 @@ def run(rank: int, args) -> dict | None:
                 samples[name]["attention"].append(
                     sum(timer.seconds(b, e) for b, e in attention_time)
                 )
+    rounds.append(micro_benchmarks(args, device, softmax))
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     result = {
@@ -320,7 +440,8 @@ def run(rank: int, args) -> dict | None:
         "torch": torch.__version__,
         "impl": implementation(args, device),
         "backend": _ext.backend(),
-        "machine": machine,
+        "machine": median_rates(rounds),
+        "machine_rounds": rounds,
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
         "page_faults": {n: statistics.median(f) for n, f in faults.items()},  # per step
         # one check of one layer, inside the measured "all" steps
@@ -330,6 +451,11 @@ def run(rank: int, args) -> dict | None:
             if pairs
         },
     }
+    if swap is not None:  # kernel 3's difference in a step, per element of S
+        elements = args.micro_batch * args.heads // args.tp * args.seq**2
+        result["machine"]["softmax"].update(
+            kernel3_forward=swap[0] / elements, kernel3_backward=swap[1] / elements
+        )
     parameters = sum(p.numel() for p in model.parameters())  # this rank's
     result["machine"]["optimizer_bandwidth"] = (
         parameters * ADAM_BYTES_PER_PARAMETER / result["median"]["off"]["optimizer"]
@@ -377,6 +503,19 @@ def _timed_check(guard, timer: Timer, spans: dict[str, list], timing: dict):
         return output
 
     return timed
+
+
+def median_rates(rounds: list[dict]) -> dict:
+    """Each micro-benchmark's median over the ``rounds`` taken through the run (a dict of them,
+    as the softmax's parts, part by part); None where a round did not measure it."""
+    merged = {}
+    for key, first in rounds[0].items():
+        values = [r[key] for r in rounds]
+        if isinstance(first, dict):
+            merged[key] = median_rates(values)
+        else:
+            merged[key] = None if None in values else statistics.median(values)
+    return merged
 
 
 def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> float:
@@ -480,6 +619,16 @@ def print_table(result: dict) -> None:
         + ("" if read is None else f"; the kernels read the scores at {read / 1e9:.1f} GB/s")
         + (f"; malloc: {result['malloc']}" if "malloc" in result else "")
     )
+    a = result["args"]
+    elements = a["micro_batch"] * a["heads"] // a["tp"] * a["seq"] ** 2
+    ms = {part: cost * elements * 1e3 for part, cost in (m.get("softmax") or {}).items()}
+    if "kernel3_forward" in ms:
+        print(
+            f"a layer's softmax: Megatron's {ms['forward']:.2f} ms forward, {ms['backward']:.2f} "
+            f"ms backward; kernel 3 in a step {ms['kernel3_forward']:+.2f} and "
+            f"{ms['kernel3_backward']:+.2f} ms, its screen +{ms['screen']:.2f} ms, its pass "
+            f"+{ms['pass']:.2f} ms"
+        )
 
 
 def main() -> None:
