@@ -308,6 +308,29 @@ int launch_softmax(const SoftmaxCheck& k, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The element type of a DType and the type its sums accumulate in, as the launchers take them.
+template <typename T, typename Acc>
+struct Typed {
+  using Element = T;
+  using Accumulator = Acc;
+};
+
+// f(Typed<element, accumulator>{}) for ``dtype``; cudaErrorInvalidValue for one it does not know.
+template <typename F>
+int with_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32:
+      return f(Typed<float, float>{});
+    case DType::F64:
+      return f(Typed<double, double>{});
+    case DType::BF16:
+      return f(Typed<__nv_bfloat16, float>{});
+    case DType::F16:
+      return f(Typed<__half, float>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 int bias_terms_cuda(const BiasTerms& t, void* stream) {
@@ -360,33 +383,19 @@ int tally_cuda(const Tally& t, void* stream) {
 
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream) {
   if (out.u.rows > kMaxRowProducts || out.z.rows > kMaxRowProducts) return cudaErrorInvalidValue;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (a.dtype) {
-    case DType::F32:
-      return launch_products<float, float>(a, out, s);
-    case DType::F64:
-      return launch_products<double, double>(a, out, s);
-    case DType::BF16:
-      return launch_products<__nv_bfloat16, float>(a, out, s);
-    case DType::F16:
-      return launch_products<__half, float>(a, out, s);
-  }
-  return cudaErrorInvalidValue;
+  return with_dtype(a.dtype, [&](auto types) {
+    using Types = decltype(types);
+    return launch_products<typename Types::Element, typename Types::Accumulator>(
+        a, out, static_cast<cudaStream_t>(stream));
+  });
 }
 
 int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (c.dtype) {
-    case DType::F32:
-      return launch<float, float>(c, out, s);
-    case DType::F64:
-      return launch<double, double>(c, out, s);
-    case DType::BF16:
-      return launch<__nv_bfloat16, float>(c, out, s);
-    case DType::F16:
-      return launch<__half, float>(c, out, s);
-  }
-  return cudaErrorInvalidValue;
+  return with_dtype(c.dtype, [&](auto types) {
+    using Types = decltype(types);
+    return launch<typename Types::Element, typename Types::Accumulator>(
+        c, out, static_cast<cudaStream_t>(stream));
+  });
 }
 
 int softmax_check_cuda(const SoftmaxCheck& k, void* stream) {
@@ -397,21 +406,10 @@ int softmax_check_cuda(const SoftmaxCheck& k, void* stream) {
     if (error == cudaSuccess) error = screen_cuda(k.screen, f64, stream);
     if (error != cudaSuccess) return error;
   }
-  int error = cudaErrorInvalidValue;
-  switch (k.s.dtype) {
-    case DType::F32:
-      error = launch_softmax<float, float>(k, st);
-      break;
-    case DType::F64:
-      error = launch_softmax<double, double>(k, st);
-      break;
-    case DType::BF16:
-      error = launch_softmax<__nv_bfloat16, float>(k, st);
-      break;
-    case DType::F16:
-      error = launch_softmax<__half, float>(k, st);
-      break;
-  }
+  int error = with_dtype(k.s.dtype, [&](auto types) {
+    using Types = decltype(types);
+    return launch_softmax<typename Types::Element, typename Types::Accumulator>(k, st);
+  });
   if (error != cudaSuccess || k.products == nullptr) return error;
   MatrixBatch p = k.s;  // P: S's shape, contiguous
   p.data = k.p;
