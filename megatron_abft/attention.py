@@ -27,7 +27,7 @@ from megatron_abft import _ext, fused_softmax
 from megatron_abft.checksum import Checksums, encode, encode_from_pass
 from megatron_abft.config import ABFTConfig
 from megatron_abft.eec import GemmOperands
-from megatron_abft.guard import SectionGuard
+from megatron_abft.guard import SectionGuard, host_reads
 from megatron_abft.sides import Check, kernel_sides
 from megatron_abft.tolerance import gemm_rounding
 
@@ -196,8 +196,8 @@ class ProtectedDotProductAttention(DotProductAttention):
             self.scale_mask_softmax, s5.view(b, heads, sq, sk), mask, self.softmax_offset
         ):
             return None
-        # the screen's flags are read on the host: free on CPU, else the sync of sync_free=False
-        screen = self.scores_guard.due and (s5.device.type == "cpu" or not config.sync_free)
+        # the screen's flags are read on the host: free on CPU, else one sync (host_reads)
+        screen = self.scores_guard.due and host_reads(config, s5.device)
         dropout = self.training and self.attention_dropout.p > 0
         probs_faults = any(f.section == "probs" for f in self.context_guard.faults)
         vectors = None

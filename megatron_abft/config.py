@@ -48,15 +48,16 @@ class ABFTConfig:
     """Magnitude above which a finite value counts as extreme (ATTNChecker's near-INF). Only used
     to locate a fault when the checksum differences themselves overflow."""
 
-    sync_free: bool = False
-    """Never read a value on the host during a check, so that checks can be captured in CUDA
-    graphs. With the compiled kernels a check is then one op that also corrects on the device;
-    a matrix it cannot settle (more than a 1D fault, or more flagged vectors than a pass takes)
-    counts as uncorrectable, for ``on_uncorrectable``. Without them the PyTorch correction path
-    runs on every check on a GPU, fault or not: many small kernels. With False (default) a GPU
-    synchronises once per check, to hand what the kernels could not settle to the PyTorch path
-    (megatron_abft.eec), or without them to skip that path when the check is clean; on CPUs that
-    costs nothing and always happens."""
+    sync_free: bool | None = None
+    """Whether a check may read a value on the host. True: never, so that checks can be
+    captured in CUDA graphs; with the compiled kernels a check is then three ops that also
+    correct on the device, and a matrix they cannot settle (more than a 1D fault, or more flagged
+    vectors than a pass takes) counts as uncorrectable, for ``on_uncorrectable``; without them
+    the PyTorch correction path runs on every check on a GPU, fault or not: many small kernels.
+    False: a GPU synchronises once per check, to hand what the kernels could not settle to the
+    PyTorch path (megatron_abft.eec), or without them to skip that path when the check is clean.
+    None (default): True where the compiled kernels serve the GPU, else False
+    (megatron_abft.guard.host_reads). On CPUs reading costs nothing and always happens."""
 
     fused_softmax: bool = True
     """Compute the attention softmax with kernel 3 (megatron_abft.fused_softmax) where the
@@ -73,9 +74,11 @@ class ABFTConfig:
     _intervals: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "sync_free", "fused_softmax"):
+        for name in ("enabled", "fused_softmax"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use True or False")
+        if self.sync_free is not None and not isinstance(self.sync_free, bool):
+            raise _bad("sync_free", self.sync_free, "use True, False or None (by device)")
         self.sections = self._normalise_sections(self.sections)
         self._intervals = self._normalise_intervals(self.check_interval)
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):

@@ -59,6 +59,17 @@ def collective_device(group: torch.distributed.ProcessGroup | None = None) -> to
     return torch.device("cpu")
 
 
+def host_reads(config: ABFTConfig, device: torch.device) -> bool:
+    """Whether a check on ``device`` may read a result on the host: always on CPU, where that
+    costs nothing; elsewhere unless ``config.sync_free``, which by default (None) holds where
+    the compiled kernels serve the device, as their checks settle faults on the device."""
+    if device.type == "cpu":
+        return True
+    if config.sync_free is None:
+        return not _ext._serves_device(device)
+    return not config.sync_free
+
+
 def recompute_in_place_possible(t: Tensor) -> bool:
     """Whether a GEMM on ``t``'s device can be recomputed on demand without a host sync."""
     return t.device.type == "cpu"
@@ -165,7 +176,7 @@ class SectionGuard:
         """Verify and correct in place and count. Returns whether a matrix stayed uncorrectable
         (a device bool) and the event record of the worst matrix (EVENT_FIELDS); both None when
         the check is known clean without a host synchronisation (EECResult.known_clean,
-        which every clean check is on CPU and with sync_free off)."""
+        which every clean check is where host_reads)."""
         col, row = refs or encode(
             operands.a,
             operands.b,
@@ -181,7 +192,7 @@ class SectionGuard:
             threshold_scale=self.config.threshold_scale,
             near_inf=self.config.near_inf,
             check_references=False,
-            sync_free=self.config.sync_free,
+            sync_free=not host_reads(self.config, output.device),
         )
         self._counters(output.device)
         if result.known_clean:

@@ -222,10 +222,21 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--abft-sync-free",
-        action="store_true",
-        help="Never synchronise with the host during a check (for CUDA graphs): a check is the "
-        "kernels' one op, or without them the PyTorch correction path on every check on GPUs "
-        "(ABFTConfig.sync_free).",
+        dest="abft_sync_free",
+        action="store_const",
+        const=True,
+        default=None,
+        help="Never synchronise with the host during a check (CUDA graphs), also where the "
+        "compiled kernels do not serve the GPU: the PyTorch correction path then runs on every "
+        "check. Default: sync-free where the kernels serve the GPU (ABFTConfig.sync_free).",
+    )
+    group.add_argument(
+        "--abft-no-sync-free",
+        dest="abft_sync_free",
+        action="store_const",
+        const=False,
+        help="Synchronise once per check on GPUs, so that a matrix the kernels cannot settle "
+        "takes the PyTorch correction path instead of counting as uncorrectable.",
     )
     group.add_argument(
         "--abft-no-fused-softmax",

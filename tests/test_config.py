@@ -42,7 +42,7 @@ def test_disabled_checks_nothing():
         ({"near_inf": -1.0}, "ABFTConfig.near_inf"),
         ({"on_uncorrectable": "ignore"}, f"choose from {', '.join(POLICIES)}"),
         ({"enabled": "yes"}, "ABFTConfig.enabled"),
-        ({"sync_free": 1}, "ABFTConfig.sync_free: 1 is not allowed; use True or False"),
+        ({"sync_free": 1}, "ABFTConfig.sync_free: 1 is not allowed; use True, False or None"),
     ],
 )
 def test_bad_values_name_the_field_the_value_and_the_choices(kwargs, message):

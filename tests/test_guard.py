@@ -1,6 +1,7 @@
 """Guards across a model: no false alarms in training, check intervals and sections honoured,
 counters summed over ranks. Each test spawns 2 gloo ranks (TP=2)."""
 
+import pytest
 import torch
 from mcore import Shape, build_gpt, loss_and_grads, spawn
 
@@ -112,6 +113,34 @@ def test_a_sync_free_guard_reads_nothing_on_the_host():
     guard.check(a @ b, GemmOperands(a, b))
     assert guard.counts.device.type == "meta" and len(guard.events) == 1
     assert guard.events[0].shape == (7,)
+
+
+def test_checks_are_sync_free_by_default_where_the_kernels_serve_the_device(monkeypatch):
+    """ABFTConfig.sync_free=None: no host read on a device the kernels serve, one where they do
+    not (to skip the correction path), always on CPU; True and False force it off the CPU."""
+    from megatron_abft import _ext
+    from megatron_abft.eec import GemmOperands
+    from megatron_abft.guard import SectionGuard, host_reads
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    for serves in (True, False):
+        monkeypatch.setattr(_ext, "_serves_device", lambda device, serves=serves: serves)
+        assert host_reads(ABFTConfig(), meta) is not serves
+        assert host_reads(ABFTConfig(sync_free=True), meta) is False
+        assert host_reads(ABFTConfig(sync_free=False), meta) is True
+        assert all(host_reads(ABFTConfig(sync_free=f), cpu) for f in (None, True, False))
+    # by default, where the kernels serve the device, a check reads nothing (meta would raise)
+    monkeypatch.setattr(_ext, "_serves_device", lambda device: True)
+    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
+    a = torch.empty(1, 4, 2, 16, 8, device="meta")
+    b = torch.empty(1, 4, 1, 8, 16, device="meta")
+    guard.check(a @ b, GemmOperands(a, b))
+    assert len(guard.events) == 1
+    # where they do not, it reads whether anything was flagged: meta cannot answer that
+    monkeypatch.setattr(_ext, "_serves_device", lambda device: False)
+    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
+        guard.check(a @ b, GemmOperands(a, b))
 
 
 def test_a_guard_keeps_its_worst_events_when_nobody_collects_them():

@@ -91,7 +91,7 @@ class Timer:
         return end - begin
 
 
-def _small_scores_check(device: torch.device, m: int, k: int, alpha: float, sync_free: bool):
+def _small_scores_check(device: torch.device, m: int, k: int, alpha: float, sync_free: bool | None):
     """A guard's clean check of a small attention-scores GEMM (K shared by two heads), as a
     call, after the warm-up checks that allocate the guard's counters."""
     from megatron_abft.eec import GemmOperands
@@ -109,8 +109,8 @@ def _small_scores_check(device: torch.device, m: int, k: int, alpha: float, sync
 def check_cost(device: torch.device, reps: int = 200) -> tuple[int, float]:
     """The tensor ops one clean check launches (counted by torch.profiler) and the time of one
     such op, eager dispatch and the Python around it included: a guard checking a tiny batched
-    GEMM, whose time is all op overhead."""
-    check = _small_scores_check(device, 16, 8, 1.0, sync_free=False)
+    GEMM, whose time is all op overhead. With the default ABFTConfig.sync_free (by device)."""
+    check = _small_scores_check(device, 16, 8, 1.0, sync_free=None)
     cpu = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
         check()
