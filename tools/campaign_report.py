@@ -102,6 +102,16 @@ def optimizer_check(path: Path) -> dict:
     return coverage_intervals(args)
 
 
+def _checks_ran_on(sessions: list[dict]) -> str:
+    """Which kernels ran the checks and which softmax the attention used, as the sessions
+    recorded them (nothing for sessions that predate the record)."""
+    setups = sorted({(s["kernels"], s["softmax"]) for s in sessions if "kernels" in s})
+    if not setups:
+        return ""
+    said = "; ".join(f"kernels: {kernels}, softmax: {softmax}" for kernels, softmax in setups)
+    return f" Checks ran with {said}."
+
+
 def tables(trials: list[dict], settings: Settings, sessions: list[dict], paths: dict) -> tuple:
     """The report's markdown and its numbers."""
     faulty = [t for t in trials if not t["control"]]
@@ -165,6 +175,7 @@ def tables(trials: list[dict], settings: Settings, sessions: list[dict], paths: 
             f"{sessions[-1]['cpus']} CPU cores"
             + (f", over {len(sessions)} sessions" if len(sessions) > 1 else "")
             + "."
+            + _checks_ran_on(sessions)
             if sessions
             else ""
         )
