@@ -116,6 +116,11 @@ ABFT_HD inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; 
 
 ABFT_HD inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// Whether a batch's matrices are stored column by column (row_products then reads columns).
+ABFT_HD inline bool column_major(const MatrixBatch& a) {
+  return a.row_stride == 1 && a.col_stride != 1 && a.rows > 1;
+}
+
 ABFT_HD inline int64_t batch_offset(const MatrixBatch& c, int64_t b) {
   int64_t offset = 0;
   for (int d = c.batch_dims - 1; d >= 0; --d) {
@@ -353,7 +358,8 @@ int64_t block_sums_tasks(const MatrixBatch& c, const BlockSums& out);
 void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, int64_t end,
                     const RowProducts* products = nullptr);
 
-// CPU, as block_sums: tasks of one band of rows of one matrix.
+// CPU, as block_sums: tasks of one band of rows of one matrix, read row by row, or column by
+// column where A is column_major.
 int64_t row_products_tasks(const MatrixBatch& a);
 void row_products_cpu(const MatrixBatch& a, const RowProducts& out, int64_t begin, int64_t end);
 

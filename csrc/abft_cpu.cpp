@@ -252,23 +252,70 @@ ABFT_BANDS(bands_f16, F16, float)
 // Rows [r0, r1) of matrix b of A: each row is loaded once in the accumulation type, then dotted
 // with every u_t and, in magnitude, with every z_t.
 template <typename T, typename Acc>
-ABFT_INLINE void product_band(const MatrixBatch& a, const RowProducts& out, int64_t task,
-                              Acc* __restrict__ x) {
-  const int64_t rows = a.rows, bands = ceil_div(rows, kRowBand);
-  const int64_t b = task / bands, r0 = (task % bands) * kRowBand;
-  const int64_t r1 = std::min(rows, r0 + kRowBand);
+ABFT_INLINE void product_rows(const MatrixBatch& a, const RowProducts& out, int64_t b, int64_t r0,
+                              int64_t r1, Acc* __restrict__ x) {
   const T* base = static_cast<const T*>(a.data) + batch_offset(a, b);
   for (int64_t i = r0; i < r1; ++i) {
     load_row(base + i * a.row_stride, a.col_stride, a.cols, x);
-    row_dots(x, a.cols, out, b, rows, i);
+    row_dots(x, a.cols, out, b, a.rows, i);
   }
 }
 
-#define ABFT_PRODUCTS(NAME, T, ACC)                                                     \
-  ABFT_CLONES void NAME(const MatrixBatch& a, const RowProducts& out, int64_t begin,    \
-                        int64_t end) {                                                  \
-    std::vector<ACC> x(a.cols);                                                         \
-    for (int64_t task = begin; task < end; ++task) product_band<T, ACC>(a, out, task, x.data()); \
+// The same for a column-major A (its columns contiguous, row_stride 1): column j's entries in
+// the band are loaded once and added, times u_t[j] and in magnitude times z_t[j], to every row's
+// products in `acc` ([nu + nz, kRowBand]), vectorised over the band's rows.
+template <typename T, typename Acc>
+ABFT_INLINE void product_columns(const MatrixBatch& a, const RowProducts& out, int64_t b,
+                                 int64_t r0, int64_t r1, Acc* __restrict__ x,
+                                 Acc* __restrict__ acc) {
+  const MatrixBatch &u = out.u, &z = out.z;
+  const int64_t n = r1 - r0, nu = u.rows, nz = z.rows;
+  const T* base = static_cast<const T*>(a.data) + batch_offset(a, b) + r0;
+  const Acc* us = static_cast<const Acc*>(u.data) + batch_offset(u, b);
+  const Acc* zs = static_cast<const Acc*>(z.data) + batch_offset(z, b);
+  std::fill(acc, acc + (nu + nz) * kRowBand, Acc(0));
+  for (int64_t j = 0; j < a.cols; ++j) {
+    load_row(base + j * a.col_stride, 1, n, x);
+    for (int64_t t = 0; t < nu; ++t) {
+      const Acc v = us[t * u.row_stride + j];
+      Acc* __restrict__ to = acc + t * kRowBand;
+#pragma omp simd
+      for (int64_t r = 0; r < n; ++r) to[r] += x[r] * v;
+    }
+    for (int64_t t = 0; t < nz; ++t) {
+      const Acc v = zs[t * z.row_stride + j];
+      Acc* __restrict__ to = acc + (nu + t) * kRowBand;
+#pragma omp simd
+      for (int64_t r = 0; r < n; ++r) to[r] += std::abs(x[r]) * v;
+    }
+  }
+  const Acc scale = Acc(out.scale), size_scale = Acc(std::abs(out.scale));
+  Acc* products = static_cast<Acc*>(out.products) + (b * a.rows + r0) * nu;
+  Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + (b * a.rows + r0) * nz;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t t = 0; t < nu; ++t) products[r * nu + t] = acc[t * kRowBand + r] * scale;
+    for (int64_t t = 0; t < nz; ++t) {
+      magnitudes[r * nz + t] = acc[(nu + t) * kRowBand + r] * size_scale;
+    }
+  }
+}
+
+#define ABFT_PRODUCTS(NAME, T, ACC)                                                         \
+  ABFT_CLONES void NAME(const MatrixBatch& a, const RowProducts& out, int64_t begin,        \
+                        int64_t end) {                                                      \
+    const bool by_columns = column_major(a);                                                \
+    std::vector<ACC> x(by_columns ? kRowBand : a.cols);                                     \
+    std::vector<ACC> acc(by_columns ? (out.u.rows + out.z.rows) * kRowBand : 0);            \
+    const int64_t bands = ceil_div(a.rows, kRowBand);                                       \
+    for (int64_t task = begin; task < end; ++task) {                                        \
+      const int64_t b = task / bands, r0 = (task % bands) * kRowBand;                       \
+      const int64_t r1 = std::min(a.rows, r0 + kRowBand);                                   \
+      if (by_columns) {                                                                     \
+        product_columns<T, ACC>(a, out, b, r0, r1, x.data(), acc.data());                   \
+      } else {                                                                              \
+        product_rows<T, ACC>(a, out, b, r0, r1, x.data());                                  \
+      }                                                                                     \
+    }                                                                                       \
   }
 
 ABFT_PRODUCTS(products_f32, float, float)

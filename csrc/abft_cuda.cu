@@ -132,9 +132,10 @@ int launch(const MatrixBatch& c, const BlockSums& out, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// row_products: one warp per row of A. Each lane walks every 32nd entry of the row, keeping its
-// share of the up to kMaxRowProducts dot products of each kind in registers; the warp then
-// reduces them by shuffles and lane 0 writes the row's results.
+// row_products: one warp per row of A (of a column-major A: column_products_kernel below). Each
+// lane walks every 32nd entry of the row, keeping its share of the up to kMaxRowProducts dot
+// products of each kind in registers; the warp then reduces them by shuffles and lane 0 writes
+// the row's results.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(kThreads)
     row_products_kernel(MatrixBatch a, RowProducts out, int64_t total_rows) {
@@ -181,25 +182,91 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// row_products of a column-major A: one thread block per 32 rows of one matrix, a lane per row,
+// so that a warp reads 32 consecutive entries of a column; warp w takes columns w, w + kWarps,
+// ...; the warps' shares of each product are then summed in order in shared memory.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads)
+    column_products_kernel(MatrixBatch a, RowProducts out, int64_t row_tiles) {
+  __shared__ Acc part[kWarps][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t nu = out.u.rows, nz = out.z.rows;
+  const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
+  const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
+  for (int64_t tile = blockIdx.x; tile < a.batch * row_tiles; tile += gridDim.x) {
+    const int64_t b = tile / row_tiles, i = (tile % row_tiles) * 32 + lane;
+    const bool valid = i < a.rows;
+    const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + (valid ? i : 0);
+    const Acc* u = static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b);
+    const Acc* z = static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b);
+    Acc p[kMaxRowProducts], q[kMaxRowProducts];
+#pragma unroll
+    for (int t = 0; t < kMaxRowProducts; ++t) p[t] = q[t] = Acc(0);
+    for (int64_t j = warp; j < a.cols; j += kWarps) {
+      const Acc v = valid ? Acc(load(x + j * a.col_stride)) : Acc(0), m = magnitude(v);
+#pragma unroll
+      for (int t = 0; t < kMaxRowProducts; ++t) {
+        if (t < nu) p[t] += v * u[t * u_stride + j];
+        if (t < nz) q[t] += m * z[t * z_stride + j];
+      }
+    }
+    // unrolled, so that p[s] and q[s] stay in registers; nu and nz are the same for every
+    // thread, so every thread reaches the same barriers
+#pragma unroll
+    for (int t = 0; t < 2 * kMaxRowProducts; ++t) {
+      const bool product = t < kMaxRowProducts;
+      const int s = product ? t : t - kMaxRowProducts;
+      if (s >= (product ? nu : nz)) continue;
+      part[warp][lane] = product ? p[s] : q[s];
+      __syncthreads();
+      if (warp == 0 && valid) {
+        Acc total = 0;
+        for (int w = 0; w < kWarps; ++w) total += part[w][lane];
+        if (product) {
+          static_cast<Acc*>(out.products)[(b * a.rows + i) * nu + s] = total * scale;
+        } else {
+          static_cast<Acc*>(out.magnitudes)[(b * a.rows + i) * nz + s] = total * size_scale;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
 template <typename T, typename Acc>
 int launch_products(const MatrixBatch& a, const RowProducts& out, cudaStream_t stream) {
   const int64_t total_rows = a.batch * a.rows;
   if (total_rows == 0) return cudaSuccess;
+  if (column_major(a)) {
+    const int64_t row_tiles = ceil_div(a.rows, 32);
+    const unsigned grid = unsigned(min64(a.batch * row_tiles, 0x7fffffff));
+    column_products_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(a, out, row_tiles);
+    return cudaGetLastError();
+  }
   const unsigned grid = unsigned(min64(ceil_div(total_rows, kWarps), 0x7fffffff));
   row_products_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(a, out, total_rows);
   return cudaGetLastError();
 }
 
-// screen: one thread per checked vector of one side (a launch per side, so that the side is a
-// parameter of its own, never indexed at run time); a flagged one adds to its matrix's count.
+// screen: one thread per checked vector, both sides in one launch (vectors [0, first) are side
+// 0's, the rest side 1's; each side indexed by a constant, so that it stays in the parameter
+// space); a flagged vector adds to its matrix's count.
 template <typename Acc>
-__global__ void __launch_bounds__(kThreads)
-    screen_kernel(Screen s, ScreenSide side, int64_t total) {
+__device__ __forceinline__ void screen_vector(const Screen& s, const ScreenSide& side, int64_t v) {
+  const int64_t j = v % side.n, blk = (v / side.n) % side.nb, b = v / (side.n * side.nb);
+  if (screen_flags<Acc>(s, side, screen_matrix<Acc>(s, side, b), blk, j)) {
+    atomicAdd(s.flagged + b, 1);
+  }
+}
+
+template <typename Acc>
+__global__ void __launch_bounds__(kThreads) screen_kernel(Screen s, int64_t first, int64_t total) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < total; v += stride) {
-    const int64_t j = v % side.n, blk = (v / side.n) % side.nb, b = v / (side.n * side.nb);
-    if (screen_flags<Acc>(s, side, screen_matrix<Acc>(s, side, b), blk, j)) {
-      atomicAdd(s.flagged + b, 1);
+    if (v < first) {
+      screen_vector<Acc>(s, s.side[0], v);
+    } else {
+      screen_vector<Acc>(s, s.side[1], v - first);
     }
   }
 }
@@ -360,20 +427,18 @@ int correct_cuda(const Correct& k, bool f64, void* stream) {
 }
 
 int screen_cuda(const Screen& s, bool f64, void* stream) {
+  int64_t vectors[2] = {0, 0};
+  for (int k = 0; k < s.sides; ++k) vectors[k] = s.batch * s.side[k].nb * s.side[k].n;
+  const int64_t total = vectors[0] + vectors[1];
+  if (total == 0) return cudaSuccess;
+  const unsigned grid = unsigned(min64(ceil_div(total, kThreads), 0x7fffffff));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  for (int k = 0; k < s.sides; ++k) {
-    const int64_t total = s.batch * s.side[k].nb * s.side[k].n;
-    if (total == 0) continue;
-    const unsigned grid = unsigned(min64(ceil_div(total, kThreads), 0x7fffffff));
-    if (f64) {
-      screen_kernel<double><<<grid, kThreads, 0, st>>>(s, s.side[k], total);
-    } else {
-      screen_kernel<float><<<grid, kThreads, 0, st>>>(s, s.side[k], total);
-    }
-    const cudaError_t error = cudaGetLastError();
-    if (error != cudaSuccess) return error;
+  if (f64) {
+    screen_kernel<double><<<grid, kThreads, 0, st>>>(s, vectors[0], total);
+  } else {
+    screen_kernel<float><<<grid, kThreads, 0, st>>>(s, vectors[0], total);
   }
-  return cudaSuccess;
+  return cudaGetLastError();
 }
 
 int tally_cuda(const Tally& t, void* stream) {

@@ -48,10 +48,9 @@ Four operand_pass(const at::Tensor& a, int64_t block, const at::Tensor& u, const
 
 bool column_major(const at::Tensor& x) { return x.stride(-2) == 1 && x.stride(-1) != 1; }
 
-// As _ext._products_apply: the kernels read rows, and on CUDA take at most 16 vectors.
+// As _ext._products_apply: on CUDA the kernels take at most 16 vectors of each kind.
 bool products_apply(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
   if (u.dim() != a.dim() || z.dim() != a.dim()) return false;
-  if (column_major(a) && a.size(-2) > 1) return false;
   return !a.is_cuda() || std::max(u.size(-2), z.size(-2)) <= kMaxCudaProducts;
 }
 

@@ -137,13 +137,11 @@ def row_products(a: Tensor, u: Tensor, z: Tensor) -> tuple[Tensor, Tensor] | Non
 def _products_apply(a: Tensor, u: Tensor, z: Tensor) -> bool:
     if not _serves(a) or u.dim() != a.dim() or z.dim() != a.dim():
         return False
-    if _column_major(a):
-        return False  # the kernels read rows; BLAS takes a column-major operand for free
     return a.device.type != "cuda" or max(u.shape[-2], z.shape[-2]) <= _MAX_CUDA_PRODUCTS
 
 
 def _column_major(t: Tensor) -> bool:
-    """Whether ``t``'s matrices are stored column by column (the kernels read rows)."""
+    """Whether ``t``'s matrices are stored column by column (operand_pass reads rows)."""
     return t.stride(-2) == 1 and t.stride(-1) != 1 and t.shape[-2] > 1
 
 

@@ -162,9 +162,10 @@ def _project(x: Tensor, sums: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     ``sums [..., q, k]``, ``sizes [..., q', k]``: ``[..., q, p]`` and ``[..., q', p]``.
 
     The operand, the large factor, is read in its own layout and never copied: by the compiled
-    kernels in one read of x for both products (a row-major x), else by BLAS, given x as the
-    operand whose layout it reads fastest (x's rows for a row-major x, x^T's for a column-major
-    one). The batch dims along which ``x`` is broadcast are folded into the GEMM's columns."""
+    kernels in one read of x for both products (row by row, or column by column where x is
+    column-major), else by BLAS, given x as the operand whose layout it reads fastest (x's rows
+    for a row-major x, x^T's for a column-major one). The batch dims along which ``x`` is
+    broadcast are folded into the GEMM's columns."""
     batch = broadcast_shapes(x.shape[:-2], sums.shape[:-2])
     if x.shape[:-2] == batch:  # nothing to fold
         products = _ext.row_products(x, sums, sizes)

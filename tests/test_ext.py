@@ -723,6 +723,20 @@ def test_encode_pair_equals_the_pytorch_path(case, dtype, alpha):
 
 
 @needs_ext
+@pytest.mark.parametrize("case", sorted(ENCODE_CASES))
+def test_encode_pair_reads_every_operand_with_the_kernels(case):
+    """No BLAS, cast or abs in the encoding of the attention's and linear layers' GEMMs: a
+    column-major smaller operand (V^T for the context) goes to the products kernel, which reads
+    it column by column."""
+    a, b = (t.bfloat16() for t in ENCODE_CASES[case](torch.Generator().manual_seed(0)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        _ext.encode_pair(a, b, 0.5, 64)
+    ops = {e.name for e in profile.events()}
+    assert "megatron_abft::row_products" in ops, ops
+    assert not ops & {"aten::bmm", "aten::mm", "aten::matmul", "aten::abs", "aten::_to_copy"}
+
+
+@needs_ext
 def test_encode_pair_declines_what_the_kernels_do_not_take():
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     assert _ext.encode_pair(a, b.double(), 1.0, 4) is None  # mixed dtypes
