@@ -96,8 +96,9 @@ struct ScreenSide {
   double out, gemm, floor, length;
 };
 
-// Both sides of a screen of a batch of matrices, and the output: flagged [batch] int32, the
-// number of flagged vectors of each matrix (zeroed by the caller on CUDA).
+// Both sides of a screen of a batch of matrices, and the output: flagged [batch, slots] int32,
+// whose slots sum to the number of flagged vectors of each matrix (flagged_count). The CPU
+// kernels keep one slot a matrix; the CUDA block sums that screen (block_sums_cuda) one a tile.
 struct Screen {
   int batch_dims;
   int64_t batch_sizes[kMaxBatchDims];
@@ -105,7 +106,15 @@ struct Screen {
   int sides;
   ScreenSide side[2];
   int32_t* flagged;
+  int64_t slots;
 };
+
+// The number of flagged vectors of matrix b.
+ABFT_HD inline int64_t flagged_count(const Screen& s, int64_t b) {
+  int64_t count = 0;
+  for (int64_t t = 0; t < s.slots; ++t) count += s.flagged[b * s.slots + t];
+  return count;
+}
 
 // The screen flags a vector a hair before the reference comparison would (its thresholds are
 // tightened by this factor), so that rounding differences in the threshold arithmetic can only
@@ -115,6 +124,22 @@ constexpr double kScreenMargin = 1.0 - 1.0 / 65536;
 ABFT_HD inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 ABFT_HD inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// The tiles of the CUDA block sums, each one thread block's: a block of the column side's rows
+// (kCudaTileRows where that side is not checked) by a block of the row side's columns
+// (kCudaTileCols where it is not). A tile completes the vectors it covers: its block of each of
+// its columns, its block of each of its rows.
+constexpr int64_t kCudaTileRows = 64;
+constexpr int64_t kCudaTileCols = 256;
+struct Tiling {
+  int64_t height, width, row_tiles, col_tiles;
+};
+
+ABFT_HD inline Tiling block_sums_tiling(const MatrixBatch& c, const BlockSums& out) {
+  const int64_t height = out.col_block > 0 ? out.col_block : kCudaTileRows;
+  const int64_t width = out.row_block > 0 ? out.row_block : kCudaTileCols;
+  return {height, width, ceil_div(c.rows, height), ceil_div(c.cols, width)};
+}
 
 // Whether a batch's matrices are stored column by column (row_products then reads columns).
 ABFT_HD inline bool column_major(const MatrixBatch& a) {
@@ -218,7 +243,7 @@ ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side,
 // corrected, 2 unresolved: C put back bit for bit as it was), kind (index into eec.KINDS), the
 // most wrong flagged row and column (-1: none) and the largest |d1| of a flagged vector.
 struct Correct {
-  Screen screen;  // with flagged[b] filled in
+  Screen screen;  // with its flagged counts filled in
   int col_side, row_side;  // index of each side in screen.side; -1 where it is not checked
   int64_t col_block, row_block;
   MatrixBatch c;  // C's geometry; it is written through `data`
@@ -315,8 +340,9 @@ ABFT_HD inline int64_t bias_terms_items(const BiasTerms& t) {
 //   P = softmax(mask(scale S)) row by row, where masked entries (mask nonzero, or j > i when
 //   causal) become -10000 as in Megatron's attention_mask_func; computed in the accumulation
 //   type, written contiguous in S's dtype;
-//   with screen.sides > 0, S's block sums into s_sums and screen.flagged[b] += the number of S's
-//   vectors that fail the screen (flagged zeroed by the caller);
+//   with screen.sides > 0, S's block sums into s_sums and the number of S's vectors that fail
+//   the screen into screen.flagged (on the CPU added to each matrix's one slot, zeroed by the
+//   caller);
 //   with products, P's column block sums into p_sums (row_block 0) and P's row products: what
 //   operand_pass gives for P as written (rounded to its dtype).
 // A task is a band of `band` rows of one matrix: the column side's block of S and of P.
@@ -363,15 +389,19 @@ void block_sums_cpu(const MatrixBatch& c, const BlockSums& out, int64_t begin, i
 int64_t row_products_tasks(const MatrixBatch& a);
 void row_products_cpu(const MatrixBatch& a, const RowProducts& out, int64_t begin, int64_t end);
 
-// CPU, matrices [begin, end) of the batch: their flagged counts, both sides.
+// CPU, matrices [begin, end) of the batch: their flagged counts, both sides, in one slot each.
+// (CUDA screens in block_sums_cuda.)
 void screen_cpu(const Screen& s, bool f64, int64_t begin, int64_t end);
 
 // CUDA: launches on `stream` (a cudaStream_t) and returns the launch's cudaError_t (0: success).
-int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream);
+// With a screen whose sides are out's (C's, or C^T's where C is read transposed), each tile also
+// screens the vectors it completes, in the same launch, and writes how many failed to its slot of
+// screen->flagged (screen->slots = row_tiles * col_tiles of block_sums_tiling; no zero fill).
+int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream,
+                    const Screen* screen = nullptr);
 // At most kMaxRowProducts vectors of each kind (u, z); the binding checks it.
 constexpr int kMaxRowProducts = 16;
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream);
-int screen_cuda(const Screen& s, bool f64, void* stream);
 
 // CPU, one loop; CUDA, one thread block on `stream`.
 void tally_cpu(const Tally& t);
@@ -381,8 +411,8 @@ int tally_cuda(const Tally& t, void* stream);
 void bias_terms_cpu(const BiasTerms& t, int64_t begin, int64_t end);
 int bias_terms_cuda(const BiasTerms& t, void* stream);
 
-// CPU, tasks [begin, end) (softmax_check_tasks), one pass over S. CUDA, on `stream`: the
-// screen's launches, the softmax, then P's block sums and products (S and P each read twice).
+// CPU, tasks [begin, end) (softmax_check_tasks), one pass over S. CUDA, on `stream`: S's block
+// sums with its screen, the softmax, then P's block sums and products (S and P each read twice).
 void softmax_check_cpu(const SoftmaxCheck& k, int64_t begin, int64_t end);
 int softmax_check_cuda(const SoftmaxCheck& k, void* stream);
 

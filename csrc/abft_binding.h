@@ -30,13 +30,20 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
     const at::Tensor& a, const at::Tensor& u, const at::Tensor& z, double scale,
     at::DeviceType device);
 
-// The screen of c given its block sums (written before the screen runs), and its flagged counts
-// (zeros); the expanded reference views are kept alive in `keep`.
+// The screen of c given its block sums, and its flagged counts [*batch, slots]: without a
+// tiling one slot a matrix, zeros (the CPU kernels); with the tiling of the CUDA block sums that
+// screen, one slot a tile, which each tile writes. The expanded reference views are kept alive in
+// `keep`.
 std::tuple<abft::Screen, at::Tensor> prepare_screen(const at::Tensor& c, const Sums& sums,
                                                     int64_t col_block, int64_t row_block,
                                                     at::TensorList col, at::TensorList row,
                                                     at::ArrayRef<double> col_bounds,
                                                     at::ArrayRef<double> row_bounds,
-                                                    std::vector<at::Tensor>& keep);
+                                                    std::vector<at::Tensor>& keep,
+                                                    const abft::Tiling* tiling = nullptr);
+
+// The flagged counts per matrix [*batch] of a screen's slots [*batch, slots], once they are
+// written.
+at::Tensor flagged_per_matrix(const at::Tensor& flagged);
 
 }  // namespace abft_binding

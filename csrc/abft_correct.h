@@ -167,7 +167,7 @@ class Corrector {
     k_.kind[b_] = 0;
     k_.row[b_] = k_.col[b_] = -1;
     *magnitude = 0;
-    if (k_.screen.flagged[b_] == 0) return;
+    if (flagged_count(k_.screen, b_) == 0) return;
     keep_initial_sums();
     if (!describe(magnitude)) return;  // flagged only by the screen's tighter thresholds
     const int passes = k_.col_side >= 0 && k_.row_side >= 0 ? 3 : 1;

@@ -462,7 +462,7 @@ ABFT_INLINE void softmax_band(const SoftmaxCheck& k, int64_t task, Acc* x, Acc* 
       for (int64_t r = r0; r < r1; ++r) count += screen_flags<Acc>(k.screen, row_side, m, cb, r);
     }
   }
-  if (count > 0) __atomic_fetch_add(k.screen.flagged + b, count, __ATOMIC_RELAXED);
+  if (count > 0) __atomic_fetch_add(k.screen.flagged + b * k.screen.slots, count, __ATOMIC_RELAXED);
 }
 
 #define ABFT_SOFTMAX(NAME, T, ACC)                                                          \
@@ -491,7 +491,7 @@ void screen_matrices(const Screen& s, int64_t begin, int64_t end) {
         for (int64_t j = 0; j < side.n; ++j) count += screen_flags<Acc>(s, side, x, blk, j);
       }
     }
-    s.flagged[b] = count;
+    s.flagged[b * s.slots] = count;
   }
 }
 

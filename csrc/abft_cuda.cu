@@ -4,7 +4,8 @@
 // One thread block owns one tile of one matrix: a block of the column side (rows) by a block of
 // the row side (columns), so every output has one writer and the sums are deterministic. Each
 // thread walks one column of the tile, keeping its column sums in registers; each row's sums are
-// reduced across a warp by shuffles, and across the block's warps in shared memory.
+// reduced across a warp by shuffles, and across the block's warps in shared memory. A tile
+// completes the vectors it covers, so it can screen them at once, in the same launch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -17,8 +18,7 @@ namespace {
 
 constexpr int kThreads = 256;  // columns per pass over a tile: one per thread
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kRowBand = 64;        // tile height when the column side is not checked
-constexpr int64_t kColBand = kThreads;  // tile width when the row side is not checked
+static_assert(kCudaTileCols == kThreads, "a tile with an unchecked row side is one pass wide");
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ float load(const float* p) { return *p; }
@@ -29,13 +29,30 @@ __device__ __forceinline__ float load(const __half* p) { return __half2float(*p)
 __device__ __forceinline__ float magnitude(float x) { return fabsf(x); }
 __device__ __forceinline__ double magnitude(double x) { return fabs(x); }
 
-template <typename T, typename Acc>
+// Whether vector j of block blk of matrix b fails the screen on side `side` of s (0 or 1: each
+// side indexed by a constant, so that it stays in the parameter space).
+template <typename Acc>
+__device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b, int64_t blk,
+                                            int64_t j) {
+  if (side == 0) {
+    return screen_flags<Acc>(s, s.side[0], screen_matrix<Acc>(s, s.side[0], b), blk, j);
+  }
+  return screen_flags<Acc>(s, s.side[1], screen_matrix<Acc>(s, s.side[1], b), blk, j);
+}
+
+// block_sums, and where Screened the screen of the vectors each tile completes, read back by the
+// thread that wrote them: col_side and row_side say which side of s the tile's columns and rows
+// are (-1: not screened). A template parameter, so that the plain sums keep their registers.
+template <typename T, typename Acc, bool Screened>
 __global__ void __launch_bounds__(kThreads)
-    block_sums_kernel(MatrixBatch c, BlockSums out, int64_t height, int64_t width,
-                      int64_t row_tiles, int64_t col_tiles, int64_t tiles) {
+    block_sums_kernel(MatrixBatch c, BlockSums out, Tiling tiling, int64_t tiles, Screen s,
+                      int col_side, int row_side) {
   __shared__ Acc part[kWarps][32][4];  // per warp, per row of a chunk: the warp's row sums
+  __shared__ int tile_fails;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const bool cols_checked = out.col_block > 0, rows_checked = out.row_block > 0;
+  const int64_t height = tiling.height, width = tiling.width;
+  const int64_t row_tiles = tiling.row_tiles, col_tiles = tiling.col_tiles;
   const int64_t nbr = rows_checked ? ceil_div(c.cols, out.row_block) : 0;
   Acc* row_sums = static_cast<Acc*>(out.row_sums);
   Acc* row_sizes = static_cast<Acc*>(out.row_sizes);
@@ -46,10 +63,15 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r0 = rt * height, r1 = min64(c.rows, r0 + height);
     const int64_t c0 = ct * width, c1 = min64(c.cols, c0 + width);
     const T* base = static_cast<const T*>(c.data) + batch_offset(c, b);
+    int fails = 0;  // this thread's failed vectors of the tile
+    if (Screened) {
+      if (threadIdx.x == 0) tile_fails = 0;
+      __syncthreads();
+    }
 
     for (int64_t g = c0; g < c1; g += blockDim.x) {  // one pass per group of columns
       const int64_t j = g + threadIdx.x;
-      const bool valid = j < c1;
+      const bool valid = j < c1, last_pass = g + blockDim.x >= c1;
       const T* column = base + (valid ? j : c0) * c.col_stride;
       const Acc wj = Acc(j - c0 + 1);
       Acc s0 = 0, s1 = 0, z0 = 0, z1 = 0;
@@ -101,6 +123,9 @@ __global__ void __launch_bounds__(kThreads)
             row_sums[at + c.rows] = total[1];
             row_sizes[at] = total[2];
             row_sizes[at + c.rows] = total[3];
+            if (Screened && row_side >= 0 && last_pass) {
+              fails += screen_fails<Acc>(s, row_side, b, ct, q0 + lane);
+            }
           }
           __syncthreads();
         }
@@ -113,22 +138,49 @@ __global__ void __launch_bounds__(kThreads)
         sums[at + c.cols] = s1;
         sizes[at] = z0;
         sizes[at + c.cols] = z1;
+        if (Screened && col_side >= 0) fails += screen_fails<Acc>(s, col_side, b, rt, j);
       }
+    }
+    if (Screened) {
+      if (fails > 0) atomicAdd(&tile_fails, fails);
+      __syncthreads();
+      if (threadIdx.x == 0) s.flagged[b * s.slots + rt * col_tiles + ct] = tile_fails;
     }
   }
 }
 
+// The sides of `screen` that are out's column and row sides (-1: none), or false where a side of
+// the screen is neither, or its slots are not one a tile.
+bool tile_sides(const Screen& screen, const BlockSums& out, const Tiling& tiling, int& col_side,
+                int& row_side) {
+  for (int k = 0; k < screen.sides; ++k) {
+    if (out.col_block > 0 && screen.side[k].sums == out.col_sums) col_side = k;
+    if (out.row_block > 0 && screen.side[k].sums == out.row_sums) row_side = k;
+  }
+  return int(col_side >= 0) + int(row_side >= 0) == screen.sides &&
+         screen.slots == tiling.row_tiles * tiling.col_tiles;
+}
+
 template <typename T, typename Acc>
-int launch(const MatrixBatch& c, const BlockSums& out, cudaStream_t stream) {
-  const int64_t height = out.col_block > 0 ? out.col_block : kRowBand;
-  const int64_t width = out.row_block > 0 ? out.row_block : kColBand;
-  const int64_t row_tiles = ceil_div(c.rows, height), col_tiles = ceil_div(c.cols, width);
-  const int64_t tiles = c.batch * row_tiles * col_tiles;
+int launch(const MatrixBatch& c, const BlockSums& out, const Screen* screen, cudaStream_t stream) {
+  const Tiling tiling = block_sums_tiling(c, out);
+  const int64_t tiles = c.batch * tiling.row_tiles * tiling.col_tiles;
   if (tiles == 0) return cudaSuccess;
-  const int threads = int(min64(kThreads, ceil_div(min64(width, c.cols), 32) * 32));
+  Screen s{};
+  int col_side = -1, row_side = -1;
+  if (screen != nullptr) {
+    s = *screen;
+    if (!tile_sides(s, out, tiling, col_side, row_side)) return cudaErrorInvalidValue;
+  }
+  const int threads = int(min64(kThreads, ceil_div(min64(tiling.width, c.cols), 32) * 32));
   const unsigned grid = unsigned(min64(tiles, 0x7fffffff));
-  block_sums_kernel<T, Acc>
-      <<<grid, threads, 0, stream>>>(c, out, height, width, row_tiles, col_tiles, tiles);
+  if (screen != nullptr) {
+    block_sums_kernel<T, Acc, true>
+        <<<grid, threads, 0, stream>>>(c, out, tiling, tiles, s, col_side, row_side);
+  } else {
+    block_sums_kernel<T, Acc, false>
+        <<<grid, threads, 0, stream>>>(c, out, tiling, tiles, s, col_side, row_side);
+  }
   return cudaGetLastError();
 }
 
@@ -246,29 +298,6 @@ int launch_products(const MatrixBatch& a, const RowProducts& out, cudaStream_t s
   const unsigned grid = unsigned(min64(ceil_div(total_rows, kWarps), 0x7fffffff));
   row_products_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(a, out, total_rows);
   return cudaGetLastError();
-}
-
-// screen: one thread per checked vector, both sides in one launch (vectors [0, first) are side
-// 0's, the rest side 1's; each side indexed by a constant, so that it stays in the parameter
-// space); a flagged vector adds to its matrix's count.
-template <typename Acc>
-__device__ __forceinline__ void screen_vector(const Screen& s, const ScreenSide& side, int64_t v) {
-  const int64_t j = v % side.n, blk = (v / side.n) % side.nb, b = v / (side.n * side.nb);
-  if (screen_flags<Acc>(s, side, screen_matrix<Acc>(s, side, b), blk, j)) {
-    atomicAdd(s.flagged + b, 1);
-  }
-}
-
-template <typename Acc>
-__global__ void __launch_bounds__(kThreads) screen_kernel(Screen s, int64_t first, int64_t total) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < total; v += stride) {
-    if (v < first) {
-      screen_vector<Acc>(s, s.side[0], v);
-    } else {
-      screen_vector<Acc>(s, s.side[1], v - first);
-    }
-  }
 }
 
 // correct: one thread per matrix; a clean one returns at once.
@@ -426,21 +455,6 @@ int correct_cuda(const Correct& k, bool f64, void* stream) {
   return cudaGetLastError();
 }
 
-int screen_cuda(const Screen& s, bool f64, void* stream) {
-  int64_t vectors[2] = {0, 0};
-  for (int k = 0; k < s.sides; ++k) vectors[k] = s.batch * s.side[k].nb * s.side[k].n;
-  const int64_t total = vectors[0] + vectors[1];
-  if (total == 0) return cudaSuccess;
-  const unsigned grid = unsigned(min64(ceil_div(total, kThreads), 0x7fffffff));
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (f64) {
-    screen_kernel<double><<<grid, kThreads, 0, st>>>(s, vectors[0], total);
-  } else {
-    screen_kernel<float><<<grid, kThreads, 0, st>>>(s, vectors[0], total);
-  }
-  return cudaGetLastError();
-}
-
 int tally_cuda(const Tally& t, void* stream) {
   tally_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(t);
   return cudaGetLastError();
@@ -455,20 +469,19 @@ int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream
   });
 }
 
-int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream) {
+int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream,
+                    const Screen* screen) {
   return with_dtype(c.dtype, [&](auto types) {
     using Types = decltype(types);
     return launch<typename Types::Element, typename Types::Accumulator>(
-        c, out, static_cast<cudaStream_t>(stream));
+        c, out, screen, static_cast<cudaStream_t>(stream));
   });
 }
 
 int softmax_check_cuda(const SoftmaxCheck& k, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool f64 = k.s.dtype == DType::F64;
   if (k.screen.sides > 0) {
-    int error = block_sums_cuda(k.s, k.s_sums, stream);
-    if (error == cudaSuccess) error = screen_cuda(k.screen, f64, stream);
+    const int error = block_sums_cuda(k.s, k.s_sums, stream, &k.screen);
     if (error != cudaSuccess) return error;
   }
   int error = with_dtype(k.s.dtype, [&](auto types) {

@@ -308,7 +308,8 @@ std::tuple<abft::Screen, at::Tensor> prepare_screen(const at::Tensor& c, const S
                                                     at::TensorList col, at::TensorList row,
                                                     at::ArrayRef<double> col_bounds,
                                                     at::ArrayRef<double> row_bounds,
-                                                    std::vector<at::Tensor>& keep) {
+                                                    std::vector<at::Tensor>& keep,
+                                                    const abft::Tiling* tiling) {
   const int64_t m = c.size(-2), n = c.size(-1);
   abft::Screen screen{};
   screen.batch_dims = int(c.dim() - 2);
@@ -336,9 +337,17 @@ std::tuple<abft::Screen, at::Tensor> prepare_screen(const at::Tensor& c, const S
     side.sizes = found[2 * k + 1]->data_ptr();
     screen.side[screen.sides++] = side;
   }
-  auto flagged = at::zeros(c.sizes().slice(0, c.dim() - 2), c.options().dtype(at::kInt));
+  auto shape = c.sizes().slice(0, c.dim() - 2).vec();
+  shape.push_back(tiling == nullptr ? 1 : tiling->row_tiles * tiling->col_tiles);
+  const auto options = c.options().dtype(at::kInt);
+  auto flagged = tiling == nullptr ? at::zeros(shape, options) : at::empty(shape, options);
   screen.flagged = flagged.data_ptr<int32_t>();
+  screen.slots = shape.back();
   return {screen, flagged};
+}
+
+at::Tensor flagged_per_matrix(const at::Tensor& flagged) {
+  return flagged.size(-1) == 1 ? flagged.select(-1, 0) : flagged.sum(-1, false, at::kInt);
 }
 
 at::Tensor screen_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
@@ -352,22 +361,24 @@ at::Tensor screen_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
   at::parallel_for(0, screen.batch, 1, [&, &screen = screen](int64_t begin, int64_t end) {
     abft::screen_cpu(screen, f64, begin, end);
   });
-  return flagged;
+  return flagged_per_matrix(flagged);
 }
 
 #ifdef ABFT_WITH_CUDA
 at::Tensor screen_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
                        at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
                        at::ArrayRef<double> row_bounds) {
+  check_inputs(c, col_block, row_block, at::kCUDA);
   const c10::cuda::CUDAGuard guard(c.device());
-  const Sums sums = block_sums_cuda(c, col_block, row_block);
+  const auto [sums, matrices, out] = prepare(c, col_block, row_block);
+  const abft::Tiling tiling = abft::block_sums_tiling(matrices, out);
   std::vector<at::Tensor> keep;
-  auto [screen, flagged] =
-      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
+  auto [screen, flagged] = prepare_screen(c, sums, col_block, row_block, col, row, col_bounds,
+                                          row_bounds, keep, &tiling);
   const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(
-      abft::screen_cuda(screen, c.scalar_type() == at::kDouble, stream)));
-  return flagged;
+  C10_CUDA_CHECK(
+      static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream, &screen)));
+  return flagged_per_matrix(flagged);
 }
 #endif
 
@@ -488,10 +499,10 @@ Verification prepare_verification(const at::Tensor& c, const Sums& sums, int64_t
                                   at::ArrayRef<double> row_bounds, const at::Tensor& a,
                                   const at::Tensor& b, double alpha,
                                   const std::optional<at::Tensor>& bias, double near_inf,
-                                  int64_t capacity) {
+                                  int64_t capacity, const abft::Tiling* tiling = nullptr) {
   Verification v;
-  std::tie(v.screen, v.flagged) =
-      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, v.keep);
+  std::tie(v.screen, v.flagged) = prepare_screen(c, sums, col_block, row_block, col, row,
+                                                 col_bounds, row_bounds, v.keep, tiling);
   v.correction = prepare_correct(c, sums, v.screen, col_block, row_block, a, b, alpha, bias,
                                  near_inf, capacity);
   return v;
@@ -523,14 +534,17 @@ Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_bl
                           const at::Tensor& b, double alpha,
                           const std::optional<at::Tensor>& bias, double near_inf,
                           int64_t capacity) {
+  check_inputs(c, col_block, row_block, at::kCUDA);
   const c10::cuda::CUDAGuard guard(c.device());
-  const Sums sums = block_sums_cuda(c, col_block, row_block);
+  const auto [sums, matrices, out] = prepare(c, col_block, row_block);
+  const abft::Tiling tiling = abft::block_sums_tiling(matrices, out);
   const Verification v = prepare_verification(c, sums, col_block, row_block, col, row,
                                               col_bounds, row_bounds, a, b, alpha, bias,
-                                              near_inf, capacity);
+                                              near_inf, capacity, &tiling);
   const bool f64 = c.scalar_type() == at::kDouble;
   const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::screen_cuda(v.screen, f64, stream)));
+  C10_CUDA_CHECK(
+      static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream, &v.screen)));
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::correct_cuda(v.correction.k, f64, stream)));
   return v.correction.found;
 }

@@ -88,8 +88,10 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
   at::Tensor flagged;
   if (col_block > 0 || row_block > 0) {
     auto [sums, matrices, block_sums] = abft_binding::prepare(s, col_block, row_block);
-    auto [screen, found] = abft_binding::prepare_screen(s, sums, col_block, row_block, col, row,
-                                                        col_bounds, row_bounds, out.keep);
+    const abft::Tiling tiling = abft::block_sums_tiling(matrices, block_sums);
+    auto [screen, found] =
+        abft_binding::prepare_screen(s, sums, col_block, row_block, col, row, col_bounds,
+                                     row_bounds, out.keep, device == at::kCUDA ? &tiling : nullptr);
     out.keep.insert(out.keep.end(), {std::get<0>(sums), std::get<1>(sums), std::get<2>(sums),
                                      std::get<3>(sums)});
     k.s_sums = block_sums;
@@ -98,7 +100,9 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
   } else {
     TORCH_CHECK(col.empty() && row.empty(),
                 "megatron_abft::softmax_check: references given but both blocks are 0");
-    flagged = at::zeros(batch, s.options().dtype(at::kInt));
+    auto shape = batch;
+    shape.push_back(1);
+    flagged = at::zeros(shape, s.options().dtype(at::kInt));
   }
   at::Tensor p_sums = at::empty({0}, acc), p_sizes = at::empty({0}, acc),
              products = at::empty({0}, acc), magnitudes = at::empty({0}, acc);
@@ -117,9 +121,10 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
   out.outputs = {p, flagged, p_sums, p_sizes, products, magnitudes};
 }
 
+// The outputs, once the kernel has run.
 Six result(const Prepared& out) {
   const auto& o = out.outputs;
-  return {o[0], o[1], o[2], o[3], o[4], o[5]};
+  return {o[0], abft_binding::flagged_per_matrix(o[1]), o[2], o[3], o[4], o[5]};
 }
 
 Six softmax_check_cpu(const at::Tensor& s, int64_t col_block, int64_t row_block,

@@ -669,18 +669,20 @@ def test_screen_bad_inputs_raise_clear_errors(change, message):
 @PROPERTY
 @given(
     dtype=st.sampled_from(DTYPES),
-    block=st.sampled_from([2, 64, 256]),
+    block=st.sampled_from([2, 64, 256, 512]),
     bias=st.booleans(),
+    layout=st.sampled_from(["contiguous", "column-major"]),
     kind=st.sampled_from(["inf", "nan", "value", "bitflip", "none"]),
     pattern=st.sampled_from(["0d", "row", "col"]),
     seed=st.integers(0, 2**16),
 )
-def test_cuda_screen_equals_the_cpu_screen(dtype, block, bias, kind, pattern, seed):
+def test_cuda_screen_equals_the_cpu_screen(dtype, block, bias, layout, kind, pattern, seed):
+    """The CUDA block sums screen the vectors each tile completes (block 512: a tile two passes
+    wide; column-major: C read as C^T, its sides swapped)."""
     from megatron_abft.sides import screen
 
-    c, refs, check = screen_case(dtype, (2, 3), 300, 200, block, bias, ("col", "row"), seed)
-    if kind != "none":
-        inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))
+    c, refs, check = screen_case(dtype, (2, 3), 300, 290, block, bias, ("col", "row"), seed)
+    c = corrupted(c, kind, pattern, layout, seed)
     on_gpu = {name: _to_cuda(ref) for name, ref in refs.items()}
     assert torch.equal(screen(c.cuda(), on_gpu, check).cpu(), screen(c, refs, check))
     args = screen_args(c.cuda(), on_gpu, check)

@@ -249,11 +249,13 @@ def test_verify_correct_bad_inputs_raise_clear_errors(change, message):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_verify_correct_equals_the_cpu_op(dtype):
+@pytest.mark.parametrize("layout", ["contiguous", "column-major"])
+def test_cuda_verify_correct_equals_the_cpu_op(dtype, layout):
     c, refs, operands = case(dtype, (2, 4), 256, 192, 64, True, ("col", "row"), seed=8)
     inject_(c, TensorFault("nan", "row", batch_index=5, seed=8))
     inject_(c, TensorFault("near_inf", "0d", batch_index=2, seed=9))
     inject_(c, TensorFault("value", "2d", value=1e4, batch_index=7, seed=9))
+    c = corrupted(c, "none", "0d", layout, 0)
     cpu_c = c.clone()
     cpu = op_alone(cpu_c, refs, operands)
     a, b, bias = (t.cuda() for t in (operands.a, operands.b, operands.bias))
