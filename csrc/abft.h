@@ -310,28 +310,39 @@ ABFT_HD inline void tally_event(const Tally& t, int64_t b) {
   *t.failed = t.status[b] == 2;
 }
 
-// What a bias [n] adds to both sides' checksums of C = alpha * A @ B + bias, C with m rows
-// (megatron_abft/checksum.py, _columns and _rows): per block of rows, (rows, sum of their
-// weights) x bias_j and rows x |bias_j|; per block of columns, (sum bias_j, sum w_j bias_j) and
-// sum |bias_j|, the same for every row. Outputs contiguous, in the accumulation type (double
-// where f64, else float):
-//   col_sums [ceil(m / block), 2, n], col_sizes [ceil(m / block), n],
-//   row_sums [ceil(n / block), 2],    row_sizes [ceil(n / block)]
-// One item per column term, then one per block of columns.
+// add_bias: what a bias [n] adds to both sides' checksums of C = alpha * A @ B + bias, C with m
+// rows (megatron_abft/checksum.py, _columns and _rows), added to the sums of alpha * A @ B: per
+// block of rows, (rows, sum of their weights) x bias_j and rows x |bias_j|; per block of
+// columns, (sum bias_j, sum w_j bias_j) and sum |bias_j|, the same for every row. All contiguous,
+// in the accumulation type (double where f64, else float), over `batch` matrices:
+//   col_in, col_out [batch, ceil(m / block), 2, n], col_size_in, col_size_out [.., n]
+//   row_in, row_out [batch, ceil(n / block), 2, m], row_size_in, row_size_out [.., m]
+// and the bias's magnitudes col_bias [ceil(m / block), n], row_bias [ceil(n / block)].
+// One item per column term, then one per block of columns and row of C (bias_terms_items).
 struct BiasTerms {
   const void* bias;
   DType dtype;
   int64_t stride;  // of bias, in elements
-  int64_t n, m, block;
+  int64_t n, m, block, batch;
   bool f64;
-  void* col_sums;
-  void* col_sizes;
-  void* row_sums;
-  void* row_sizes;
+  const void* col_in;
+  const void* col_size_in;
+  const void* row_in;
+  const void* row_size_in;
+  void* col_out;
+  void* col_size_out;
+  void* row_out;
+  void* row_size_out;
+  void* col_bias;
+  void* row_bias;
 };
 
+ABFT_HD inline int64_t bias_column_items(const BiasTerms& t) {
+  return ceil_div(t.m, t.block) * t.n;
+}
+
 ABFT_HD inline int64_t bias_terms_items(const BiasTerms& t) {
-  return ceil_div(t.m, t.block) * t.n + ceil_div(t.n, t.block);
+  return bias_column_items(t) + ceil_div(t.n, t.block) * t.m;
 }
 
 // softmax_check, kernel 3: Megatron's scale-mask-softmax of the attention scores S
@@ -407,8 +418,8 @@ int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream
 void tally_cpu(const Tally& t);
 int tally_cuda(const Tally& t, void* stream);
 
-// CPU, items [begin, end); CUDA, all of them on `stream`.
-void bias_terms_cpu(const BiasTerms& t, int64_t begin, int64_t end);
+// CPU, all items, each block of columns summed once; CUDA, all of them on `stream`.
+void bias_terms_cpu(const BiasTerms& t);
 int bias_terms_cuda(const BiasTerms& t, void* stream);
 
 // CPU, tasks [begin, end) (softmax_check_tasks), one pass over S. CUDA, on `stream`: S's block

@@ -94,33 +94,77 @@ ABFT_HD inline double load_element(const void* data, DType t, int64_t at) {
   return 0;
 }
 
-// Item `item` of a bias's checksum terms (abft.h, BiasTerms): a column term, with the products
-// rounded once as checksum._columns rounds them, or a block of columns summed in order.
+// a * b rounded once, never fused with a following addition into one rounding (as nvcc would
+// contract a * b + c by default): the PyTorch path rounds the product and the sum each.
+ABFT_HD inline float rounded_product(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+ABFT_HD inline double rounded_product(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// Column item `item` of add_bias (abft.h, BiasTerms): the term of one column and block of rows,
+// each product rounded once as checksum._columns rounds it, added to every matrix's sums.
 template <typename Acc>
-ABFT_HD inline void bias_term(const BiasTerms& t, int64_t item) {
-  const int64_t col_items = ceil_div(t.m, t.block) * t.n;
-  if (item < col_items) {
-    const int64_t blk = item / t.n, j = item % t.n;
-    const Acc rows = Acc(min64(t.block, t.m - blk * t.block));
-    const Acc x = Acc(load_element(t.bias, t.dtype, j * t.stride));
-    Acc* sums = static_cast<Acc*>(t.col_sums) + blk * 2 * t.n + j;
-    sums[0] = rows * x;
-    sums[t.n] = (rows * (rows + 1) / 2) * x;
-    static_cast<Acc*>(t.col_sizes)[item] = rows * (x < 0 ? -x : x);
-    return;
+ABFT_HD inline void bias_column_term(const BiasTerms& t, int64_t item) {
+  const int64_t nb = ceil_div(t.m, t.block), blk = item / t.n, j = item % t.n;
+  const Acc rows = Acc(min64(t.block, t.m - blk * t.block));
+  const Acc x = Acc(load_element(t.bias, t.dtype, j * t.stride));
+  const Acc sum = rounded_product(rows, x);
+  const Acc weighted = rounded_product(rows * (rows + 1) / 2, x);
+  const Acc size = rounded_product(rows, x < 0 ? -x : x);
+  static_cast<Acc*>(t.col_bias)[item] = size;
+  for (int64_t b = 0; b < t.batch; ++b) {
+    const int64_t at = (b * nb + blk) * 2 * t.n + j, size_at = (b * nb + blk) * t.n + j;
+    static_cast<Acc*>(t.col_out)[at] = static_cast<const Acc*>(t.col_in)[at] + sum;
+    static_cast<Acc*>(t.col_out)[at + t.n] =
+        static_cast<const Acc*>(t.col_in)[at + t.n] + weighted;
+    static_cast<Acc*>(t.col_size_out)[size_at] =
+        static_cast<const Acc*>(t.col_size_in)[size_at] + size;
   }
-  const int64_t blk = item - col_items, first = blk * t.block;
-  const int64_t length = min64(t.block, t.n - first);
-  Acc sum = 0, weighted = 0, size = 0;
+}
+
+// The bias's sums over block blk of its columns, in order: plain, weighted, magnitudes.
+template <typename Acc>
+struct BiasBlock {
+  Acc sum, weighted, size;
+};
+
+template <typename Acc>
+ABFT_HD inline BiasBlock<Acc> bias_block(const BiasTerms& t, int64_t blk) {
+  const int64_t first = blk * t.block, length = min64(t.block, t.n - first);
+  BiasBlock<Acc> s{0, 0, 0};
   for (int64_t p = 0; p < length; ++p) {
     const Acc x = Acc(load_element(t.bias, t.dtype, (first + p) * t.stride));
-    sum += x;
-    weighted += Acc(p + 1) * x;
-    size += x < 0 ? -x : x;
+    s.sum += x;
+    s.weighted += Acc(p + 1) * x;
+    s.size += x < 0 ? -x : x;
   }
-  static_cast<Acc*>(t.row_sums)[2 * blk] = sum;
-  static_cast<Acc*>(t.row_sums)[2 * blk + 1] = weighted;
-  static_cast<Acc*>(t.row_sizes)[blk] = size;
+  return s;
+}
+
+// Row item (blk, i) of add_bias: block blk's sums `s` added to row i's, in every matrix.
+template <typename Acc>
+ABFT_HD inline void bias_row_term(const BiasTerms& t, int64_t blk, int64_t i,
+                                  const BiasBlock<Acc>& s) {
+  const int64_t nbr = ceil_div(t.n, t.block);
+  if (i == 0) static_cast<Acc*>(t.row_bias)[blk] = s.size;
+  for (int64_t b = 0; b < t.batch; ++b) {
+    const int64_t at = (b * nbr + blk) * 2 * t.m + i, size_at = (b * nbr + blk) * t.m + i;
+    static_cast<Acc*>(t.row_out)[at] = static_cast<const Acc*>(t.row_in)[at] + s.sum;
+    static_cast<Acc*>(t.row_out)[at + t.m] =
+        static_cast<const Acc*>(t.row_in)[at + t.m] + s.weighted;
+    static_cast<Acc*>(t.row_size_out)[size_at] =
+        static_cast<const Acc*>(t.row_size_in)[size_at] + s.size;
+  }
 }
 
 ABFT_HD inline uint64_t element_bits(const void* data, DType t, int64_t at) {

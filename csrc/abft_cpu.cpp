@@ -528,13 +528,20 @@ void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end) {
   }
 }
 
-void bias_terms_cpu(const BiasTerms& t, int64_t begin, int64_t end) {
-  for (int64_t item = begin; item < end; ++item) {
-    if (t.f64) {
-      bias_term<double>(t, item);
-    } else {
-      bias_term<float>(t, item);
-    }
+template <typename Acc>
+void bias_terms(const BiasTerms& t) {
+  for (int64_t item = 0; item < bias_column_items(t); ++item) bias_column_term<Acc>(t, item);
+  for (int64_t blk = 0; blk < ceil_div(t.n, t.block); ++blk) {
+    const BiasBlock<Acc> sums = bias_block<Acc>(t, blk);
+    for (int64_t i = 0; i < t.m; ++i) bias_row_term<Acc>(t, blk, i, sums);
+  }
+}
+
+void bias_terms_cpu(const BiasTerms& t) {
+  if (t.f64) {
+    bias_terms<double>(t);
+  } else {
+    bias_terms<float>(t);
   }
 }
 

@@ -329,11 +329,18 @@ __global__ void __launch_bounds__(kThreads) tally_kernel(Tally t) {
   if (threadIdx.x == 0) tally_event(t, tally_matrix(worst));
 }
 
+// add_bias: one thread per item; a row item sums its block of the bias itself (a block of a
+// vector, from the cache), so that the items are independent.
 template <typename Acc>
 __global__ void __launch_bounds__(kThreads) bias_terms_kernel(BiasTerms t, int64_t items) {
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x, columns = bias_column_items(t);
   for (int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; item < items; item += step) {
-    bias_term<Acc>(t, item);
+    if (item < columns) {
+      bias_column_term<Acc>(t, item);
+    } else {
+      const int64_t blk = (item - columns) / t.m, i = (item - columns) % t.m;
+      bias_row_term<Acc>(t, blk, i, bias_block<Acc>(t, blk));
+    }
   }
 }
 

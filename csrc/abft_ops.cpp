@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #ifdef ABFT_WITH_CUDA
@@ -613,12 +614,19 @@ std::tuple<at::Tensor, at::Tensor> tally_cuda(const at::Tensor& status, const at
 #endif
 
 // add_bias: both sides' checksum sums and magnitudes of alpha * a @ b (encode_pair's outputs) with
-// a bias [n] added to every row of C (m rows), and the bias's magnitudes [nb(m), n], [nb(n), 1].
+// a bias [n] added to every row of C (m rows), and the bias's magnitudes [nb(m), n], [nb(n), 1],
+// in one launch (abft.h, BiasTerms).
 using Six = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-std::tuple<abft::BiasTerms, std::vector<at::Tensor>> prepare_bias(
-    const at::Tensor& col, const at::Tensor& col_magnitude, const at::Tensor& row,
-    const at::Tensor& row_magnitude, const at::Tensor& bias, int64_t m, int64_t block) {
+struct BiasAdd {
+  abft::BiasTerms t;
+  std::vector<at::Tensor> keep;  // the inputs, made contiguous
+  Six out;
+};
+
+BiasAdd prepare_bias(const at::Tensor& col, const at::Tensor& col_magnitude,
+                     const at::Tensor& row, const at::Tensor& row_magnitude,
+                     const at::Tensor& bias, int64_t m, int64_t block) {
   const char* what = "megatron_abft::add_bias";
   TORCH_CHECK(block >= 1 && m >= 1, what, ": block and m must be >= 1; got ", block, " and ", m);
   TORCH_CHECK(bias.dim() == 1 && bias.size(0) >= 1 && bias.device() == col.device(), what,
@@ -638,29 +646,54 @@ std::tuple<abft::BiasTerms, std::vector<at::Tensor>> prepare_bias(
                   row.size(-2) == 2 && row.size(-1) == m,
               what, ": sums ", col.sizes(), " and ", row.sizes(), " are not those of ", m,
               " rows and ", n, " columns in blocks of ", block);
+  const auto batch = col.sizes().slice(0, col.dim() - 3);
+  auto magnitude_shape = [&](int64_t blocks, int64_t across) {
+    auto shape = batch.vec();
+    shape.insert(shape.end(), {blocks, across});
+    return shape;
+  };
+  TORCH_CHECK(row.sizes().slice(0, row.dim() - 3) == batch &&
+                  col_magnitude.sizes() == at::IntArrayRef(magnitude_shape(col_blocks, n)) &&
+                  row_magnitude.sizes() == at::IntArrayRef(magnitude_shape(row_blocks, m)),
+              what, ": sums ", col.sizes(), ", ", row.sizes(), " and magnitudes ",
+              col_magnitude.sizes(), ", ", row_magnitude.sizes(),
+              " do not share their batch dims, or a magnitude is not its sums' shape");
+  BiasAdd add;
+  add.keep = {col.contiguous(), col_magnitude.contiguous(), row.contiguous(),
+              row_magnitude.contiguous()};
   const auto options = col.options();
-  std::vector<at::Tensor> out = {at::empty({col_blocks, 2, n}, options),
-                                 at::empty({col_blocks, n}, options),
-                                 at::empty({row_blocks, 2, 1}, options),
-                                 at::empty({row_blocks, 1}, options)};
-  const abft::BiasTerms t{bias.data_ptr(), kernel_dtype(bias, "megatron_abft::add_bias: bias"),
-                          bias.stride(0), n, m, block, acc == at::kDouble, out[0].data_ptr(),
-                          out[1].data_ptr(), out[2].data_ptr(), out[3].data_ptr()};
-  return {t, std::move(out)};
-}
-
-Six with_bias(const at::Tensor& col, const at::Tensor& col_magnitude, const at::Tensor& row,
-              const at::Tensor& row_magnitude, const std::vector<at::Tensor>& terms) {
-  return {col + terms[0], col_magnitude + terms[1], row + terms[2], row_magnitude + terms[3],
-          terms[1], terms[3]};
+  add.out = {at::empty(col.sizes(), options),       at::empty(col_magnitude.sizes(), options),
+             at::empty(row.sizes(), options),       at::empty(row_magnitude.sizes(), options),
+             at::empty({col_blocks, n}, options),   at::empty({row_blocks, 1}, options)};
+  const auto& [col_out, col_size_out, row_out, row_size_out, col_bias, row_bias] = add.out;
+  abft::BiasTerms& t = add.t;
+  t.bias = bias.data_ptr();
+  t.dtype = kernel_dtype(bias, "megatron_abft::add_bias: bias");
+  t.stride = bias.stride(0);
+  t.n = n;
+  t.m = m;
+  t.block = block;
+  t.batch = c10::multiply_integers(batch);
+  t.f64 = acc == at::kDouble;
+  t.col_in = add.keep[0].data_ptr();
+  t.col_size_in = add.keep[1].data_ptr();
+  t.row_in = add.keep[2].data_ptr();
+  t.row_size_in = add.keep[3].data_ptr();
+  t.col_out = col_out.data_ptr();
+  t.col_size_out = col_size_out.data_ptr();
+  t.row_out = row_out.data_ptr();
+  t.row_size_out = row_size_out.data_ptr();
+  t.col_bias = col_bias.data_ptr();
+  t.row_bias = row_bias.data_ptr();
+  return add;
 }
 
 Six add_bias_cpu(const at::Tensor& col, const at::Tensor& col_magnitude, const at::Tensor& row,
                  const at::Tensor& row_magnitude, const at::Tensor& bias, int64_t m,
                  int64_t block) {
-  auto [t, terms] = prepare_bias(col, col_magnitude, row, row_magnitude, bias, m, block);
-  abft::bias_terms_cpu(t, 0, abft::bias_terms_items(t));
-  return with_bias(col, col_magnitude, row, row_magnitude, terms);
+  const BiasAdd add = prepare_bias(col, col_magnitude, row, row_magnitude, bias, m, block);
+  abft::bias_terms_cpu(add.t);
+  return add.out;
 }
 
 #ifdef ABFT_WITH_CUDA
@@ -668,10 +701,10 @@ Six add_bias_cuda(const at::Tensor& col, const at::Tensor& col_magnitude, const 
                   const at::Tensor& row_magnitude, const at::Tensor& bias, int64_t m,
                   int64_t block) {
   const c10::cuda::CUDAGuard guard(col.device());
-  auto [t, terms] = prepare_bias(col, col_magnitude, row, row_magnitude, bias, m, block);
+  const BiasAdd add = prepare_bias(col, col_magnitude, row, row_magnitude, bias, m, block);
   const auto stream = c10::cuda::getCurrentCUDAStream(col.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::bias_terms_cuda(t, stream)));
-  return with_bias(col, col_magnitude, row, row_magnitude, terms);
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::bias_terms_cuda(add.t, stream)));
+  return add.out;
 }
 #endif
 

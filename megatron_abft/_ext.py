@@ -376,15 +376,7 @@ def _register_fake() -> None:
     def _(col: Tensor, col_magnitude: Tensor, row: Tensor, row_magnitude: Tensor, bias, m, block):
         n = bias.shape[0]
         return (
-            *(
-                t.new_empty(torch.broadcast_shapes(t.shape, s))
-                for t, s in (
-                    (col, (-(-m // block), 2, n)),
-                    (col_magnitude, (-(-m // block), n)),
-                    (row, (-(-n // block), 2, 1)),
-                    (row_magnitude, (-(-n // block), 1)),
-                )
-            ),
+            *(t.new_empty(t.shape) for t in (col, col_magnitude, row, row_magnitude)),
             col.new_empty((-(-m // block), n)),
             col.new_empty((-(-n // block), 1)),
         )

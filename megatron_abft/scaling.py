@@ -53,9 +53,9 @@ counted from the code (not yet on a GPU): encode_pair 4 (the smaller operand's b
 larger one's block sums and products, the smaller one's products, alpha applied as they are
 written; a column-major operand, as V^T is for the context, read column by column),
 verify_correct 2 (C's block sums, each tile screening the vectors it completes; the correction)
-and the guard's tally 1. A GEMM with a bias (GPT's qkv) adds 5 (add_bias: its kernel and four
-additions), one op on a CPU; that is not modelled. The fused target drops C's block sums; the
-torch path is taken at its op count."""
+and the guard's tally 1. A GEMM with a bias (GPT's qkv) adds 1 (add_bias, whose kernel adds the
+bias's terms to the sums), one op on a CPU; that is not modelled. The fused target drops C's
+block sums; the torch path is taken at its op count."""
 
 
 @dataclass(frozen=True)

@@ -828,6 +828,11 @@ def test_add_bias_opcheck_and_bad_inputs():
         op(sums[0], sums[1].double(), *sums[2:], bias, 40, 16)
     with pytest.raises(RuntimeError, match="block and m must be >= 1"):
         op(*sums, bias, 40, 0)
+    with pytest.raises(RuntimeError, match="do not share their batch dims"):
+        op(sums[0][:1], *sums[1:], bias, 40, 16)
+    strided = [t.mT.contiguous().mT for t in sums]  # read where they are, as the contiguous ones
+    for got, want in zip(op(*strided, bias, 40, 16), op(*sums, bias, 40, 16), strict=True):
+        assert torch.equal(got, want)
 
 
 @needs_ext
