@@ -185,10 +185,10 @@ def test_the_kernel_selftest_checks_the_tally(monkeypatch):
 
 
 @needs_cuda
-def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_few_kernels():
-    """The path the overhead model costs for a GPU (scaling.CHECK_KERNELS): with the kernels,
-    a clean sync-free check and a faulty one launch a few kernels and never synchronise with
-    the host (torch.cuda's sync debug mode raises on any synchronising call)."""
+def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_what_the_model_counts():
+    """The path the overhead model costs for a GPU: with the kernels, a clean sync-free check
+    launches the kernels scaling.CHECK_KERNELS counts, and a clean check and a faulty one never
+    synchronise with the host (torch.cuda's sync debug mode raises on any synchronising call)."""
     import sys
     from pathlib import Path
 
@@ -198,7 +198,7 @@ def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_few_kernels():
     from megatron_abft.scaling import CHECK_KERNELS
 
     launches = check_launches(torch.device("cuda"))
-    assert 3 <= launches <= CHECK_KERNELS["kernels"] + 6, launches
+    assert launches == CHECK_KERNELS["kernels"], f"a clean check launched {launches} kernels"
     c, refs, operands = case(torch.bfloat16, (2, 4), 128, 96, 32, False, ("col", "row"), seed=5)
     gpu = GemmOperands(operands.a.cuda(), operands.b.cuda(), operands.alpha)
     faulty = c.cuda()
