@@ -96,16 +96,14 @@ ABFT_HD inline double load_element(const void* data, DType t, int64_t at) {
 
 // a * b rounded once, never fused with a following addition into one rounding (as nvcc would
 // contract a * b + c by default): the PyTorch path rounds the product and the sum each.
-ABFT_HD inline float rounded_product(float a, float b) {
+template <typename Acc>
+ABFT_HD inline Acc rounded_product(Acc a, Acc b) {
 #ifdef __CUDA_ARCH__
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-ABFT_HD inline double rounded_product(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dmul_rn(a, b);
+  if constexpr (sizeof(Acc) == sizeof(double)) {
+    return __dmul_rn(a, b);
+  } else {
+    return __fmul_rn(a, b);
+  }
 #else
   return a * b;
 #endif
