@@ -662,9 +662,9 @@ BiasAdd prepare_bias(const at::Tensor& col, const at::Tensor& col_magnitude,
   add.keep = {col.contiguous(), col_magnitude.contiguous(), row.contiguous(),
               row_magnitude.contiguous()};
   const auto options = col.options();
-  add.out = {at::empty(col.sizes(), options),       at::empty(col_magnitude.sizes(), options),
-             at::empty(row.sizes(), options),       at::empty(row_magnitude.sizes(), options),
-             at::empty({col_blocks, n}, options),   at::empty({row_blocks, 1}, options)};
+  add.out = {at::empty(col.sizes(), options),     at::empty(col_magnitude.sizes(), options),
+             at::empty(row.sizes(), options),     at::empty(row_magnitude.sizes(), options),
+             at::empty({col_blocks, n}, options), at::empty({row_blocks, 1}, options)};
   const auto& [col_out, col_size_out, row_out, row_size_out, col_bias, row_bias] = add.out;
   abft::BiasTerms& t = add.t;
   t.bias = bias.data_ptr();
