@@ -353,7 +353,7 @@ ABFT_HD inline int64_t bias_terms_items(const BiasTerms& t) {
 //   type, written contiguous in S's dtype;
 //   with screen.sides > 0, S's block sums into s_sums and the number of S's vectors that fail
 //   the screen into screen.flagged (on the CPU added to each matrix's one slot, zeroed by the
-//   caller);
+//   caller; on CUDA as softmax_single_pass says);
 //   with products, P's column block sums into p_sums (row_block 0) and P's row products: what
 //   operand_pass gives for P as written (rounded to its dtype).
 // A task is a band of `band` rows of one matrix: the column side's block of S and of P.
@@ -373,6 +373,21 @@ struct SoftmaxCheck {
 
 ABFT_HD inline int64_t softmax_check_tasks(const SoftmaxCheck& k) {
   return k.s.batch * ceil_div(k.s.rows, k.band);
+}
+
+// On CUDA, softmax_check reads S once where a thread block can hold a band's column sums in
+// shared memory (softmax_pass_bytes: 4 a column of S where its column side is screened, 4 of P
+// where its pass is wanted, in the accumulation type) within kSoftmaxPassBytes: the single pass,
+// one launch, with one slot of `flagged` a band (one a matrix, written 0, without a screen).
+// Otherwise S's screened block sums, the softmax, P's block sums and P's products run in turn
+// (one slot a tile; S and P each read twice).
+constexpr int64_t kSoftmaxPassBytes = 96 * 1024;
+ABFT_HD inline int64_t softmax_pass_bytes(int64_t cols, DType dtype, bool s_cols, bool pass) {
+  const int64_t size = dtype == DType::F64 ? 8 : 4;
+  return 4 * (int64_t(s_cols) + int64_t(pass)) * cols * size;
+}
+ABFT_HD inline bool softmax_single_pass(int64_t cols, DType dtype, bool s_cols, bool pass) {
+  return softmax_pass_bytes(cols, dtype, s_cols, pass) <= kSoftmaxPassBytes;
 }
 
 // Row i of matrix b of softmax_check's mask (null without one); its entries are mask_strides[
@@ -422,8 +437,8 @@ int tally_cuda(const Tally& t, void* stream);
 void bias_terms_cpu(const BiasTerms& t);
 int bias_terms_cuda(const BiasTerms& t, void* stream);
 
-// CPU, tasks [begin, end) (softmax_check_tasks), one pass over S. CUDA, on `stream`: S's block
-// sums with its screen, the softmax, then P's block sums and products (S and P each read twice).
+// CPU, tasks [begin, end) (softmax_check_tasks), one pass over S. CUDA, on `stream`: the single
+// pass, or the four kernels, as softmax_single_pass says.
 void softmax_check_cpu(const SoftmaxCheck& k, int64_t begin, int64_t end);
 int softmax_check_cuda(const SoftmaxCheck& k, void* stream);
 

@@ -344,10 +344,19 @@ __global__ void __launch_bounds__(kThreads) bias_terms_kernel(BiasTerms t, int64
   }
 }
 
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(double* p, double v) { *p = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+// Stores v rounded to the element type and returns the value stored.
+__device__ __forceinline__ float store(float* p, float v) { return *p = v; }
+__device__ __forceinline__ double store(double* p, double v) { return *p = v; }
+__device__ __forceinline__ float store(__nv_bfloat16* p, float v) {
+  const __nv_bfloat16 x = __float2bfloat16_rn(v);
+  *p = x;
+  return __bfloat162float(x);
+}
+__device__ __forceinline__ float store(__half* p, float v) {
+  const __half x = __float2half_rn(v);
+  *p = x;
+  return __half2float(x);
+}
 
 __device__ __forceinline__ float exponential(float x) { return expf(x); }
 __device__ __forceinline__ double exponential(double x) { return exp(x); }
@@ -369,36 +378,54 @@ __device__ __forceinline__ Acc warp_sum(Acc v) {
   return v;
 }
 
-// softmax_check's softmax (abft.h): one warp per row of S, three passes over the row (its
-// maximum, the sum of its exponentials, P), in the accumulation type.
+// Row i of matrix b of softmax_check's S as its softmax reads it, for one warp: value(j) is
+// scale x_ij, or -10000 where masked; the constructor reads the row twice, for its largest value
+// and the sum of its exponentials, so that probability(j) is P_ij before its rounding.
+template <typename T, typename Acc>
+struct SoftmaxRow {
+  const T* x;
+  const uint8_t* mask;  // null: none
+  int64_t mask_step, open, col_stride;
+  Acc scale, top, inverse;
+
+  __device__ SoftmaxRow(const SoftmaxCheck& k, int64_t b, int64_t i, int lane)
+      : x(static_cast<const T*>(k.s.data) + batch_offset(k.s, b) + i * k.s.row_stride),
+        mask(softmax_mask_row(k, b, i)),
+        mask_step(k.mask_strides[k.s.batch_dims + 1]),
+        open(k.causal ? min64(k.s.cols, i + 1) : k.s.cols),
+        col_stride(k.s.col_stride),
+        scale(Acc(k.scale)) {
+    const int64_t cols = k.s.cols;
+    Acc largest = -largest_finite(Acc(0));
+    for (int64_t j = lane; j < cols; j += 32) {
+      const Acc v = value(j);
+      largest = v > largest ? v : largest;
+    }
+    top = warp_max(largest);
+    Acc sum = 0;
+    for (int64_t j = lane; j < cols; j += 32) sum += exponential(value(j) - top);
+    inverse = Acc(1) / warp_sum(sum);
+  }
+
+  __device__ Acc value(int64_t j) const {
+    const bool masked = j >= open || (mask != nullptr && mask[j * mask_step] != 0);
+    return masked ? Acc(-10000) : Acc(load(x + j * col_stride)) * scale;
+  }
+
+  __device__ Acc probability(int64_t j) const { return exponential(value(j) - top) * inverse; }
+};
+
+// softmax_check's softmax alone, for rows too long for the single pass: one warp per row.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(kThreads) softmax_kernel(SoftmaxCheck k, int64_t total_rows) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   const int64_t rows = k.s.rows, cols = k.s.cols;
-  const Acc scale = Acc(k.scale), fill = Acc(-10000);
   for (int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); r < total_rows;
        r += warps) {
-    const int64_t b = r / rows, i = r % rows;
-    const T* x = static_cast<const T*>(k.s.data) + batch_offset(k.s, b) + i * k.s.row_stride;
+    const SoftmaxRow<T, Acc> row(k, r / rows, r % rows, lane);
     T* out = static_cast<T*>(k.p) + r * cols;
-    const uint8_t* mask = softmax_mask_row(k, b, i);
-    const int64_t step = k.mask_strides[k.s.batch_dims + 1];
-    const int64_t open = k.causal ? min64(cols, i + 1) : cols;
-    auto value = [&](int64_t j) -> Acc {
-      const bool masked = j >= open || (mask != nullptr && mask[j * step] != 0);
-      return masked ? fill : Acc(load(x + j * k.s.col_stride)) * scale;
-    };
-    Acc top = -largest_finite(Acc(0));
-    for (int64_t j = lane; j < cols; j += 32) {
-      const Acc v = value(j);
-      top = v > top ? v : top;
-    }
-    top = warp_max(top);
-    Acc sum = 0;
-    for (int64_t j = lane; j < cols; j += 32) sum += exponential(value(j) - top);
-    const Acc inverse = Acc(1) / warp_sum(sum);
-    for (int64_t j = lane; j < cols; j += 32) store(out + j, exponential(value(j) - top) * inverse);
+    for (int64_t j = lane; j < cols; j += 32) store(out + j, row.probability(j));
   }
 }
 
@@ -408,6 +435,180 @@ int launch_softmax(const SoftmaxCheck& k, cudaStream_t stream) {
   if (total_rows == 0) return cudaSuccess;
   const unsigned grid = unsigned(min64(ceil_div(total_rows, kWarps), 0x7fffffff));
   softmax_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(k, total_rows);
+  return cudaGetLastError();
+}
+
+// A vector's sums, with entry v of weight w added: plain, weighted, and of the magnitudes, plain
+// and weighted.
+template <typename Acc>
+__device__ __forceinline__ void add_to_sums(Acc (&sums)[4], Acc v, Acc w) {
+  const Acc a = magnitude(v);
+  sums[0] += v;
+  sums[1] += w * v;
+  sums[2] += a;
+  sums[3] += w * a;
+}
+
+// Kernel 3 in one pass (abft.h's softmax_check): one thread block per band of one matrix, its
+// warps taking the band's rows kWarps at a time, a warp per row. A warp reads its row of S (for
+// its maximum and its sum in SoftmaxRow, then for P: the second and third reads from the cache),
+// writes P, and reduces, reading them back, the row's products with u and z and, where screened,
+// S's row-side block sums, which its lane 0 writes and screens. After a barrier, each thread adds
+// the group's rows of S and P (from the cache) to the column sums of its own columns j = t +
+// kThreads q, kept in shared memory (4 a column of S where its column side is screened, then 4 of
+// P where `pass`) until the band ends, when it writes and screens them; no other thread touches
+// them, so they need no barrier. col_side and row_side are S's sides in the screen (-1: none).
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: at most 80 registers
+    softmax_pass_kernel(SoftmaxCheck k, RowProducts pr, bool pass, int64_t tasks, int col_side,
+                        int row_side) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  __shared__ int band_fails;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const MatrixBatch& s = k.s;
+  const int64_t rows = s.rows, cols = s.cols, bands = ceil_div(rows, k.band);
+  const bool screened = k.screen.sides > 0, s_cols = col_side >= 0;
+  const int64_t row_block = k.s_sums.row_block;
+  const int64_t nbr = row_side >= 0 ? ceil_div(cols, row_block) : 0;
+  Acc* const s_sums = reinterpret_cast<Acc*>(shared);   // [4][cols], where s_cols
+  Acc* const p_sums = s_sums + (s_cols ? 4 * cols : 0);  // [4][cols], where pass
+
+  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int64_t b = task / bands, blk = task % bands, r0 = blk * k.band;
+    const int64_t r1 = min64(rows, r0 + k.band);
+    const T* base = static_cast<const T*>(s.data) + batch_offset(s, b);
+    T* out = static_cast<T*>(k.p) + b * rows * cols;
+    for (int64_t j = threadIdx.x; j < cols; j += kThreads) {  // this thread's columns only
+      for (int t = 0; t < 4; ++t) {
+        if (s_cols) s_sums[t * cols + j] = Acc(0);
+        if (pass) p_sums[t * cols + j] = Acc(0);
+      }
+    }
+    int fails = 0;  // this thread's failed vectors of S in the band
+    if (threadIdx.x == 0) band_fails = 0;  // added to only after the band's first barrier
+
+    for (int64_t g0 = r0; g0 < r1; g0 += kWarps) {
+      const int64_t i = g0 + warp;
+      if (i < r1) {  // the warp's row
+        const SoftmaxRow<T, Acc> row(k, b, i, lane);
+        T* p = out + i * cols;
+        for (int64_t j = lane; j < cols; j += 32) store(p + j, row.probability(j));
+        if (pass) {  // P's row products, from the entries this lane wrote
+          const Acc* u = static_cast<const Acc*>(pr.u.data) + batch_offset(pr.u, b);
+          const Acc* z = static_cast<const Acc*>(pr.z.data) + batch_offset(pr.z, b);
+          const int64_t nu = pr.u.rows, nz = pr.z.rows;
+          for (int64_t t = 0; t < nu + nz; ++t) {
+            const bool product = t < nu;
+            const Acc* vector = product ? u + t * pr.u.row_stride : z + (t - nu) * pr.z.row_stride;
+            Acc dot = 0;
+            for (int64_t j = lane; j < cols; j += 32) {
+              const Acc v = Acc(load(p + j));
+              dot += (product ? v : magnitude(v)) * vector[j];
+            }
+            dot = warp_sum(dot);
+            if (lane == 0 && product) {
+              static_cast<Acc*>(pr.products)[(b * rows + i) * nu + t] = dot * Acc(pr.scale);
+            } else if (lane == 0) {
+              static_cast<Acc*>(pr.magnitudes)[(b * rows + i) * nz + t - nu] =
+                  dot * Acc(fabs(pr.scale));
+            }
+          }
+        }
+        for (int64_t cb = 0; cb < nbr; ++cb) {  // S's row side: block cb of row i
+          const int64_t j0 = cb * row_block, j1 = min64(cols, j0 + row_block);
+          Acc sums[4] = {0, 0, 0, 0};
+          for (int64_t j = j0 + lane; j < j1; j += 32) {
+            add_to_sums(sums, Acc(load(row.x + j * s.col_stride)), Acc(j - j0 + 1));
+          }
+#pragma unroll
+          for (int t = 0; t < 4; ++t) sums[t] = warp_sum(sums[t]);
+          if (lane == 0) {
+            const int64_t at = (b * nbr + cb) * 2 * rows + i;
+            Acc* plain = static_cast<Acc*>(k.s_sums.row_sums);
+            Acc* sizes = static_cast<Acc*>(k.s_sums.row_sizes);
+            plain[at] = sums[0];
+            plain[at + rows] = sums[1];
+            sizes[at] = sums[2];
+            sizes[at + rows] = sums[3];
+            fails += screen_fails<Acc>(k.screen, row_side, b, cb, i);
+          }
+        }
+      }
+      __syncthreads();  // the group's rows of P are written
+      const int64_t g1 = min64(r1, g0 + kWarps);
+      for (int64_t j = threadIdx.x; j < cols; j += kThreads) {  // the group's rows, in order
+        for (int m = 0; m < 2; ++m) {  // S, then P
+          if (m == 0 ? !s_cols : !pass) continue;
+          Acc* target = m == 0 ? s_sums : p_sums;
+          Acc sums[4];
+#pragma unroll
+          for (int t = 0; t < 4; ++t) sums[t] = target[t * cols + j];
+          for (int64_t r = g0; r < g1; ++r) {
+            const Acc v = m == 0 ? Acc(load(base + r * s.row_stride + j * s.col_stride))
+                                 : Acc(load(out + r * cols + j));
+            add_to_sums(sums, v, Acc(r - r0 + 1));
+          }
+#pragma unroll
+          for (int t = 0; t < 4; ++t) target[t * cols + j] = sums[t];
+        }
+      }
+    }
+
+    for (int64_t j = threadIdx.x; j < cols; j += kThreads) {
+      for (int m = 0; m < 2; ++m) {
+        if (m == 0 ? !s_cols : !pass) continue;
+        const Acc* source = m == 0 ? s_sums : p_sums;
+        const BlockSums& o = m == 0 ? k.s_sums : k.p_sums;
+        const int64_t at = (b * bands + blk) * 2 * cols + j;
+        Acc* plain = static_cast<Acc*>(o.col_sums);
+        Acc* sizes = static_cast<Acc*>(o.col_sizes);
+        plain[at] = source[j];
+        plain[at + cols] = source[cols + j];
+        sizes[at] = source[2 * cols + j];
+        sizes[at + cols] = source[3 * cols + j];
+      }
+      if (s_cols) fails += screen_fails<Acc>(k.screen, col_side, b, blk, j);
+    }
+    if (screened) {
+      if (fails > 0) atomicAdd(&band_fails, fails);
+      __syncthreads();
+      if (threadIdx.x == 0) k.screen.flagged[b * k.screen.slots + blk] = band_fails;
+    } else if (threadIdx.x == 0 && blk == 0 && k.screen.flagged != nullptr) {
+      k.screen.flagged[b * k.screen.slots] = 0;  // no screen: nothing flagged, in its one slot
+    }
+  }
+}
+
+// S's column and row sides in softmax_check's screen (-1: none), or false where a side of the
+// screen is neither, or its slots are not one a band.
+bool band_sides(const SoftmaxCheck& k, int& col_side, int& row_side) {
+  const Screen& screen = k.screen;
+  for (int t = 0; t < screen.sides; ++t) {
+    if (k.s_sums.col_block > 0 && screen.side[t].sums == k.s_sums.col_sums) col_side = t;
+    if (k.s_sums.row_block > 0 && screen.side[t].sums == k.s_sums.row_sums) row_side = t;
+  }
+  return int(col_side >= 0) + int(row_side >= 0) == screen.sides &&
+         (screen.sides == 0 || screen.slots == ceil_div(k.s.rows, k.band)) &&
+         (col_side < 0 || k.s_sums.col_block == k.band);
+}
+
+template <typename T, typename Acc>
+int launch_softmax_pass(const SoftmaxCheck& k, cudaStream_t stream) {
+  const int64_t tasks = softmax_check_tasks(k);
+  if (tasks == 0) return cudaSuccess;
+  int col_side = -1, row_side = -1;
+  if (!band_sides(k, col_side, row_side)) return cudaErrorInvalidValue;
+  const bool pass = k.products != nullptr;
+  const RowProducts pr = pass ? *k.products : RowProducts{};
+  const int64_t bytes = softmax_pass_bytes(k.s.cols, k.s.dtype, col_side >= 0, pass);
+  auto kernel = softmax_pass_kernel<T, Acc>;
+  if (bytes > 48 * 1024) {  // the default limit of a launch's dynamic shared memory
+    const int error =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    if (error != cudaSuccess) return error;
+  }
+  const unsigned grid = unsigned(min64(tasks, 0x7fffffff));
+  kernel<<<grid, kThreads, size_t(bytes), stream>>>(k, pr, pass, tasks, col_side, row_side);
   return cudaGetLastError();
 }
 
@@ -487,6 +688,14 @@ int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream,
 
 int softmax_check_cuda(const SoftmaxCheck& k, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (softmax_single_pass(k.s.cols, k.s.dtype, k.s_sums.col_block > 0, k.products != nullptr)) {
+    return with_dtype(k.s.dtype, [&](auto types) {
+      using Types = decltype(types);
+      return launch_softmax_pass<typename Types::Element, typename Types::Accumulator>(k, st);
+    });
+  }
+  // rows too long for a thread block to hold a band's column sums: S's block sums screened by
+  // their tiles, the softmax, then P's block sums and products
   if (k.screen.sides > 0) {
     const int error = block_sums_cuda(k.s, k.s_sums, stream, &k.screen);
     if (error != cudaSuccess) return error;

@@ -86,9 +86,14 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
   k.p = p.data_ptr();
   const auto acc = s.options().dtype(s.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   at::Tensor flagged;
+  const bool single_pass =
+      device == at::kCUDA && abft::softmax_single_pass(k.s.cols, k.s.dtype, col_block > 0, pass);
   if (col_block > 0 || row_block > 0) {
     auto [sums, matrices, block_sums] = abft_binding::prepare(s, col_block, row_block);
-    const abft::Tiling tiling = abft::block_sums_tiling(matrices, block_sums);
+    // the CUDA screen's slots: one a band in the single pass, else one a tile of the block sums
+    const abft::Tiling tiling = single_pass ? abft::Tiling{k.band, k.s.cols,
+                                                           abft::ceil_div(k.s.rows, k.band), 1}
+                                            : abft::block_sums_tiling(matrices, block_sums);
     auto [screen, found] =
         abft_binding::prepare_screen(s, sums, col_block, row_block, col, row, col_bounds,
                                      row_bounds, out.keep, device == at::kCUDA ? &tiling : nullptr);
@@ -102,7 +107,10 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
                 "megatron_abft::softmax_check: references given but both blocks are 0");
     auto shape = batch;
     shape.push_back(1);
-    flagged = at::zeros(shape, s.options().dtype(at::kInt));
+    const auto options = s.options().dtype(at::kInt);
+    flagged = single_pass ? at::empty(shape, options) : at::zeros(shape, options);
+    k.screen.flagged = flagged.data_ptr<int32_t>();  // the single pass writes its zeros
+    k.screen.slots = 1;
   }
   at::Tensor p_sums = at::empty({0}, acc), p_sizes = at::empty({0}, acc),
              products = at::empty({0}, acc), magnitudes = at::empty({0}, acc);

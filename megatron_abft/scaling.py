@@ -14,7 +14,9 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
   the differences, thresholds and flags; a clean matrix needs nothing more);
 - ``fused``: kernel 3 (megatron_abft.fused_softmax): the softmax, which reads S and writes P
   anyway, also verifies S and emits P's sums, so the scores' verify pass and the context's read
-  of P go. The code on a CPU; on CUDA still a target (the op is composed of the other kernels).
+  of P go. The code on a CPU. On CUDA the op is one kernel (where a band's column sums fit in a
+  thread block), but sync-free checks use it for P's sums only (its screen of S needs a host read
+  to hand a flagged matrix to the correction), so there the scores' verify pass stays: a target.
   Kernel 3 also replaces Megatron's softmax, forward and backward: where a device profile has
   timed both softmaxes and kernel 3's checks (SOFTMAX_PARTS, on the CPU), the difference is
   part of the cost; elsewhere both run at the bandwidth and the checks in the pass are free.

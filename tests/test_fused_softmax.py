@@ -218,22 +218,54 @@ def test_opcheck_schemas_and_fakes():
 
 
 @needs_cuda
-def test_cuda_equals_cpu():
-    _, _, s, sides = scores_case((2, 3), 50, 50, 8, torch.float32, "cpu")
-    v = torch.randn(2, 3, 50, 16)
+@pytest.mark.parametrize(
+    "sq, sk",
+    [
+        (50, 50),  # the single pass
+        (20, 3000),  # the single pass, with more than 48 KiB of shared memory
+        (20, 4100),  # a band's column sums too large for it: the composed kernels
+    ],
+)
+def test_cuda_equals_cpu(sq, sk):
+    _, _, s, sides = scores_case((2, 3), sq, sk, 8, torch.float32, "cpu")
+    v = torch.randn(2, 3, sk, 16)
     bad = faulty_scores(s, 0)
     results = {}
     for device in ("cpu", "cuda"):
         moved = [t.to(device) for t in (bad, v)]
         screen = (*sides[:2], *[[t.to(device) for t in side] for side in sides[2:4]], *sides[4:])
         vectors = _ext.pair_vectors(moved[0], moved[1], 16)
-        results[device] = _ext.softmax_check(moved[0], screen, None, True, 1.0, 16, vectors)
+        causal = sq == sk  # long rows unmasked, so that P is not mostly zeros
+        results[device] = _ext.softmax_check(moved[0], screen, None, causal, 1.0, 16, vectors)
     cpu, gpu = results["cpu"], [t.cpu() for t in results["cuda"]]
-    assert torch.equal(cpu[1], gpu[1])
-    clean = cpu[1].view(-1) == 0  # the flagged matrices' P may differ where S is NaN
-    torch.testing.assert_close(cpu[0].flatten(0, 1)[clean], gpu[0].flatten(0, 1)[clean])
+    assert torch.equal(cpu[1], gpu[1]) and (cpu[1] > 0).sum() == 4
+    clean = cpu[1].view(-1) == 0  # the flagged matrices' P is NaN where S is
+
+    def of_clean(t):
+        return t.flatten(0, 1)[clean]
+
+    torch.testing.assert_close(of_clean(cpu[0]), of_clean(gpu[0]))
     for got, want in zip(gpu[2:], cpu[2:], strict=True):
-        assert_close_to_sums(got, want, want, torch.float32)
+        assert_close_to_sums(of_clean(got), of_clean(want), of_clean(want), torch.float32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("screened", [False, True])
+def test_the_single_pass_is_one_launch(screened):
+    """On CUDA, kernel 3 is one kernel (and, with a screen, the sum of its bands' slots): the
+    GPU's sync-free attention asks for P's pass alone."""
+    _, _, s, sides = scores_case((2, 3), 64, 64, 8, torch.bfloat16, "cuda")
+    v = torch.randn(2, 3, 64, 16, device="cuda").to(torch.bfloat16)
+    vectors = _ext.pair_vectors(s, v, 16)
+    screen = sides if screened else NO_SCREEN
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        _, flagged, *_ = _ext.softmax_check(s, screen, None, True, 1.0, 16, vectors)
+        torch.cuda.synchronize()
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == (2 if screened else 1), [e.name for e in kernels]
+    assert not flagged.any()
 
 
 def test_the_kernel_selftest_checks_the_softmax(monkeypatch):

@@ -198,9 +198,13 @@ def fused_softmax(scores, v, col, row, check, block: int, median) -> None:
         _ext.screen(scores, *sides)
         return torch.ops.megatron_abft.operand_pass(probs, block, *vectors, 1.0)
 
+    def pass_unfused():
+        return torch.ops.megatron_abft.operand_pass(megatron(), block, *vectors, 1.0)
+
     rows = {
         "Megatron's softmax (causal)": megatron,
         "... + screen of S + pass over P": unfused,
+        "... + pass over P (sync-free GPU)": pass_unfused,
         "softmax_check, softmax alone": lambda: _ext.softmax_check(
             scores, none, None, True, 1.0, block, None
         ),
@@ -209,6 +213,9 @@ def fused_softmax(scores, v, col, row, check, block: int, median) -> None:
         ),
         "softmax_check + screen + P's pass": lambda: _ext.softmax_check(
             scores, sides, None, True, 1.0, block, vectors
+        ),
+        "softmax_check + P's pass (sync-free)": lambda: _ext.softmax_check(
+            scores, none, None, True, 1.0, block, vectors
         ),
     }
     print(f"\n{'kernel 3 (softmax_check)':<38} {'ms':>8}")

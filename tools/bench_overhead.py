@@ -483,8 +483,8 @@ def run(rank: int, args) -> dict | None:
 
 def implementation(args, device: torch.device) -> str:
     """How the checks ran, as megatron_abft.scaling names it: ``fused`` where kernel 3 reads S
-    once for the softmax and both attention checks (the C++ kernels; on CUDA it is composed of
-    the other kernels, which read S and P as the unfused checks do), else ``kernels`` or
+    once for the softmax and both attention checks (on CUDA, where the checks are sync-free, it
+    serves the context's check only: see megatron_abft.scaling), else ``kernels`` or
     ``torch``."""
     if not _ext.available():
         return "torch"
