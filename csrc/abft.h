@@ -445,5 +445,7 @@ int softmax_check_cuda(const SoftmaxCheck& k, void* stream);
 // CPU, matrices [begin, end) of the batch; CUDA, on `stream`, after the screen's launches.
 void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);
 int correct_cuda(const Correct& k, bool f64, void* stream);
+// CUDA: correct, then tally its results (t reads k's outputs; batch >= 1), in one launch.
+int correct_tally_cuda(const Correct& k, const Tally& t, bool f64, void* stream);
 
 }  // namespace abft

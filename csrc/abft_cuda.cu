@@ -307,8 +307,9 @@ __global__ void correct_kernel(Correct k) {
   if (b < k.screen.batch) Corrector<Acc>(k, b).run();
 }
 
-// tally: one block; counts in shared memory, the worst matrix by an atomic max of its rank.
-__global__ void __launch_bounds__(kThreads) tally_kernel(Tally t) {
+// tally by one thread block: counts in shared memory, the worst matrix by an atomic max of its
+// rank.
+__device__ void tally_block(const Tally& t) {
   __shared__ int counts[3 * kMaxKinds];
   __shared__ unsigned long long worst;
   for (int i = threadIdx.x; i < 3 * kMaxKinds; i += blockDim.x) counts[i] = 0;
@@ -327,6 +328,17 @@ __global__ void __launch_bounds__(kThreads) tally_kernel(Tally t) {
   __syncthreads();
   for (int i = threadIdx.x; i < 3 * t.kinds; i += blockDim.x) t.counts[i] += counts[i];
   if (threadIdx.x == 0) tally_event(t, tally_matrix(worst));
+}
+
+__global__ void __launch_bounds__(kThreads) tally_kernel(Tally t) { tally_block(t); }
+
+// correct, then tally what it found, in one launch: one thread block, a thread per matrix in
+// turn (a clean matrix returns at once), then the tally once every matrix is settled.
+template <typename Acc>
+__global__ void __launch_bounds__(kThreads) correct_tally_kernel(Correct k, Tally t) {
+  for (int64_t b = threadIdx.x; b < k.screen.batch; b += blockDim.x) Corrector<Acc>(k, b).run();
+  __syncthreads();  // every matrix's results written
+  tally_block(t);
 }
 
 // add_bias: one thread per item; a row item sums its block of the bias itself (a block of a
@@ -659,6 +671,16 @@ int correct_cuda(const Correct& k, bool f64, void* stream) {
     correct_kernel<double><<<grid, kPerBlock, 0, st>>>(k);
   } else {
     correct_kernel<float><<<grid, kPerBlock, 0, st>>>(k);
+  }
+  return cudaGetLastError();
+}
+
+int correct_tally_cuda(const Correct& k, const Tally& t, bool f64, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (f64) {
+    correct_tally_kernel<double><<<1, kThreads, 0, st>>>(k, t);
+  } else {
+    correct_tally_kernel<float><<<1, kThreads, 0, st>>>(k, t);
   }
   return cudaGetLastError();
 }

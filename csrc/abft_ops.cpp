@@ -1,6 +1,6 @@
 // Torch binding of the checksum kernels (abft.h): checks the inputs, allocates the outputs and
 // forwards raw pointers. Registers the ops megatron_abft::block_sums, row_products, operand_pass,
-// screen, verify_correct, tally and add_bias with torch.library, on CPU always and on CUDA in CUDA
+// screen, verify_correct, tally, verify_correct_tally and add_bias with torch.library, on CPU always and on CUDA in CUDA
 // builds; their fake implementations for torch.compile are in megatron_abft/_ext.py. The helpers
 // other bindings share are declared in abft_binding.h.
 #include <Python.h>
@@ -485,6 +485,12 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   return out;
 }
 
+// tally's kernel arguments, its outputs (failed, event) and the flattened results it reads.
+using TallyArgs = std::tuple<abft::Tally, at::Tensor, at::Tensor, std::vector<at::Tensor>>;
+TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                        const at::Tensor& col, const at::Tensor& magnitude,
+                        const at::Tensor& counts, double step);
+
 // The screen and the correction of c given its block sums; the tensors they point into are kept
 // alive here.
 struct Verification {
@@ -529,12 +535,20 @@ Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_blo
 }
 
 #ifdef ABFT_WITH_CUDA
-Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
-                          at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
-                          at::ArrayRef<double> row_bounds, const at::Tensor& a,
-                          const at::Tensor& b, double alpha,
-                          const std::optional<at::Tensor>& bias, double near_inf,
-                          int64_t capacity) {
+// What verify_correct and verify_correct_tally run on CUDA: C's block sums, screened by their
+// tiles, then the correction, or, given counts (a tally's, added to in place) and the step, the
+// correction and the tally of what it found in one launch.
+struct CudaVerification {
+  Found found;
+  at::Tensor failed, event;
+};
+
+CudaVerification verify_on_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                                at::TensorList col, at::TensorList row,
+                                at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                                const at::Tensor& a, const at::Tensor& b, double alpha,
+                                const std::optional<at::Tensor>& bias, double near_inf,
+                                int64_t capacity, const at::Tensor* counts, double step) {
   check_inputs(c, col_block, row_block, at::kCUDA);
   const c10::cuda::CUDAGuard guard(c.device());
   const auto [sums, matrices, out] = prepare(c, col_block, row_block);
@@ -546,16 +560,37 @@ Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_bl
   const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
   C10_CUDA_CHECK(
       static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream, &v.screen)));
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::correct_cuda(v.correction.k, f64, stream)));
-  return v.correction.found;
+  CudaVerification result{v.correction.found, {}, {}};
+  if (counts == nullptr) {
+    C10_CUDA_CHECK(static_cast<cudaError_t>(abft::correct_cuda(v.correction.k, f64, stream)));
+    return result;
+  }
+  const auto& [status, kind, rows, cols, magnitude] = result.found;
+  auto [t, failed, event, flat] = prepare_tally(status, kind, rows, cols, magnitude, *counts, step);
+  C10_CUDA_CHECK(
+      static_cast<cudaError_t>(abft::correct_tally_cuda(v.correction.k, t, f64, stream)));
+  result.failed = failed;
+  result.event = event;
+  return result;
+}
+
+Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                          at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                          at::ArrayRef<double> row_bounds, const at::Tensor& a,
+                          const at::Tensor& b, double alpha,
+                          const std::optional<at::Tensor>& bias, double near_inf,
+                          int64_t capacity) {
+  return verify_on_cuda(c, col_block, row_block, col, row, col_bounds, row_bounds, a, b, alpha,
+                        bias, near_inf, capacity, nullptr, 0.0)
+      .found;
 }
 #endif
 
 // tally (abft.h): the per-matrix results of verify_correct (or of the PyTorch path), flattened;
 // counts [3, kinds] int64 is added to in place. Returns failed (bool) and the event record [7].
-std::tuple<abft::Tally, at::Tensor, at::Tensor, std::vector<at::Tensor>> prepare_tally(
-    const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row, const at::Tensor& col,
-    const at::Tensor& magnitude, const at::Tensor& counts, double step) {
+TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                        const at::Tensor& col, const at::Tensor& magnitude,
+                        const at::Tensor& counts, double step) {
   const int64_t batch = status.numel();
   TORCH_CHECK(batch >= 1, "megatron_abft::tally: no matrices");
   const std::pair<const at::Tensor*, at::ScalarType> fields[] = {
@@ -610,6 +645,40 @@ std::tuple<at::Tensor, at::Tensor> tally_cuda(const at::Tensor& status, const at
   const auto stream = c10::cuda::getCurrentCUDAStream(status.device().index()).stream();
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::tally_cuda(t, stream)));
   return {failed, event};
+}
+#endif
+
+// verify_correct_tally: verify_correct, then tally of what it found into counts (in place), as
+// one op: verify_correct's five outputs, then tally's two. A guard's sync-free check on CUDA,
+// where the correction and the tally are one launch.
+using Seven =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Seven verify_correct_tally_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                               at::TensorList col, at::TensorList row,
+                               at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                               const at::Tensor& a, const at::Tensor& b, double alpha,
+                               const std::optional<at::Tensor>& bias, double near_inf,
+                               int64_t capacity, at::Tensor& counts, double step) {
+  const auto [status, kind, rows, cols, magnitude] =
+      verify_correct_cpu(c, col_block, row_block, col, row, col_bounds, row_bounds, a, b, alpha,
+                         bias, near_inf, capacity);
+  const auto [failed, event] = tally_cpu(status, kind, rows, cols, magnitude, counts, step);
+  return {status, kind, rows, cols, magnitude, failed, event};
+}
+
+#ifdef ABFT_WITH_CUDA
+Seven verify_correct_tally_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                                at::TensorList col, at::TensorList row,
+                                at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                                const at::Tensor& a, const at::Tensor& b, double alpha,
+                                const std::optional<at::Tensor>& bias, double near_inf,
+                                int64_t capacity, at::Tensor& counts, double step) {
+  const CudaVerification v =
+      verify_on_cuda(c, col_block, row_block, col, row, col_bounds, row_bounds, a, b, alpha, bias,
+                     near_inf, capacity, &counts, step);
+  const auto& [status, kind, rows, cols, magnitude] = v.found;
+  return {status, kind, rows, cols, magnitude, v.failed, v.event};
 }
 #endif
 
@@ -736,6 +805,12 @@ TORCH_LIBRARY(megatron_abft, m) {
       "Tensor(a!) counts, float step) -> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
+      "verify_correct_tally(Tensor(a!) c, int col_block, int row_block, Tensor[] col, "
+      "Tensor[] row, float[] col_bounds, float[] row_bounds, Tensor a, Tensor b, float alpha, "
+      "Tensor? bias, float near_inf, int capacity, Tensor(b!) counts, float step) -> (Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
       "add_bias(Tensor col, Tensor col_magnitude, Tensor row, Tensor row_magnitude, Tensor bias, "
       "int m, int block) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
@@ -748,6 +823,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
   m.impl("screen", &screen_cpu);
   m.impl("verify_correct", &verify_correct_cpu);
   m.impl("tally", &tally_cpu);
+  m.impl("verify_correct_tally", &verify_correct_tally_cpu);
   m.impl("add_bias", &add_bias_cpu);
 }
 
@@ -759,6 +835,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
   m.impl("screen", &screen_cuda);
   m.impl("verify_correct", &verify_correct_cuda);
   m.impl("tally", &tally_cuda);
+  m.impl("verify_correct_tally", &verify_correct_tally_cuda);
   m.impl("add_bias", &add_bias_cuda);
 }
 #endif

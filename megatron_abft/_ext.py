@@ -210,19 +210,29 @@ def verify_correct(
     operands: tuple[Tensor, Tensor, float, Tensor | None],
     near_inf: float,
     capacity: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+    tally: tuple[Tensor, int] | None = None,
+) -> tuple[Tensor, ...] | None:
     """``screen``, then the flagged matrices of ``c`` located and corrected in place from the
     GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/abft_correct.h). ``sides`` are the
     six arguments of ``screen`` after c (megatron_abft.sides.kernel_sides). Per matrix: status
     (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
     flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass
-    are corrected (eec's max_corrections, per matrix). None where the kernels do not apply."""
+    are corrected (eec's max_corrections, per matrix). With ``tally`` (counts, step), the same
+    op also tallies what it found as ``tally`` does, on CUDA in the correction's launch, and
+    returns failed and the event record after the five. None where the kernels do not apply."""
     a, b, alpha, bias = operands
     if not (_serves(c) and _serves(a) and _serves(b)) or a.device != c.device:
         return None
     if bias is not None and (bias.dtype not in _KERNEL_DTYPES or bias.device != c.device):
         return None
-    return torch.ops.megatron_abft.verify_correct(c, *sides, a, b, alpha, bias, near_inf, capacity)
+    if tally is None:
+        return torch.ops.megatron_abft.verify_correct(
+            c, *sides, a, b, alpha, bias, near_inf, capacity
+        )
+    counts, step = tally
+    return torch.ops.megatron_abft.verify_correct_tally(
+        c, *sides, a, b, alpha, bias, near_inf, capacity, counts, float(step)
+    )
 
 
 def tally(
@@ -296,8 +306,7 @@ def _register_fake() -> None:
     def _(status: Tensor, kind, row, col, magnitude, counts, step):
         return status.new_empty((), dtype=torch.bool), status.new_empty(7, dtype=torch.float64)
 
-    @torch.library.register_fake("megatron_abft::verify_correct")
-    def _(c: Tensor, *args):
+    def found_like(c: Tensor) -> tuple[Tensor, ...]:
         batch = c.shape[:-2]
         dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
         return (
@@ -305,6 +314,15 @@ def _register_fake() -> None:
             *(c.new_empty(batch, dtype=torch.long) for _ in range(2)),
             c.new_empty(batch, dtype=dtype),
         )
+
+    @torch.library.register_fake("megatron_abft::verify_correct")
+    def _(c: Tensor, *args):
+        return found_like(c)
+
+    @torch.library.register_fake("megatron_abft::verify_correct_tally")
+    def _(c: Tensor, *args):
+        tallied = c.new_empty((), dtype=torch.bool), c.new_empty(7, dtype=torch.float64)
+        return *found_like(c), *tallied
 
     @torch.library.register_fake("megatron_abft::encode_pair")
     def _(a: Tensor, b: Tensor, alpha: float, block: int):

@@ -85,7 +85,9 @@ class EECResult:
     Per matrix of the batch: ``status`` (CLEAN, CORRECTED or UNCORRECTABLE), ``kind`` (index
     into KINDS), the ``row`` and ``col`` of the most wrong flagged row and column (-1 where none
     is) and ``magnitude``, the largest checksum difference |d1| seen (the size of the error).
-    ``known_clean`` says, without reading the device, that nothing was found.
+    ``known_clean`` says, without reading the device, that nothing was found. ``tallied``: where
+    the check was given a tally and the kernels settled it sync-free, whether a matrix is
+    uncorrectable and the event record, as megatron_abft.guard tallies them.
     """
 
     status: Tensor
@@ -94,6 +96,7 @@ class EECResult:
     col: Tensor
     magnitude: Tensor
     known_clean: bool = False
+    tallied: tuple[Tensor, Tensor] | None = None
 
     @property
     def fields(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -155,6 +158,7 @@ def verify_and_correct(
     max_corrections: int | None = None,
     check_references: bool = True,
     sync_free: bool = True,
+    tally: tuple[Tensor, int] | None = None,
 ) -> EECResult:
     """Check ``c [..., m, n]`` against its column and/or row checksums and correct it in place.
 
@@ -166,7 +170,10 @@ def verify_and_correct(
     one host synchronisation; the protected layers turn it off and count such matrices as
     uncorrectable instead. ``sync_free=False`` lets a device other than the CPU read whether
     anything was flagged (one host synchronisation) and skip the correction path when nothing was,
-    as the CPU always does.
+    as the CPU always does. ``tally`` (a guard's counters ``[3, len(KINDS)]``, int64, and its
+    step): where the check stays sync-free on a device other than the CPU and the kernels run
+    it, they also add its outcomes to the counters in the same op (one launch), and the result's
+    ``tallied`` says so; elsewhere the counters are left to the caller.
     """
     _check_inputs(c, col, row)
     if operands is not None:
@@ -179,10 +186,11 @@ def verify_and_correct(
     check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
     may_skip = c.device.type == "cpu" or not sync_free  # reading the flags costs no sync
-    found = _kernel_check(c, refs, check) if operands is not None else None
+    tally = None if may_skip else tally  # else the PyTorch path may change what was found
+    found = _kernel_check(c, refs, check, tally) if operands is not None else None
     if found is not None:
         if not may_skip:  # a matrix the kernels could not settle is uncorrectable, as it was
-            return EECResult(*found)
+            return EECResult(*found[:5], tallied=None if tally is None else tuple(found[5:]))
         worst = int(found[0].max()) if found[0].numel() else CLEAN
         if worst != UNCORRECTABLE:
             return EECResult(*found, known_clean=worst == CLEAN)
@@ -220,10 +228,16 @@ def _rest(
     return _torch_path(c, refs, check, may_skip)
 
 
-def _kernel_check(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple[Tensor, ...] | None:
+def _kernel_check(
+    c: Tensor,
+    refs: dict[str, Checksums],
+    check: Check,
+    tally: tuple[Tensor, int] | None = None,
+) -> tuple[Tensor, ...] | None:
     """The compiled kernels' verify-and-correct of ``c`` in place (one op): per matrix status,
     kind, row, col and magnitude, a status of UNCORRECTABLE for a matrix they could not settle
-    and put back as it was. None where the kernels do not apply."""
+    and put back as it was; with ``tally``, then failed and the event record (_ext.tally). None
+    where the kernels do not apply."""
     sides = kernel_sides(c, refs, check)
     if sides is None:
         return None
@@ -234,6 +248,7 @@ def _kernel_check(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple[
         (operands.a, operands.b, float(operands.alpha), operands.bias),
         check.near_inf,
         check.capacity,
+        tally,
     )
 
 

@@ -184,6 +184,7 @@ class SectionGuard:
             bias=operands.bias,
             block=self.config.block_size,
         )
+        self._counters(output.device)
         result = verify_and_correct(
             output,
             col,
@@ -193,11 +194,11 @@ class SectionGuard:
             near_inf=self.config.near_inf,
             check_references=False,
             sync_free=not host_reads(self.config, output.device),
+            tally=(self.counts, self.step),
         )
-        self._counters(output.device)
         if result.known_clean:
             return None, None
-        return self._tally(result)
+        return result.tallied if result.tallied is not None else self._tally(result)
 
     def _tally(self, result: EECResult) -> tuple[Tensor, Tensor]:
         """Add ``result`` to the counters; whether a matrix is uncorrectable, and the event

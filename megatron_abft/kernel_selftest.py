@@ -97,24 +97,38 @@ def _softmax_mismatches(c, faulty, refs, check, v, dtype) -> list[str]:
 
 
 def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
-    """verify_correct against the PyTorch path: a 0D fault and a column of NaN corrected, and a
-    2D fault beyond a capacity of 2 put back bit for bit."""
+    """verify_correct against the PyTorch path: a 0D fault and a column of NaN corrected (and
+    tallied, by verify_correct_tally), and a 2D fault beyond a capacity of 2 put back bit for
+    bit."""
     from dataclasses import replace
 
     from megatron_abft import _ext
-    from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
+    from megatron_abft.eec import KINDS, OUTCOMES, GemmOperands, _kernel_check, verify_and_correct
 
     operands = GemmOperands(a, b)
     wrong = []
     faulty = c.clone()
     faulty[0, 1, :, 3] = float("nan")
     faulty[1, 0, 7, 9] += 1e3
-    settled = faulty.clone()
+    settled, tallied = faulty.clone(), faulty.clone()
     found = _kernel_check(settled, refs, replace(check, capacity=96, operands=operands))
+    counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.int64, device=c.device)
+    both = _kernel_check(tallied, refs, replace(check, capacity=96, operands=operands), (counts, 5))
     with _ext.disabled():
         want = verify_and_correct(faulty, **refs, operands=operands, check_references=False)
     if found is None or not (torch.equal(found[0], want.status) and _close(settled, faulty)):
         wrong.append(f"verify_correct, 0D and 1D ({dtype})")
+    if (
+        both is None
+        or len(both) != 7
+        or not (
+            torch.equal(both[0], want.status)
+            and _close(tallied, faulty)
+            and torch.equal(counts, want.counts)
+            and float(both[6][1]) == float(want.status.max())
+        )
+    ):
+        wrong.append(f"verify_correct_tally ({dtype})")
     block = c.clone()
     block[1, 2, 10:20, 10:20] = float("nan")
     kept = block.clone()

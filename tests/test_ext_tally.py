@@ -1,18 +1,30 @@
 """The compiled tally (megatron_abft::tally): what a guard adds to its counters and event log
-from a check's per-matrix results, in one op, against the guard's PyTorch twin."""
+from a check's per-matrix results, in one op, against the guard's PyTorch twin; and
+verify_correct_tally, the check and its tally in one op."""
 
 import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 from test_ext import PROPERTY, needs_cuda, needs_ext
-from test_ext_correct import case
+from test_ext_correct import _sides, bits, case, recompute_tolerance
 
 from megatron_abft import _ext
+from megatron_abft.checksum import encode
 from megatron_abft.config import ABFTConfig
-from megatron_abft.eec import KINDS, OUTCOMES, EECResult, GemmOperands
+from megatron_abft.eec import (
+    CORRECTED,
+    KINDS,
+    OUTCOMES,
+    EECResult,
+    GemmOperands,
+    _kernel_check,
+    verify_and_correct,
+)
 from megatron_abft.faults import TensorFault, inject_
 from megatron_abft.guard import SectionGuard
+from megatron_abft.sides import Check
+from megatron_abft.tolerance import gemm_rounding
 
 
 def results(batch: tuple[int, ...], seed: int, dtype=torch.float32, statuses=3) -> EECResult:
@@ -213,3 +225,80 @@ def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_what_the_model_
         torch.cuda.set_sync_debug_mode("default")
     assert int(guard.counts[1].sum()) == 1 and not bool(guard.pending)
     assert not faulty.isnan().any()
+
+
+def checked(c, refs, operands, tally=None):
+    """The kernels' check of ``c`` in place, alone or with ``tally`` (counts, step)."""
+    check = Check(gemm_rounding(c.dtype, c.device), 1.0, 1e10, max(c.shape[-2:]), operands)
+    return _kernel_check(c, refs, check, tally)
+
+
+def faulty_case(dtype, seed, kind, pattern, device="cpu"):
+    """A batch of 6 GEMM outputs (with a bias) and their references on ``device``; one matrix
+    with a fault of ``kind`` and ``pattern`` ("none": clean)."""
+    c, refs, operands = case(dtype, (2, 3), 40, 24, 16, True, ("col", "row"), seed)
+    if kind != "none":
+        inject_(c, TensorFault(kind, pattern, value=1e4, batch_index=seed % 6, seed=seed))
+    if device != "cpu":
+        a, b, bias = (t.to(device) for t in (operands.a, operands.b, operands.bias))
+        col, row = encode(a, b, alpha=0.5, bias=bias, block=16)
+        refs, operands = {"col": col, "row": row}, GemmOperands(a, b, 0.5, bias)
+    return c.to(device), refs, operands
+
+
+@needs_ext
+@PROPERTY
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    kind=st.sampled_from(["nan", "inf", "value", "none"]),
+    pattern=st.sampled_from(["0d", "row", "col", "2d"]),
+    seed=st.integers(0, 2**16),
+    step=st.integers(0, 10**6),
+)
+def test_verify_correct_tally_is_verify_correct_then_tally(dtype, kind, pattern, seed, step):
+    c, refs, operands = faulty_case(dtype, seed, kind, pattern)
+    alone, fused = c.clone(), c.clone()
+    found = checked(alone, refs, operands)
+    want_counts = torch.ones(3, len(KINDS), dtype=torch.int64)  # added to, not overwritten
+    want_failed, want_event = _ext.tally(found, want_counts, step)
+    counts = torch.ones(3, len(KINDS), dtype=torch.int64)
+    *got, failed, event = checked(fused, refs, operands, (counts, step))
+    for g, w in zip(got, found, strict=True):
+        assert torch.equal(bits(g), bits(w))
+    assert torch.equal(bits(fused), bits(alone))
+    assert torch.equal(counts, want_counts) and bool(failed) == bool(want_failed)
+    torch.testing.assert_close(event, want_event, equal_nan=True, rtol=0, atol=0)
+
+
+@needs_ext
+def test_verify_correct_tally_opcheck_and_its_place_in_a_check():
+    """opcheck on the op; in verify_and_correct it tallies only a sync-free check off the CPU
+    (on a CPU, and with sync_free=False, the PyTorch path may still change what was found, so
+    the caller tallies)."""
+    c, refs, operands = faulty_case(torch.float32, 3, "value", "0d")
+    counts = torch.zeros(3, len(KINDS), dtype=torch.int64)
+    args = (c.clone(), *_sides(c, refs, operands), operands.a, operands.b, 0.5, operands.bias)
+    torch.library.opcheck(
+        torch.ops.megatron_abft.verify_correct_tally.default, (*args, 1e10, 40, counts, 2.0)
+    )
+    counts.zero_()
+    result = verify_and_correct(c, **refs, operands=operands, tally=(counts, 2), sync_free=True)
+    assert result.tallied is None and not counts.any()
+    assert int((result.status == CORRECTED).sum()) == 1
+
+
+@needs_cuda
+def test_cuda_verify_correct_tally_equals_the_cpu_op():
+    """In one launch on CUDA: the correction, then the tally of what it found."""
+    cpu_c, cpu_refs, cpu_operands = faulty_case(torch.bfloat16, 4, "nan", "row")
+    gpu_c, gpu_refs, gpu_operands = faulty_case(torch.bfloat16, 4, "nan", "row", "cuda")
+    counts = [torch.zeros(3, len(KINDS), dtype=torch.int64, device=d) for d in ("cpu", "cuda")]
+    cpu = checked(cpu_c, cpu_refs, cpu_operands, (counts[0], 9))
+    gpu = checked(gpu_c, gpu_refs, gpu_operands, (counts[1], 9))
+    for got, want in zip(gpu[:2], cpu[:2], strict=True):
+        assert torch.equal(got.cpu(), want)
+    torch.testing.assert_close(
+        gpu_c.cpu(), cpu_c, equal_nan=True, **recompute_tolerance(torch.bfloat16)
+    )
+    assert torch.equal(counts[1].cpu(), counts[0]) and int(counts[0][1].sum()) == 1
+    assert bool(gpu[5]) == bool(cpu[5]) and torch.equal(gpu[6][:4].cpu(), cpu[6][:4])
