@@ -108,7 +108,8 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
     auto shape = batch;
     shape.push_back(1);
     const auto options = s.options().dtype(at::kInt);
-    flagged = single_pass ? at::empty(shape, options) : at::zeros(shape, options);
+    const bool written = single_pass && abft::softmax_check_tasks(k) > 0;
+    flagged = written ? at::empty(shape, options) : at::zeros(shape, options);
     k.screen.flagged = flagged.data_ptr<int32_t>();  // the single pass writes its zeros
     k.screen.slots = 1;
   }
