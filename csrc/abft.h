@@ -425,9 +425,14 @@ void screen_cpu(const Screen& s, bool f64, int64_t begin, int64_t end);
 // screen->flagged (screen->slots = row_tiles * col_tiles of block_sums_tiling; no zero fill).
 int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream,
                     const Screen* screen = nullptr);
-// At most kMaxRowProducts vectors of each kind (u, z); the binding checks it.
+// CUDA: the block sums of two batches of one dtype (unscreened) in one launch.
+int block_sums_pair_cuda(const MatrixBatch& a, const BlockSums& a_out, const MatrixBatch& b,
+                         const BlockSums& b_out, void* stream);
+// At most kMaxRowProducts vectors of each kind (u, z); the binding checks it. With b, b's products
+// (b_out; b of a's dtype) in the same launch.
 constexpr int kMaxRowProducts = 16;
-int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream);
+int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream,
+                      const MatrixBatch* b = nullptr, const RowProducts* b_out = nullptr);
 
 // CPU, one loop; CUDA, one thread block on `stream`.
 void tally_cpu(const Tally& t);

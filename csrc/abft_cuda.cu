@@ -40,13 +40,13 @@ __device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b
   return screen_flags<Acc>(s, s.side[1], screen_matrix<Acc>(s, s.side[1], b), blk, j);
 }
 
-// block_sums, and where Screened the screen of the vectors each tile completes, read back by the
-// thread that wrote them: col_side and row_side say which side of s the tile's columns and rows
-// are (-1: not screened). A template parameter, so that the plain sums keep their registers.
+// One tile of block_sums, by the whole thread block (any multiple of 32 threads up to kThreads),
+// and where Screened the screen of the vectors the tile completes, read back by the thread that
+// wrote them: col_side and row_side say which side of s the tile's columns and rows are (-1: not
+// screened). A template parameter, so that the plain sums keep their registers.
 template <typename T, typename Acc, bool Screened>
-__global__ void __launch_bounds__(kThreads)
-    block_sums_kernel(MatrixBatch c, BlockSums out, Tiling tiling, int64_t tiles, Screen s,
-                      int col_side, int row_side) {
+__device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const BlockSums& out, const Tiling& tiling,
+                                int64_t tile, const Screen& s, int col_side, int row_side) {
   __shared__ Acc part[kWarps][32][4];  // per warp, per row of a chunk: the warp's row sums
   __shared__ int tile_fails;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -56,8 +56,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t nbr = rows_checked ? ceil_div(c.cols, out.row_block) : 0;
   Acc* row_sums = static_cast<Acc*>(out.row_sums);
   Acc* row_sizes = static_cast<Acc*>(out.row_sizes);
-
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  {
     const int64_t ct = tile % col_tiles, rt = (tile / col_tiles) % row_tiles;
     const int64_t b = tile / (col_tiles * row_tiles);
     const int64_t r0 = rt * height, r1 = min64(c.rows, r0 + height);
@@ -149,6 +148,47 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename T, typename Acc, bool Screened>
+__global__ void __launch_bounds__(kThreads, 3)
+    block_sums_kernel(MatrixBatch c, BlockSums out, Tiling tiling, int64_t tiles, Screen s,
+                      int col_side, int row_side) {
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    block_sums_tile<T, Acc, Screened>(c, out, tiling, tile, s, col_side, row_side);
+  }
+}
+
+// The block sums (unscreened) of one batch of matrices, as a job of a paired launch.
+struct BlockSumsJob {
+  MatrixBatch c;
+  BlockSums out;
+  Tiling tiling;
+  int64_t tiles;
+};
+
+BlockSumsJob block_sums_job(const MatrixBatch& c, const BlockSums& out) {
+  const Tiling tiling = block_sums_tiling(c, out);
+  return {c, out, tiling, c.batch * tiling.row_tiles * tiling.col_tiles};
+}
+
+// The threads a launch of block sums takes: one a column of the widest tile, in whole warps.
+int64_t block_sums_threads(const BlockSumsJob& job) {
+  return min64(kThreads, ceil_div(min64(job.tiling.width, job.c.cols), 32) * 32);
+}
+
+// Two jobs' block sums in one launch: the tiles of the first, then those of the second.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads, 3)
+    block_sums_pair_kernel(BlockSumsJob first, BlockSumsJob second, Screen none) {
+  for (int64_t tile = blockIdx.x; tile < first.tiles + second.tiles; tile += gridDim.x) {
+    if (tile < first.tiles) {
+      block_sums_tile<T, Acc, false>(first.c, first.out, first.tiling, tile, none, -1, -1);
+    } else {
+      block_sums_tile<T, Acc, false>(second.c, second.out, second.tiling, tile - first.tiles,
+                                     none, -1, -1);
+    }
+  }
+}
+
 // The sides of `screen` that are out's column and row sides (-1: none), or false where a side of
 // the screen is neither, or its slots are not one a tile.
 bool tile_sides(const Screen& screen, const BlockSums& out, const Tiling& tiling, int& col_side,
@@ -163,8 +203,9 @@ bool tile_sides(const Screen& screen, const BlockSums& out, const Tiling& tiling
 
 template <typename T, typename Acc>
 int launch(const MatrixBatch& c, const BlockSums& out, const Screen* screen, cudaStream_t stream) {
-  const Tiling tiling = block_sums_tiling(c, out);
-  const int64_t tiles = c.batch * tiling.row_tiles * tiling.col_tiles;
+  const BlockSumsJob job = block_sums_job(c, out);
+  const Tiling& tiling = job.tiling;
+  const int64_t tiles = job.tiles;
   if (tiles == 0) return cudaSuccess;
   Screen s{};
   int col_side = -1, row_side = -1;
@@ -172,7 +213,7 @@ int launch(const MatrixBatch& c, const BlockSums& out, const Screen* screen, cud
     s = *screen;
     if (!tile_sides(s, out, tiling, col_side, row_side)) return cudaErrorInvalidValue;
   }
-  const int threads = int(min64(kThreads, ceil_div(min64(tiling.width, c.cols), 32) * 32));
+  const int threads = int(block_sums_threads(job));
   const unsigned grid = unsigned(min64(tiles, 0x7fffffff));
   if (screen != nullptr) {
     block_sums_kernel<T, Acc, true>
@@ -184,18 +225,29 @@ int launch(const MatrixBatch& c, const BlockSums& out, const Screen* screen, cud
   return cudaGetLastError();
 }
 
-// row_products: one warp per row of A (of a column-major A: column_products_kernel below). Each
+template <typename T, typename Acc>
+int launch_pair(const BlockSumsJob& first, const BlockSumsJob& second, cudaStream_t stream) {
+  const int64_t tiles = first.tiles + second.tiles;
+  if (tiles == 0) return cudaSuccess;
+  const int64_t wide = block_sums_threads(first), other = block_sums_threads(second);
+  const int threads = int(wide > other ? wide : other);
+  const unsigned grid = unsigned(min64(tiles, 0x7fffffff));
+  block_sums_pair_kernel<T, Acc><<<grid, threads, 0, stream>>>(first, second, Screen{});
+  return cudaGetLastError();
+}
+
+// row_products: one warp per row of A (of a column-major A: column_product_tiles below). Each
 // lane walks every 32nd entry of the row, keeping its share of the up to kMaxRowProducts dot
 // products of each kind in registers; the warp then reduces them by shuffles and lane 0 writes
-// the row's results.
+// the row's results. The rows of the batch are shared by `blocks` thread blocks of kThreads, this
+// one the block-th.
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads)
-    row_products_kernel(MatrixBatch a, RowProducts out, int64_t total_rows) {
+__device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const RowProducts& out, int64_t block,
+                                 int64_t blocks) {
   const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  const int64_t warps = blocks * kWarps, total_rows = a.batch * a.rows;
   const int64_t k = a.cols;
-  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       row < total_rows; row += warps) {
+  for (int64_t row = block * kWarps + (threadIdx.x >> 5); row < total_rows; row += warps) {
     const int64_t b = row / a.rows, i = row % a.rows;
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + i * a.row_stride;
     const int64_t nu = out.u.rows, nz = out.z.rows;
@@ -234,18 +286,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// row_products of a column-major A: one thread block per 32 rows of one matrix, a lane per row,
-// so that a warp reads 32 consecutive entries of a column; warp w takes columns w, w + kWarps,
-// ...; the warps' shares of each product are then summed in order in shared memory.
+// row_products of a column-major A: one thread block per 32 rows of one matrix (a tile), a lane
+// per row, so that a warp reads 32 consecutive entries of a column; warp w takes columns w,
+// w + kWarps, ...; the warps' shares of each product are then summed in order in shared memory.
+// The tiles are shared by `blocks` thread blocks, this one the block-th.
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads)
-    column_products_kernel(MatrixBatch a, RowProducts out, int64_t row_tiles) {
+__device__ __forceinline__ void column_product_tiles(const MatrixBatch& a, const RowProducts& out, int64_t block,
+                                     int64_t blocks) {
   __shared__ Acc part[kWarps][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t nu = out.u.rows, nz = out.z.rows;
+  const int64_t nu = out.u.rows, nz = out.z.rows, row_tiles = ceil_div(a.rows, 32);
   const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
   const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
-  for (int64_t tile = blockIdx.x; tile < a.batch * row_tiles; tile += gridDim.x) {
+  for (int64_t tile = block; tile < a.batch * row_tiles; tile += blocks) {
     const int64_t b = tile / row_tiles, i = (tile % row_tiles) * 32 + lane;
     const bool valid = i < a.rows;
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + (valid ? i : 0);
@@ -285,18 +338,41 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The products of one batch of operands, as a job of a launch: its first thread block and how
+// many it has.
+struct ProductsJob {
+  MatrixBatch a;
+  RowProducts out;
+  int64_t first_block, blocks;
+};
+
+// A job's thread blocks: a tile of 32 rows each for a column-major A, else kWarps rows each.
+int64_t products_blocks(const MatrixBatch& a) {
+  const int64_t units = column_major(a) ? a.batch * ceil_div(a.rows, 32) : ceil_div(a.batch * a.rows, kWarps);
+  return min64(units, 0x3fffffff);
+}
+
+// row_products of one or two jobs in one launch, each on its own range of thread blocks.
 template <typename T, typename Acc>
-int launch_products(const MatrixBatch& a, const RowProducts& out, cudaStream_t stream) {
-  const int64_t total_rows = a.batch * a.rows;
-  if (total_rows == 0) return cudaSuccess;
-  if (column_major(a)) {
-    const int64_t row_tiles = ceil_div(a.rows, 32);
-    const unsigned grid = unsigned(min64(a.batch * row_tiles, 0x7fffffff));
-    column_products_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(a, out, row_tiles);
-    return cudaGetLastError();
+__global__ void __launch_bounds__(kThreads, 3) products_kernel(ProductsJob first, ProductsJob second) {
+  const ProductsJob& job = blockIdx.x < second.first_block ? first : second;
+  const int64_t block = int64_t(blockIdx.x) - job.first_block;
+  if (column_major(job.a)) {
+    column_product_tiles<T, Acc>(job.a, job.out, block, job.blocks);
+  } else {
+    row_product_rows<T, Acc>(job.a, job.out, block, job.blocks);
   }
-  const unsigned grid = unsigned(min64(ceil_div(total_rows, kWarps), 0x7fffffff));
-  row_products_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(a, out, total_rows);
+}
+
+template <typename T, typename Acc>
+int launch_products(const MatrixBatch& a, const RowProducts& out, const MatrixBatch* b,
+                    const RowProducts* b_out, cudaStream_t stream) {
+  const ProductsJob first{a, out, 0, products_blocks(a)};
+  const ProductsJob second = b == nullptr ? ProductsJob{a, out, first.blocks, 0}
+                                          : ProductsJob{*b, *b_out, first.blocks, products_blocks(*b)};
+  const int64_t blocks = first.blocks + second.blocks;
+  if (blocks == 0) return cudaSuccess;
+  products_kernel<T, Acc><<<unsigned(blocks), kThreads, 0, stream>>>(first, second);
   return cudaGetLastError();
 }
 
@@ -690,12 +766,19 @@ int tally_cuda(const Tally& t, void* stream) {
   return cudaGetLastError();
 }
 
-int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream) {
-  if (out.u.rows > kMaxRowProducts || out.z.rows > kMaxRowProducts) return cudaErrorInvalidValue;
+int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream,
+                      const MatrixBatch* b, const RowProducts* b_out) {
+  const RowProducts* outs[] = {&out, b_out};
+  for (const RowProducts* o : outs) {
+    if (o != nullptr && (o->u.rows > kMaxRowProducts || o->z.rows > kMaxRowProducts)) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  if (b != nullptr && b->dtype != a.dtype) return cudaErrorInvalidValue;
   return with_dtype(a.dtype, [&](auto types) {
     using Types = decltype(types);
     return launch_products<typename Types::Element, typename Types::Accumulator>(
-        a, out, static_cast<cudaStream_t>(stream));
+        a, out, b, b_out, static_cast<cudaStream_t>(stream));
   });
 }
 
@@ -705,6 +788,16 @@ int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream,
     using Types = decltype(types);
     return launch<typename Types::Element, typename Types::Accumulator>(
         c, out, screen, static_cast<cudaStream_t>(stream));
+  });
+}
+
+int block_sums_pair_cuda(const MatrixBatch& a, const BlockSums& a_out, const MatrixBatch& b,
+                         const BlockSums& b_out, void* stream) {
+  if (a.dtype != b.dtype) return cudaErrorInvalidValue;
+  return with_dtype(a.dtype, [&](auto types) {
+    using Types = decltype(types);
+    return launch_pair<typename Types::Element, typename Types::Accumulator>(
+        block_sums_job(a, a_out), block_sums_job(b, b_out), static_cast<cudaStream_t>(stream));
   });
 }
 

@@ -1,14 +1,17 @@
 // encode_pair: both sides' checksum sums of C = alpha * A @ B in one op, composed of the kernels
-// (block_sums, operand_pass, row_products) and BLAS. The steps are those of
-// megatron_abft/checksum.py (_both_sides_sums, _project), which stays the reference: the larger
-// operand is read once for its block sums and its products with the smaller one's sums, the
-// smaller one twice. Composed in C++ so that a check pays one dispatch from Python for its
+// (block_sums, operand_pass, row_products, or their pairs) and BLAS. The steps are those of
+// megatron_abft/checksum.py (_both_sides_sums, _project), which stays the reference. On a CPU the
+// larger operand is read once for its block sums and its products with the smaller one's sums,
+// the smaller one twice; on a GPU, where a launch costs more than a read, both operands' block
+// sums are one launch and both products another (block_sums_pair, row_products_pair), the larger
+// operand read twice. Composed in C++ so that a check pays one dispatch from Python for its
 // encoding instead of some thirty, most of them views.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <tuple>
 #include <utility>
@@ -18,6 +21,8 @@ namespace {
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 using Four = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Eight = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                         at::Tensor, at::Tensor>;
 
 constexpr int64_t kMaxCudaProducts = 16;  // abft.h kMaxRowProducts
 
@@ -46,6 +51,43 @@ Four operand_pass(const at::Tensor& a, int64_t block, const at::Tensor& u, const
   return op.call(a, block, u, z, scale);
 }
 
+Eight block_sums_pair_op(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
+                         const at::Tensor& b, int64_t b_col_block, int64_t b_row_block) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("megatron_abft::block_sums_pair", "")
+                       .typed<Eight(const at::Tensor&, int64_t, int64_t, const at::Tensor&,
+                                    int64_t, int64_t)>();
+  return op.call(a, a_col_block, a_row_block, b, b_col_block, b_row_block);
+}
+
+Four row_products_pair_op(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
+                          double scale, const at::Tensor& b, const at::Tensor& v,
+                          const at::Tensor& y, double b_scale) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("megatron_abft::row_products_pair", "")
+          .typed<Four(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(a, u, z, scale, b, v, y, b_scale);
+}
+
+// block_sums_pair and row_products_pair on any device: the two ops, one after the other (CUDA
+// has its own, one launch each: abft_ops.cpp).
+Eight block_sums_pair(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
+                      const at::Tensor& b, int64_t b_col_block, int64_t b_row_block) {
+  const auto [a0, a1, a2, a3] = block_sums(a, a_col_block, a_row_block);
+  const auto [b0, b1, b2, b3] = block_sums(b, b_col_block, b_row_block);
+  return {a0, a1, a2, a3, b0, b1, b2, b3};
+}
+
+Four row_products_pair(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
+                       double scale, const at::Tensor& b, const at::Tensor& v, const at::Tensor& y,
+                       double b_scale) {
+  const auto [a0, a1] = row_products(a, u, z, scale);
+  const auto [b0, b1] = row_products(b, v, y, b_scale);
+  return {a0, a1, b0, b1};
+}
+
 bool column_major(const at::Tensor& x) { return x.stride(-2) == 1 && x.stride(-1) != 1; }
 
 // As _ext._products_apply: on CUDA the kernels take at most 16 vectors of each kind.
@@ -58,24 +100,18 @@ std::vector<int64_t> batch_of(const at::Tensor& t) {
   return t.sizes().slice(0, t.dim() - 2).vec();
 }
 
-// scale sums @ x^T and |scale| sizes @ |x|^T for an operand x [..., p, k]: [..., q, p] and
-// [..., q', p]. As checksum._project, then _scaled: x is read in its own layout, and its
-// broadcast batch dims are folded into the GEMM's columns; the kernels apply the scale as they
-// write their outputs.
-Pair project(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes, double scale) {
+// How project reads an operand x [..., p, k] with vectors sums [..., q, k] and sizes [..., q', k]
+// whose batch dims broadcast to x's: x, and the vectors with x's broadcast batch dims folded into
+// their rows (so that x is read once for all the matrices that share it), both with one batch;
+// `back` maps a result [*kept, folded q, p] (row_products', transposed) to [*batch, q, p].
+struct Projection {
+  at::Tensor x, sums, sizes;
+  std::function<at::Tensor(const at::Tensor&)> back;
+};
+
+Projection projection(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes) {
   const auto batch = at::infer_size(batch_of(x), batch_of(sums));
-  if (batch_of(x) == batch) {
-    if (products_apply(x, sums, sizes)) {
-      auto [products, magnitudes] = row_products(x, sums, sizes, scale);
-      return {products.mT(), magnitudes.mT()};
-    }
-    x = x.to(sums.scalar_type());
-    Pair found = column_major(x)
-                     ? Pair{sums.matmul(x.mT()), sizes.matmul(x.abs().mT())}
-                     : Pair{x.matmul(sums.mT()).mT(), x.abs().matmul(sizes.mT()).mT()};
-    if (scale == 1.0) return found;
-    return {std::get<0>(found).mul(scale), std::get<1>(found).mul(std::abs(scale))};
-  }
+  if (batch_of(x) == batch) return {x, sums, sizes, [](const at::Tensor& t) { return t; }};
   const int64_t dims = int64_t(batch.size()), p = x.size(-2), k = x.size(-1);
   std::vector<int64_t> padded(dims + 2 - x.dim(), 1);
   padded.insert(padded.end(), x.sizes().begin(), x.sizes().end());
@@ -106,17 +142,42 @@ Pair project(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes, doub
     full.insert(full.end(), {q, k});
     return rows.expand(full).permute(permutation).reshape(kept_shape({folded * q, k}));
   };
-  auto [products, magnitudes] = project(x, fold_rows(sums), fold_rows(sizes), scale);
   for (size_t i = 0; i < keep.size(); ++i) order[keep[i]] = int64_t(i);
   for (size_t i = 0; i < fold.size(); ++i) order[fold[i]] = int64_t(keep.size() + i);
   order.insert(order.end(), {dims, dims + 1});
-  auto unfold = [&](const at::Tensor& t) {  // [*kept, folded * q, p] -> [*batch, q, p]
-    std::vector<int64_t> shape = kept;
+  auto back = [kept, fold, batch, folded, order](const at::Tensor& t) {
+    std::vector<int64_t> shape = kept;  // [*kept, folded * q, p] -> [*batch, q, p]
     for (int64_t d : fold) shape.push_back(batch[d]);
     shape.insert(shape.end(), {t.size(-2) / folded, t.size(-1)});
     return t.reshape(shape).permute(order);
   };
-  return {unfold(products), unfold(magnitudes)};
+  return {x, fold_rows(sums), fold_rows(sizes), back};
+}
+
+// Whether row_products takes a projection (else project uses BLAS).
+bool kernels_take(const Projection& p) { return products_apply(p.x, p.sums, p.sizes); }
+
+// scale sums @ x^T and |scale| sizes @ |x|^T, [..., q, p] and [..., q', p], from row_products'
+// results for a projection, or by BLAS where the kernels do not take it: x read in its own layout,
+// the scale applied as the kernels write their outputs.
+Pair projected(const Projection& p, const Pair& products) {
+  return {p.back(std::get<0>(products).mT()), p.back(std::get<1>(products).mT())};
+}
+
+Pair project_by_blas(const Projection& p, double scale) {
+  const at::Tensor x = p.x.to(p.sums.scalar_type());
+  Pair found = column_major(x) ? Pair{p.sums.matmul(x.mT()), p.sizes.matmul(x.abs().mT())}
+                               : Pair{x.matmul(p.sums.mT()).mT(), x.abs().matmul(p.sizes.mT()).mT()};
+  if (scale != 1.0) found = {std::get<0>(found).mul(scale), std::get<1>(found).mul(std::abs(scale))};
+  return {p.back(std::get<0>(found)), p.back(std::get<1>(found))};
+}
+
+// scale sums @ x^T and |scale| sizes @ |x|^T for an operand x [..., p, k]: [..., q, p] and
+// [..., q', p], as checksum._project, then _scaled.
+Pair project(const at::Tensor& x, const at::Tensor& sums, const at::Tensor& sizes, double scale) {
+  const Projection p = projection(x, sums, sizes);
+  if (!kernels_take(p)) return project_by_blas(p, scale);
+  return projected(p, row_products(p.x, p.sums, p.sizes, scale));
 }
 
 // [..., 2 nb, n] products as [..., nb, 2, n] sums, and magnitudes.
@@ -132,9 +193,9 @@ std::pair<bool, at::Tensor> larger(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // u [..., 2 nb, k] and z [..., nb, k]: the smaller operand's block sums and sizes over blocks of
-// its rows, with as many dims as the larger operand, as its operand_pass takes them.
-Pair small_vectors(const at::Tensor& big, const at::Tensor& small, int64_t block) {
-  const Four small_sums = block_sums(small, block, 0);
+// its rows (block_sums' column side), with as many dims as the larger operand, as its products
+// take them.
+Pair vectors_of(const at::Tensor& big, const at::Tensor& small, const Four& small_sums) {
   const at::Tensor& small_w = std::get<0>(small_sums);
   const at::Tensor small_size = std::get<1>(small_sums).select(-2, 0);
   const int64_t k = small.size(-1), lead = big.dim() - small.dim();
@@ -145,17 +206,45 @@ Pair small_vectors(const at::Tensor& big, const at::Tensor& small, int64_t block
   return {small_w.flatten(-3, -2).reshape(u_shape), small_size.reshape(z_shape)};
 }
 
+Pair small_vectors(const at::Tensor& big, const at::Tensor& small, int64_t block) {
+  return vectors_of(big, small, block_sums(small, block, 0));
+}
+
+// Both sides' (sums, magnitude), in encode_pair's order, from the blocks of the larger operand's
+// rows projected on the smaller one (of_big) and the blocks of the smaller one's rows projected
+// on the larger one (of_small), each as (products [..., 2 nb, n], magnitudes).
+Four both_sides(bool x_big, const Pair& of_big, const Pair& of_small) {
+  const Pair col = paired(x_big ? of_big : of_small);
+  const Pair row = paired(x_big ? of_small : of_big);
+  return {std::get<0>(col), std::get<1>(col), std::get<0>(row), std::get<1>(row)};
+}
+
 // Both sides' (sums, magnitude) from the larger operand's pass: its block sums and sizes, and its
 // products with small_vectors' u, z times alpha (operand_pass with scale alpha).
-Four from_pass(bool x_big, const at::Tensor& small, double alpha, int64_t block,
-               const Four& big_pass) {
+Four from_pass(bool x_big, const at::Tensor& small, double alpha, const Four& big_pass) {
   const auto& [big_w, big_sizes, products, magnitudes] = big_pass;
   // blocks of big's rows, projected on small; blocks of small's rows, from big's pass
-  auto of_big = paired(project(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0), alpha));
-  auto of_small = paired({products.mT(), magnitudes.mT()});
-  const Pair& col = x_big ? of_big : of_small;
-  const Pair& row = x_big ? of_small : of_big;
-  return {std::get<0>(col), std::get<1>(col), std::get<0>(row), std::get<1>(row)};
+  const Pair of_big = project(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0), alpha);
+  return both_sides(x_big, of_big, {products.mT(), magnitudes.mT()});
+}
+
+// encode_pair_split's steps: both operands' block sums in one op, then the larger one's products
+// with the smaller one's sums and the smaller one's with the larger one's in another (or by BLAS,
+// where the kernels do not take that projection).
+Four encode_split(bool x_big, const at::Tensor& big, const at::Tensor& small, double alpha,
+                  int64_t block) {
+  const auto [s0, s1, s2, s3, big_w, big_sizes, b2, b3] =
+      block_sums_pair_op(small, block, 0, big, block, 0);
+  const auto [u, z] = vectors_of(big, small, {s0, s1, s2, s3});
+  const Projection p = projection(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0));
+  if (!kernels_take(p)) {
+    const auto [products, magnitudes] = row_products(big, u, z, alpha);
+    return both_sides(x_big, project_by_blas(p, alpha), {products.mT(), magnitudes.mT()});
+  }
+  const auto [products, magnitudes, small_products, small_magnitudes] =
+      row_products_pair_op(big, u, z, alpha, p.x, p.sums, p.sizes, alpha);
+  return both_sides(x_big, projected(p, {small_products, small_magnitudes}),
+                    {products.mT(), magnitudes.mT()});
 }
 
 void check_pair(const char* op, const at::Tensor& a, const at::Tensor& b) {
@@ -173,8 +262,17 @@ Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t
   check_pair("megatron_abft::encode_pair", a, b);
   const auto [x_big, big] = larger(a, b);
   const at::Tensor small = x_big ? b.mT() : a;  // the operands as rows of length k
+  if (big.is_cuda()) return encode_split(x_big, big, small, alpha, block);
   const auto [u, z] = small_vectors(big, small, block);
-  return from_pass(x_big, small, alpha, block, operand_pass(big, block, u, z, alpha));
+  return from_pass(x_big, small, alpha, operand_pass(big, block, u, z, alpha));
+}
+
+// encode_pair as it runs on a GPU, on any device: two launches there (block_sums_pair, then
+// row_products_pair), the larger operand read twice.
+Four encode_pair_split(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block) {
+  check_pair("megatron_abft::encode_pair_split", a, b);
+  const auto [x_big, big] = larger(a, b);
+  return encode_split(x_big, big, x_big ? b.mT() : a, alpha, block);
 }
 
 // encode_pair's first half, for a pass over a made elsewhere (softmax_check): the u, z that the
@@ -195,7 +293,7 @@ Four encode_pair_from(const at::Tensor& a, const at::Tensor& b, double alpha, in
   TORCH_CHECK(larger(a, b).first, "megatron_abft::encode_pair_from: a ", a.sizes(),
               " must be the larger operand (b is ", b.sizes(), ")");
   // the row side is a view of the products: copies, so that no output aliases an input
-  return from_pass(true, b.mT(), alpha, block, {sums, sizes, products.clone(), magnitudes.clone()});
+  return from_pass(true, b.mT(), alpha, {sums, sizes, products.clone(), magnitudes.clone()});
 }
 
 }  // namespace
@@ -204,15 +302,29 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
   m.def(
       "encode_pair(Tensor a, Tensor b, float alpha, int block) -> (Tensor, Tensor, Tensor, "
       "Tensor)");
+  m.def(
+      "encode_pair_split(Tensor a, Tensor b, float alpha, int block) -> (Tensor, Tensor, Tensor, "
+      "Tensor)");
   m.def("pair_vectors(Tensor a, Tensor b, int block) -> (Tensor, Tensor)");
   m.def(
       "encode_pair_from(Tensor a, Tensor b, float alpha, int block, Tensor sums, Tensor sizes, "
       "Tensor products, Tensor magnitudes) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "block_sums_pair(Tensor a, int a_col_block, int a_row_block, Tensor b, int b_col_block, "
+      "int b_row_block) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "row_products_pair(Tensor a, Tensor u, Tensor z, float scale, Tensor b, Tensor v, Tensor y, "
+      "float b_scale) -> (Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
 }
 
 // On every backend, from the ops it is composed of; its fake (torch.compile) is in _ext.py.
 TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
   m.impl("encode_pair", &encode_pair);
+  m.impl("encode_pair_split", &encode_pair_split);
   m.impl("pair_vectors", &pair_vectors);
   m.impl("encode_pair_from", &encode_pair_from);
+  m.impl("block_sums_pair", &block_sums_pair);
+  m.impl("row_products_pair", &row_products_pair);
 }

@@ -249,6 +249,53 @@ Sums block_sums_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block) 
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream.stream())));
   return sums;
 }
+
+// block_sums_pair and row_products_pair on CUDA: the two ops' work in one launch (on other
+// devices they are the two ops: abft_encode.cpp). a and b share a device and a dtype.
+void check_pair(const char* op, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.device() == b.device() && a.scalar_type() == b.scalar_type(), op, ": a (",
+              a.scalar_type(), " on ", a.device(), ") and b (", b.scalar_type(), " on ",
+              b.device(), ") must share a dtype and a device");
+}
+
+using Eight = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                         at::Tensor, at::Tensor>;
+
+Eight block_sums_pair_cuda(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
+                           const at::Tensor& b, int64_t b_col_block, int64_t b_row_block) {
+  check_pair("megatron_abft::block_sums_pair", a, b);
+  check_inputs(a, a_col_block, a_row_block, at::kCUDA);
+  check_inputs(b, b_col_block, b_row_block, at::kCUDA);
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto [a_sums, a_matrices, a_out] = prepare(a, a_col_block, a_row_block);
+  auto [b_sums, b_matrices, b_out] = prepare(b, b_col_block, b_row_block);
+  const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
+  C10_CUDA_CHECK(static_cast<cudaError_t>(
+      abft::block_sums_pair_cuda(a_matrices, a_out, b_matrices, b_out, stream.stream())));
+  const auto& [a0, a1, a2, a3] = a_sums;
+  const auto& [b0, b1, b2, b3] = b_sums;
+  return {a0, a1, a2, a3, b0, b1, b2, b3};
+}
+
+Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
+                            double scale, const at::Tensor& b, const at::Tensor& v,
+                            const at::Tensor& y, double b_scale) {
+  check_pair("megatron_abft::row_products_pair", a, b);
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto [a_found, a_matrix, a_products, u_, z_] = prepare_products(a, u, z, scale, at::kCUDA);
+  auto [b_found, b_matrix, b_products, v_, y_] = prepare_products(b, v, y, b_scale, at::kCUDA);
+  for (const abft::RowProducts* p : {&a_products, &b_products}) {
+    TORCH_CHECK(p->u.rows <= abft::kMaxRowProducts && p->z.rows <= abft::kMaxRowProducts,
+                "megatron_abft::row_products_pair: at most ", abft::kMaxRowProducts,
+                " vectors of each kind on CUDA; got ", p->u.rows, " and ", p->z.rows);
+  }
+  const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::row_products_cuda(
+      a_matrix, a_products, stream.stream(), &b_matrix, &b_products)));
+  const auto& [a0, a1] = a_found;
+  const auto& [b0, b1] = b_found;
+  return {a0, a1, b0, b1};
+}
 #endif
 
 // screen: one side's references checked against c and expanded to its batch, in the kernels' view.
@@ -837,6 +884,8 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
   m.impl("tally", &tally_cuda);
   m.impl("verify_correct_tally", &verify_correct_tally_cuda);
   m.impl("add_bias", &add_bias_cuda);
+  m.impl("block_sums_pair", &block_sums_pair_cuda);
+  m.impl("row_products_pair", &row_products_pair_cuda);
 }
 #endif
 

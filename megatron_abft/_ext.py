@@ -325,6 +325,7 @@ def _register_fake() -> None:
         return *found_like(c), *tallied
 
     @torch.library.register_fake("megatron_abft::encode_pair")
+    @torch.library.register_fake("megatron_abft::encode_pair_split")
     def _(a: Tensor, b: Tensor, alpha: float, block: int):
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         (m, _), n = a.shape[-2:], b.shape[-1]
@@ -404,7 +405,7 @@ def _register_fake() -> None:
         return c.new_empty(c.shape[:-2], dtype=torch.int32)
 
     @torch.library.register_fake("megatron_abft::block_sums")
-    def _(c: Tensor, col_block: int, row_block: int):
+    def block_sums_like(c: Tensor, col_block: int, row_block: int):
         batch, (m, n) = c.shape[:-2], c.shape[-2:]
         dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
         col = (*batch, -(-m // col_block) if col_block else 0, 2, n)
@@ -426,8 +427,16 @@ def _register_fake() -> None:
         )
 
     @torch.library.register_fake("megatron_abft::row_products")
-    def _(a: Tensor, u: Tensor, z: Tensor, scale: float = 1.0):
+    def row_products_like(a: Tensor, u: Tensor, z: Tensor, scale: float = 1.0):
         batch, m = a.shape[:-2], a.shape[-2]
         return a.new_empty((*batch, m, u.shape[-2]), dtype=u.dtype), a.new_empty(
             (*batch, m, z.shape[-2]), dtype=z.dtype
         )
+
+    @torch.library.register_fake("megatron_abft::block_sums_pair")
+    def _(a: Tensor, a_col: int, a_row: int, b: Tensor, b_col: int, b_row: int):
+        return *block_sums_like(a, a_col, a_row), *block_sums_like(b, b_col, b_row)
+
+    @torch.library.register_fake("megatron_abft::row_products_pair")
+    def _(a: Tensor, u: Tensor, z: Tensor, scale: float, b: Tensor, v: Tensor, y: Tensor, b_scale):
+        return *row_products_like(a, u, z, scale), *row_products_like(b, v, y, b_scale)

@@ -771,6 +771,71 @@ def test_encode_pair_opcheck():
     torch.library.opcheck(torch.ops.megatron_abft.encode_pair.default, (a, b, 0.5, 64))
 
 
+@needs_ext
+@pytest.mark.parametrize("case", sorted(ENCODE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_pair_split_is_encode_pair_in_two_ops(case, dtype):
+    """encode_pair as a GPU runs it (both operands' block sums in one op, both products in
+    another: one launch each there) gives what the CPU's composition gives."""
+    a, b = (t.to(dtype) for t in ENCODE_CASES[case](torch.Generator().manual_seed(3)))
+    want = _ext.encode_pair(a, b, -0.5, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        split = torch.ops.megatron_abft.encode_pair_split(a, b, -0.5, 64)
+    for got, w in zip(split, want, strict=True):
+        assert got.dtype == w.dtype and got.shape == w.shape
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+    ops = [e.name for e in profile.events() if e.name.startswith("megatron_abft::")]
+    kernels = {"megatron_abft::block_sums_pair", "megatron_abft::row_products_pair"}
+    assert kernels <= set(ops) and "megatron_abft::operand_pass" not in ops
+    torch.library.opcheck(torch.ops.megatron_abft.encode_pair_split.default, (a, b, -0.5, 64))
+
+
+def pair_case(device="cpu"):
+    """Two operands of one dtype, row-major and column-major, and vectors for their products."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(2, 50, 24, generator=g), torch.randn(2, 24, 70, generator=g).mT
+    u, z, v, y = (torch.randn(2, r, 24, generator=g) for r in (3, 2, 1, 4))
+    return tuple(t.to(device) for t in (a, b, u, z, v, y))
+
+
+def check_pair_ops(device):
+    """block_sums_pair and row_products_pair on ``device`` against the two ops on the CPU."""
+    a, b, u, z, v, y = pair_case(device)
+    pair = torch.ops.megatron_abft.block_sums_pair(a, 16, 8, b, 0, 32)
+    singles = (*_ext.block_sums(a.cpu(), 16, 8), *_ext.block_sums(b.cpu(), 0, 32))
+    for got, want in zip(pair, singles, strict=True):
+        torch.testing.assert_close(got.cpu(), want)
+    pair = torch.ops.megatron_abft.row_products_pair(a, u, z, 0.5, b, v, y, -2.0)
+    cpu = [t.cpu() for t in (a, b, u, z, v, y)]
+    singles = (*_ext.row_products(cpu[0], *cpu[2:4]), *_ext.row_products(cpu[1], *cpu[4:]))
+    for got, want, scale in zip(pair, singles, (0.5, 0.5, -2.0, 2.0), strict=True):
+        torch.testing.assert_close(got.cpu(), want * scale)
+    for op, args in (
+        (torch.ops.megatron_abft.block_sums_pair, (a, 16, 8, b, 0, 32)),
+        (torch.ops.megatron_abft.row_products_pair, (a, u, z, 0.5, b, v, y, -2.0)),
+    ):
+        torch.library.opcheck(op.default, args)
+
+
+@needs_ext
+def test_the_pair_ops_are_the_two_ops():
+    check_pair_ops("cpu")
+
+
+@needs_cuda
+def test_cuda_pair_ops_are_one_launch_each_and_equal_the_two_ops():
+    check_pair_ops("cuda")
+    a, b, u, z, v, y = pair_case("cuda")
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        torch.ops.megatron_abft.block_sums_pair(a, 16, 8, b, 0, 32)
+        torch.ops.megatron_abft.row_products_pair(a, u, z, 0.5, b, v, y, -2.0)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 2, kernels
+
+
 def _biased(a, b, bias, block):
     """add_bias on the sums without the bias, and the PyTorch path's checksums with it."""
     with _ext.disabled():
