@@ -45,8 +45,9 @@ __device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b
 // wrote them: col_side and row_side say which side of s the tile's columns and rows are (-1: not
 // screened). A template parameter, so that the plain sums keep their registers.
 template <typename T, typename Acc, bool Screened>
-__device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const BlockSums& out, const Tiling& tiling,
-                                int64_t tile, const Screen& s, int col_side, int row_side) {
+__device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const BlockSums& out,
+                                                const Tiling& tiling, int64_t tile,
+                                                const Screen& s, int col_side, int row_side) {
   __shared__ Acc part[kWarps][32][4];  // per warp, per row of a chunk: the warp's row sums
   __shared__ int tile_fails;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -242,8 +243,8 @@ int launch_pair(const BlockSumsJob& first, const BlockSumsJob& second, cudaStrea
 // the row's results. The rows of the batch are shared by `blocks` thread blocks of kThreads, this
 // one the block-th.
 template <typename T, typename Acc>
-__device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const RowProducts& out, int64_t block,
-                                 int64_t blocks) {
+__device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const RowProducts& out,
+                                                 int64_t block, int64_t blocks) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = blocks * kWarps, total_rows = a.batch * a.rows;
   const int64_t k = a.cols;
@@ -291,8 +292,9 @@ __device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const Row
 // w + kWarps, ...; the warps' shares of each product are then summed in order in shared memory.
 // The tiles are shared by `blocks` thread blocks, this one the block-th.
 template <typename T, typename Acc>
-__device__ __forceinline__ void column_product_tiles(const MatrixBatch& a, const RowProducts& out, int64_t block,
-                                     int64_t blocks) {
+__device__ __forceinline__ void column_product_tiles(const MatrixBatch& a,
+                                                     const RowProducts& out, int64_t block,
+                                                     int64_t blocks) {
   __shared__ Acc part[kWarps][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nu = out.u.rows, nz = out.z.rows, row_tiles = ceil_div(a.rows, 32);
@@ -348,13 +350,15 @@ struct ProductsJob {
 
 // A job's thread blocks: a tile of 32 rows each for a column-major A, else kWarps rows each.
 int64_t products_blocks(const MatrixBatch& a) {
-  const int64_t units = column_major(a) ? a.batch * ceil_div(a.rows, 32) : ceil_div(a.batch * a.rows, kWarps);
+  const int64_t units =
+      column_major(a) ? a.batch * ceil_div(a.rows, 32) : ceil_div(a.batch * a.rows, kWarps);
   return min64(units, 0x3fffffff);
 }
 
 // row_products of one or two jobs in one launch, each on its own range of thread blocks.
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads, 3) products_kernel(ProductsJob first, ProductsJob second) {
+__global__ void __launch_bounds__(kThreads, 3)
+    products_kernel(ProductsJob first, ProductsJob second) {
   const ProductsJob& job = blockIdx.x < second.first_block ? first : second;
   const int64_t block = int64_t(blockIdx.x) - job.first_block;
   if (column_major(job.a)) {
@@ -368,8 +372,9 @@ template <typename T, typename Acc>
 int launch_products(const MatrixBatch& a, const RowProducts& out, const MatrixBatch* b,
                     const RowProducts* b_out, cudaStream_t stream) {
   const ProductsJob first{a, out, 0, products_blocks(a)};
-  const ProductsJob second = b == nullptr ? ProductsJob{a, out, first.blocks, 0}
-                                          : ProductsJob{*b, *b_out, first.blocks, products_blocks(*b)};
+  const ProductsJob second = b == nullptr
+                                 ? ProductsJob{a, out, first.blocks, 0}
+                                 : ProductsJob{*b, *b_out, first.blocks, products_blocks(*b)};
   const int64_t blocks = first.blocks + second.blocks;
   if (blocks == 0) return cudaSuccess;
   products_kernel<T, Acc><<<unsigned(blocks), kThreads, 0, stream>>>(first, second);

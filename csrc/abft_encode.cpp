@@ -157,18 +157,23 @@ Projection projection(at::Tensor x, const at::Tensor& sums, const at::Tensor& si
 // Whether row_products takes a projection (else project uses BLAS).
 bool kernels_take(const Projection& p) { return products_apply(p.x, p.sums, p.sizes); }
 
-// scale sums @ x^T and |scale| sizes @ |x|^T, [..., q, p] and [..., q', p], from row_products'
-// results for a projection, or by BLAS where the kernels do not take it: x read in its own layout,
-// the scale applied as the kernels write their outputs.
+// project's results, [..., q, p] and [..., q', p], from row_products' for a projection (the
+// kernels apply the scale as they write them).
 Pair projected(const Projection& p, const Pair& products) {
   return {p.back(std::get<0>(products).mT()), p.back(std::get<1>(products).mT())};
 }
 
+// project's results by BLAS, where the kernels do not take the projection: x read in its own
+// layout.
 Pair project_by_blas(const Projection& p, double scale) {
   const at::Tensor x = p.x.to(p.sums.scalar_type());
-  Pair found = column_major(x) ? Pair{p.sums.matmul(x.mT()), p.sizes.matmul(x.abs().mT())}
-                               : Pair{x.matmul(p.sums.mT()).mT(), x.abs().matmul(p.sizes.mT()).mT()};
-  if (scale != 1.0) found = {std::get<0>(found).mul(scale), std::get<1>(found).mul(std::abs(scale))};
+  const at::Tensor& sums = p.sums;
+  const at::Tensor& sizes = p.sizes;
+  Pair found = column_major(x) ? Pair{sums.matmul(x.mT()), sizes.matmul(x.abs().mT())}
+                               : Pair{x.matmul(sums.mT()).mT(), x.abs().matmul(sizes.mT()).mT()};
+  if (scale != 1.0) {
+    found = {std::get<0>(found).mul(scale), std::get<1>(found).mul(std::abs(scale))};
+  }
   return {p.back(std::get<0>(found)), p.back(std::get<1>(found))};
 }
 

@@ -152,9 +152,13 @@ def main() -> None:
             lambda: _ext.block_sums(scores, args.block, args.block),
             scores.nbytes,
         ),
-        "encode_pair of P, V (encode)": (  # P once, V twice
+        "encode_pair of P, V (encode)": (  # P once on a CPU, twice on a GPU; V twice
             lambda: _ext.encode_pair(probs, v, 1.0, args.block),
-            probs.nbytes + 2 * v.nbytes,
+            (2 if device.type == "cuda" else 1) * probs.nbytes + 2 * v.nbytes,
+        ),
+        "encode_pair_split (a GPU's steps)": (  # two ops: both block sums, both products
+            lambda: torch.ops.megatron_abft.encode_pair_split(probs, v, 1.0, args.block),
+            2 * probs.nbytes + 2 * v.nbytes,
         ),
         "block_sums of P, one side (encode)": (
             lambda: _ext.block_sums(probs, args.block, 0),
