@@ -37,6 +37,15 @@ def mismatches(device: torch.device) -> list[str]:
         want = (col.sums, col.magnitude, row.sums, row.magnitude)
         if not all(_close(x, y) for x, y in zip(got, want, strict=True)):
             wrong.append(f"encode_pair ({dtype})")
+        # b of every matrix its own, read as b^T column by column: on a GPU the two operands'
+        # products (one by rows, one by columns) in one launch
+        own = torch.randn(2, 3, 24, 80, generator=g).to(device=device, dtype=dtype)
+        with _ext.disabled():
+            own_col, own_row = encode(a, own, alpha=-0.5, block=BLOCK)
+        got = torch.ops.megatron_abft.encode_pair(a, own, -0.5, BLOCK)
+        want_own = (own_col.sums, own_col.magnitude, own_row.sums, own_row.magnitude)
+        if not all(_close(x, y) for x, y in zip(got, want_own, strict=True)):
+            wrong.append(f"encode_pair, b unshared ({dtype})")
         bias = torch.randn(80, generator=g).to(device=device, dtype=dtype)
         with _ext.disabled():
             col_b, row_b = encode(a, b, bias=bias, block=BLOCK)
