@@ -227,6 +227,36 @@ def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_what_the_model_
     assert not faulty.isnan().any()
 
 
+@needs_cuda
+def test_a_sync_free_check_captured_in_a_cuda_graph_corrects_and_counts_on_every_replay():
+    """Sync-free checks are capturable: a guard's check captured once in a CUDA graph finds,
+    corrects and counts a fault landed before each replay (the counters live on the device; the
+    event list, kept on the host, gets the capture's one record)."""
+    c, refs, operands = case(torch.float32, (2, 4), 128, 96, 32, False, ("col", "row"), seed=6)
+    gpu = GemmOperands(operands.a.cuda(), operands.b.cuda(), operands.alpha)
+    clean = c.cuda()
+    static = clean.clone()
+    guard = SectionGuard("scores", ABFTConfig(sync_free=True, on_uncorrectable="log"), 0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the counters, the self-test and the caches, before capture
+        guard.check(static, gpu)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        guard.check(static, gpu)
+    torch.cuda.synchronize()
+    before = guard.counts.clone()
+    for replay in range(3):
+        static.copy_(clean)
+        static[1, replay, 5 + replay, 7] += 1e3
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static, clean, **recompute_tolerance(torch.float32))
+    corrected = guard.counts[1] - before[1]
+    assert int(corrected.sum()) == 3 and int((guard.counts[2] - before[2]).sum()) == 0
+
+
 def checked(c, refs, operands, tally=None):
     """The kernels' check of ``c`` in place, alone or with ``tally`` (counts, step)."""
     check = Check(gemm_rounding(c.dtype, c.device), 1.0, 1e10, max(c.shape[-2:]), operands)
