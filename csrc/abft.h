@@ -389,6 +389,10 @@ ABFT_HD inline int64_t softmax_pass_bytes(int64_t cols, DType dtype, bool s_cols
 ABFT_HD inline bool softmax_single_pass(int64_t cols, DType dtype, bool s_cols, bool pass) {
   return softmax_pass_bytes(cols, dtype, s_cols, pass) <= kSoftmaxPassBytes;
 }
+// The single pass's tiles: its bands of rows, each the whole width of S (one slot a band).
+ABFT_HD inline Tiling softmax_bands(const SoftmaxCheck& k) {
+  return {k.band, k.s.cols, ceil_div(k.s.rows, k.band), 1};
+}
 
 // Row i of matrix b of softmax_check's mask (null without one); its entries are mask_strides[
 // batch_dims + 1] apart.

@@ -30,6 +30,10 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
     const at::Tensor& a, const at::Tensor& u, const at::Tensor& z, double scale,
     at::DeviceType device);
 
+// That the CUDA products kernel takes p's vectors (at most kMaxRowProducts of each kind); `op`
+// names the op in the error.
+void check_cuda_products(const char* op, const abft::RowProducts& p);
+
 // The screen of c given its block sums, and its flagged counts [*batch, slots]: without a
 // tiling one slot a matrix, zeros (the CPU kernels); with the tiling of the CUDA block sums that
 // screen, one slot a tile, which each tile writes. The expanded reference views are kept alive in

@@ -673,15 +673,10 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: at most 80 re
 }
 
 // S's column and row sides in softmax_check's screen (-1: none), or false where a side of the
-// screen is neither, or its slots are not one a band.
+// screen is neither, or its slots are not one a band (tile_sides over softmax_bands).
 bool band_sides(const SoftmaxCheck& k, int& col_side, int& row_side) {
-  const Screen& screen = k.screen;
-  for (int t = 0; t < screen.sides; ++t) {
-    if (k.s_sums.col_block > 0 && screen.side[t].sums == k.s_sums.col_sums) col_side = t;
-    if (k.s_sums.row_block > 0 && screen.side[t].sums == k.s_sums.row_sums) row_side = t;
-  }
-  return int(col_side >= 0) + int(row_side >= 0) == screen.sides &&
-         (screen.sides == 0 || screen.slots == ceil_div(k.s.rows, k.band)) &&
+  if (k.screen.sides == 0) return true;
+  return tile_sides(k.screen, k.s_sums, softmax_bands(k), col_side, row_side) &&
          (col_side < 0 || k.s_sums.col_block == k.band);
 }
 

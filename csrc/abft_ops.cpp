@@ -170,6 +170,12 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
   return {std::move(out), describe(a), products, vectors[0], vectors[1]};
 }
 
+void check_cuda_products(const char* op, const abft::RowProducts& p) {
+  TORCH_CHECK(p.u.rows <= abft::kMaxRowProducts && p.z.rows <= abft::kMaxRowProducts, op,
+              ": at most ", abft::kMaxRowProducts, " vectors of each kind on CUDA; got ", p.u.rows,
+              " and ", p.z.rows);
+}
+
 Products row_products_cpu(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
                           double scale) {
   auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, scale, at::kCPU);
@@ -217,10 +223,7 @@ Pass operand_pass_cuda(const at::Tensor& a, int64_t block, const at::Tensor& u,
   const c10::cuda::CUDAGuard guard(a.device());
   auto [result, matrices, out, products, u_, z_] =
       prepare_pass(a, block, u, z, scale, at::kCUDA);
-  TORCH_CHECK(products.u.rows <= abft::kMaxRowProducts &&
-                  products.z.rows <= abft::kMaxRowProducts,
-              "megatron_abft::operand_pass: at most ", abft::kMaxRowProducts,
-              " vectors of each kind on CUDA; got ", products.u.rows, " and ", products.z.rows);
+  check_cuda_products("megatron_abft::operand_pass", products);
   const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream)));
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::row_products_cuda(matrices, products, stream)));
@@ -233,10 +236,7 @@ Products row_products_cuda(const at::Tensor& a, const at::Tensor& u, const at::T
                            double scale) {
   const c10::cuda::CUDAGuard guard(a.device());
   auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, scale, at::kCUDA);
-  TORCH_CHECK(products.u.rows <= abft::kMaxRowProducts &&
-                  products.z.rows <= abft::kMaxRowProducts,
-              "megatron_abft::row_products: at most ", abft::kMaxRowProducts,
-              " vectors of each kind on CUDA; got ", products.u.rows, " and ", products.z.rows);
+  check_cuda_products("megatron_abft::row_products", products);
   const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
   C10_CUDA_CHECK(
       static_cast<cudaError_t>(abft::row_products_cuda(matrix, products, stream.stream())));
@@ -286,11 +286,8 @@ Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::
   const c10::cuda::CUDAGuard guard(a.device());
   auto [a_found, a_matrix, a_products, u_, z_] = prepare_products(a, u, z, scale, at::kCUDA);
   auto [b_found, b_matrix, b_products, v_, y_] = prepare_products(b, v, y, b_scale, at::kCUDA);
-  for (const abft::RowProducts* p : {&a_products, &b_products}) {
-    TORCH_CHECK(p->u.rows <= abft::kMaxRowProducts && p->z.rows <= abft::kMaxRowProducts,
-                "megatron_abft::row_products_pair: at most ", abft::kMaxRowProducts,
-                " vectors of each kind on CUDA; got ", p->u.rows, " and ", p->z.rows);
-  }
+  check_cuda_products("megatron_abft::row_products_pair", a_products);
+  check_cuda_products("megatron_abft::row_products_pair", b_products);
   const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::row_products_cuda(
       a_matrix, a_products, stream.stream(), &b_matrix, &b_products)));

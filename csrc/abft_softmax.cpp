@@ -91,8 +91,7 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
   if (col_block > 0 || row_block > 0) {
     auto [sums, matrices, block_sums] = abft_binding::prepare(s, col_block, row_block);
     // the CUDA screen's slots: one a band in the single pass, else one a tile of the block sums
-    const abft::Tiling tiling = single_pass ? abft::Tiling{k.band, k.s.cols,
-                                                           abft::ceil_div(k.s.rows, k.band), 1}
+    const abft::Tiling tiling = single_pass ? abft::softmax_bands(k)
                                             : abft::block_sums_tiling(matrices, block_sums);
     auto [screen, found] =
         abft_binding::prepare_screen(s, sums, col_block, row_block, col, row, col_bounds,
@@ -162,10 +161,9 @@ Six softmax_check_cuda(const at::Tensor& s, int64_t col_block, int64_t row_block
   prepare_softmax(out, s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
                   scale, block, u, z, at::kCUDA);
   const abft::SoftmaxCheck& k = out.k;
-  TORCH_CHECK(k.products == nullptr || (k.products->u.rows <= abft::kMaxRowProducts &&
-                                        k.products->z.rows <= abft::kMaxRowProducts),
-              "megatron_abft::softmax_check: at most ", abft::kMaxRowProducts,
-              " vectors of each kind on CUDA");
+  if (k.products != nullptr) {
+    abft_binding::check_cuda_products("megatron_abft::softmax_check", *k.products);
+  }
   const auto stream = c10::cuda::getCurrentCUDAStream(s.device().index()).stream();
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::softmax_check_cuda(k, stream)));
   return result(out);
