@@ -267,13 +267,14 @@ struct Correct {
   void* magnitude;  // in the accumulation type
 };
 
-// Tally what a check found, for a guard's counters and event log, with no host read: over the
-// per-matrix results of a batch (status 0 clean / 1 corrected / 2 uncorrectable, kind an index
-// into eec.KINDS) it adds 1 to counts[outcome][kind] for outcome 0 (detected: status != 0), 1
-// (corrected) and 2 (uncorrectable), sets *failed to whether a matrix is uncorrectable, and
-// writes the event record of the worst matrix, the first of the highest status: step, status,
-// matrix, kind, row, col, magnitude (guard.EVENT_FIELDS). Results outside those ranges are not
-// counted. batch >= 1.
+// Tally what a check found, for a guard's ledger (megatron_abft/ledger.py), with no host read:
+// over the per-matrix results of a batch (status 0 clean / 1 corrected / 2 uncorrectable, kind an
+// index into eec.KINDS) it adds 1 to counts[outcome][kind] for outcome 0 (detected: status != 0),
+// 1 (corrected) and 2 (uncorrectable) and sets *failed to whether a matrix is uncorrectable; if
+// a matrix is not clean, it adds 1 to *logged and, while that stays within capacity, writes the
+// record of the worst matrix, the first of the highest status, to the log: step (read from
+// *step, so that a CUDA graph's replays read the current one), status, matrix, kind, row, col,
+// magnitude (ledger.EVENT_FIELDS). Results outside those ranges are not counted. batch >= 1.
 struct Tally {
   const int8_t* status;
   const int8_t* kind;
@@ -285,10 +286,13 @@ struct Tally {
   int kinds;  // at most kMaxKinds
   int64_t* counts;  // [3, kinds], added to
   bool* failed;
-  double* event;  // [7]
-  double step;
+  const double* step;  // [1]
+  double* log;  // [capacity, kEventFields]
+  int64_t* logged;  // [1], added to
+  int64_t capacity;
 };
 constexpr int kMaxKinds = 8;
+constexpr int kEventFields = 7;
 
 // A matrix's rank for the event record: the highest status first, then the lowest index.
 ABFT_HD inline uint64_t tally_rank(int8_t status, int64_t b) {
@@ -300,14 +304,18 @@ ABFT_HD inline int64_t tally_matrix(uint64_t rank) {
   return int64_t(kIndexMask - (rank & kIndexMask));
 }
 
-// The event record of matrix b (rank's), and whether the check failed.
+// Whether the check failed, and the event record of matrix b (rank's) where it is not clean.
 ABFT_HD inline void tally_event(const Tally& t, int64_t b) {
+  *t.failed = t.status[b] == 2;
+  if (t.status[b] == 0) return;
+  const int64_t n = (*t.logged)++;
+  if (n >= t.capacity) return;
   const double magnitude = t.magnitude_f64 ? static_cast<const double*>(t.magnitude)[b]
                                            : double(static_cast<const float*>(t.magnitude)[b]);
-  const double record[7] = {t.step,        double(t.status[b]), double(b), double(t.kind[b]),
-                            double(t.row[b]), double(t.col[b]),    magnitude};
-  for (int i = 0; i < 7; ++i) t.event[i] = record[i];
-  *t.failed = t.status[b] == 2;
+  const double record[kEventFields] = {*t.step,          double(t.status[b]), double(b),
+                                       double(t.kind[b]), double(t.row[b]),   double(t.col[b]),
+                                       magnitude};
+  for (int i = 0; i < kEventFields; ++i) t.log[n * kEventFields + i] = record[i];
 }
 
 // add_bias: what a bias [n] adds to both sides' checksums of C = alpha * A @ B + bias, C with m

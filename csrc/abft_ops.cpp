@@ -531,11 +531,20 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   return out;
 }
 
-// tally's kernel arguments, its outputs (failed, event) and the flattened results it reads.
-using TallyArgs = std::tuple<abft::Tally, at::Tensor, at::Tensor, std::vector<at::Tensor>>;
+// A guard's ledger (megatron_abft/ledger.py) as tally writes it: counts [3, kinds] int64, step
+// [1] float64, log [capacity, 7] float64 and logged [1] int64, all on the results' device.
+struct LedgerArgs {
+  const at::Tensor& counts;
+  const at::Tensor& step;
+  const at::Tensor& log;
+  const at::Tensor& logged;
+};
+
+// tally's kernel arguments, its output (failed) and the flattened results it reads.
+using TallyArgs = std::tuple<abft::Tally, at::Tensor, std::vector<at::Tensor>>;
 TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
                         const at::Tensor& col, const at::Tensor& magnitude,
-                        const at::Tensor& counts, double step);
+                        const LedgerArgs& ledger);
 
 // The screen and the correction of c given its block sums; the tensors they point into are kept
 // alive here.
@@ -586,7 +595,7 @@ Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_blo
 // correction and the tally of what it found in one launch.
 struct CudaVerification {
   Found found;
-  at::Tensor failed, event;
+  at::Tensor failed;
 };
 
 CudaVerification verify_on_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
@@ -594,7 +603,7 @@ CudaVerification verify_on_cuda(const at::Tensor& c, int64_t col_block, int64_t 
                                 at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
                                 const at::Tensor& a, const at::Tensor& b, double alpha,
                                 const std::optional<at::Tensor>& bias, double near_inf,
-                                int64_t capacity, const at::Tensor* counts, double step) {
+                                int64_t capacity, const LedgerArgs* ledger) {
   check_inputs(c, col_block, row_block, at::kCUDA);
   const c10::cuda::CUDAGuard guard(c.device());
   const auto [sums, matrices, out] = prepare(c, col_block, row_block);
@@ -606,17 +615,16 @@ CudaVerification verify_on_cuda(const at::Tensor& c, int64_t col_block, int64_t 
   const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
   C10_CUDA_CHECK(
       static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream, &v.screen)));
-  CudaVerification result{v.correction.found, {}, {}};
-  if (counts == nullptr) {
+  CudaVerification result{v.correction.found, {}};
+  if (ledger == nullptr) {
     C10_CUDA_CHECK(static_cast<cudaError_t>(abft::correct_cuda(v.correction.k, f64, stream)));
     return result;
   }
   const auto& [status, kind, rows, cols, magnitude] = result.found;
-  auto [t, failed, event, flat] = prepare_tally(status, kind, rows, cols, magnitude, *counts, step);
+  auto [t, failed, flat] = prepare_tally(status, kind, rows, cols, magnitude, *ledger);
   C10_CUDA_CHECK(
       static_cast<cudaError_t>(abft::correct_tally_cuda(v.correction.k, t, f64, stream)));
   result.failed = failed;
-  result.event = event;
   return result;
 }
 
@@ -627,16 +635,16 @@ Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_bl
                           const std::optional<at::Tensor>& bias, double near_inf,
                           int64_t capacity) {
   return verify_on_cuda(c, col_block, row_block, col, row, col_bounds, row_bounds, a, b, alpha,
-                        bias, near_inf, capacity, nullptr, 0.0)
+                        bias, near_inf, capacity, nullptr)
       .found;
 }
 #endif
 
-// tally (abft.h): the per-matrix results of verify_correct (or of the PyTorch path), flattened;
-// counts [3, kinds] int64 is added to in place. Returns failed (bool) and the event record [7].
+// tally (abft.h): the per-matrix results of verify_correct (or of the PyTorch path), flattened,
+// into a ledger written in place. Returns failed (bool).
 TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
                         const at::Tensor& col, const at::Tensor& magnitude,
-                        const at::Tensor& counts, double step) {
+                        const LedgerArgs& ledger) {
   const int64_t batch = status.numel();
   TORCH_CHECK(batch >= 1, "megatron_abft::tally: no matrices");
   const std::pair<const at::Tensor*, at::ScalarType> fields[] = {
@@ -653,85 +661,103 @@ TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const 
                   magnitude.numel() == batch && magnitude.device() == status.device(),
               "megatron_abft::tally: magnitude ", magnitude.sizes(), " ",
               magnitude.scalar_type(), "; want ", batch, " float or double on ", status.device());
+  const at::Tensor& counts = ledger.counts;
   TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 2 && counts.size(0) == 3 &&
                   counts.size(1) >= 1 && counts.size(1) <= abft::kMaxKinds &&
                   counts.is_contiguous() && counts.device() == status.device(),
               "megatron_abft::tally: counts ", counts.sizes(), " ", counts.scalar_type(),
               "; want a contiguous int64 [3, kinds <= ", abft::kMaxKinds, "] on ",
               status.device());
+  const at::Tensor &step = ledger.step, &log = ledger.log, &logged = ledger.logged;
+  TORCH_CHECK(step.scalar_type() == at::kDouble && step.numel() == 1 &&
+                  step.device() == status.device(),
+              "megatron_abft::tally: step ", step.sizes(), " ", step.scalar_type(),
+              "; want one float64 on ", status.device());
+  TORCH_CHECK(log.scalar_type() == at::kDouble && log.dim() == 2 &&
+                  log.size(1) == abft::kEventFields && log.is_contiguous() &&
+                  log.device() == status.device(),
+              "megatron_abft::tally: log ", log.sizes(), " ", log.scalar_type(),
+              "; want a contiguous float64 [capacity, ", abft::kEventFields, "] on ",
+              status.device());
+  TORCH_CHECK(logged.scalar_type() == at::kLong && logged.numel() == 1 &&
+                  logged.device() == status.device(),
+              "megatron_abft::tally: logged ", logged.sizes(), " ", logged.scalar_type(),
+              "; want one int64 on ", status.device());
   std::vector<at::Tensor> flat = {status.reshape(-1).contiguous(), kind.reshape(-1).contiguous(),
                                   row.reshape(-1).contiguous(), col.reshape(-1).contiguous(),
                                   magnitude.reshape(-1).contiguous()};
   at::Tensor failed = at::empty({}, status.options().dtype(at::kBool));
-  at::Tensor event = at::empty({7}, status.options().dtype(at::kDouble));
   abft::Tally t{flat[0].data_ptr<int8_t>(), flat[1].data_ptr<int8_t>(),
                 flat[2].data_ptr<int64_t>(), flat[3].data_ptr<int64_t>(),
                 flat[4].data_ptr(), magnitude.scalar_type() == at::kDouble,
                 batch, int(counts.size(1)), counts.data_ptr<int64_t>(),
-                failed.data_ptr<bool>(), event.data_ptr<double>(), step};
-  return {t, failed, event, std::move(flat)};
+                failed.data_ptr<bool>(), step.data_ptr<double>(), log.data_ptr<double>(),
+                logged.data_ptr<int64_t>(), log.size(0)};
+  return {t, failed, std::move(flat)};
 }
 
-std::tuple<at::Tensor, at::Tensor> tally_cpu(const at::Tensor& status, const at::Tensor& kind,
-                                             const at::Tensor& row, const at::Tensor& col,
-                                             const at::Tensor& magnitude, at::Tensor& counts,
-                                             double step) {
-  auto [t, failed, event, flat] = prepare_tally(status, kind, row, col, magnitude, counts, step);
+at::Tensor tally_cpu(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                     const at::Tensor& col, const at::Tensor& magnitude, at::Tensor& counts,
+                     const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
+  auto [t, failed, flat] =
+      prepare_tally(status, kind, row, col, magnitude, {counts, step, log, logged});
   abft::tally_cpu(t);
-  return {failed, event};
+  return failed;
 }
 
 #ifdef ABFT_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> tally_cuda(const at::Tensor& status, const at::Tensor& kind,
-                                              const at::Tensor& row, const at::Tensor& col,
-                                              const at::Tensor& magnitude, at::Tensor& counts,
-                                              double step) {
+at::Tensor tally_cuda(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                      const at::Tensor& col, const at::Tensor& magnitude, at::Tensor& counts,
+                      const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
   const c10::cuda::CUDAGuard guard(status.device());
-  auto [t, failed, event, flat] = prepare_tally(status, kind, row, col, magnitude, counts, step);
+  auto [t, failed, flat] =
+      prepare_tally(status, kind, row, col, magnitude, {counts, step, log, logged});
   const auto stream = c10::cuda::getCurrentCUDAStream(status.device().index()).stream();
   C10_CUDA_CHECK(static_cast<cudaError_t>(abft::tally_cuda(t, stream)));
-  return {failed, event};
+  return failed;
 }
 #endif
 
-// verify_correct_tally: verify_correct, then tally of what it found into counts (in place), as
-// one op: verify_correct's five outputs, then tally's two. A guard's sync-free check on CUDA,
+// verify_correct_tally: verify_correct, then tally of what it found into a ledger (in place), as
+// one op: verify_correct's five outputs, then tally's failed. A guard's sync-free check on CUDA,
 // where the correction and the tally are one launch.
-using Seven =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Six = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-Seven verify_correct_tally_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
-                               at::TensorList col, at::TensorList row,
-                               at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
-                               const at::Tensor& a, const at::Tensor& b, double alpha,
-                               const std::optional<at::Tensor>& bias, double near_inf,
-                               int64_t capacity, at::Tensor& counts, double step) {
+Six verify_correct_tally_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                             at::TensorList col, at::TensorList row,
+                             at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                             const at::Tensor& a, const at::Tensor& b, double alpha,
+                             const std::optional<at::Tensor>& bias, double near_inf,
+                             int64_t capacity, at::Tensor& counts, const at::Tensor& step,
+                             at::Tensor& log, at::Tensor& logged) {
   const auto [status, kind, rows, cols, magnitude] =
       verify_correct_cpu(c, col_block, row_block, col, row, col_bounds, row_bounds, a, b, alpha,
                          bias, near_inf, capacity);
-  const auto [failed, event] = tally_cpu(status, kind, rows, cols, magnitude, counts, step);
-  return {status, kind, rows, cols, magnitude, failed, event};
+  const at::Tensor failed =
+      tally_cpu(status, kind, rows, cols, magnitude, counts, step, log, logged);
+  return {status, kind, rows, cols, magnitude, failed};
 }
 
 #ifdef ABFT_WITH_CUDA
-Seven verify_correct_tally_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
-                                at::TensorList col, at::TensorList row,
-                                at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
-                                const at::Tensor& a, const at::Tensor& b, double alpha,
-                                const std::optional<at::Tensor>& bias, double near_inf,
-                                int64_t capacity, at::Tensor& counts, double step) {
-  const CudaVerification v =
-      verify_on_cuda(c, col_block, row_block, col, row, col_bounds, row_bounds, a, b, alpha, bias,
-                     near_inf, capacity, &counts, step);
+Six verify_correct_tally_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                              at::TensorList col, at::TensorList row,
+                              at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                              const at::Tensor& a, const at::Tensor& b, double alpha,
+                              const std::optional<at::Tensor>& bias, double near_inf,
+                              int64_t capacity, at::Tensor& counts, const at::Tensor& step,
+                              at::Tensor& log, at::Tensor& logged) {
+  const LedgerArgs ledger{counts, step, log, logged};
+  const CudaVerification v = verify_on_cuda(c, col_block, row_block, col, row, col_bounds,
+                                            row_bounds, a, b, alpha, bias, near_inf, capacity,
+                                            &ledger);
   const auto& [status, kind, rows, cols, magnitude] = v.found;
-  return {status, kind, rows, cols, magnitude, v.failed, v.event};
+  return {status, kind, rows, cols, magnitude, v.failed};
 }
 #endif
 
 // add_bias: both sides' checksum sums and magnitudes of alpha * a @ b (encode_pair's outputs) with
 // a bias [n] added to every row of C (m rows), and the bias's magnitudes [nb(m), n], [nb(n), 1],
 // in one launch (abft.h, BiasTerms).
-using Six = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 struct BiasAdd {
   abft::BiasTerms t;
@@ -848,13 +874,13 @@ TORCH_LIBRARY(megatron_abft, m) {
       {at::Tag::pt2_compliant_tag});
   m.def(
       "tally(Tensor status, Tensor kind, Tensor row, Tensor col, Tensor magnitude, "
-      "Tensor(a!) counts, float step) -> (Tensor, Tensor)",
+      "Tensor(a!) counts, Tensor step, Tensor(b!) log, Tensor(c!) logged) -> Tensor",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "verify_correct_tally(Tensor(a!) c, int col_block, int row_block, Tensor[] col, "
       "Tensor[] row, float[] col_bounds, float[] row_bounds, Tensor a, Tensor b, float alpha, "
-      "Tensor? bias, float near_inf, int capacity, Tensor(b!) counts, float step) -> (Tensor, "
-      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      "Tensor? bias, float near_inf, int capacity, Tensor(b!) counts, Tensor step, "
+      "Tensor(c!) log, Tensor(d!) logged) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "add_bias(Tensor col, Tensor col_magnitude, Tensor row, Tensor row_magnitude, Tensor bias, "

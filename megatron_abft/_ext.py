@@ -15,9 +15,13 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from megatron_abft.ledger import Ledger
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _MAX_DIMS = 10  # [*batch, m, n] with at most 8 batch dims (csrc/abft.h)
@@ -210,43 +214,44 @@ def verify_correct(
     operands: tuple[Tensor, Tensor, float, Tensor | None],
     near_inf: float,
     capacity: int,
-    tally: tuple[Tensor, int] | None = None,
+    ledger: Ledger | None = None,
 ) -> tuple[Tensor, ...] | None:
     """``screen``, then the flagged matrices of ``c`` located and corrected in place from the
     GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/abft_correct.h). ``sides`` are the
     six arguments of ``screen`` after c (megatron_abft.sides.kernel_sides). Per matrix: status
     (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
     flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass
-    are corrected (eec's max_corrections, per matrix). With ``tally`` (counts, step), the same
-    op also tallies what it found as ``tally`` does, on CUDA in the correction's launch, and
-    returns failed and the event record after the five. None where the kernels do not apply."""
+    are corrected (eec's max_corrections, per matrix). With a ``ledger``, the same op also
+    tallies what it found into it as ``tally`` does, on CUDA in the correction's launch, and
+    returns failed after the five. None where the kernels do not apply."""
     a, b, alpha, bias = operands
     if not (_serves(c) and _serves(a) and _serves(b)) or a.device != c.device:
         return None
     if bias is not None and (bias.dtype not in _KERNEL_DTYPES or bias.device != c.device):
         return None
-    if tally is None:
+    if ledger is None:
         return torch.ops.megatron_abft.verify_correct(
             c, *sides, a, b, alpha, bias, near_inf, capacity
         )
-    counts, step = tally
     return torch.ops.megatron_abft.verify_correct_tally(
-        c, *sides, a, b, alpha, bias, near_inf, capacity, counts, float(step)
+        c, *sides, a, b, alpha, bias, near_inf, capacity, *_ledger_args(ledger)
     )
 
 
-def tally(
-    found: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], counts: Tensor, step: int
-) -> tuple[Tensor, Tensor] | None:
+def tally(found: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], ledger: Ledger) -> Tensor | None:
     """What a check ``found`` (per matrix status, kind, row, col, magnitude, as verify_correct
-    returns them) adds to a guard, in one op with no host read: ``counts`` [3, len(KINDS)]
-    int64 += its outcomes by kind, in place; returns whether a matrix is uncorrectable (a bool
-    tensor) and the event record of the worst matrix (guard.EVENT_FIELDS, float64 [7]). None
-    where the kernels do not apply."""
+    returns them) adds to a guard's ``ledger``, in one op with no host read: its counts by
+    outcome and kind, and the worst matrix's record where one is not clean (ledger.py);
+    returns whether a matrix is uncorrectable (a bool tensor). None where the kernels do not
+    apply."""
     status, *_, magnitude = found
     if not _serves_device(status.device) or magnitude.dtype not in (torch.float32, torch.float64):
         return None
-    return torch.ops.megatron_abft.tally(*found, counts, float(step))
+    return torch.ops.megatron_abft.tally(*found, *_ledger_args(ledger))
+
+
+def _ledger_args(ledger: Ledger) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return ledger.counts, ledger.clock, ledger.log, ledger.logged
 
 
 def softmax_check(
@@ -303,8 +308,8 @@ def encode_pair_from(
 
 def _register_fake() -> None:
     @torch.library.register_fake("megatron_abft::tally")
-    def _(status: Tensor, kind, row, col, magnitude, counts, step):
-        return status.new_empty((), dtype=torch.bool), status.new_empty(7, dtype=torch.float64)
+    def _(status: Tensor, *args):
+        return status.new_empty((), dtype=torch.bool)
 
     def found_like(c: Tensor) -> tuple[Tensor, ...]:
         batch = c.shape[:-2]
@@ -321,8 +326,7 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("megatron_abft::verify_correct_tally")
     def _(c: Tensor, *args):
-        tallied = c.new_empty((), dtype=torch.bool), c.new_empty(7, dtype=torch.float64)
-        return *found_like(c), *tallied
+        return *found_like(c), c.new_empty((), dtype=torch.bool)
 
     @torch.library.register_fake("megatron_abft::encode_pair")
     @torch.library.register_fake("megatron_abft::encode_pair_split")

@@ -36,6 +36,7 @@ one op of the kernels, megatron_abft.sides.screen).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -45,6 +46,9 @@ from megatron_abft.checksum import FLOATING, Checksums, broadcast_shapes, nblock
 from megatron_abft.correction import correct_side, crossing_flags, sum_into, vectors_to_correct
 from megatron_abft.sides import Check, Side, inspect_sides, kernel_sides, screen
 from megatron_abft.tolerance import gemm_rounding
+
+if TYPE_CHECKING:
+    from megatron_abft.ledger import Ledger
 
 KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
 """Kinds of fault, by the worst checksum difference a matrix showed."""
@@ -86,8 +90,8 @@ class EECResult:
     into KINDS), the ``row`` and ``col`` of the most wrong flagged row and column (-1 where none
     is) and ``magnitude``, the largest checksum difference |d1| seen (the size of the error).
     ``known_clean`` says, without reading the device, that nothing was found. ``tallied``: where
-    the check was given a tally and the kernels settled it sync-free, whether a matrix is
-    uncorrectable and the event record, as megatron_abft.guard tallies them.
+    the check was given a ledger and the kernels settled it sync-free and tallied it there,
+    whether a matrix is uncorrectable (a bool tensor), as Ledger.tally returns it.
     """
 
     status: Tensor
@@ -96,7 +100,7 @@ class EECResult:
     col: Tensor
     magnitude: Tensor
     known_clean: bool = False
-    tallied: tuple[Tensor, Tensor] | None = None
+    tallied: Tensor | None = None
 
     @property
     def fields(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -158,7 +162,7 @@ def verify_and_correct(
     max_corrections: int | None = None,
     check_references: bool = True,
     sync_free: bool = True,
-    tally: tuple[Tensor, int] | None = None,
+    ledger: Ledger | None = None,
 ) -> EECResult:
     """Check ``c [..., m, n]`` against its column and/or row checksums and correct it in place.
 
@@ -170,10 +174,10 @@ def verify_and_correct(
     one host synchronisation; the protected layers turn it off and count such matrices as
     uncorrectable instead. ``sync_free=False`` lets a device other than the CPU read whether
     anything was flagged (one host synchronisation) and skip the correction path when nothing was,
-    as the CPU always does. ``tally`` (a guard's counters ``[3, len(KINDS)]``, int64, and its
-    step): where the check stays sync-free on a device other than the CPU and the kernels run
-    it, they also add its outcomes to the counters in the same op (one launch), and the result's
-    ``tallied`` says so; elsewhere the counters are left to the caller.
+    as the CPU always does. ``ledger`` (a guard's, megatron_abft.ledger): where the check stays
+    sync-free on a device other than the CPU and the kernels run it, they also tally its
+    outcomes into the ledger in the same op (one launch), and the result's ``tallied`` says so;
+    elsewhere the tally is left to the caller.
     """
     _check_inputs(c, col, row)
     if operands is not None:
@@ -186,11 +190,11 @@ def verify_and_correct(
     check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
     may_skip = c.device.type == "cpu" or not sync_free  # reading the flags costs no sync
-    tally = None if may_skip else tally  # else the PyTorch path may change what was found
-    found = _kernel_check(c, refs, check, tally) if operands is not None else None
+    ledger = None if may_skip else ledger  # else the PyTorch path may change what was found
+    found = _kernel_check(c, refs, check, ledger) if operands is not None else None
     if found is not None:
         if not may_skip:  # a matrix the kernels could not settle is uncorrectable, as it was
-            return EECResult(*found[:5], tallied=None if tally is None else tuple(found[5:]))
+            return EECResult(*found[:5], tallied=None if ledger is None else found[5])
         worst = int(found[0].max()) if found[0].numel() else CLEAN
         if worst != UNCORRECTABLE:
             return EECResult(*found, known_clean=worst == CLEAN)
@@ -232,11 +236,11 @@ def _kernel_check(
     c: Tensor,
     refs: dict[str, Checksums],
     check: Check,
-    tally: tuple[Tensor, int] | None = None,
+    ledger: Ledger | None = None,
 ) -> tuple[Tensor, ...] | None:
     """The compiled kernels' verify-and-correct of ``c`` in place (one op): per matrix status,
     kind, row, col and magnitude, a status of UNCORRECTABLE for a matrix they could not settle
-    and put back as it was; with ``tally``, then failed and the event record (_ext.tally). None
+    and put back as it was; with a ``ledger``, then failed, tallied into it (_ext.tally). None
     where the kernels do not apply."""
     sides = kernel_sides(c, refs, check)
     if sides is None:
@@ -248,7 +252,7 @@ def _kernel_check(
         (operands.a, operands.b, float(operands.alpha), operands.bias),
         check.near_inf,
         check.capacity,
-        tally,
+        ledger,
     )
 
 

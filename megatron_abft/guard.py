@@ -4,13 +4,15 @@ guards (counters, step, layer numbers).
 A protected module owns one guard per section it computes. On each forward the guard lands any
 injected fault meant for it (megatron_abft.faults.inject), then, when the section is due
 (ABFTConfig.checks), encodes checksums from the GEMM's inputs, verifies and corrects the output
-in place and adds the outcome to device-side counters. A fault it cannot correct is recomputed
-at once where that costs no host synchronisation (CPU tensors), and otherwise left pending for
-the once-per-step policy decision (megatron_abft.policy.finish_step).
+in place and tallies the outcome into its ledger, on the device (megatron_abft.ledger). A fault
+it cannot correct is recomputed at once where that costs no host synchronisation (CPU tensors),
+and otherwise left pending for the once-per-step policy decision
+(megatron_abft.policy.finish_step).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -19,22 +21,12 @@ from torch import Tensor
 from megatron_abft import _ext
 from megatron_abft.checksum import Checksums, encode
 from megatron_abft.config import SECTIONS, ABFTConfig
-from megatron_abft.eec import (
-    KINDS,
-    OUTCOMES,
-    UNCORRECTABLE,
-    EECResult,
-    GemmOperands,
-    verify_and_correct,
-)
+from megatron_abft.eec import KINDS, OUTCOMES, GemmOperands, verify_and_correct
+from megatron_abft.ledger import EVENT_FIELDS, Ledger, drain, set_clocks
 
 RECOMPUTED = 3
 """Event status of a fault that was uncorrectable in place and went away when recomputed."""
 ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed"}
-EVENT_FIELDS = ("step", "status", "matrix", "kind", "row", "col", "magnitude")
-"""One event record per check: the worst matrix of the batch and where it went wrong."""
-MAX_EVENTS = 256
-"""Event records a guard keeps between two collect_events calls (SectionGuard._record)."""
 
 View = Callable[[Tensor], Tensor]
 """Maps a GEMM output to the ``[..., rows, cols]`` matrix a fault section names."""
@@ -91,12 +83,16 @@ class SectionGuard:
         self.layer: int | None = None  # Megatron's 1-based layer number, set by iter_guards
         self.step = 0
         self.faults: list = []  # model-level faults waiting to land (faults.inject)
-        self.counts: Tensor | None = None  # [len(OUTCOMES), len(KINDS)] int64, on the device
+        self.ledger: Ledger | None = None  # counters and fault log, on the device
         self.recomputed: Tensor | None = None  # GEMMs recomputed by the recompute policy
         self.pending: Tensor | None = None  # bool: an uncorrected fault this step
         self.recompute_failed = False  # a recomputed GEMM was still wrong this step
-        self.events: list[Tensor] = []  # EVENT_FIELDS records of checks not known clean
         self.batch_shape: tuple[int, ...] = ()  # of the checked matrices, to name heads
+
+    @property
+    def counts(self) -> Tensor | None:
+        """[len(OUTCOMES), len(KINDS)] int64 on the device: matrices by outcome and kind."""
+        return None if self.ledger is None else self.ledger.counts
 
     @property
     def due(self) -> bool:
@@ -135,7 +131,7 @@ class SectionGuard:
     ) -> Tensor:
         """``check`` of a due section whose faults have landed."""
         self.batch_shape = tuple(output.shape[:-2])
-        failed, event = self._verify(output, operands, refs)
+        failed = self._verify(output, operands, refs)
         if (
             recompute is not None
             and self.config.on_uncorrectable == "recompute"
@@ -147,15 +143,13 @@ class SectionGuard:
             if self.recomputed is None:
                 self.recomputed = torch.zeros((), dtype=torch.int64, device=output.device)
             self.recomputed += 1
-            if (again := self._verify(output, operands, refs)[0]) is not None and bool(again):
+            if (again := self._verify(output, operands, refs)) is not None and bool(again):
                 # still wrong: the fault is in the inputs, or persistent. Leave it pending, so
                 # that finish_step raises on every rank together
                 self.recompute_failed = True
             else:
                 failed = torch.zeros_like(failed)
-                event = torch.cat([event[:1], event.new_tensor([RECOMPUTED]), event[2:]])
-        if event is not None:
-            self._record(event)
+                self.ledger.amend_last(RECOMPUTED)
         if failed is not None:
             self.pending = failed if self.pending is None else self.pending | failed
         return output
@@ -164,19 +158,19 @@ class SectionGuard:
         """Count a due check of ``output`` that a screen elsewhere found clean (the fused
         softmax's screen of the scores): nothing to correct, nothing to record."""
         self.batch_shape = tuple(output.shape[:-2])
-        self._counters(output.device)
+        self._open_ledger(output.device)
 
-    def _counters(self, device: torch.device) -> None:
-        if self.counts is None:
-            self.counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.int64, device=device)
+    def _open_ledger(self, device: torch.device) -> Ledger:
+        if self.ledger is None:
+            self.ledger = Ledger.on(device, self.step)
+        return self.ledger
 
     def _verify(
         self, output: Tensor, operands: GemmOperands, refs: tuple[Checksums, Checksums] | None
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """Verify and correct in place and count. Returns whether a matrix stayed uncorrectable
-        (a device bool) and the event record of the worst matrix (EVENT_FIELDS); both None when
-        the check is known clean without a host synchronisation (EECResult.known_clean,
-        which every clean check is where host_reads)."""
+    ) -> Tensor | None:
+        """Verify and correct in place and tally. Returns whether a matrix stayed uncorrectable
+        (a device bool); None when the check is known clean without a host synchronisation
+        (EECResult.known_clean, which every clean check is where host_reads)."""
         col, row = refs or encode(
             operands.a,
             operands.b,
@@ -184,7 +178,7 @@ class SectionGuard:
             bias=operands.bias,
             block=self.config.block_size,
         )
-        self._counters(output.device)
+        ledger = self._open_ledger(output.device)
         result = verify_and_correct(
             output,
             col,
@@ -194,37 +188,11 @@ class SectionGuard:
             near_inf=self.config.near_inf,
             check_references=False,
             sync_free=not host_reads(self.config, output.device),
-            tally=(self.counts, self.step),
+            ledger=ledger,
         )
         if result.known_clean:
-            return None, None
-        return result.tallied if result.tallied is not None else self._tally(result)
-
-    def _tally(self, result: EECResult) -> tuple[Tensor, Tensor]:
-        """Add ``result`` to the counters; whether a matrix is uncorrectable, and the event
-        record. One op of the compiled kernels, else a few dozen small ones."""
-        tallied = _ext.tally(result.fields, self.counts, self.step)
-        if tallied is not None:
-            return tallied
-        self.counts += result.counts
-        status = result.status.reshape(-1)
-        # the first uncorrectable matrix, else the first corrected one; indexed with a 1-element
-        # tensor, as a 0-d index would be read on the host (a sync on GPUs)
-        worst = status.argmax().reshape(1)
-        picked = [f.reshape(-1)[worst].double() for f in result.fields]
-        step = torch.full((1,), float(self.step), dtype=torch.float64, device=status.device)
-        event = torch.cat([step, picked[0], worst.double(), *picked[1:]])
-        return (result.status == UNCORRECTABLE).any(), event
-
-    def _record(self, event: Tensor) -> None:
-        """Keep ``event`` until collect_events. A sync-free check on a GPU records one per check,
-        clean or not, as it cannot read which; at MAX_EVENTS records the list is cut, on the
-        device, to the half with the worst statuses, in their order (the counters stay exact)."""
-        self.events.append(event)
-        if len(self.events) >= MAX_EVENTS:
-            table = torch.stack(self.events)
-            worst = table[:, 1].topk(MAX_EVENTS // 2, sorted=False).indices.sort().values
-            self.events = list(table[worst].unbind())
+            return None
+        return result.tallied if result.tallied is not None else ledger.tally(result)
 
     def where(self) -> dict:
         """Rank, layer, section and step of this guard, for error messages and events."""
@@ -238,8 +206,11 @@ class SectionGuard:
         }
 
     def reset(self) -> None:
-        self.counts = self.recomputed = self.pending = None
-        self.events = []
+        """Zero the counters and empty the log, in place (a captured graph keeps writing them)."""
+        if self.ledger is not None:
+            self.ledger.counts.zero_()
+            self.ledger.logged.zero_()
+        self.recomputed = self.pending = None
 
 
 def iter_guards(model: torch.nn.Module) -> Iterator[SectionGuard]:
@@ -256,11 +227,13 @@ def iter_guards(model: torch.nn.Module) -> Iterator[SectionGuard]:
 
 def set_step(model: torch.nn.Module, step: int) -> None:
     """Tell every guard the training step, which decides what is due (check intervals) and
-    which injected faults land."""
-    for guard in iter_guards(model):
+    which injected faults land, and is the step their ledgers log faults at."""
+    guards = list(iter_guards(model))
+    for guard in guards:
         guard.step = step
         guard.pending = None
         guard.recompute_failed = False
+    set_clocks([g.ledger for g in guards if g.ledger is not None], step)
 
 
 def reset_stats(model: torch.nn.Module) -> None:
@@ -304,22 +277,22 @@ def stats(
 
 
 def collect_events(model: torch.nn.Module) -> list[dict]:
-    """The faults every guard saw since the last call, as dicts (step, rank, tp_rank, layer,
-    section, sample, head, row, col, kind, magnitude, action); clears them. One host
-    synchronisation for the whole model: call it once per log interval. A guard keeps at most
-    MAX_EVENTS records in between; past that, the worst half (by action) of what it has."""
-    guards = [g for g in iter_guards(model) if g.events]
-    if not guards:
-        return []
-    table = torch.cat([torch.stack(g.events) for g in guards]).cpu().tolist()
-    events, start = [], 0
-    for guard in guards:
-        rows, start = table[start : start + len(guard.events)], start + len(guard.events)
-        guard.events = []
-        for record in rows:
+    """The faults every guard logged since the last call, as dicts (step, rank, tp_rank, layer,
+    section, sample, head, row, col, kind, magnitude, action); empties the logs. One or two host
+    synchronisations for the whole model: call it once per log interval. A guard logs at most
+    ledger.LOG_CAPACITY faults in between and warns of the rest (its counters count them)."""
+    guards = [g for g in iter_guards(model) if g.ledger is not None]
+    events = []
+    for guard, (records, unlogged) in zip(guards, drain([g.ledger for g in guards]), strict=True):
+        if unlogged:
+            warnings.warn(
+                f"ABFT: layer {guard.layer} section {guard.section} found {unlogged} faults more "
+                f"than its log keeps ({guard.ledger.capacity}) since the last collect_events: "
+                "counted, not logged",
+                stacklevel=2,
+            )
+        for record in records:
             event = dict(zip(EVENT_FIELDS, record, strict=True))
-            if event["status"] == 0:
-                continue
             sample, head = _sample_and_head(guard.batch_shape, int(event["matrix"]))
             events.append(
                 {

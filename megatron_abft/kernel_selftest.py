@@ -112,7 +112,8 @@ def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
     from dataclasses import replace
 
     from megatron_abft import _ext
-    from megatron_abft.eec import KINDS, OUTCOMES, GemmOperands, _kernel_check, verify_and_correct
+    from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
+    from megatron_abft.ledger import Ledger
 
     operands = GemmOperands(a, b)
     wrong = []
@@ -121,20 +122,21 @@ def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
     faulty[1, 0, 7, 9] += 1e3
     settled, tallied = faulty.clone(), faulty.clone()
     found = _kernel_check(settled, refs, replace(check, capacity=96, operands=operands))
-    counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.int64, device=c.device)
-    both = _kernel_check(tallied, refs, replace(check, capacity=96, operands=operands), (counts, 5))
+    ledger = Ledger.on(c.device, 5)
+    both = _kernel_check(tallied, refs, replace(check, capacity=96, operands=operands), ledger)
     with _ext.disabled():
         want = verify_and_correct(faulty, **refs, operands=operands, check_references=False)
     if found is None or not (torch.equal(found[0], want.status) and _close(settled, faulty)):
         wrong.append(f"verify_correct, 0D and 1D ({dtype})")
     if (
         both is None
-        or len(both) != 7
+        or len(both) != 6
         or not (
             torch.equal(both[0], want.status)
             and _close(tallied, faulty)
-            and torch.equal(counts, want.counts)
-            and float(both[6][1]) == float(want.status.max())
+            and torch.equal(ledger.counts, want.counts)
+            and int(ledger.logged) == 1
+            and float(ledger.log[0, 1]) == float(want.status.max())
         )
     ):
         wrong.append(f"verify_correct_tally ({dtype})")
@@ -151,29 +153,30 @@ def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
 
 
 def _tally_mismatches(device: torch.device) -> list[str]:
-    """tally against the guard's PyTorch twin: 300 matrices (more than one CUDA thread block
-    takes at once) of every outcome and kind, the worst status on many of them."""
+    """tally against its PyTorch twin (Ledger.tally without the kernels): 300 matrices (more
+    than one CUDA thread block takes at once) of every outcome and kind, the worst status on
+    many of them, tallied three times into a log that keeps two records."""
     from contextlib import nullcontext
 
     from megatron_abft import _ext
-    from megatron_abft.config import ABFTConfig
-    from megatron_abft.eec import KINDS, OUTCOMES, EECResult
-    from megatron_abft.guard import SectionGuard
+    from megatron_abft.eec import KINDS, EECResult
+    from megatron_abft.ledger import Ledger
 
     index = torch.arange(300, device=device)
     status = torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.int8, device=device).repeat(50)
     found = EECResult(status, (index % len(KINDS)).to(torch.int8), index, 3 * index, index / 7.0)
     got = []
     for kernels in (True, False):
-        guard = SectionGuard("scores", ABFTConfig(), 0)
-        guard.step = 5
-        guard.counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.int64, device=device)
+        ledger = Ledger.on(device, 5, capacity=2)
         with nullcontext() if kernels else _ext.disabled():
-            failed, event = guard._tally(found)
-        got.append((guard.counts, bool(failed), event))
-    (counts, failed, event), (want_counts, want_failed, want_event) = got
-    same = torch.equal(counts, want_counts) and failed == want_failed
-    return [] if same and torch.equal(event, want_event) else ["tally"]
+            failed = [bool(ledger.tally(found)) for _ in range(3)]
+        got.append((failed, ledger))
+    (failed, ledger), (want_failed, want) = got
+    same = failed == want_failed and all(
+        torch.equal(getattr(ledger, name), getattr(want, name))
+        for name in ("counts", "log", "logged")
+    )
+    return [] if same else ["tally"]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
-"""The compiled tally (megatron_abft::tally): what a guard adds to its counters and event log
-from a check's per-matrix results, in one op, against the guard's PyTorch twin; and
+"""The compiled tally (megatron_abft::tally): what a guard adds to its ledger (counters and fault
+log) from a check's per-matrix results, in one op, against Ledger.tally's PyTorch twin; and
 verify_correct_tally, the check and its tally in one op."""
 
 import pytest
@@ -15,7 +15,6 @@ from megatron_abft.config import ABFTConfig
 from megatron_abft.eec import (
     CORRECTED,
     KINDS,
-    OUTCOMES,
     EECResult,
     GemmOperands,
     _kernel_check,
@@ -23,6 +22,7 @@ from megatron_abft.eec import (
 )
 from megatron_abft.faults import TensorFault, inject_
 from megatron_abft.guard import SectionGuard
+from megatron_abft.ledger import Ledger, set_clocks
 from megatron_abft.sides import Check
 from megatron_abft.tolerance import gemm_rounding
 
@@ -38,19 +38,23 @@ def results(batch: tuple[int, ...], seed: int, dtype=torch.float32, statuses=3) 
     return EECResult(status, kind, row, col, magnitude)
 
 
-def tallied(found: EECResult, step: int, kernels: bool, times: int = 2):
-    """A guard's counters, and its last failed flag and event, after tallying ``found`` ``times``
-    times, with the kernels or with the PyTorch twin."""
-    guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
-    guard.step = step
-    guard.counts = torch.zeros(len(OUTCOMES), len(KINDS), dtype=torch.int64)
+def tallied(found: EECResult, step: int, kernels: bool, times: int = 3, capacity: int = 2):
+    """A ledger of ``capacity`` records, and the failed flags, after tallying ``found``
+    ``times`` times, with the kernels or with the PyTorch twin."""
+    ledger = Ledger.on(torch.device("cpu"), step, capacity)
+    failed = []
     for _ in range(times):
         if kernels:
-            failed, event = guard._tally(found)
+            failed.append(ledger.tally(found))
         else:
             with _ext.disabled():
-                failed, event = guard._tally(found)
-    return guard.counts, failed, event
+                failed.append(ledger.tally(found))
+    return ledger, failed
+
+
+def assert_same_ledger(got: Ledger, want: Ledger):
+    assert torch.equal(got.counts, want.counts) and torch.equal(got.logged, want.logged)
+    torch.testing.assert_close(got.log, want.log, equal_nan=True, rtol=0, atol=0)
 
 
 @needs_ext
@@ -61,41 +65,63 @@ def tallied(found: EECResult, step: int, kernels: bool, times: int = 2):
     dtype=st.sampled_from([torch.float32, torch.float64]),
     statuses=st.integers(1, 3),
     step=st.integers(0, 10**6),
+    capacity=st.integers(1, 4),
 )
-@example((1,), 0, torch.float32, 1, 0)  # one clean matrix
-@example((300,), 1, torch.float64, 3, 7)  # more matrices than one thread block of the CUDA op
-def test_tally_equals_the_pytorch_twin(batch, seed, dtype, statuses, step):
+@example((1,), 0, torch.float32, 1, 0, 1)  # one clean matrix
+@example((300,), 1, torch.float64, 3, 7, 2)  # more matrices than one thread block of the CUDA op
+def test_tally_equals_the_pytorch_twin(batch, seed, dtype, statuses, step, capacity):
     found = results(batch, seed, dtype, statuses)
-    counts, failed, event = tallied(found, step, kernels=True)
-    want_counts, want_failed, want_event = tallied(found, step, kernels=False)
-    assert torch.equal(counts, want_counts)
-    assert failed.dtype == torch.bool and failed.shape == () and bool(failed) == bool(want_failed)
-    torch.testing.assert_close(event, want_event, equal_nan=True, rtol=0, atol=0)
+    ledger, failed = tallied(found, step, kernels=True, capacity=capacity)
+    want, want_failed = tallied(found, step, kernels=False, capacity=capacity)
+    assert_same_ledger(ledger, want)
+    assert all(f.dtype == torch.bool and f.shape == () for f in failed)
+    assert [bool(f) for f in failed] == [bool(f) for f in want_failed]
+    assert int(ledger.logged) == (3 if bool(found.status.any()) else 0)
 
 
 @needs_ext
-def test_tally_counts_by_outcome_and_kind_and_picks_the_first_worst_matrix():
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "pytorch"])
+def test_tally_counts_by_outcome_and_kind_and_logs_the_first_worst_matrix(kernels):
     status = torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.int8)
     kind = torch.tensor([0, 3, 1, 3, 2, 0], dtype=torch.int8)
     row, col = torch.arange(6) * 10, torch.arange(6) * 100
     magnitude = torch.tensor([0.0, 1.5, 2.5, 3.5, 4.5, 0.0])
-    counts = torch.ones(3, len(KINDS), dtype=torch.int64)  # added to, not overwritten
-    failed, event = _ext.tally((status, kind, row, col, magnitude), counts, 9)
+    ledger = Ledger.on(torch.device("cpu"), 9, capacity=2)
+    ledger.counts += 1  # added to, not overwritten
+
+    def tally(n: int) -> bool:
+        found = EECResult(status[:n], kind[:n], row[:n], col[:n], magnitude[:n])
+        if kernels:
+            return bool(ledger.tally(found))
+        with _ext.disabled():
+            return bool(ledger.tally(found))
+
+    assert tally(6)
     want = torch.ones(3, len(KINDS), dtype=torch.int64)
     want[0] += torch.tensor([0, 1, 1, 2])  # detected: every matrix not clean, by kind
     want[1] += torch.tensor([0, 0, 0, 2])  # corrected
     want[2] += torch.tensor([0, 1, 1, 0])  # uncorrectable
-    assert torch.equal(counts, want) and bool(failed)
-    assert event.tolist() == [9.0, 2.0, 2.0, 1.0, 20.0, 200.0, 2.5]
-    failed, event = _ext.tally((status[:2], kind[:2], row[:2], col[:2], magnitude[:2]), counts, 3)
-    assert not bool(failed) and event.tolist() == [3.0, 1.0, 1.0, 3.0, 10.0, 100.0, 1.5]
+    assert torch.equal(ledger.counts, want)
+    set_clocks([ledger], 3)
+    assert not tally(1)  # clean: counted as nothing, not logged
+    assert not tally(2)
+    assert ledger.log.tolist() == [
+        [9.0, 2.0, 2.0, 1.0, 20.0, 200.0, 2.5],
+        [3.0, 1.0, 1.0, 3.0, 10.0, 100.0, 1.5],
+    ]
+    assert tally(6)  # past the log's capacity: counted, not logged
+    assert int(ledger.logged) == 3 and ledger.log[1, 0] == 3.0
+    assert int(ledger.counts[2].sum()) == len(KINDS) + 2 + 2  # the ones, then 2 a tally
 
 
 @needs_ext
 def test_tally_opcheck():
     found = results((3, 5), seed=4)
-    counts = torch.zeros(3, len(KINDS), dtype=torch.int64)
-    torch.library.opcheck(torch.ops.megatron_abft.tally.default, (*found.fields, counts, 5.0))
+    ledger = Ledger.on(torch.device("cpu"), 5, capacity=4)
+    torch.library.opcheck(
+        torch.ops.megatron_abft.tally.default,
+        (*found.fields, ledger.counts, ledger.clock, ledger.log, ledger.logged),
+    )
 
 
 @needs_ext
@@ -108,18 +134,30 @@ def test_tally_opcheck():
         ({"magnitude": torch.zeros(6, dtype=torch.float16)}, "magnitude .* want 6 float or double"),
         ({"counts": torch.zeros(2, len(KINDS), dtype=torch.int64)}, "counts .* want a contiguous"),
         ({"counts": torch.zeros(3, len(KINDS))}, "counts .* want a contiguous int64"),
+        ({"step": torch.zeros(1)}, "step .* want one float64"),
+        ({"step": torch.zeros(2, dtype=torch.float64)}, "step .* want one float64"),
+        ({"log": torch.zeros(4, 6, dtype=torch.float64)}, r"log .* want a contiguous float64"),
+        ({"log": torch.zeros(7, 4, dtype=torch.float64).t()}, "log .* want a contiguous"),
+        ({"logged": torch.zeros(1, dtype=torch.int32)}, "logged .* want one int64"),
     ],
 )
 def test_tally_bad_inputs_raise_clear_errors(change, message):
     found = dict(
         zip(("status", "kind", "row", "col", "magnitude"), results((6,), 2).fields, strict=True)
     )
-    args = found | {"counts": torch.zeros(3, len(KINDS), dtype=torch.int64)} | change
+    ledger = Ledger.on(torch.device("cpu"), 1, capacity=4)
+    kept = {"counts": ledger.counts, "step": ledger.clock, "log": ledger.log}
+    args = found | kept | {"logged": ledger.logged} | change
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.megatron_abft.tally(*args.values(), 1.0)
+        torch.ops.megatron_abft.tally(*args.values())
     empty = [t[:0] for t in found.values()]
     with pytest.raises(RuntimeError, match="tally: no matrices"):
-        torch.ops.megatron_abft.tally(*empty, args["counts"], 1.0)
+        torch.ops.megatron_abft.tally(*empty, *list(args.values())[5:])
+
+
+def test_a_ledger_keeps_at_least_one_record():
+    with pytest.raises(ValueError, match="at least one log record"):
+        Ledger.on(torch.device("cpu"), 0, capacity=0)
 
 
 def _guard_check(c, operands, kernels: bool):
@@ -128,9 +166,9 @@ def _guard_check(c, operands, kernels: bool):
     guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
     guard.step = 4
     c = c.clone()
-    guard.check(c.clone(), operands)  # the counters are allocated on the first check
-    guard.pending, guard.events = None, []  # as at the start of a step (guard.set_step)
-    guard.counts.zero_()
+    guard.check(c.clone(), operands)  # the ledger is made on the first check
+    guard.pending = None  # as at the start of a step (guard.set_step)
+    guard.reset()
     cpu = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
         if kernels:
@@ -147,8 +185,8 @@ def _guard_check(c, operands, kernels: bool):
 def test_a_guard_s_check_with_the_kernels_is_a_few_ops_and_counts_as_the_pytorch_path(batch):
     """A clean check is encode, verify and a host read of the worst status (on a GPU with
     sync_free there is no read and the tally runs instead); a corrected one adds the tally.
-    One matrix (a linear layer's GEMM) costs no more ops than a batch. Counters, events and the
-    pending flag equal the PyTorch path's."""
+    One matrix (a linear layer's GEMM) costs no more ops than a batch. Counters, fault log and
+    the pending flag equal the PyTorch path's."""
     c, refs, operands = case(torch.bfloat16, batch, 128, 96, 32, False, ("col", "row"), seed=5)
     _, _, clean_ops = _guard_check(c, operands, kernels=True)
     inject_(c, TensorFault("nan", "0d", batch_index=3 if batch else None, seed=5))
@@ -160,8 +198,9 @@ def test_a_guard_s_check_with_the_kernels_is_a_few_ops_and_counts_as_the_pytorch
     assert torch.equal(guard.counts, reference.counts)
     assert int(guard.counts[1].sum()) == (2 if batch else 1)
     assert not bool(guard.pending) and not bool(reference.pending)
+    assert int(guard.ledger.logged) == int(reference.ledger.logged) == 1
     torch.testing.assert_close(
-        guard.events[-1], reference.events[-1], rtol=1e-6, atol=0, equal_nan=True
+        guard.ledger.log[0], reference.ledger.log[0], rtol=1e-6, atol=0, equal_nan=True
     )
     torch.testing.assert_close(fixed, want, rtol=0.01, atol=1e-3)
 
@@ -171,28 +210,31 @@ def test_a_guard_s_check_with_the_kernels_is_a_few_ops_and_counts_as_the_pytorch
 def test_cuda_tally_equals_the_cpu_op(batch):
     found = results(batch, seed=len(batch), dtype=torch.float64)
     found.status.reshape(-1)[-1] = 2  # ties: the first uncorrectable matrix is the worst
-    cpu_counts = torch.zeros(3, len(KINDS), dtype=torch.int64)
-    cpu = _ext.tally(found.fields, cpu_counts, 11)
-    gpu_counts = torch.ones(3, len(KINDS), dtype=torch.int64, device="cuda")  # added to
-    gpu = _ext.tally(tuple(t.cuda() for t in found.fields), gpu_counts, 11)
-    assert torch.equal(gpu_counts.cpu() - 1, cpu_counts)
-    assert bool(gpu[0]) == bool(cpu[0])
-    torch.testing.assert_close(gpu[1].cpu(), cpu[1], equal_nan=True, rtol=0, atol=0)
-    args = (*(t.cuda() for t in found.fields), gpu_counts, 11.0)
+    on_gpu = EECResult(*(t.cuda() for t in found.fields))
+    cpu = Ledger.on(torch.device("cpu"), 11, capacity=2)
+    gpu = Ledger.on(torch.device("cuda"), 11, capacity=2)
+    gpu.counts += 1  # added to
+    for _ in range(3):
+        assert bool(gpu.tally(on_gpu)) == bool(cpu.tally(found))
+    gpu.counts -= 1
+    assert_same_ledger(Ledger(*(t.cpu() for t in vars(gpu).values())), cpu)
+    args = (*on_gpu.fields, gpu.counts, gpu.clock, gpu.log, gpu.logged)
     torch.library.opcheck(torch.ops.megatron_abft.tally.default, args)
 
 
 @needs_ext
-def test_the_kernel_selftest_checks_the_tally(monkeypatch):
+@pytest.mark.parametrize("lost", [5, 7, 8], ids=["counts", "log", "logged"])
+def test_the_kernel_selftest_checks_the_tally(monkeypatch, lost):
+    """A tally that writes to a copy of one of the ledger's tensors fails the self-test."""
     from megatron_abft.kernel_selftest import mismatches
 
     assert mismatches(torch.device("cpu")) == []
     real = torch.ops.megatron_abft.tally
 
-    def counts_nothing(status, kind, row, col, magnitude, counts, step):
-        return real(status, kind, row, col, magnitude, counts.clone(), step)
+    def loses_a_write(*args):
+        return real(*(t.clone() if i == lost else t for i, t in enumerate(args)))
 
-    monkeypatch.setattr(torch.ops.megatron_abft, "tally", counts_nothing)
+    monkeypatch.setattr(torch.ops.megatron_abft, "tally", loses_a_write)
     assert mismatches(torch.device("cpu")) == ["tally"]
 
 
@@ -230,8 +272,10 @@ def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_what_the_model_
 @needs_cuda
 def test_a_sync_free_check_captured_in_a_cuda_graph_corrects_and_counts_on_every_replay():
     """Sync-free checks are capturable: a guard's check captured once in a CUDA graph finds,
-    corrects and counts a fault landed before each replay (the counters live on the device; the
-    event list, kept on the host, gets the capture's one record)."""
+    corrects, counts and logs a fault landed before each replay, at the step set_step gave the
+    replay (the ledger lives on the device, its clock included)."""
+    from megatron_abft.guard import collect_events, set_step
+
     c, refs, operands = case(torch.float32, (2, 4), 128, 96, 32, False, ("col", "row"), seed=6)
     gpu = GemmOperands(operands.a.cuda(), operands.b.cuda(), operands.alpha)
     clean = c.cuda()
@@ -246,21 +290,27 @@ def test_a_sync_free_check_captured_in_a_cuda_graph_corrects_and_counts_on_every
     with torch.cuda.graph(graph, stream=stream):
         guard.check(static, gpu)
     torch.cuda.synchronize()
-    before = guard.counts.clone()
+    model = torch.nn.Module()
+    model.abft_guards = [guard]
+    guard.reset()  # in place: the graph keeps writing the same ledger
     for replay in range(3):
+        set_step(model, 10 + replay)
         static.copy_(clean)
         static[1, replay, 5 + replay, 7] += 1e3
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(static, clean, **recompute_tolerance(torch.float32))
-    corrected = guard.counts[1] - before[1]
-    assert int(corrected.sum()) == 3 and int((guard.counts[2] - before[2]).sum()) == 0
+    assert int(guard.counts[1].sum()) == 3 and int(guard.counts[2].sum()) == 0
+    events = collect_events(model)
+    assert [(e["step"], e["row"], e["col"]) for e in events] == [
+        (10 + r, 5 + r, 7) for r in range(3)
+    ]
 
 
-def checked(c, refs, operands, tally=None):
-    """The kernels' check of ``c`` in place, alone or with ``tally`` (counts, step)."""
+def checked(c, refs, operands, ledger=None):
+    """The kernels' check of ``c`` in place, alone or tallied into ``ledger``."""
     check = Check(gemm_rounding(c.dtype, c.device), 1.0, 1e10, max(c.shape[-2:]), operands)
-    return _kernel_check(c, refs, check, tally)
+    return _kernel_check(c, refs, check, ledger)
 
 
 def faulty_case(dtype, seed, kind, pattern, device="cpu"):
@@ -289,15 +339,18 @@ def test_verify_correct_tally_is_verify_correct_then_tally(dtype, kind, pattern,
     c, refs, operands = faulty_case(dtype, seed, kind, pattern)
     alone, fused = c.clone(), c.clone()
     found = checked(alone, refs, operands)
-    want_counts = torch.ones(3, len(KINDS), dtype=torch.int64)  # added to, not overwritten
-    want_failed, want_event = _ext.tally(found, want_counts, step)
-    counts = torch.ones(3, len(KINDS), dtype=torch.int64)
-    *got, failed, event = checked(fused, refs, operands, (counts, step))
+    want = Ledger.on(torch.device("cpu"), step)
+    want.counts += 1  # added to, not overwritten
+    want_failed = _ext.tally(found, want)
+    ledger = Ledger.on(torch.device("cpu"), step)
+    ledger.counts += 1
+    *got, failed = checked(fused, refs, operands, ledger)
     for g, w in zip(got, found, strict=True):
         assert torch.equal(bits(g), bits(w))
     assert torch.equal(bits(fused), bits(alone))
-    assert torch.equal(counts, want_counts) and bool(failed) == bool(want_failed)
-    torch.testing.assert_close(event, want_event, equal_nan=True, rtol=0, atol=0)
+    assert_same_ledger(ledger, want)
+    assert bool(failed) == bool(want_failed)
+    assert int(ledger.logged) == (0 if kind == "none" else 1)
 
 
 @needs_ext
@@ -306,14 +359,15 @@ def test_verify_correct_tally_opcheck_and_its_place_in_a_check():
     (on a CPU, and with sync_free=False, the PyTorch path may still change what was found, so
     the caller tallies)."""
     c, refs, operands = faulty_case(torch.float32, 3, "value", "0d")
-    counts = torch.zeros(3, len(KINDS), dtype=torch.int64)
+    ledger = Ledger.on(torch.device("cpu"), 2)
     args = (c.clone(), *_sides(c, refs, operands), operands.a, operands.b, 0.5, operands.bias)
     torch.library.opcheck(
-        torch.ops.megatron_abft.verify_correct_tally.default, (*args, 1e10, 40, counts, 2.0)
+        torch.ops.megatron_abft.verify_correct_tally.default,
+        (*args, 1e10, 40, ledger.counts, ledger.clock, ledger.log, ledger.logged),
     )
-    counts.zero_()
-    result = verify_and_correct(c, **refs, operands=operands, tally=(counts, 2), sync_free=True)
-    assert result.tallied is None and not counts.any()
+    ledger = Ledger.on(torch.device("cpu"), 2)
+    result = verify_and_correct(c, **refs, operands=operands, ledger=ledger, sync_free=True)
+    assert result.tallied is None and not ledger.counts.any() and not ledger.logged.any()
     assert int((result.status == CORRECTED).sum()) == 1
 
 
@@ -322,13 +376,16 @@ def test_cuda_verify_correct_tally_equals_the_cpu_op():
     """In one launch on CUDA: the correction, then the tally of what it found."""
     cpu_c, cpu_refs, cpu_operands = faulty_case(torch.bfloat16, 4, "nan", "row")
     gpu_c, gpu_refs, gpu_operands = faulty_case(torch.bfloat16, 4, "nan", "row", "cuda")
-    counts = [torch.zeros(3, len(KINDS), dtype=torch.int64, device=d) for d in ("cpu", "cuda")]
-    cpu = checked(cpu_c, cpu_refs, cpu_operands, (counts[0], 9))
-    gpu = checked(gpu_c, gpu_refs, gpu_operands, (counts[1], 9))
+    ledgers = [Ledger.on(torch.device(d), 9) for d in ("cpu", "cuda")]
+    cpu = checked(cpu_c, cpu_refs, cpu_operands, ledgers[0])
+    gpu = checked(gpu_c, gpu_refs, gpu_operands, ledgers[1])
     for got, want in zip(gpu[:2], cpu[:2], strict=True):
         assert torch.equal(got.cpu(), want)
     torch.testing.assert_close(
         gpu_c.cpu(), cpu_c, equal_nan=True, **recompute_tolerance(torch.bfloat16)
     )
-    assert torch.equal(counts[1].cpu(), counts[0]) and int(counts[0][1].sum()) == 1
-    assert bool(gpu[5]) == bool(cpu[5]) and torch.equal(gpu[6][:4].cpu(), cpu[6][:4])
+    cpu_ledger, gpu_ledger = ledgers
+    assert torch.equal(gpu_ledger.counts.cpu(), cpu_ledger.counts)
+    assert int(cpu_ledger.counts[1].sum()) == 1 and bool(gpu[5]) == bool(cpu[5])
+    assert int(gpu_ledger.logged) == int(cpu_ledger.logged) == 1
+    assert torch.equal(gpu_ledger.log[0, :6].cpu(), cpu_ledger.log[0, :6])

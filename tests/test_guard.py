@@ -102,8 +102,8 @@ def test_intervals_sections_and_summed_counters():
 
 
 def test_a_sync_free_guard_reads_nothing_on_the_host():
-    """With sync_free a guard checks, corrects and records its event without host reads: on
-    meta tensors any item(), bool() or 0-d index would raise."""
+    """With sync_free a guard checks, corrects and tallies into its ledger without host reads:
+    on meta tensors any item(), bool() or 0-d index would raise."""
     from megatron_abft.eec import GemmOperands
     from megatron_abft.guard import SectionGuard
 
@@ -111,8 +111,7 @@ def test_a_sync_free_guard_reads_nothing_on_the_host():
     a = torch.empty(1, 4, 2, 16, 8, device="meta")
     b = torch.empty(1, 4, 1, 8, 16, device="meta")
     guard.check(a @ b, GemmOperands(a, b))
-    assert guard.counts.device.type == "meta" and len(guard.events) == 1
-    assert guard.events[0].shape == (7,)
+    assert all(t.device.type == "meta" for t in vars(guard.ledger).values())
 
 
 def test_checks_are_sync_free_by_default_where_the_kernels_serve_the_device(monkeypatch):
@@ -135,7 +134,7 @@ def test_checks_are_sync_free_by_default_where_the_kernels_serve_the_device(monk
     a = torch.empty(1, 4, 2, 16, 8, device="meta")
     b = torch.empty(1, 4, 1, 8, 16, device="meta")
     guard.check(a @ b, GemmOperands(a, b))
-    assert len(guard.events) == 1
+    assert guard.ledger.counts.device.type == "meta"
     # where they do not, it reads whether anything was flagged: meta cannot answer that
     monkeypatch.setattr(_ext, "_serves_device", lambda device: False)
     guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
@@ -143,22 +142,43 @@ def test_checks_are_sync_free_by_default_where_the_kernels_serve_the_device(monk
         guard.check(a @ b, GemmOperands(a, b))
 
 
-def test_a_guard_keeps_its_worst_events_when_nobody_collects_them():
-    """A sync-free GPU check records an event on every check, clean or not: past MAX_EVENTS a
-    guard keeps the worst half, in order, so that memory stays bounded without telemetry."""
-    from megatron_abft.guard import MAX_EVENTS, SectionGuard
+def test_a_guard_logs_the_first_faults_counts_them_all_and_warns_of_the_rest():
+    """Between two collect_events a guard's log keeps LOG_CAPACITY records, in the order found,
+    at the step of each; the counters count every fault, and collect_events warns of those it
+    could not log, then starts a new log."""
+    from megatron_abft.eec import GemmOperands
+    from megatron_abft.guard import SectionGuard, collect_events, set_step
+    from megatron_abft.ledger import LOG_CAPACITY
 
+    model = torch.nn.Module()
     guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
-    faults = {7: 1, 300: 2, 301: 1, 555: 3}  # check -> status (corrected, uncorrectable, ...)
-    for i in range(3 * MAX_EVENTS):
-        guard._record(
-            torch.tensor([float(i), faults.get(i, 0), 0, 0, -1, -1, 0], dtype=torch.float64)
-        )
-        assert len(guard.events) < MAX_EVENTS
-    kept = torch.stack(guard.events)
-    faulty = kept[kept[:, 1] > 0]
-    assert faulty[:, 0].tolist() == sorted(faults) and faulty[:, 1].tolist() == [1, 2, 1, 3]
-    assert torch.equal(kept[:, 0], kept[:, 0].sort().values)  # in the order they happened
+    model.abft_guards = [guard]
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(2, 1, 3, 40, 8, generator=g), torch.randn(2, 1, 1, 8, 30, generator=g)
+    faults = LOG_CAPACITY + 5
+    for step in range(faults + 3):
+        set_step(model, step)
+        c = a @ b
+        if step < faults:
+            c[1, 0, 0, step % 40, 11] = float("nan")
+        guard.check(c, GemmOperands(a, b))
+    assert int(guard.counts[1].sum()) == faults
+    with pytest.warns(UserWarning, match="section scores found 5 faults more than its log keeps"):
+        events = collect_events(model)
+    assert [e["step"] for e in events] == list(range(LOG_CAPACITY))
+    assert [e["row"] for e in events] == [s % 40 for s in range(LOG_CAPACITY)]
+    assert {(e["sample"], e["head"], e["col"], e["kind"]) for e in events} == {(1, 0, 11, "nan")}
+    assert collect_events(model) == []
+    c = a @ b
+    c[0, 0, 2, 3, 4] = float("inf")
+    guard.check(c, GemmOperands(a, b))
+    [event] = collect_events(model)
+    assert (event["step"], event["sample"], event["head"], event["kind"]) == (
+        faults + 2,
+        0,
+        2,
+        "inf",
+    )
 
 
 def test_clean_cpu_checks_record_no_event_and_faulty_ones_do():
@@ -169,10 +189,11 @@ def test_clean_cpu_checks_record_no_event_and_faulty_ones_do():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(2, 3, 40, 8, generator=g), torch.randn(2, 1, 8, 30, generator=g)
     guard.check(a @ b, GemmOperands(a, b))
-    assert guard.events == [] and int(guard.counts.sum()) == 0
+    assert int(guard.ledger.logged) == 0 and int(guard.counts.sum()) == 0
     c = a @ b
     c[1, 2, 7, 11] = float("inf")
     guard.check(c, GemmOperands(a, b))
-    step, status, matrix, kind, row, col, _ = guard.events[0].tolist()
+    assert int(guard.ledger.logged) == 1
+    step, status, matrix, kind, row, col, _ = guard.ledger.log[0].tolist()
     assert (status, matrix, row, col) == (1, 5, 7, 11) and kind == 2  # corrected, an INF
     torch.testing.assert_close(c, a @ b)
