@@ -458,6 +458,12 @@ int bias_terms_cuda(const BiasTerms& t, void* stream);
 // pass, or the four kernels, as softmax_single_pass says.
 void softmax_check_cpu(const SoftmaxCheck& k, int64_t begin, int64_t end);
 int softmax_check_cuda(const SoftmaxCheck& k, void* stream);
+// What a sync-free check of the scores runs after softmax_check_cuda with a screen: c corrects
+// the flagged matrices of the S that k read, from the block sums k wrote; each matrix corrected
+// has its rows of P and P's checksum pass (where k has products) redone from the corrected S; t
+// tallies c's results. One thread block on `stream`: one launch. (The CPU composes correct_cpu,
+// softmax_check_cpu over the corrected matrices' bands without the screen, and tally_cpu.)
+int correct_redo_tally_cuda(const Correct& c, const SoftmaxCheck& k, const Tally& t, void* stream);
 
 // CPU, matrices [begin, end) of the batch; CUDA, on `stream`, after the screen's launches.
 void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);

@@ -1,9 +1,11 @@
 // Helpers of the torch binding (abft_ops.cpp) that the other bindings share: the kernels' view of
-// a tensor, and the outputs and views of block_sums, row_products and screen.
+// a tensor, and the outputs and views of block_sums, row_products, screen, the correction and the
+// tally.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -49,5 +51,38 @@ std::tuple<abft::Screen, at::Tensor> prepare_screen(const at::Tensor& c, const S
 // The flagged counts per matrix [*batch] of a screen's slots [*batch, slots], once they are
 // written.
 at::Tensor flagged_per_matrix(const at::Tensor& flagged);
+
+// The correction's per-matrix results: status, kind, row, col, magnitude.
+using Found = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+struct Correction {
+  abft::Correct k;
+  Found found;
+  std::vector<at::Tensor> keep;  // the expanded operands and the logs
+};
+
+// The correction (abft.h's Correct) of the matrices of c that `screen` flags, from c's block sums
+// and the operands a [*, m, k], b [*, k, n] and bias [n] (checked here; a and b expanded to c's
+// batch), at most `capacity` vectors per side and pass.
+Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Screen& screen,
+                           int64_t col_block, int64_t row_block, const at::Tensor& a,
+                           const at::Tensor& b, double alpha,
+                           const std::optional<at::Tensor>& bias, double near_inf,
+                           int64_t capacity);
+
+// A guard's ledger (megatron_abft/ledger.py) as tally writes it: counts [3, kinds] int64, step
+// [1] float64, log [capacity, 7] float64 and logged [1] int64, all on the results' device.
+struct LedgerArgs {
+  const at::Tensor& counts;
+  const at::Tensor& step;
+  const at::Tensor& log;
+  const at::Tensor& logged;
+};
+
+// tally's kernel arguments (checked), its output (failed) and the flattened results it reads.
+using TallyArgs = std::tuple<abft::Tally, at::Tensor, std::vector<at::Tensor>>;
+TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                        const at::Tensor& col, const at::Tensor& magnitude,
+                        const LedgerArgs& ledger);
 
 }  // namespace abft_binding

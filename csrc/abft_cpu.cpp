@@ -325,9 +325,11 @@ ABFT_PRODUCTS(products_f16, F16, float)
 
 // e^x for x <= 0 (an entry of a softmax row minus the row's largest), branch free so that the
 // row loops vectorise: Cephes' expf (x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5 polynomial in
-// r, times 2^n set in the exponent bits); 0 where e^x is below the smallest normal float.
+// r, times 2^n set in the exponent bits); 0 where e^x is below the smallest normal float, and
+// NaN for NaN, as std::exp (a NaN score makes its row of P NaN, as torch's softmax does).
 ABFT_INLINE float exp_nonpositive(float x) {
   constexpr float kLowest = -87.3365448f;  // e^x below the smallest normal float
+  const float input = x;
   const uint32_t keep = 0u - uint32_t(x >= kLowest);  // all ones, or 0 (NaN too): no branch
   x = x >= kLowest ? x : kLowest;
   const float n = std::floor(x * 1.44269504f + 0.5f);
@@ -341,7 +343,8 @@ ABFT_INLINE float exp_nonpositive(float x) {
   // bit casts, not memcpy: a memcpy in the loop body stops it vectorising
   const float e = (q * r * r + r + 1.0f) *
                   __builtin_bit_cast(float, uint32_t(int32_t(n) + 127) << 23);
-  return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, e) & keep);
+  const float kept = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, e) & keep);
+  return input == input ? kept : input;
 }
 ABFT_INLINE double exp_nonpositive(double x) { return std::exp(x); }
 

@@ -381,11 +381,17 @@ int launch_products(const MatrixBatch& a, const RowProducts& out, const MatrixBa
   return cudaGetLastError();
 }
 
-// correct: one thread per matrix; a clean one returns at once.
+// The correction of matrix b by one thread (a clean one returns at once).
+template <typename Acc>
+__device__ __forceinline__ void correct_matrix(const Correct& k, int64_t b) {
+  Corrector<Acc>(k, b).run();
+}
+
+// correct: one thread per matrix.
 template <typename Acc>
 __global__ void correct_kernel(Correct k) {
   const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b < k.screen.batch) Corrector<Acc>(k, b).run();
+  if (b < k.screen.batch) correct_matrix<Acc>(k, b);
 }
 
 // tally by one thread block: counts in shared memory, the worst matrix by an atomic max of its
@@ -412,15 +418,6 @@ __device__ void tally_block(const Tally& t) {
 }
 
 __global__ void __launch_bounds__(kThreads) tally_kernel(Tally t) { tally_block(t); }
-
-// correct, then tally what it found, in one launch: one thread block, a thread per matrix in
-// turn (a clean matrix returns at once), then the tally once every matrix is settled.
-template <typename Acc>
-__global__ void __launch_bounds__(kThreads) correct_tally_kernel(Correct k, Tally t) {
-  for (int64_t b = threadIdx.x; b < k.screen.batch; b += blockDim.x) Corrector<Acc>(k, b).run();
-  __syncthreads();  // every matrix's results written
-  tally_block(t);
-}
 
 // add_bias: one thread per item; a row item sums its block of the bias itself (a block of a
 // vector, from the cache), so that the items are independent.
@@ -542,6 +539,36 @@ __device__ __forceinline__ void add_to_sums(Acc (&sums)[4], Acc v, Acc w) {
   sums[3] += w * a;
 }
 
+// Row i of matrix b of P, written from `row` by its warp, and, where `pass`, the row's products
+// with u and z (of the entries this lane wrote, as rounded), which lane 0 writes.
+template <typename T, typename Acc>
+__device__ __forceinline__ void write_p_row(const SoftmaxCheck& k, const RowProducts& pr,
+                                            bool pass, const SoftmaxRow<T, Acc>& row, int64_t b,
+                                            int64_t i, int lane) {
+  const int64_t rows = k.s.rows, cols = k.s.cols;
+  T* p = static_cast<T*>(k.p) + (b * rows + i) * cols;
+  for (int64_t j = lane; j < cols; j += 32) store(p + j, row.probability(j));
+  if (!pass) return;
+  const Acc* u = static_cast<const Acc*>(pr.u.data) + batch_offset(pr.u, b);
+  const Acc* z = static_cast<const Acc*>(pr.z.data) + batch_offset(pr.z, b);
+  const int64_t nu = pr.u.rows, nz = pr.z.rows;
+  for (int64_t t = 0; t < nu + nz; ++t) {
+    const bool product = t < nu;
+    const Acc* vector = product ? u + t * pr.u.row_stride : z + (t - nu) * pr.z.row_stride;
+    Acc dot = 0;
+    for (int64_t j = lane; j < cols; j += 32) {
+      const Acc v = Acc(load(p + j));
+      dot += (product ? v : magnitude(v)) * vector[j];
+    }
+    dot = warp_sum(dot);
+    if (lane == 0 && product) {
+      static_cast<Acc*>(pr.products)[(b * rows + i) * nu + t] = dot * Acc(pr.scale);
+    } else if (lane == 0) {
+      static_cast<Acc*>(pr.magnitudes)[(b * rows + i) * nz + t - nu] = dot * Acc(fabs(pr.scale));
+    }
+  }
+}
+
 // Kernel 3 in one pass (abft.h's softmax_check): one thread block per band of one matrix, its
 // warps taking the band's rows kWarps at a time, a warp per row. A warp reads its row of S (for
 // its maximum and its sum in SoftmaxRow, then for P: the second and third reads from the cache),
@@ -584,29 +611,7 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: at most 80 re
       const int64_t i = g0 + warp;
       if (i < r1) {  // the warp's row
         const SoftmaxRow<T, Acc> row(k, b, i, lane);
-        T* p = out + i * cols;
-        for (int64_t j = lane; j < cols; j += 32) store(p + j, row.probability(j));
-        if (pass) {  // P's row products, from the entries this lane wrote
-          const Acc* u = static_cast<const Acc*>(pr.u.data) + batch_offset(pr.u, b);
-          const Acc* z = static_cast<const Acc*>(pr.z.data) + batch_offset(pr.z, b);
-          const int64_t nu = pr.u.rows, nz = pr.z.rows;
-          for (int64_t t = 0; t < nu + nz; ++t) {
-            const bool product = t < nu;
-            const Acc* vector = product ? u + t * pr.u.row_stride : z + (t - nu) * pr.z.row_stride;
-            Acc dot = 0;
-            for (int64_t j = lane; j < cols; j += 32) {
-              const Acc v = Acc(load(p + j));
-              dot += (product ? v : magnitude(v)) * vector[j];
-            }
-            dot = warp_sum(dot);
-            if (lane == 0 && product) {
-              static_cast<Acc*>(pr.products)[(b * rows + i) * nu + t] = dot * Acc(pr.scale);
-            } else if (lane == 0) {
-              static_cast<Acc*>(pr.magnitudes)[(b * rows + i) * nz + t - nu] =
-                  dot * Acc(fabs(pr.scale));
-            }
-          }
-        }
+        write_p_row<T, Acc>(k, pr, pass, row, b, i, lane);
         for (int64_t cb = 0; cb < nbr; ++cb) {  // S's row side: block cb of row i
           const int64_t j0 = cb * row_block, j1 = min64(cols, j0 + row_block);
           Acc sums[4] = {0, 0, 0, 0};
@@ -700,6 +705,70 @@ int launch_softmax_pass(const SoftmaxCheck& k, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Matrix b's rows of P, and where `pass` P's checksum pass, redone from S by the whole thread
+// block: a warp per row (write_p_row), then, once they are written, a thread per column of each
+// band for P's column block sums.
+template <typename T, typename Acc>
+__device__ void redo_matrix(const SoftmaxCheck& k, const RowProducts& pr, bool pass, int64_t b) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = k.s.rows, cols = k.s.cols, bands = ceil_div(rows, k.band);
+  for (int64_t i = threadIdx.x >> 5; i < rows; i += blockDim.x >> 5) {
+    write_p_row<T, Acc>(k, pr, pass, SoftmaxRow<T, Acc>(k, b, i, lane), b, i, lane);
+  }
+  __syncthreads();  // P's rows are written
+  if (pass) {
+    const T* p = static_cast<const T*>(k.p) + b * rows * cols;
+    for (int64_t blk = 0; blk < bands; ++blk) {
+      const int64_t r0 = blk * k.band, r1 = min64(rows, r0 + k.band);
+      for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+        Acc sums[4] = {0, 0, 0, 0};
+        for (int64_t r = r0; r < r1; ++r) {
+          add_to_sums(sums, Acc(load(p + r * cols + j)), Acc(r - r0 + 1));
+        }
+        const int64_t at = (b * bands + blk) * 2 * cols + j;
+        Acc* plain = static_cast<Acc*>(k.p_sums.col_sums);
+        Acc* sizes = static_cast<Acc*>(k.p_sums.col_sizes);
+        plain[at] = sums[0];
+        plain[at + cols] = sums[1];
+        sizes[at] = sums[2];
+        sizes[at + cols] = sums[3];
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// redo_matrix for S's element type, which accumulates in Acc.
+template <typename Acc>
+__device__ void redo_matrix_of(const SoftmaxCheck& k, const RowProducts& pr, bool pass,
+                               int64_t b) {
+  if constexpr (std::is_same_v<Acc, double>) {
+    redo_matrix<double, double>(k, pr, pass, b);
+  } else if (k.s.dtype == DType::BF16) {
+    redo_matrix<__nv_bfloat16, float>(k, pr, pass, b);
+  } else if (k.s.dtype == DType::F16) {
+    redo_matrix<__half, float>(k, pr, pass, b);
+  } else {
+    redo_matrix<float, float>(k, pr, pass, b);
+  }
+}
+
+// correct, then tally what it found, in one launch: one thread block, a thread per matrix in
+// turn (a clean matrix returns at once); once every matrix is settled, where `redo` is the
+// softmax_check that read C as S (its p not null: correct_redo_tally_cuda), the block redoes
+// P for each matrix corrected; then the tally. One instance an accumulation type (S's element
+// type is read at run time): the correction is slow to compile.
+template <typename Acc>
+__global__ void __launch_bounds__(kThreads)
+    correct_tally_kernel(Correct c, Tally t, SoftmaxCheck redo, RowProducts pr, bool pass) {
+  for (int64_t b = threadIdx.x; b < c.screen.batch; b += blockDim.x) correct_matrix<Acc>(c, b);
+  __syncthreads();  // every matrix's status written
+  for (int64_t b = 0; redo.p != nullptr && b < c.screen.batch; ++b) {
+    if (c.status[b] == 1) redo_matrix_of<Acc>(redo, pr, pass, b);  // one branch for all threads
+  }
+  tally_block(t);
+}
+
 // The element type of a DType and the type its sums accumulate in, as the launchers take them.
 template <typename T, typename Acc>
 struct Typed {
@@ -753,10 +822,24 @@ int correct_cuda(const Correct& k, bool f64, void* stream) {
 
 int correct_tally_cuda(const Correct& k, const Tally& t, bool f64, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const SoftmaxCheck none{};  // no P to redo
   if (f64) {
-    correct_tally_kernel<double><<<1, kThreads, 0, st>>>(k, t);
+    correct_tally_kernel<double><<<1, kThreads, 0, st>>>(k, t, none, RowProducts{}, false);
   } else {
-    correct_tally_kernel<float><<<1, kThreads, 0, st>>>(k, t);
+    correct_tally_kernel<float><<<1, kThreads, 0, st>>>(k, t, none, RowProducts{}, false);
+  }
+  return cudaGetLastError();
+}
+
+int correct_redo_tally_cuda(const Correct& c, const SoftmaxCheck& k, const Tally& t,
+                            void* stream) {
+  const bool pass = k.products != nullptr;
+  const RowProducts pr = pass ? *k.products : RowProducts{};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (k.s.dtype == DType::F64) {
+    correct_tally_kernel<double><<<1, kThreads, 0, st>>>(c, t, k, pr, pass);
+  } else {
+    correct_tally_kernel<float><<<1, kThreads, 0, st>>>(c, t, k, pr, pass);
   }
   return cudaGetLastError();
 }

@@ -433,14 +433,6 @@ at::Tensor screen_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block
 // operands (abft.h's Correct), at most `capacity` vectors per side and pass. a [*, m, k],
 // b [*, k, n] and bias [n] are checked here and a, b expanded to c's batch; the outputs are per
 // matrix of c's batch.
-using Found = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-struct Correction {
-  abft::Correct k;
-  Found found;
-  std::vector<at::Tensor> keep;  // the expanded operands and the logs
-};
-
 Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Screen& screen,
                            int64_t col_block, int64_t row_block, const at::Tensor& a,
                            const at::Tensor& b, double alpha,
@@ -530,21 +522,6 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   k.magnitude = magnitude.data_ptr();
   return out;
 }
-
-// A guard's ledger (megatron_abft/ledger.py) as tally writes it: counts [3, kinds] int64, step
-// [1] float64, log [capacity, 7] float64 and logged [1] int64, all on the results' device.
-struct LedgerArgs {
-  const at::Tensor& counts;
-  const at::Tensor& step;
-  const at::Tensor& log;
-  const at::Tensor& logged;
-};
-
-// tally's kernel arguments, its output (failed) and the flattened results it reads.
-using TallyArgs = std::tuple<abft::Tally, at::Tensor, std::vector<at::Tensor>>;
-TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
-                        const at::Tensor& col, const at::Tensor& magnitude,
-                        const LedgerArgs& ledger);
 
 // The screen and the correction of c given its block sums; the tensors they point into are kept
 // alive here.

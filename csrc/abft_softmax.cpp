@@ -1,7 +1,9 @@
 // Torch binding of softmax_check, kernel 3 (abft.h): Megatron's scale-mask-softmax of the
 // attention scores in one read of S that also screens S against its reference checksums and gives
-// P's checksum pass for the context GEMM. Registered on CPU, and on CUDA in CUDA builds; its fake
-// implementation for torch.compile is in megatron_abft/_ext.py.
+// P's checksum pass for the context GEMM; and of softmax_correct_tally, the same with the flagged
+// matrices of S corrected, their P redone and the outcome tallied into a guard's ledger, with no
+// host read. Registered on CPU, and on CUDA in CUDA builds; their fake implementations for
+// torch.compile are in megatron_abft/_ext.py.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
@@ -34,6 +36,7 @@ struct Prepared {
   abft::RowProducts row_products{};
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> keep;
+  abft_binding::Sums s_sums;  // S's block sums, where screened
 };
 
 void check_block(const char* name, int64_t block) {
@@ -101,6 +104,7 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
     k.s_sums = block_sums;
     k.screen = screen;
     flagged = found;
+    out.s_sums = sums;
   } else {
     TORCH_CHECK(col.empty() && row.empty(),
                 "megatron_abft::softmax_check: references given but both blocks are 0");
@@ -170,6 +174,108 @@ Six softmax_check_cuda(const at::Tensor& s, int64_t col_block, int64_t row_block
 }
 #endif
 
+// softmax_correct_tally: softmax_check with a screen; then the matrices of S it flags corrected in
+// place from the operands a, b (S = alpha a @ b), their rows of P and P's pass redone from the
+// corrected S, and the correction's results tallied into the ledger (counts, step, log, logged).
+// Returns P, failed (whether a matrix stayed uncorrectable) and P's pass (softmax_check's last
+// four).
+struct Corrected {
+  Prepared softmax;
+  abft_binding::Correction correction;
+};
+
+Corrected prepare_corrected(const at::Tensor& s, int64_t col_block, int64_t row_block,
+                            at::TensorList col, at::TensorList row,
+                            at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                            const OptionalTensor& mask, bool causal, double scale, int64_t block,
+                            const OptionalTensor& u, const OptionalTensor& z, const at::Tensor& a,
+                            const at::Tensor& b, double alpha, double near_inf, int64_t capacity,
+                            at::DeviceType device) {
+  TORCH_CHECK(col_block > 0 || row_block > 0,
+              "megatron_abft::softmax_correct_tally: needs the screen of S (a col_block or a "
+              "row_block)");
+  Corrected out;
+  prepare_softmax(out.softmax, s, col_block, row_block, col, row, col_bounds, row_bounds, mask,
+                  causal, scale, block, u, z, device);
+  out.correction = abft_binding::prepare_correct(s, out.softmax.s_sums, out.softmax.k.screen,
+                                                 col_block, row_block, a, b, alpha, std::nullopt,
+                                                 near_inf, capacity);
+  return out;
+}
+
+// softmax_check's kernel without the screen: what redoes P from a corrected S.
+abft::SoftmaxCheck unscreened(abft::SoftmaxCheck k) {
+  k.screen.sides = 0;
+  return k;
+}
+
+Six corrected_outputs(const Corrected& c, const at::Tensor& failed) {
+  const auto& o = c.softmax.outputs;
+  return {o[0], failed, o[2], o[3], o[4], o[5]};
+}
+
+Six softmax_correct_tally_cpu(const at::Tensor& s, int64_t col_block, int64_t row_block,
+                              at::TensorList col, at::TensorList row,
+                              at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                              const OptionalTensor& mask, bool causal, double scale,
+                              int64_t block, const OptionalTensor& u, const OptionalTensor& z,
+                              const at::Tensor& a, const at::Tensor& b, double alpha,
+                              double near_inf, int64_t capacity, at::Tensor& counts,
+                              const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
+  const Corrected c =
+      prepare_corrected(s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
+                        scale, block, u, z, a, b, alpha, near_inf, capacity, at::kCPU);
+  const abft::SoftmaxCheck& k = c.softmax.k;
+  at::parallel_for(0, abft::softmax_check_tasks(k), 1, [&](int64_t begin, int64_t end) {
+    abft::softmax_check_cpu(k, begin, end);
+  });
+  const bool f64 = s.scalar_type() == at::kDouble;
+  at::parallel_for(0, k.s.batch, 1, [&](int64_t begin, int64_t end) {
+    abft::correct_cpu(c.correction.k, f64, begin, end);
+  });
+  const auto& [status, kind, rows, cols, magnitude] = c.correction.found;
+  const abft::SoftmaxCheck redo = unscreened(k);
+  const int64_t bands = k.s.batch > 0 ? abft::softmax_check_tasks(k) / k.s.batch : 0;
+  const int8_t* settled = status.data_ptr<int8_t>();
+  at::parallel_for(0, k.s.batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      if (settled[m] == 1) abft::softmax_check_cpu(redo, m * bands, (m + 1) * bands);
+    }
+  });
+  auto [t, failed, flat] = abft_binding::prepare_tally(status, kind, rows, cols, magnitude,
+                                                       {counts, step, log, logged});
+  abft::tally_cpu(t);
+  return corrected_outputs(c, failed);
+}
+
+#ifdef ABFT_WITH_CUDA
+Six softmax_correct_tally_cuda(const at::Tensor& s, int64_t col_block, int64_t row_block,
+                               at::TensorList col, at::TensorList row,
+                               at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                               const OptionalTensor& mask, bool causal, double scale,
+                               int64_t block, const OptionalTensor& u, const OptionalTensor& z,
+                               const at::Tensor& a, const at::Tensor& b, double alpha,
+                               double near_inf, int64_t capacity, at::Tensor& counts,
+                               const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
+  const c10::cuda::CUDAGuard guard(s.device());
+  const Corrected c =
+      prepare_corrected(s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
+                        scale, block, u, z, a, b, alpha, near_inf, capacity, at::kCUDA);
+  const abft::SoftmaxCheck& k = c.softmax.k;
+  if (k.products != nullptr) {
+    abft_binding::check_cuda_products("megatron_abft::softmax_correct_tally", *k.products);
+  }
+  const auto& [status, kind, rows, cols, magnitude] = c.correction.found;
+  auto [t, failed, flat] = abft_binding::prepare_tally(status, kind, rows, cols, magnitude,
+                                                       {counts, step, log, logged});
+  const auto stream = c10::cuda::getCurrentCUDAStream(s.device().index()).stream();
+  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::softmax_check_cuda(k, stream)));
+  C10_CUDA_CHECK(static_cast<cudaError_t>(
+      abft::correct_redo_tally_cuda(c.correction.k, unscreened(k), t, stream)));
+  return corrected_outputs(c, failed);
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
@@ -178,10 +284,23 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
       "float[] col_bounds, float[] row_bounds, Tensor? mask, bool causal, float scale, int block, "
       "Tensor? u, Tensor? z) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+  m.def(
+      "softmax_correct_tally(Tensor(a!) s, int col_block, int row_block, Tensor[] col, "
+      "Tensor[] row, float[] col_bounds, float[] row_bounds, Tensor? mask, bool causal, "
+      "float scale, int block, Tensor? u, Tensor? z, Tensor a, Tensor b, float alpha, "
+      "float near_inf, int capacity, Tensor(b!) counts, Tensor step, Tensor(c!) log, "
+      "Tensor(d!) logged) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
 }
 
-TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) { m.impl("softmax_check", &softmax_check_cpu); }
+TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
+  m.impl("softmax_check", &softmax_check_cpu);
+  m.impl("softmax_correct_tally", &softmax_correct_tally_cpu);
+}
 
 #ifdef ABFT_WITH_CUDA
-TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) { m.impl("softmax_check", &softmax_check_cuda); }
+TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
+  m.impl("softmax_check", &softmax_check_cuda);
+  m.impl("softmax_correct_tally", &softmax_correct_tally_cuda);
+}
 #endif

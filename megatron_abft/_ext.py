@@ -277,6 +277,46 @@ def softmax_check(
     return torch.ops.megatron_abft.softmax_check(s, *sides, mask, causal, float(scale), block, u, z)
 
 
+def softmax_correct_tally(
+    s: Tensor,
+    sides: tuple,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    block: int,
+    vectors: tuple[Tensor, Tensor] | None,
+    operands: tuple[Tensor, Tensor, float],
+    near_inf: float,
+    capacity: int,
+    ledger: Ledger,
+) -> tuple[Tensor, ...]:
+    """softmax_check with a screen (``sides``), for a sync-free check of the scores: the matrices
+    of ``s`` it flags are corrected in place from the GEMM's ``operands`` (a, b, alpha: s = alpha
+    a @ b), their rows of P and P's checksum pass are redone from the corrected scores, and what
+    the correction found (as verify_correct) is tallied into ``ledger``, with no host read.
+    Returns P, failed (whether a matrix stayed uncorrectable: its S put back as it was) and P's
+    pass, as softmax_check. The caller has checked that the kernels take these inputs
+    (softmax_check_applies)."""
+    u, z = vectors if vectors is not None else (None, None)
+    a, b, alpha = operands
+    return torch.ops.megatron_abft.softmax_correct_tally(
+        s,
+        *sides,
+        mask,
+        causal,
+        float(scale),
+        block,
+        u,
+        z,
+        a,
+        b,
+        float(alpha),
+        near_inf,
+        capacity,
+        *_ledger_args(ledger),
+    )
+
+
 def softmax_check_applies(
     s: Tensor, mask: Tensor | None, vectors: tuple[Tensor, Tensor] | None
 ) -> bool:
@@ -342,36 +382,30 @@ def _register_fake() -> None:
             a.new_empty((*batch, row, m), dtype=dtype),
         )
 
-    @torch.library.register_fake("megatron_abft::softmax_check")
-    def _(
-        s: Tensor,
-        col_block,
-        row_block,
-        col,
-        row,
-        col_bounds,
-        row_bounds,
-        mask,
-        causal,
-        scale,
-        block,
-        u,
-        z,
-    ):
+    def softmax_outputs(s: Tensor, block: int, u, z, second: Tensor) -> tuple[Tensor, ...]:
         dtype = torch.float64 if s.dtype == torch.float64 else torch.float32
         batch, (m, n) = s.shape[:-2], s.shape[-2:]
-        flagged = s.new_empty(batch, dtype=torch.int32)
         if u is None:
-            return s.new_empty(s.shape), flagged, *(s.new_empty(0, dtype=dtype) for _ in range(4))
+            return s.new_empty(s.shape), second, *(s.new_empty(0, dtype=dtype) for _ in range(4))
         sums = (*batch, -(-m // block), 2, n)
         return (
             s.new_empty(s.shape),
-            flagged,
+            second,
             s.new_empty(sums, dtype=dtype),
             s.new_empty(sums, dtype=dtype),
             s.new_empty((*batch, m, u.shape[-2]), dtype=dtype),
             s.new_empty((*batch, m, z.shape[-2]), dtype=dtype),
         )
+
+    @torch.library.register_fake("megatron_abft::softmax_check")
+    def _(s: Tensor, *args):
+        block, u, z = args[9:12]
+        return softmax_outputs(s, block, u, z, s.new_empty(s.shape[:-2], dtype=torch.int32))
+
+    @torch.library.register_fake("megatron_abft::softmax_correct_tally")
+    def _(s: Tensor, *args):
+        block, u, z = args[9:12]
+        return softmax_outputs(s, block, u, z, s.new_empty((), dtype=torch.bool))
 
     @torch.library.register_fake("megatron_abft::pair_vectors")
     def _(a: Tensor, b: Tensor, block: int):

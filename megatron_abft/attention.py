@@ -196,8 +196,10 @@ class ProtectedDotProductAttention(DotProductAttention):
             self.scale_mask_softmax, s5.view(b, heads, sq, sk), mask, self.softmax_offset
         ):
             return None
-        # the screen's flags are read on the host: free on CPU, else one sync (host_reads)
-        screen = self.scores_guard.due and host_reads(config, s5.device)
+        # where the check may read the host (free on CPU), the screen's flags are read and a
+        # flagged S takes the full path; where it may not, the softmax's op corrects it itself
+        screen = self.scores_guard.due
+        reads = host_reads(config, s5.device)
         dropout = self.training and self.attention_dropout.p > 0
         probs_faults = any(f.section == "probs" for f in self.context_guard.faults)
         vectors = None
@@ -216,14 +218,24 @@ class ProtectedDotProductAttention(DotProductAttention):
         grouped = None if mask is None else _grouped(mask, groups, rep)
         if not _ext.softmax_check_applies(s5, grouped, vectors):
             return None
+        correction = None
         if screen:
             self.scores_guard.land_faults(s5, {"scores": lambda t: t})
+            if not reads:
+                correction = fused_softmax.ScoresCorrection(
+                    (operands.a, operands.b, operands.alpha),
+                    config.near_inf,
+                    max(sq, sk),
+                    self.scores_guard.ledger_on(s5.device),
+                )
         else:  # checked before the softmax reads S
             s5 = self.scores_guard.check(s5, operands, recompute=recompute)
         probs, flagged, *found = fused_softmax.softmax(
-            self.scale_mask_softmax, s5, grouped, sides, config.block_size, vectors
+            self.scale_mask_softmax, s5, grouped, sides, config.block_size, vectors, correction
         )
-        if screen:
+        if correction is not None:
+            self.scores_guard.tallied(s5, failed=flagged)
+        elif screen:
             if bool(flagged.any()):  # correct S, and take P from it unfused
                 s5 = self.scores_guard.verify(s5, operands, recompute, refs)
                 scores = s5.view(b, heads, sq, sk)

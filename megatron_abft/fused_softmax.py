@@ -4,14 +4,19 @@ operand's checksum pass in one read of the scores S (csrc/abft_softmax.cpp, DESI
 Unfused, a protected attention reads S three times besides the softmax's own pass: the scores'
 verification reads S, the context's encoding reads P for its block sums and its products with
 V's checksums. Here the softmax's pass does both: it screens S against the references from Q and
-K and gives P's checksum pass, from which the context's references follow by small GEMMs. A
-matrix the screen flags goes to the full path: S is verified and corrected from its operands as
-before, and P recomputed by Megatron's softmax from the corrected S.
+K and gives P's checksum pass, from which the context's references follow by small GEMMs. Where
+the check may read the host (the CPU), a matrix the screen flags goes to the full path: S is
+verified and corrected from its operands as before, and P recomputed by Megatron's softmax from
+the corrected S. Where it may not (a sync-free check on a GPU), ``ScoresCorrection`` has the same
+op correct the flagged matrices of S, redo their P and P's pass, and tally the outcome into the
+guard's ledger on the device (softmax_correct_tally): no second read of S.
 
 ``softmax`` is the differentiable op; ``fusable`` says where it reproduces Megatron's module.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
@@ -21,6 +26,7 @@ from torch import Tensor
 
 from megatron_abft import _ext
 from megatron_abft.checksum import _constant
+from megatron_abft.ledger import Ledger
 
 
 def fusable(
@@ -52,16 +58,44 @@ def _causal_mask(sq: int, sk: int, device: torch.device) -> Tensor:
     )
 
 
+@dataclass(frozen=True)
+class ScoresCorrection:
+    """What ``softmax`` needs to correct the scores it screens, with no host read: the GEMM's
+    operands (a, b, alpha: S = alpha a @ b), the check's near-INF bound and vectors per side,
+    and the ledger it tallies into."""
+
+    operands: tuple[Tensor, Tensor, float]
+    near_inf: float
+    capacity: int
+    ledger: Ledger
+
+
 class _ScaleMaskSoftmax(torch.autograd.Function):
-    """P = softmax(mask(scale S)) by softmax_check, with Megatron's gradient: the softmax's
-    backward from P, zero where masked, times the scale."""
+    """P = softmax(mask(scale S)) by softmax_check (or softmax_correct_tally, which may correct S
+    in place first), with Megatron's gradient: the softmax's backward from P, zero where masked,
+    times the scale."""
 
     @staticmethod
-    def forward(ctx, scores, mask, is_causal, scale, sides, block, vectors):
-        u, z = vectors if vectors is not None else (None, None)
-        found = torch.ops.megatron_abft.softmax_check(
-            scores, *sides, mask, is_causal, scale, block, u, z
-        )
+    def forward(ctx, scores, mask, is_causal, scale, sides, block, vectors, correction):
+        if correction is None:
+            u, z = vectors if vectors is not None else (None, None)
+            found = torch.ops.megatron_abft.softmax_check(
+                scores, *sides, mask, is_causal, scale, block, u, z
+            )
+        else:
+            found = _ext.softmax_correct_tally(
+                scores,
+                sides,
+                mask,
+                is_causal,
+                scale,
+                block,
+                vectors,
+                correction.operands,
+                correction.near_inf,
+                correction.capacity,
+                correction.ledger,
+            )
         probs = found[0]
         ctx.mark_non_differentiable(*found[1:])
         ctx.save_for_backward(probs, mask)
@@ -81,7 +115,7 @@ class _ScaleMaskSoftmax(torch.autograd.Function):
             grad = grad.masked_fill(mask, 0.0)
         if ctx.scale != 1.0:
             grad = grad * ctx.scale
-        return grad.to(dtype), None, None, None, None, None, None
+        return grad.to(dtype), None, None, None, None, None, None, None
 
 
 def softmax(
@@ -91,11 +125,16 @@ def softmax(
     sides: tuple,
     block: int,
     vectors: tuple[Tensor, Tensor] | None,
+    correction: ScoresCorrection | None = None,
 ) -> tuple[Tensor, ...]:
     """``module``'s softmax of ``scores [..., sq, sk]`` (``fusable``; ``mask`` broadcast to
     ``scores``) by softmax_check, differentiable in ``scores``: P, the screen's flagged counts
-    per matrix, and P's checksum pass (see _ext.softmax_check). The caller has checked that
-    the kernels take these inputs (_ext.softmax_check_applies)."""
+    per matrix, and P's checksum pass (see _ext.softmax_check). With a ``correction`` (and a
+    screen), softmax_correct_tally instead: the flagged matrices corrected in place and tallied,
+    and whether a matrix stayed uncorrectable in place of the flagged counts. The caller has
+    checked that the kernels take these inputs (_ext.softmax_check_applies)."""
     is_causal = mask is None and causal(module, scores)
     scale = 1.0 if module.scale is None else float(module.scale)
-    return _ScaleMaskSoftmax.apply(scores, mask, is_causal, scale, sides, block, vectors)
+    return _ScaleMaskSoftmax.apply(
+        scores, mask, is_causal, scale, sides, block, vectors, correction
+    )

@@ -158,9 +158,17 @@ class SectionGuard:
         """Count a due check of ``output`` that a screen elsewhere found clean (the fused
         softmax's screen of the scores): nothing to correct, nothing to record."""
         self.batch_shape = tuple(output.shape[:-2])
-        self._open_ledger(output.device)
+        self.ledger_on(output.device)
 
-    def _open_ledger(self, device: torch.device) -> Ledger:
+    def tallied(self, output: Tensor, failed: Tensor) -> None:
+        """Account for a due check of ``output`` that a kernel elsewhere corrected and tallied
+        into this guard's ledger (the fused softmax's sync-free check of the scores); ``failed``
+        says whether a matrix stayed uncorrectable."""
+        self.batch_shape = tuple(output.shape[:-2])
+        self.pending = failed if self.pending is None else self.pending | failed
+
+    def ledger_on(self, device: torch.device) -> Ledger:
+        """This guard's ledger, made on ``device`` at its first check."""
         if self.ledger is None:
             self.ledger = Ledger.on(device, self.step)
         return self.ledger
@@ -178,7 +186,7 @@ class SectionGuard:
             bias=operands.bias,
             block=self.config.block_size,
         )
-        ledger = self._open_ledger(output.device)
+        ledger = self.ledger_on(output.device)
         result = verify_and_correct(
             output,
             col,

@@ -15,8 +15,8 @@ BLOCK = 32
 
 def mismatches(device: torch.device) -> list[str]:
     """What the kernels get wrong on ``device``: encode_pair, add_bias, block_sums, screen,
-    verify_correct and softmax_check on a small batched GEMM in fp32 and bf16, clean and with
-    faults, and tally, against the PyTorch path. Empty when they agree."""
+    verify_correct, softmax_check and softmax_correct_tally on a small batched GEMM in fp32 and
+    bf16, clean and with faults, and tally, against the PyTorch path. Empty when they agree."""
     from megatron_abft import _ext
     from megatron_abft.checksum import encode
     from megatron_abft.sides import Check, _block_sums, inspect_sides, screen
@@ -74,6 +74,7 @@ def mismatches(device: torch.device) -> list[str]:
             if not (_close(got[0], plain) and _close(got[1], sizes)):
                 wrong.append(f"block_sums, {side} side ({dtype})")
         wrong += _softmax_mismatches(c, faulty, refs, check, b, dtype)
+        wrong += _softmax_correction_mismatches(a, b, c, faulty, refs, check, dtype)
     return wrong + _tally_mismatches(device)
 
 
@@ -103,6 +104,42 @@ def _softmax_mismatches(c, faulty, refs, check, v, dtype) -> list[str]:
     if not all(_close(x, y) for x, y in zip(found, direct, strict=True)):
         wrong.append(f"softmax_check, P's pass ({dtype})")
     return wrong
+
+
+def _softmax_correction_mismatches(a, b, c, faulty, refs, check, dtype) -> list[str]:
+    """softmax_correct_tally on scores with one fault: S corrected, P (and its pass) as from
+    the clean scores, one correction tallied."""
+    from megatron_abft.ledger import Ledger
+    from megatron_abft.sides import kernel_sides
+
+    s, ledger = faulty.clone(), Ledger.on(c.device, 0)
+    u, z = torch.ops.megatron_abft.pair_vectors(c, b.mT, BLOCK)
+    p, failed, *found = torch.ops.megatron_abft.softmax_correct_tally(
+        s,
+        *kernel_sides(c, refs, check),
+        None,
+        False,
+        1.0,
+        BLOCK,
+        u,
+        z,
+        a,
+        b,
+        1.0,
+        1e10,
+        96,
+        ledger.counts,
+        ledger.clock,
+        ledger.log,
+        ledger.logged,
+    )
+    want = torch.softmax(c.float(), -1).to(c.dtype)
+    direct = torch.ops.megatron_abft.operand_pass(want, BLOCK, u, z, 1.0)
+    same = _close(s, c) and _close(p, want) and not bool(failed)
+    same = same and all(_close(x, y) for x, y in zip(found, direct, strict=True))
+    if not same or int(ledger.counts[1].sum()) != 1 or int(ledger.logged) != 1:
+        return [f"softmax_correct_tally ({dtype})"]
+    return []
 
 
 def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:

@@ -14,9 +14,10 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
   the differences, thresholds and flags; a clean matrix needs nothing more);
 - ``fused``: kernel 3 (megatron_abft.fused_softmax): the softmax, which reads S and writes P
   anyway, also verifies S and emits P's sums, so the scores' verify pass and the context's read
-  of P go. The code on a CPU. On CUDA the op is one kernel (where a band's column sums fit in a
-  thread block), but sync-free checks use it for P's sums only (its screen of S needs a host read
-  to hand a flagged matrix to the correction), so there the scores' verify pass stays: a target.
+  of P go. The code on a CPU, and on CUDA: there a sync-free check of the scores takes
+  softmax_correct_tally, the softmax's one kernel (where a band's column sums fit in a thread
+  block) screening S, then one thread block that corrects a flagged matrix, redoes its P and P's
+  pass from the corrected S and tallies, with no host read (not yet run on a GPU).
   Kernel 3 also replaces Megatron's softmax, forward and backward: where a device profile has
   timed both softmaxes and kernel 3's checks (SOFTMAX_PARTS, on the CPU), the difference is
   part of the cost; elsewhere both run at the bandwidth and the checks in the pass are free.
@@ -43,11 +44,11 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 IMPLEMENTATIONS = ("torch", "kernels", "fused")
 """How the checks run: the PyTorch path; today's code with the compiled kernels (one read of C
 for both sides with the comparisons, one of the larger operand and two of the smaller); and the
-fused target (the softmax pass verifies S and sums P, so those two reads go)."""
+fused path (the softmax pass verifies S and sums P, so those two reads go)."""
 CHECK_OPS = {"torch": 124, "kernels": 7, "fused": 7}
 """Top-level tensor ops of one clean check (encode both sides, verify, read whether anything
 was found) of a batched GEMM on a CPU. The torch and kernels figures are the code's own,
-counted with torch.profiler by tests/test_scaling.py; the fused target removes passes, not
+counted with torch.profiler by tests/test_scaling.py; the fused path removes passes, not
 ops."""
 CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 4, "fused": 3}
 """GPU kernels one clean check launches sync-free (the default where the kernels serve the GPU),
@@ -58,7 +59,9 @@ vectors it completes; the correction and the guard's tally in one thread block).
 bias (GPT's qkv) adds 1 (add_bias, whose kernel adds the bias's terms to the sums), one op on a
 CPU; so does a smaller operand shared by more heads than its products kernel takes vectors
 (16: GQA at long sequences), whose products then take BLAS. Neither is modelled. The fused
-target drops C's block sums; the torch path is taken at its op count."""
+path drops C's block sums: the scores' check is encode_pair 2 and softmax_correct_tally's
+correction 1 (its screen in the softmax's own launch); the torch path is taken at its op
+count."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ class DeviceProfile:
     """Seconds per element of S of the parts of the scale-mask-softmax (SOFTMAX_PARTS), measured
     on the device by tools/bench_overhead.py; ``forward`` and ``backward`` at least. Without them
     the softmax is priced by its bytes, kernel 3 as fast as Megatron's, and kernel 3's checks
-    at nothing of their own: the fused target takes its sums while it reads S anyway."""
+    at nothing of their own: the fused path takes its sums while it reads S anyway."""
 
     def __post_init__(self) -> None:
         if self.softmax is not None:
@@ -295,9 +298,9 @@ class _Checked:
     share_a: float = 1
     share_b: float = 1
     softmax_output: bool = False
-    """C is the softmax's input (the scores): the fused target verifies it in that pass."""
+    """C is the softmax's input (the scores): the fused path verifies it in that pass."""
     softmax_operand: bool = False
-    """A is the softmax's output (the probabilities): the fused target sums it in that pass."""
+    """A is the softmax's output (the probabilities): the fused path sums it in that pass."""
 
 
 def _checked_gemms(shape: ModelShape) -> dict[str, _Checked]:

@@ -53,13 +53,25 @@ def _difference(result, reference) -> float:
     return worst if torch.isfinite(torch.tensor(worst)) else float("inf")
 
 
-def _correction_worker(cases, policy, fused_softmax=True):
-    from megatron_abft import inject, reset_stats, stats
+def _correction_worker(cases, policy, fused_softmax=True, sync_free_scores=False):
+    from megatron_abft import _ext, attention, inject, reset_stats, stats
     from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    fused_checks = []
+    if sync_free_scores:  # the attention's path on a GPU: kernel 3 corrects S, no host read
+        attention.host_reads = lambda config, device: False
+        real = _ext.softmax_correct_tally
+
+        def counted(*args):
+            fused_checks.append(1)
+            return real(*args)
+
+        _ext.softmax_correct_tally = counted
 
     config = ABFTConfig(on_uncorrectable=policy, fused_softmax=fused_softmax)
     model = build_gpt(SHAPE, get_gpt_layer_abft_spec(config))
     reference = loss_and_grads(model, SHAPE)
+    fused_checks.clear()
     out = []
     for i, case in enumerate(cases):
         reset_stats(model)
@@ -70,8 +82,10 @@ def _correction_worker(cases, policy, fused_softmax=True):
                 "landed": len(landed),
                 "difference": _difference(result, reference),
                 "stats": stats(model),
+                "fused_checks": len(fused_checks),
             }
         )
+        fused_checks.clear()
     return out
 
 
@@ -97,6 +111,11 @@ def unfused_corrections():
     return _spawned(ATTENTION_CASES, "raise", False)
 
 
+@pytest.fixture(scope="module")
+def sync_free_corrections():
+    return _spawned(ATTENTION_CASES, "raise", True, True)
+
+
 def totals(stats: dict, outcome: str) -> dict[str, int]:
     return {section: sum(counts[outcome].values()) for section, counts in stats.items()}
 
@@ -113,6 +132,16 @@ def test_a_fault_is_corrected_on_its_rank_and_training_sees_the_fault_free_value
 )
 def test_the_same_with_megatrons_softmax(unfused_corrections, case):
     assert_corrected(unfused_corrections, ATTENTION_CASES, case)
+
+
+@pytest.mark.parametrize(
+    "case", ATTENTION_CASES, ids=["-".join(map(str, c)) for c in ATTENTION_CASES]
+)
+def test_the_same_with_kernel_3_correcting_the_scores_sync_free(sync_free_corrections, case):
+    """The path of a GPU's sync-free check: softmax_correct_tally corrects S and redoes P."""
+    assert_corrected(sync_free_corrections, ATTENTION_CASES, case)
+    for results in sync_free_corrections:
+        assert results[ATTENTION_CASES.index(case)]["fused_checks"] > 0
 
 
 def assert_corrected(corrections, cases, case):

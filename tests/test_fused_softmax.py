@@ -69,6 +69,21 @@ def test_probabilities_equal_megatrons_softmax(device, dtype, mask_kind, scale):
         assert all(t.numel() == 0 for t in rest)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_score_makes_its_row_nan_as_megatrons_softmax_does(device, dtype):
+    """A NaN in S is not hidden: its row of P is NaN, masked entries included (torch's softmax);
+    the CPU's fast exp once made it a probability of 0 and the row finite."""
+    batch, sq = (2, 3), 24
+    _, _, s, _ = scores_case(batch, sq, sq, 8, dtype, device)
+    s[1, 2, 5, 3] = float("nan")
+    mask, causal, full = masks("causal", batch, sq, sq, device)
+    p = _ext.softmax_check(s, NO_SCREEN, mask, causal, 1.0, 16, None)[0]
+    want = megatron_softmax(s, full, 1.0)
+    assert torch.equal(p.isnan(), want.isnan()) and int(p.isnan().sum()) == sq
+    torch.testing.assert_close(p.nan_to_num(), want.nan_to_num())
+
+
 def faulty_scores(s, seed):
     """S with a fault in some matrices: a large finite value, an INF, a NaN, a row shift."""
     s = s.clone()
