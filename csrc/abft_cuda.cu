@@ -539,6 +539,17 @@ __device__ __forceinline__ void add_to_sums(Acc (&sums)[4], Acc v, Acc w) {
   sums[3] += w * a;
 }
 
+// A vector's sums (add_to_sums) into BlockSums-shaped outputs: plain and weighted at `at` and
+// `at + stride` of `plain`, and of the magnitudes the same in `sizes`.
+template <typename Acc>
+__device__ __forceinline__ void write_sums(void* plain, void* sizes, int64_t at, int64_t stride,
+                                           const Acc (&sums)[4]) {
+  static_cast<Acc*>(plain)[at] = sums[0];
+  static_cast<Acc*>(plain)[at + stride] = sums[1];
+  static_cast<Acc*>(sizes)[at] = sums[2];
+  static_cast<Acc*>(sizes)[at + stride] = sums[3];
+}
+
 // Row i of matrix b of P, written from `row` by its warp, and, where `pass`, the row's products
 // with u and z (of the entries this lane wrote, as rounded), which lane 0 writes.
 template <typename T, typename Acc>
@@ -622,12 +633,7 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: at most 80 re
           for (int t = 0; t < 4; ++t) sums[t] = warp_sum(sums[t]);
           if (lane == 0) {
             const int64_t at = (b * nbr + cb) * 2 * rows + i;
-            Acc* plain = static_cast<Acc*>(k.s_sums.row_sums);
-            Acc* sizes = static_cast<Acc*>(k.s_sums.row_sizes);
-            plain[at] = sums[0];
-            plain[at + rows] = sums[1];
-            sizes[at] = sums[2];
-            sizes[at + rows] = sums[3];
+            write_sums(k.s_sums.row_sums, k.s_sums.row_sizes, at, rows, sums);
             fails += screen_fails<Acc>(k.screen, row_side, b, cb, i);
           }
         }
@@ -725,13 +731,8 @@ __device__ void redo_matrix(const SoftmaxCheck& k, const RowProducts& pr, bool p
         for (int64_t r = r0; r < r1; ++r) {
           add_to_sums(sums, Acc(load(p + r * cols + j)), Acc(r - r0 + 1));
         }
-        const int64_t at = (b * bands + blk) * 2 * cols + j;
-        Acc* plain = static_cast<Acc*>(k.p_sums.col_sums);
-        Acc* sizes = static_cast<Acc*>(k.p_sums.col_sizes);
-        plain[at] = sums[0];
-        plain[at + cols] = sums[1];
-        sizes[at] = sums[2];
-        sizes[at + cols] = sums[3];
+        write_sums(k.p_sums.col_sums, k.p_sums.col_sizes, (b * bands + blk) * 2 * cols + j, cols,
+                   sums);
       }
     }
   }
