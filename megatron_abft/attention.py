@@ -40,6 +40,14 @@ def reject_unsupported(config: TransformerConfig, where: str) -> None:
             f"{config.context_parallel_size}) is not supported: ring attention never materialises "
             "the scores ABFT checks; use context_parallel_size=1"
         )
+    graphs = getattr(config, "cuda_graph_impl", "none")
+    if graphs != "none" or getattr(config, "enable_cuda_graph", False):
+        raise ValueError(
+            f"{where}: CUDA graphs (cuda_graph_impl={graphs}) are not supported: a guard decides "
+            "on the host, every step, which checks are due and hands an uncorrectable fault to "
+            "the step's policy (finish_step), and a replayed graph would repeat the captured "
+            "step's decisions and lose its faults; use cuda_graph_impl=none"
+        )
     if config.attention_backend in (AttnBackend.flash, AttnBackend.fused):
         raise ValueError(
             f"{where}: attention_backend={config.attention_backend.name} is not supported: fused "

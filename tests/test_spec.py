@@ -178,6 +178,25 @@ def test_context_parallelism_is_refused_with_what_to_use():
         reject_unsupported(config, "here")
 
 
+@pytest.mark.parametrize("graphs", ["local", "transformer_engine", "full_iteration"])
+def test_cuda_graphs_are_refused_with_what_to_use(graphs):
+    """Megatron's CUDA graphs would replay the captured step's host decisions (what is due, the
+    policy's view of an uncorrectable fault): refused, not silently wrong."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_abft.attention import reject_unsupported
+
+    config = SimpleNamespace(
+        context_parallel_size=1, attention_backend=AttnBackend.local, cuda_graph_impl=graphs
+    )
+    with pytest.raises(ValueError, match=f"cuda_graph_impl={graphs}.*use cuda_graph_impl=none"):
+        reject_unsupported(config, "here")
+    config.cuda_graph_impl = "none"
+    reject_unsupported(config, "here")  # accepted
+
+
 def _scores_gemm_worker():
     from unittest import mock
 
