@@ -10,7 +10,9 @@ softmax over S (the unprotected work around them), without and with the GEMM's o
 (verify_correct: clean, and correcting one 0D fault); runs of the two paths alternate, and each
 line reports the median. Then each kernel alone (the ops a clean check runs, screen or
 verify_correct and encode_pair, and the kernels they are made of), with its achieved bandwidth
-against a copy of the same tensor on the same device (the bandwidth the device sustains).
+against a copy of the same tensor on the same device (the bandwidth the device sustains). Last,
+kernel 3 against Megatron's softmax with the checks it replaces, and softmax_correct_tally (the
+GPU's sync-free check of the scores), clean and correcting one fault.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from megatron_abft import _ext
 from megatron_abft.checksum import encode
 from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
+from megatron_abft.ledger import Ledger
 from megatron_abft.sides import Check, kernel_sides, screen
 from megatron_abft.tolerance import gemm_rounding
 
@@ -182,12 +185,14 @@ def main() -> None:
         ms = median(fn)
         achieved = nbytes / (ms / 1e3)
         print(f"{name:<38} {ms:>8.2f} {achieved / 1e9:>8.1f} {achieved / bandwidth:>7.0%}")
-    fused_softmax(scores, v, col, row, check, args.block, median)
+    fused_softmax(scores, v, col, row, check, args.block, median, (q, k.mT, scale))
 
 
-def fused_softmax(scores, v, col, row, check, block: int, median) -> None:
+def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> None:
     """Kernel 3 against what it replaces: Megatron's causal softmax (masked_fill, softmax in
-    fp32, back to the dtype), the screen of S and P's pass for the context's checksums."""
+    fp32, back to the dtype), the screen of S and P's pass for the context's checksums; and
+    softmax_correct_tally, the GPU's sync-free check of the scores, clean and correcting one
+    fault (S = alpha Q K^T, ``operands`` (Q, K^T, alpha))."""
     sq, sk = scores.shape[-2:]
     mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
     sides = kernel_sides(scores, {"col": col, "row": row}, check)
@@ -205,6 +210,18 @@ def fused_softmax(scores, v, col, row, check, block: int, median) -> None:
     def pass_unfused():
         return torch.ops.megatron_abft.operand_pass(megatron(), block, *vectors, 1.0)
 
+    ledger = Ledger.on(scores.device, 0)
+    faulty = scores.clone()
+
+    def corrected(s):
+        return _ext.softmax_correct_tally(
+            s, sides, None, True, 1.0, block, vectors, operands, 1e10, max(sq, sk), ledger
+        )
+
+    def one_fault():  # lands a fault (one indexing op); the op corrects it and redoes P
+        faulty[0, 0, 5, 7] = 1e4
+        return corrected(faulty)
+
     rows = {
         "Megatron's softmax (causal)": megatron,
         "... + screen of S + pass over P": unfused,
@@ -221,6 +238,8 @@ def fused_softmax(scores, v, col, row, check, block: int, median) -> None:
         "softmax_check + P's pass (sync-free)": lambda: _ext.softmax_check(
             scores, none, None, True, 1.0, block, vectors
         ),
+        "softmax_correct_tally + pass, clean": lambda: corrected(scores),
+        "... one 0D fault: corrected, P redone": one_fault,
     }
     print(f"\n{'kernel 3 (softmax_check)':<38} {'ms':>8}")
     for name, fn in rows.items():
