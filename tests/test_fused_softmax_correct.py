@@ -141,13 +141,13 @@ def test_on_cuda_it_is_two_launches_and_equals_the_cpu_op():
     names = [e.name for e in kernels if "copy" not in e.name.lower()]  # corrected()'s clone
     assert len(names) == 2, names
     bad = faulty_scores(s, seed=1)
-    gpu_s, gpu, gpu_ledger = corrected(bad, sides, q, k, None, True, vectors, "cuda")
+    gpu_s, gpu, gpu_ledger = corrected(bad, sides, q, k, None, True, vectors, "cuda", 64)
     on_cpu = [[t.cpu() for t in side] for side in sides[2:4]]
     cpu_sides = (*sides[:2], *on_cpu, *sides[4:])
     cpu_vectors = tuple(t.cpu() for t in vectors)
     cpu_s, cpu, cpu_ledger = corrected(
-        bad.cpu(), cpu_sides, q.cpu(), k.cpu(), None, True, cpu_vectors, "cpu"
-    )
+        bad.cpu(), cpu_sides, q.cpu(), k.cpu(), None, True, cpu_vectors, "cpu", 64
+    )  # capacity 64: the shifted row flags every column
     torch.testing.assert_close(gpu_s.cpu(), cpu_s, **tolerance(torch.bfloat16))
     torch.testing.assert_close(gpu[0].cpu(), cpu[0], **tolerance(torch.bfloat16))
     assert torch.equal(gpu_ledger.counts.cpu(), cpu_ledger.counts)
