@@ -568,8 +568,8 @@ Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_blo
 
 #ifdef ABFT_WITH_CUDA
 // What verify_correct and verify_correct_tally run on CUDA: C's block sums, screened by their
-// tiles, then the correction, or, given counts (a tally's, added to in place) and the step, the
-// correction and the tally of what it found in one launch.
+// tiles, then the correction, or, given a guard's ledger (written in place), the correction and
+// the tally of what it found in one launch.
 struct CudaVerification {
   Found found;
   at::Tensor failed;
