@@ -222,15 +222,30 @@ class SectionGuard:
 
 
 def iter_guards(model: torch.nn.Module) -> Iterator[SectionGuard]:
-    """Every guard of ``model``, with its layer number filled in from the enclosing layer."""
-    for module in model.modules():
-        layer = getattr(module, "layer_number", None)
-        for child in module.modules():
-            for guard in getattr(child, "abft_guards", ()):
-                if layer is not None and guard.layer is None:
-                    guard.layer = layer
-    for module in model.modules():
-        yield from getattr(module, "abft_guards", ())
+    """Every guard of ``model`` in ``model.modules()`` order, with its layer number filled in
+    from the outermost enclosing module that has one (Megatron's layer). One walk of the module
+    tree, made before the first guard is yielded: set_step and finish_step call this every
+    step."""
+    guards: list[SectionGuard] = []
+    seen: set[int] = set()
+
+    def visit(module: torch.nn.Module, layer: int | None) -> None:
+        if id(module) in seen:  # a shared module is visited once, as modules() does
+            return
+        seen.add(id(module))
+        attributes = module.__dict__  # not getattr: a missing attribute costs nn.Module a raise
+        if layer is None:
+            layer = attributes.get("layer_number")
+        for guard in attributes.get("abft_guards", ()):
+            if layer is not None and guard.layer is None:
+                guard.layer = layer
+            guards.append(guard)
+        for child in module._modules.values():
+            if child is not None:
+                visit(child, layer)
+
+    visit(model, None)
+    return iter(guards)
 
 
 def set_step(model: torch.nn.Module, step: int) -> None:

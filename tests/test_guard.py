@@ -197,3 +197,36 @@ def test_clean_cpu_checks_record_no_event_and_faulty_ones_do():
     step, status, matrix, kind, row, col, _ = guard.ledger.log[0].tolist()
     assert (status, matrix, row, col) == (1, 5, 7, 11) and kind == 2  # corrected, an INF
     torch.testing.assert_close(c, a @ b)
+
+
+def test_iter_guards_walks_modules_in_order_and_names_the_outermost_layer():
+    """The guards come in model.modules() order, a shared module's once, each with the layer
+    number of its outermost enclosing module that has one (an inner one is ignored)."""
+    from megatron_abft.guard import SectionGuard, iter_guards
+
+    class Checked(torch.nn.Module):
+        def __init__(self, section, layer_number=None):
+            super().__init__()
+            self.abft_guards = (SectionGuard(section, ABFTConfig(), 0),)
+            if layer_number is not None:
+                self.layer_number = layer_number
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number, shared):
+            super().__init__()
+            self.layer_number = number
+            self.attention = Checked("scores", layer_number=99)
+            self.proj = shared
+            self.mlp = torch.nn.Linear(2, 2)
+
+    shared = Checked("proj")
+    model = torch.nn.Sequential(Checked("qkv"), Layer(1, shared), Layer(2, shared))
+    expected = [g for m in model.modules() for g in getattr(m, "abft_guards", ())]
+    guards = list(iter_guards(model))
+    assert len(guards) == 4 and all(g is e for g, e in zip(guards, expected, strict=True))
+    assert [(g.section, g.layer) for g in guards] == [
+        ("qkv", None),
+        ("scores", 1),
+        ("proj", 1),
+        ("scores", 2),
+    ]
