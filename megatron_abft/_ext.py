@@ -184,9 +184,14 @@ def add_bias(
     ``m`` rows) with ``bias [n]`` added to every row of C, in one op: the four, then the bias's
     magnitudes ``[nb(m), n]`` and ``[nb(n), 1]`` (checksum.Checksums.bias_magnitude). None where
     the kernels do not apply."""
-    if not _serves_device(bias.device) or bias.dtype not in _KERNEL_DTYPES or bias.dim() != 1:
+    if not add_bias_applies(bias):
         return None
     return torch.ops.megatron_abft.add_bias(*sums, bias, m, block)
+
+
+def add_bias_applies(bias: Tensor) -> bool:
+    """Whether add_bias's kernels take ``bias``."""
+    return _serves_device(bias.device) and bias.dtype in _KERNEL_DTYPES and bias.dim() == 1
 
 
 def screen(
@@ -225,9 +230,7 @@ def verify_correct(
     tallies what it found into it as ``tally`` does, on CUDA in the correction's launch, and
     returns failed after the five. None where the kernels do not apply."""
     a, b, alpha, bias = operands
-    if not (_serves(c) and _serves(a) and _serves(b)) or a.device != c.device:
-        return None
-    if bias is not None and (bias.dtype not in _KERNEL_DTYPES or bias.device != c.device):
+    if not verify_correct_applies(c, a, b, bias):
         return None
     if ledger is None:
         return torch.ops.megatron_abft.verify_correct(
@@ -236,6 +239,13 @@ def verify_correct(
     return torch.ops.megatron_abft.verify_correct_tally(
         c, *sides, a, b, alpha, bias, near_inf, capacity, *_ledger_args(ledger)
     )
+
+
+def verify_correct_applies(c: Tensor, a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
+    """Whether verify_correct's kernels take this output and these operands."""
+    if not (_serves(c) and _serves(a) and _serves(b)) or a.device != c.device:
+        return False
+    return bias is None or (bias.dtype in _KERNEL_DTYPES and bias.device == c.device)
 
 
 def tally(found: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], ledger: Ledger) -> Tensor | None:

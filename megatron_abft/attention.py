@@ -24,12 +24,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from megatron_abft import _ext, fused_softmax
-from megatron_abft.checksum import Checksums, encode, encode_from_pass
+from megatron_abft.checksum import Checksums, encode_from_pass
 from megatron_abft.config import ABFTConfig
 from megatron_abft.eec import GemmOperands
 from megatron_abft.guard import SectionGuard, host_reads
-from megatron_abft.sides import Check, kernel_sides
-from megatron_abft.tolerance import gemm_rounding
 
 
 def reject_unsupported(config: TransformerConfig, where: str) -> None:
@@ -215,12 +213,9 @@ class ProtectedDotProductAttention(DotProductAttention):
             vectors = _ext.pair_vectors(s5, v5, config.block_size)
         if not screen and vectors is None:
             return None
-        sides, refs = (0, 0, [], [], [], []), None
+        sides = (0, 0, [], [], [], [])
         if screen:
-            refs = encode(operands.a, operands.b, alpha=operands.alpha, block=config.block_size)
-            rounding = gemm_rounding(s5.dtype, s5.device)
-            check = Check(rounding, config.threshold_scale, config.near_inf, 0, None)
-            sides = kernel_sides(s5, {"col": refs[0], "row": refs[1]}, check)
+            sides = self.scores_guard.screen_sides(s5, operands)
             if sides is None:
                 return None
         grouped = None if mask is None else _grouped(mask, groups, rep)
@@ -245,7 +240,7 @@ class ProtectedDotProductAttention(DotProductAttention):
             self.scores_guard.tallied(s5, failed=flagged)
         elif screen:
             if bool(flagged.any()):  # correct S, and take P from it unfused
-                s5 = self.scores_guard.verify(s5, operands, recompute, refs)
+                s5 = self.scores_guard.verify(s5, operands, recompute)
                 scores = s5.view(b, heads, sq, sk)
                 return self.scale_mask_softmax(scores, mask, self.softmax_offset), None
             self.scores_guard.passed(s5)

@@ -23,10 +23,15 @@ from megatron_abft.checksum import Checksums, encode
 from megatron_abft.config import SECTIONS, ABFTConfig
 from megatron_abft.eec import KINDS, OUTCOMES, GemmOperands, verify_and_correct
 from megatron_abft.ledger import EVENT_FIELDS, Ledger, drain, set_clocks
+from megatron_abft.plan import GENERAL, CheckPlan, signature
+from megatron_abft.sides import Check, kernel_sides
+from megatron_abft.tolerance import gemm_rounding
 
 RECOMPUTED = 3
 """Event status of a fault that was uncorrectable in place and went away when recomputed."""
 ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed"}
+MAX_PLANS = 8
+"""Check plans a guard keeps (megatron_abft.plan): one a shape it checks."""
 
 View = Callable[[Tensor], Tensor]
 """Maps a GEMM output to the ``[..., rows, cols]`` matrix a fault section names."""
@@ -88,6 +93,7 @@ class SectionGuard:
         self.pending: Tensor | None = None  # bool: an uncorrected fault this step
         self.recompute_failed = False  # a recomputed GEMM was still wrong this step
         self.batch_shape: tuple[int, ...] = ()  # of the checked matrices, to name heads
+        self.plans: dict[tuple, CheckPlan | None] = {}  # by signature; None: not plannable
 
     @property
     def counts(self) -> Tensor | None:
@@ -178,7 +184,65 @@ class SectionGuard:
     ) -> Tensor | None:
         """Verify and correct in place and tally. Returns whether a matrix stayed uncorrectable
         (a device bool); None when the check is known clean without a host synchronisation
-        (EECResult.known_clean, which every clean check is where host_reads)."""
+        (EECResult.known_clean, which every clean check is where host_reads). The first check
+        of a signature takes the general path and plans the next ones (megatron_abft.plan)."""
+        ledger = self.ledger_on(output.device)
+        sync_free = not host_reads(self.config, output.device)
+        key = signature(output, operands, refs, self.config, sync_free)
+        plan = self.plans.get(key)
+        if plan is not None:
+            failed = plan.run(output, operands, refs, ledger)
+            if failed is not GENERAL:
+                return failed
+        failed = self._general(output, operands, refs, ledger, sync_free)
+        self._plan(key, output, operands, refs, sync_free)
+        return failed
+
+    def screen_sides(self, output: Tensor, operands: GemmOperands) -> tuple | None:
+        """Both sides' references of ``output``, encoded from ``operands``, as the kernels take
+        them (megatron_abft.sides.kernel_sides), for a screen elsewhere (the fused softmax's);
+        None where the kernels do not take them. By this signature's plan after the first."""
+        sync_free = not host_reads(self.config, output.device)
+        key = signature(output, operands, None, self.config, sync_free)
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan.sides(operands, None)
+        col, row = encode(
+            operands.a,
+            operands.b,
+            alpha=operands.alpha,
+            bias=operands.bias,
+            block=self.config.block_size,
+        )
+        rounding = gemm_rounding(output.dtype, output.device)
+        check = Check(rounding, self.config.threshold_scale, self.config.near_inf, 0, None)
+        sides = kernel_sides(output, {"col": col, "row": row}, check)
+        self._plan(key, output, operands, None, sync_free)
+        return sides
+
+    def _plan(
+        self,
+        key: tuple | None,
+        output: Tensor,
+        operands: GemmOperands,
+        refs: tuple[Checksums, Checksums] | None,
+        sync_free: bool,
+    ) -> None:
+        """Plan the checks of signature ``key``, after the general path took its first."""
+        if key is not None and key not in self.plans:
+            if len(self.plans) == MAX_PLANS:  # shapes that keep changing: start again
+                self.plans.clear()
+            self.plans[key] = CheckPlan.make(output, operands, refs, self.config, sync_free)
+
+    def _general(
+        self,
+        output: Tensor,
+        operands: GemmOperands,
+        refs: tuple[Checksums, Checksums] | None,
+        ledger: Ledger,
+        sync_free: bool,
+    ) -> Tensor | None:
+        """_verify by checksum.encode and eec.verify_and_correct."""
         col, row = refs or encode(
             operands.a,
             operands.b,
@@ -186,7 +250,6 @@ class SectionGuard:
             bias=operands.bias,
             block=self.config.block_size,
         )
-        ledger = self.ledger_on(output.device)
         result = verify_and_correct(
             output,
             col,
@@ -195,7 +258,7 @@ class SectionGuard:
             threshold_scale=self.config.threshold_scale,
             near_inf=self.config.near_inf,
             check_references=False,
-            sync_free=not host_reads(self.config, output.device),
+            sync_free=sync_free,
             ledger=ledger,
         )
         if result.known_clean:

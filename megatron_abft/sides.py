@@ -102,10 +102,18 @@ def kernel_sides(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple |
             tensors.append(ref.bias_magnitude)
         if any(t.dtype != natural for t in tensors):
             return None
-        length = min(ref.block, ref.length)
-        terms = threshold_terms(check.rounding, length=length, inner=ref.inner, scale=check.scale)
-        sides[name], blocks[name], bounds[name] = tensors, ref.block, [*terms, float(length)]
+        bounds[name] = side_bounds(check, ref.block, ref.length, ref.inner)
+        sides[name], blocks[name] = tensors, ref.block
     return blocks["col"], blocks["row"], sides["col"], sides["row"], bounds["col"], bounds["row"]
+
+
+def side_bounds(check: Check, block: int, length: int, inner: int) -> list[float]:
+    """One side's bounds as the kernels take them, for vectors of ``length`` summed in blocks of
+    ``block`` from a GEMM with inner dimension ``inner``: the threshold terms, then the length
+    of a block."""
+    length = min(block, length)
+    terms = threshold_terms(check.rounding, length=length, inner=inner, scale=check.scale)
+    return [*terms, float(length)]
 
 
 def _block_sums(c: Tensor, refs: dict[str, Checksums]) -> dict[str, tuple[Tensor, Tensor]]:

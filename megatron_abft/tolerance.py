@@ -55,14 +55,25 @@ def gemm_rounding(dtype: torch.dtype, device: torch.device) -> Rounding:
     accumulation = unit_roundoff(torch.float64 if dtype == torch.float64 else torch.float32)
     inputs = 0.0
     if device.type == "cuda":
-        matmul = torch.backends.cuda.matmul
-        if dtype == torch.float32 and matmul.allow_tf32:
+        tf32, fp16_reduced, bf16_reduced = cuda_matmul_switches()
+        if dtype == torch.float32 and tf32:
             inputs = 2.0**-11
-        elif dtype == torch.float16 and matmul.allow_fp16_reduced_precision_reduction:
+        elif dtype == torch.float16 and fp16_reduced:
             accumulation = output
-        elif dtype == torch.bfloat16 and matmul.allow_bf16_reduced_precision_reduction:
+        elif dtype == torch.bfloat16 and bf16_reduced:
             accumulation = output
     return Rounding(output=output, floor=floor, inputs=inputs, accumulation=accumulation)
+
+
+def cuda_matmul_switches() -> tuple[bool, bool, bool]:
+    """torch's switches that change how a CUDA GEMM rounds (gemm_rounding): TF32 for fp32, and
+    reduced-precision reductions for fp16 and bf16."""
+    matmul = torch.backends.cuda.matmul
+    return (
+        matmul.allow_tf32,
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+    )
 
 
 def threshold_terms(

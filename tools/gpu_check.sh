@@ -8,9 +8,9 @@
 # run most needed first, and a step cut short leaves its log and lets the next one run. The tests
 # run to the end (no -x), so that one lease shows every failure. A second call,
 #     bash tools/gpu_check.sh more
-# (the machine still warm, or it installs again) runs what did not fit: the GPT-3 350M step at
-# micro-batch 4 (at 1 the host may bound the step, and its overhead with it) and the kernels at
-# sequence 4096.
+# (the machine still warm, or it installs again) runs what did not fit: the host's time per check
+# and per step (bench_host.py), the GPT-3 350M step at micro-batch 4 (at 1 the host may bound the
+# step, and its overhead with it) and the kernels at sequence 4096.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
@@ -36,6 +36,7 @@ step install 160 bash -c "$PY -m pip install --no-index --no-deps wheels/*.whl &
 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $PY -m pip install --no-index --no-build-isolation \
 --no-deps -e ."
     fi
+    step bench_host 45 "$PY" tools/bench_host.py --out "$OUT/bench_host.json"
     step bench_overhead_350m_mb4 300 "$PY" tools/bench_overhead.py --layers 24 --hidden 1024 \
         --heads 16 --seq 2048 --vocab 50304 --dtype bf16 --reps 10 --micro-batch 4 \
         --out "$OUT/bench_gpt3_350m_mb4.json"

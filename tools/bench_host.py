@@ -1,0 +1,133 @@
+"""What protection costs the host on this machine: a guard's clean check against its ops alone
+(the difference is the Python around them), and set_step and finish_step, which run once a step,
+on a GPT model. On a GPU this is the host side of a step, which the GPU hides only while the
+host runs ahead of it; the overhead model counts device time only (docs/benchmarks.md).
+
+    python tools/bench_host.py --layers 24 --out host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import timeit
+
+import torch
+
+from megatron_abft.config import ABFTConfig
+from megatron_abft.eec import GemmOperands
+from megatron_abft.guard import SectionGuard
+
+
+def per_call(fn, device: torch.device, number: int, repeat: int = 7) -> float:
+    """Seconds per call of ``fn``: the best of ``repeat`` timings of ``number`` calls, the device
+    synchronised at the end of each (the calls are small: the host, not the device, bounds)."""
+
+    def timed():
+        for _ in range(number):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return min(timeit.repeat(timed, number=1, repeat=repeat)) / number
+
+
+def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
+    """A guard's clean check of a small GEMM with a bias, as the qkv projection's (32 tokens,
+    hidden 64, 192 outputs: its time is all overhead), and its compiled ops called directly
+    with the arguments its plan holds (megatron_abft.plan): encode_pair, add_bias, then
+    verify_correct and a read of the worst status (CPU), or verify_correct_tally (GPU)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = (torch.randn(*s, generator=g).to(device) for s in ((32, 64), (192, 64), (192,)))
+    operands, y = GemmOperands(x, w.t(), 1.0, bias), torch.addmm(bias, x, w.t())
+    guard = SectionGuard("qkv", ABFTConfig(), 0)
+    for _ in range(10):
+        guard.check(y, operands)
+    (plan,) = guard.plans.values()
+    if plan is None:
+        raise RuntimeError("the compiled kernels do not serve this device: nothing planned")
+    ops, ledger = torch.ops.megatron_abft, guard.ledger
+
+    def alone():
+        s = ops.encode_pair.default(x, w.t(), 1.0, plan.block)
+        s = ops.add_bias.default(*s, bias, 32, plan.block)
+        sides = (*plan.blocks, [s[0], s[1], s[4]], [s[2], s[3], s[5]], *plan.bounds)
+        tail = (x, w.t(), 1.0, bias, plan.near_inf, plan.capacity)
+        if plan.sync_free:
+            ledger_args = (ledger.counts, ledger.clock, ledger.log, ledger.logged)
+            ops.verify_correct_tally.default(y, *sides, *tail, *ledger_args)
+        else:
+            int(ops.verify_correct.default(y, *sides, *tail)[0].max())
+
+    return {
+        "check": per_call(lambda: guard.check(y, operands), device, number),
+        "ops_alone": per_call(alone, device, number),
+    }
+
+
+def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, float]:
+    """set_step and finish_step on a GPT model of ``layers`` protected layers (small ones: the
+    two walk the model's modules and its guards, whatever their size)."""
+    from bench_overhead import _build, parse_args
+
+    from megatron_abft import finish_step, set_step
+
+    args = parse_args(["--layers", str(layers), "--hidden", "64", "--heads", "4", "--seq", "32"])
+    model = _build(args, ABFTConfig())
+    steps = iter(range(10**9))
+    return {
+        "modules": sum(1 for _ in model.modules()),
+        "set_step": per_call(lambda: set_step(model, next(steps)), device, number),
+        "finish_step": per_call(lambda: finish_step(model), device, number),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=24, help="of the model for set/finish_step")
+    p.add_argument("--out", help="JSON results")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if not cuda:
+        from megatron_abft.cpu import enable_cpu_mode
+
+        enable_cpu_mode()
+        torch.set_num_threads(1)  # the host's own thread: op overhead, not its parallel work
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    check = clean_check(device)
+    step = per_step(args.layers, device)
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "clean_check": check,
+        "per_step": {"layers": args.layers, **step},
+    }
+    us = 1e6
+    print(f"on {result['device']}, torch {torch.__version__}")
+    print(
+        f"a clean check: {check['check'] * us:.1f} us, its ops alone {check['ops_alone'] * us:.1f}"
+        f" us: {(check['check'] - check['ops_alone']) * us:.1f} us of Python around them"
+    )
+    print(
+        f"{args.layers} layers ({step['modules']} modules): set_step {step['set_step'] * 1e3:.2f}"
+        f" ms, finish_step {step['finish_step'] * 1e3:.2f} ms"
+    )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
