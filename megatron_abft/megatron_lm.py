@@ -369,6 +369,8 @@ def coverage_intervals(args: argparse.Namespace) -> dict[str, int | None]:
         kv_groups=args.num_query_groups if getattr(args, "group_query_attention", True) else None,
         dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         block=args.abft_block_size,
+        # Megatron-LM's flags name it add_bias_linear, pretrain_gpt's disable_bias_linear
+        bias=getattr(args, "add_bias_linear", not getattr(args, "disable_bias_linear", False)),
     )
     forward = baseline_forward(shape)
     exposure = {s: forward[s].flops for s in SECTIONS}

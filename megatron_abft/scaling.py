@@ -57,12 +57,15 @@ counted from the code (not yet on a GPU): encode_pair 2 (both operands' block su
 products, alpha applied as they are written; a column-major operand, as V^T is for the context,
 read column by column) and verify_correct_tally 2 (C's block sums, each tile screening the
 vectors it completes; the correction and the guard's tally in one thread block). A GEMM with a
-bias (GPT's qkv) adds 1 (add_bias, whose kernel adds the bias's terms to the sums), one op on a
-CPU; so does a smaller operand shared by more heads than its products kernel takes vectors
-(16: GQA at long sequences), whose products then take BLAS. Neither is modelled. The fused
-path drops C's block sums: the scores' check is encode_pair 2 and softmax_correct_tally's
-correction 1 (its screen in the softmax's own launch); the torch path is taken at its op
-count."""
+bias (GPT's qkv) adds 1 (BIAS_OPS). A smaller operand shared by more heads than its products
+kernel takes vectors (16: GQA at long sequences) takes BLAS for its products, a few launches
+more: not modelled. The fused path drops C's block sums: the scores' check is encode_pair 2
+and softmax_correct_tally's correction 1 (its screen in the softmax's own launch); the torch
+path is taken at its op count."""
+BIAS_OPS = {"torch": 30, "kernels": 1, "fused": 1}
+"""What a bias adds to a check (GPT's qkv; ModelShape.bias), in ops on a CPU and in launches on a
+GPU: the kernels' add_bias, which adds the bias's terms to the sums in one op; the torch path's
+terms, counted with torch.profiler by tests/test_scaling.py."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class ModelShape:
     """SwiGLU MLP (three FFN matrices) instead of GeLU (two)."""
     tied_embeddings: bool = True
     """The output layer shares the input embedding (GPT-3); Llama's has its own."""
+    bias: bool = True
+    """The linear layers add a bias (GPT-3, Megatron's default); Llama's add none."""
     dtype: str = "bf16"
     block: int = 256
     """ABFT checksum block length."""
@@ -360,7 +365,7 @@ def protection_forward(
     shape: ModelShape, impl: str = "torch", ops: float | None = None
 ) -> dict[str, Work]:
     """Extra forward work of each checked section, one layer, one rank, on a clean step, with
-    ``ops`` ops a check (default CHECK_OPS[impl])."""
+    ``ops`` ops a check (default CHECK_OPS[impl]), and BIAS_OPS more for a bias."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
     e, block = BYTES[shape.dtype], shape.block
@@ -371,7 +376,10 @@ def protection_forward(
         in_softmax = impl == "fused" and g.softmax_output  # S verified as the softmax reads it
         # the torch path's verify passes are counted per side (_side)
         verify = Work(bytes=0 if impl == "torch" or in_softmax else g.batch * g.m * g.n * e)
-        out[section] = col + row + verify + Work(ops=CHECK_OPS[impl] if ops is None else ops)
+        launched = CHECK_OPS[impl] if ops is None else ops
+        if section == "qkv" and shape.bias:  # the only checked GEMM with a bias
+            launched += BIAS_OPS[impl]
+        out[section] = col + row + verify + Work(ops=launched)
     return out
 
 
@@ -465,6 +473,7 @@ def _llama(name, layers, hidden, heads, groups, ffn, vocab, tp):
         kv_groups=groups,
         gated=True,
         tied_embeddings=False,
+        bias=False,
     )
 
 

@@ -9,6 +9,7 @@ import torch
 
 from megatron_abft.config import SECTIONS
 from megatron_abft.scaling import (
+    BIAS_OPS,
     CATALOGUE,
     CHECK_KERNELS,
     CHECK_OPS,
@@ -311,6 +312,42 @@ def test_the_op_counts_the_model_assumes_are_the_code_s(impl):
     assert seconds > 0
 
 
+@pytest.mark.parametrize("impl", ["kernels", "torch"])
+def test_a_bias_adds_the_ops_the_model_counts(impl):
+    """BIAS_OPS follows the code: a guard's clean check of a GEMM with a bias launches that many
+    ops more than without, within 15%; the model adds them to the qkv check of a model with
+    biases only."""
+    from contextlib import nullcontext
+
+    from bench_overhead import count_ops
+
+    from megatron_abft import _ext
+    from megatron_abft.config import ABFTConfig
+    from megatron_abft.eec import GemmOperands
+    from megatron_abft.guard import SectionGuard
+
+    if impl == "kernels" and not _ext.available():
+        pytest.skip(_ext.backend())
+    x, w, bias = torch.randn(32, 64), torch.randn(192, 64), torch.randn(192)
+    counted = []
+    for b in (None, bias):
+        with _ext.disabled() if impl == "torch" else nullcontext():
+            guard, operands = SectionGuard("qkv", ABFTConfig(), 0), GemmOperands(x, w.t(), 1.0, b)
+            y = x @ w.t() + (0 if b is None else b)
+            for _ in range(3):  # planned after the first
+                guard.check(y, operands)
+            cpu = [torch.profiler.ProfilerActivity.CPU]
+            with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
+                guard.check(y, operands)
+            counted.append(count_ops(profile))
+    assert counted[1] - counted[0] == pytest.approx(BIAS_OPS[impl], rel=0.15)
+    gpt = SHAPES["GPT-3 350M"]
+    for shape, more in ((gpt, BIAS_OPS[impl]), (replace(gpt, bias=False), 0)):
+        ops = {s: w.ops for s, w in protection_forward(shape, impl).items()}
+        assert ops == {**dict.fromkeys(SECTIONS, CHECK_OPS[impl]), "qkv": CHECK_OPS[impl] + more}
+    assert not SHAPES["Llama-3 8B"].bias
+
+
 def test_the_report_judges_every_measured_row_and_sums_them_up():
     """tools/overhead_report.py on a committed benchmark run: each overhead row is judged by
     the tolerance (±25% or ±1 pp, the looser), each check row by ±25%, and the summary counts
@@ -351,10 +388,9 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     assert device.ops_per_check("kernels") == run["machine"]["check_ops"] == 13
     assert device.ops_per_check("torch") == CHECK_OPS["torch"]
     work = protection_forward(measured_shape(run["args"]), "kernels", 13)
-    assert {w.ops for w in work.values()} == {13}
-    assert {w.ops for w in protection_forward(SHAPES["GPT-3 125M"], "kernels").values()} == {
-        CHECK_OPS["kernels"]
-    }
+    assert {s: w.ops for s, w in work.items()} == {**dict.fromkeys(SECTIONS, 13), "qkv": 14}
+    llama = protection_forward(SHAPES["Llama-2 7B"], "kernels")  # no bias
+    assert {w.ops for w in llama.values()} == {CHECK_OPS["kernels"]}
 
 
 def test_the_report_explains_a_fused_section_the_model_misses():

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron_abft.config import SECTIONS
 from megatron_abft.scaling import (
+    BIAS_OPS,
     CATALOGUE,
     CHECK_KERNELS,
     CHECK_OPS,
@@ -379,8 +380,9 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "counted); `kernels`, the code as it runs with the compiled kernels (a clean check is",
             "two of their ops: `encode_pair` reads the larger operand once and the smaller twice,",
             "`verify_correct` reads C once for both sides and corrects a flagged matrix on the",
-            f"device; on a CPU {CHECK_OPS['kernels']} tensor ops per clean check, a figure a",
-            "test keeps equal to the code's); and `fused`, kernel 3 (the softmax, which reads S",
+            f"device; on a CPU {CHECK_OPS['kernels']} tensor ops per clean check and",
+            f"{BIAS_OPS['kernels']} more for a bias, `add_bias`, figures a test keeps equal to the",
+            "code's); and `fused`, kernel 3 (the softmax, which reads S",
             "and writes P anyway, verifies S and sums P, so those two reads go; the code on a",
             "CPU and on CUDA, where a sync-free check corrects a flagged S, redoes its P and",
             "tallies in one more launch, `softmax_correct_tally`; not yet run on a GPU).",
