@@ -289,16 +289,16 @@ Pair pair_vectors(const at::Tensor& a, const at::Tensor& b, int64_t block) {
   return small_vectors(a, b.mT(), block);
 }
 
-// encode_pair's second half: both sides from a's pass (sums, sizes, products, magnitudes as
-// operand_pass(a, block, u, z, alpha) gives them with pair_vectors' u, z).
-Four encode_pair_from(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block,
-                      const at::Tensor& sums, const at::Tensor& sizes, const at::Tensor& products,
-                      const at::Tensor& magnitudes) {
+// encode_pair's second half: the column side from a's pass (its block sums and sizes, as
+// operand_pass(a, block, u, z, alpha) gives them with pair_vectors' u, z), projected on b. The
+// row side is the pass's products and magnitudes themselves, which checksum.encode_from_pass
+// takes as views (an op's output may not alias its input: returned here, they were copies).
+Pair encode_pair_from(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block,
+                      const at::Tensor& sums, const at::Tensor& sizes) {
   check_pair("megatron_abft::encode_pair_from", a, b);
   TORCH_CHECK(larger(a, b).first, "megatron_abft::encode_pair_from: a ", a.sizes(),
               " must be the larger operand (b is ", b.sizes(), ")");
-  // the row side is a view of the products: copies, so that no output aliases an input
-  return from_pass(true, b.mT(), alpha, {sums, sizes, products.clone(), magnitudes.clone()});
+  return paired(project(b.mT(), sums.flatten(-3, -2), sizes.select(-2, 0), alpha));
 }
 
 }  // namespace
@@ -312,8 +312,8 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
       "Tensor)");
   m.def("pair_vectors(Tensor a, Tensor b, int block) -> (Tensor, Tensor)");
   m.def(
-      "encode_pair_from(Tensor a, Tensor b, float alpha, int block, Tensor sums, Tensor sizes, "
-      "Tensor products, Tensor magnitudes) -> (Tensor, Tensor, Tensor, Tensor)");
+      "encode_pair_from(Tensor a, Tensor b, float alpha, int block, Tensor sums, Tensor sizes) "
+      "-> (Tensor, Tensor)");
   m.def(
       "block_sums_pair(Tensor a, int a_col_block, int a_row_block, Tensor b, int b_col_block, "
       "int b_row_block) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",

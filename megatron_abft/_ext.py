@@ -348,12 +348,13 @@ def pair_vectors(a: Tensor, b: Tensor, block: int) -> tuple[Tensor, Tensor] | No
 
 
 def encode_pair_from(
-    a: Tensor, b: Tensor, alpha: float, block: int, found: tuple[Tensor, ...]
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """encode_pair's second half: both sides' sums of ``alpha * a @ b`` from ``found``, the pass
-    over ``a`` (its block sums, sizes, products and magnitudes, as softmax_check returns them)
-    with pair_vectors' u, z, its products taken times ``alpha``."""
-    return torch.ops.megatron_abft.encode_pair_from(a, b, alpha, block, *found)
+    a: Tensor, b: Tensor, alpha: float, block: int, sums: Tensor, sizes: Tensor
+) -> tuple[Tensor, Tensor]:
+    """encode_pair's second half: the column side's sums of ``alpha * a @ b`` and magnitudes,
+    from the block ``sums`` and ``sizes`` of a pass over ``a`` made elsewhere with pair_vectors'
+    u, z (softmax_check). The row side is that pass's products and magnitudes, taken times
+    ``alpha`` (checksum.encode_from_pass)."""
+    return torch.ops.megatron_abft.encode_pair_from(a, b, alpha, block, sums, sizes)
 
 
 def _register_fake() -> None:
@@ -428,15 +429,13 @@ def _register_fake() -> None:
         )
 
     @torch.library.register_fake("megatron_abft::encode_pair_from")
-    def _(a: Tensor, b: Tensor, alpha, block, sums, sizes, products, magnitudes):
+    def _(a: Tensor, b: Tensor, alpha, block, sums, sizes):
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        (m, _), n = a.shape[-2:], b.shape[-1]
-        col, row = -(-m // block), -(-n // block)
+        m, n = a.shape[-2], b.shape[-1]
+        col = -(-m // block)
         return (
             a.new_empty((*batch, col, 2, n), dtype=sums.dtype),
             a.new_empty((*batch, col, n), dtype=sums.dtype),
-            a.new_empty((*batch, row, 2, m), dtype=sums.dtype),
-            a.new_empty((*batch, row, m), dtype=sums.dtype),
         )
 
     @torch.library.register_fake("megatron_abft::add_bias")

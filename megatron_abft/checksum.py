@@ -316,7 +316,10 @@ def encode_from_pass(
 ) -> tuple[Checksums, Checksums]:
     """``encode(a, b, block=block)`` from a pass over ``a`` made elsewhere: ``found`` are its
     block sums, sizes, products and magnitudes with _ext.pair_vectors(a, b, block), as
-    _ext.softmax_check gives them for the context GEMM P @ V. Needs the compiled kernels."""
-    col, col_magnitude, row, row_magnitude = _ext.encode_pair_from(a, b, 1.0, block, found)
+    _ext.softmax_check gives them for the context GEMM P @ V. Needs the compiled kernels. The
+    row side is views of the pass's products ``[..., m, 2 nb(n)]`` and magnitudes."""
+    sums, sizes, products, magnitudes = found
+    col, col_magnitude = _ext.encode_pair_from(a, b, 1.0, block, sums, sizes)
+    row, row_magnitude = products.mT.unflatten(-2, (-1, 2)), magnitudes.mT
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     return Checksums(col, col_magnitude, block, m, k), Checksums(row, row_magnitude, block, n, k)

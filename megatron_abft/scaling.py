@@ -60,8 +60,15 @@ vectors it completes; the correction and the guard's tally in one thread block).
 bias (GPT's qkv) adds 1 (BIAS_OPS). A smaller operand shared by more heads than its products
 kernel takes vectors (16: GQA at long sequences) takes BLAS for its products, a few launches
 more: not modelled. The fused path drops C's block sums: the scores' check is encode_pair 2
-and softmax_correct_tally's correction 1 (its screen in the softmax's own launch); the torch
-path is taken at its op count."""
+and softmax_correct_tally's correction 1 (its screen in the softmax's own launch); the
+context's takes one more (FUSED_CONTEXT_OPS); the torch path is taken at its op count."""
+FUSED_CONTEXT_OPS = 1
+"""What the context's check in the fused path launches beyond CHECK_KERNELS["fused"] (the
+scores'), counted from the code: its references come from P's pass by pair_vectors and
+encode_pair_from (a launch each, as many as encode_pair's two), and it verifies C by
+verify_correct_tally (two launches, where the scores' correction is one): 4, as many as a check
+of today's kernels. A CPU is charged the same one op more (its two ops where encode_pair is one;
+the views of P's pass that make the row side are ops there too, of next to no cost)."""
 BIAS_OPS = {"torch": 30, "kernels": 1, "fused": 1}
 """What a bias adds to a check (GPT's qkv; ModelShape.bias), in ops on a CPU and in launches on a
 GPU: the kernels' add_bias, which adds the bias's terms to the sums in one op; the torch path's
@@ -365,7 +372,8 @@ def protection_forward(
     shape: ModelShape, impl: str = "torch", ops: float | None = None
 ) -> dict[str, Work]:
     """Extra forward work of each checked section, one layer, one rank, on a clean step, with
-    ``ops`` ops a check (default CHECK_OPS[impl]), and BIAS_OPS more for a bias."""
+    ``ops`` ops a check (default CHECK_OPS[impl]), BIAS_OPS more for a bias and
+    FUSED_CONTEXT_OPS more for the fused path's context."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
     e, block = BYTES[shape.dtype], shape.block
@@ -379,6 +387,8 @@ def protection_forward(
         launched = CHECK_OPS[impl] if ops is None else ops
         if section == "qkv" and shape.bias:  # the only checked GEMM with a bias
             launched += BIAS_OPS[impl]
+        if impl == "fused" and g.softmax_operand:  # the context's references from P's pass
+            launched += FUSED_CONTEXT_OPS
         out[section] = col + row + verify + Work(ops=launched)
     return out
 

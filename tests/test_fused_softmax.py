@@ -229,7 +229,7 @@ def test_opcheck_schemas_and_fakes():
     )
     torch.library.opcheck(op.pair_vectors.default, (s, v, 16))
     p, _, *found = _ext.softmax_check(s, sides, None, True, 1.0, 16, (u, z))
-    torch.library.opcheck(op.encode_pair_from.default, (p, v, 1.0, 16, *found))
+    torch.library.opcheck(op.encode_pair_from.default, (p, v, 1.0, 16, *found[:2]))
 
 
 @needs_cuda
@@ -281,6 +281,30 @@ def test_the_single_pass_is_one_launch(screened):
     kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == (2 if screened else 1), [e.name for e in kernels]
     assert not flagged.any()
+
+
+@needs_cuda
+def test_the_context_references_from_the_pass_are_two_launches():
+    """On CUDA, the context's references in the fused path are pair_vectors' launch and
+    encode_pair_from's (the row side is views of P's pass), as many as encode_pair's: what
+    scaling.FUSED_CONTEXT_OPS counts."""
+    _, _, s, sides = scores_case((2, 2, 3), 64, 64, 8, torch.bfloat16, "cuda")
+    v = torch.randn(2, 2, 1, 64, 16, device="cuda").to(torch.bfloat16)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+    def launches(work):
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as profile:
+            out = work()
+            torch.cuda.synchronize()
+        cuda = torch.autograd.DeviceType.CUDA
+        return out, [e.name for e in profile.events() if e.device_type == cuda]
+
+    vectors, first = launches(lambda: _ext.pair_vectors(s, v, 16))
+    p, _, *found = _ext.softmax_check(s, NO_SCREEN, None, True, 1.0, 16, vectors)
+    (_, row), second = launches(lambda: encode_from_pass(p, v, 16, tuple(found)))
+    assert (len(first), len(second)) == (1, 1), (first, second)
+    assert row.sums.data_ptr() == found[2].data_ptr()  # a view of P's pass, not a copy
 
 
 def test_the_kernel_selftest_checks_the_softmax(monkeypatch):

@@ -391,6 +391,9 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     assert {s: w.ops for s, w in work.items()} == {**dict.fromkeys(SECTIONS, 13), "qkv": 14}
     llama = protection_forward(SHAPES["Llama-2 7B"], "kernels")  # no bias
     assert {w.ops for w in llama.values()} == {CHECK_OPS["kernels"]}
+    # the fused path's context: references by pair_vectors and encode_pair_from, verify_correct
+    fused = protection_forward(SHAPES["Llama-2 7B"], "fused", CHECK_KERNELS["fused"])
+    assert {s: w.ops for s, w in fused.items()} == {**dict.fromkeys(SECTIONS, 3), "context": 4}
 
 
 def test_the_report_explains_a_fused_section_the_model_misses():
