@@ -21,8 +21,8 @@ from megatron_abft.plan import GENERAL, CheckPlan, signature
 def gemm(dtype, batch, m, n, bias, seed, weight=True):
     """A GEMM's operands (alpha 0.5) and its output, computed in fp32 (fp64) and rounded once.
     ``weight``: b is a transposed weight, as the linear layers give it, else stored row by
-    row (where b is the larger operand, the general path then encodes one side at a time and
-    nothing is planned)."""
+    row (where b is the larger operand, encode_pair then does not take it, a column-major
+    operand, and nothing is planned)."""
     a, b, bias_t, _ = gemm_case(dtype, batch, m, 16, n, seed, bias)
     if weight:
         b = b.mT.contiguous().mT
@@ -98,7 +98,7 @@ def test_a_sync_free_plan_tallies_in_its_op_what_the_host_plan_tallies(dtype, fa
     config = ABFTConfig(block_size=32)
     c = clean.clone()
     if fault == "2d":
-        c[1, 2, 10:30, 10:30] = float("nan")  # more vectors than a capacity of 2 corrects
+        c[1, 2, 10:30, 10:30] = float("nan")  # a 2D fault: none of it can be rebuilt
     else:
         inject_(c[1, 2], TensorFault("nan" if fault == "0d" else "value", fault, value=1e4))
     faulty = c.clone()
