@@ -207,13 +207,7 @@ class SectionGuard:
         plan = self.plans.get(key)
         if plan is not None:
             return plan.sides(operands, None)
-        col, row = encode(
-            operands.a,
-            operands.b,
-            alpha=operands.alpha,
-            bias=operands.bias,
-            block=self.config.block_size,
-        )
+        col, row = self._encode(operands)
         rounding = gemm_rounding(output.dtype, output.device)
         check = Check(rounding, self.config.threshold_scale, self.config.near_inf, 0, None)
         sides = kernel_sides(output, {"col": col, "row": row}, check)
@@ -234,6 +228,11 @@ class SectionGuard:
                 self.plans.clear()
             self.plans[key] = CheckPlan.make(output, operands, refs, self.config, sync_free)
 
+    def _encode(self, operands: GemmOperands) -> tuple[Checksums, Checksums]:
+        """Both sides' references of the GEMM of ``operands``, by checksum.encode."""
+        a, b, alpha, bias = operands.a, operands.b, operands.alpha, operands.bias
+        return encode(a, b, alpha=alpha, bias=bias, block=self.config.block_size)
+
     def _general(
         self,
         output: Tensor,
@@ -243,13 +242,7 @@ class SectionGuard:
         sync_free: bool,
     ) -> Tensor | None:
         """_verify by checksum.encode and eec.verify_and_correct."""
-        col, row = refs or encode(
-            operands.a,
-            operands.b,
-            alpha=operands.alpha,
-            bias=operands.bias,
-            block=self.config.block_size,
-        )
+        col, row = refs or self._encode(operands)
         result = verify_and_correct(
             output,
             col,

@@ -169,7 +169,7 @@ class CheckPlan:
         if self.sync_free:
             found = ops.verify_correct_tally.default(
                 output, *sides, a, b, self.alpha, bias, self.near_inf, self.capacity,
-                ledger.counts, ledger.clock, ledger.log, ledger.logged,
+                *_ext._ledger_args(ledger),
             )  # fmt: skip
             return found[5]
         found = ops.verify_correct.default(

@@ -16,6 +16,7 @@ import timeit
 
 import torch
 
+from megatron_abft import _ext
 from megatron_abft.config import ABFTConfig
 from megatron_abft.eec import GemmOperands
 from megatron_abft.guard import SectionGuard
@@ -56,8 +57,7 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
         sides = (*plan.blocks, [s[0], s[1], s[4]], [s[2], s[3], s[5]], *plan.bounds)
         tail = (x, w.t(), 1.0, bias, plan.near_inf, plan.capacity)
         if plan.sync_free:
-            ledger_args = (ledger.counts, ledger.clock, ledger.log, ledger.logged)
-            ops.verify_correct_tally.default(y, *sides, *tail, *ledger_args)
+            ops.verify_correct_tally.default(y, *sides, *tail, *_ext._ledger_args(ledger))
         else:
             int(ops.verify_correct.default(y, *sides, *tail)[0].max())
 
