@@ -5,11 +5,14 @@ ABFT_BUILD picks what is built (default ``auto``):
         on a machine without a GPU), else the C++ one;
   cuda  the CUDA extension, or an error;  cpu  the C++ kernels only;  none  no extension (the
         package then runs its PyTorch path).
-TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "8.0;9.0"). Build against the torch you
+TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "8.0;9.0"). On x86-64 Linux every build
+with an extension also has the CUDA kernels built for the CPU through the CUDA emulator
+(csrc/cuda_emulator.h), which the tests run where there is no GPU. Build against the torch you
 run: ``pip install --no-build-isolation --no-deps -e .``.
 """
 
 import os
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -23,6 +26,8 @@ SOURCES = [
     "csrc/abft_softmax.cpp",
     "csrc/abft_cpu.cpp",
 ]
+# The CUDA kernels (abft_cuda.cu) built by the C++ compiler, and the emulator that runs them.
+EMULATOR_SOURCES = ["csrc/abft_cuda_emulated.cpp", "csrc/cuda_emulator.cpp"]
 # OpenMP: at::parallel_for runs its tasks on torch's threads only where _OPENMP is defined (it
 # is serial otherwise). libgomp.so.1 resolves to the copy torch has already loaded.
 # -fno-trapping-math lets GCC turn the selects of a loop's body into vector blends (it changes no
@@ -62,6 +67,14 @@ def nvidia_wheel_dirs(kind: str) -> list[str]:
     return found
 
 
+def emulator() -> tuple[list[str], list[tuple[str, None]]]:
+    """The emulator's sources and macro where it is built (its fibers switch stacks in x86-64
+    assembly), else none."""
+    if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64"):
+        return EMULATOR_SOURCES, [("ABFT_WITH_EMULATOR", None)]
+    return [], []
+
+
 def extensions() -> tuple[list, dict]:
     mode = os.environ.get("ABFT_BUILD", "auto").strip().lower()
     if mode not in MODES:
@@ -82,10 +95,12 @@ def extensions() -> tuple[list, dict]:
             f"ABFT_BUILD={mode} found no CUDA toolkit: set CUDA_HOME or ABFT_BUILD=cpu"
         )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
+    emulated, emulator_macros = emulator()
     if not use_cuda:
         ext = cpp_extension.CppExtension(
             "megatron_abft._C",
-            SOURCES,
+            [*SOURCES, *emulated],
+            define_macros=emulator_macros,
             extra_compile_args={"cxx": CXX_FLAGS},
             extra_link_args=LINK_FLAGS,
         )
@@ -97,8 +112,8 @@ def extensions() -> tuple[list, dict]:
     wheel_includes = [flag for d in nvidia_wheel_dirs("include") for flag in ("-idirafter", d)]
     ext = cpp_extension.CUDAExtension(
         "megatron_abft._C",
-        [*SOURCES, "csrc/abft_cuda.cu"],
-        define_macros=[("ABFT_WITH_CUDA", None)],
+        [*SOURCES, *emulated, "csrc/abft_cuda.cu"],
+        define_macros=[("ABFT_WITH_CUDA", None), *emulator_macros],
         library_dirs=nvidia_wheel_dirs("lib"),
         extra_compile_args={"cxx": CXX_FLAGS + wheel_includes, "nvcc": NVCC_FLAGS},
         extra_link_args=LINK_FLAGS,

@@ -98,7 +98,7 @@ struct ScreenSide {
 
 // Both sides of a screen of a batch of matrices, and the output: flagged [batch, slots] int32,
 // whose slots sum to the number of flagged vectors of each matrix (flagged_count). The CPU
-// kernels keep one slot a matrix; the CUDA block sums that screen (block_sums_cuda) one a tile.
+// kernels keep one slot a matrix; the CUDA block sums that screen (Launchers::block_sums) one a tile.
 struct Screen {
   int batch_dims;
   int64_t batch_sizes[kMaxBatchDims];
@@ -428,47 +428,61 @@ int64_t row_products_tasks(const MatrixBatch& a);
 void row_products_cpu(const MatrixBatch& a, const RowProducts& out, int64_t begin, int64_t end);
 
 // CPU, matrices [begin, end) of the batch: their flagged counts, both sides, in one slot each.
-// (CUDA screens in block_sums_cuda.)
+// (CUDA screens in its block sums: Launchers::block_sums.)
 void screen_cpu(const Screen& s, bool f64, int64_t begin, int64_t end);
 
-// CUDA: launches on `stream` (a cudaStream_t) and returns the launch's cudaError_t (0: success).
-// With a screen whose sides are out's (C's, or C^T's where C is read transposed), each tile also
-// screens the vectors it completes, in the same launch, and writes how many failed to its slot of
-// screen->flagged (screen->slots = row_tiles * col_tiles of block_sums_tiling; no zero fill).
-int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream,
-                    const Screen* screen = nullptr);
-// CUDA: the block sums of two batches of one dtype (unscreened) in one launch.
-int block_sums_pair_cuda(const MatrixBatch& a, const BlockSums& a_out, const MatrixBatch& b,
-                         const BlockSums& b_out, void* stream);
-// At most kMaxRowProducts vectors of each kind (u, z); the binding checks it. With b, b's products
-// (b_out; b of a's dtype) in the same launch.
-constexpr int kMaxRowProducts = 16;
-int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream,
-                      const MatrixBatch* b = nullptr, const RowProducts* b_out = nullptr);
-
-// CPU, one loop; CUDA, one thread block on `stream`.
+// CPU, one loop.
 void tally_cpu(const Tally& t);
-int tally_cuda(const Tally& t, void* stream);
 
-// CPU, all items, each block of columns summed once; CUDA, all of them on `stream`.
+// CPU, all items, each block of columns summed once.
 void bias_terms_cpu(const BiasTerms& t);
-int bias_terms_cuda(const BiasTerms& t, void* stream);
 
-// CPU, tasks [begin, end) (softmax_check_tasks), one pass over S. CUDA, on `stream`: the single
-// pass, or the four kernels, as softmax_single_pass says.
+// CPU, tasks [begin, end) (softmax_check_tasks), one pass over S.
 void softmax_check_cpu(const SoftmaxCheck& k, int64_t begin, int64_t end);
-int softmax_check_cuda(const SoftmaxCheck& k, void* stream);
-// What a sync-free check of the scores runs after softmax_check_cuda with a screen: c corrects
-// the flagged matrices of the S that k read, from the block sums k wrote; each matrix corrected
-// has its rows of P and P's checksum pass (where k has products) redone from the corrected S; t
-// tallies c's results. One thread block on `stream`: one launch. (The CPU composes correct_cpu,
-// softmax_check_cpu over the corrected matrices' bands without the screen, and tally_cpu.)
-int correct_redo_tally_cuda(const Correct& c, const SoftmaxCheck& k, const Tally& t, void* stream);
 
-// CPU, matrices [begin, end) of the batch; CUDA, on `stream`, after the screen's launches.
+// CPU, matrices [begin, end) of the batch.
 void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);
-int correct_cuda(const Correct& k, bool f64, void* stream);
-// CUDA: correct, then tally its results (t reads k's outputs; batch >= 1), in one launch.
-int correct_tally_cuda(const Correct& k, const Tally& t, bool f64, void* stream);
+
+// The vectors of each kind (u, z) that one launch of the CUDA products kernel takes at most.
+constexpr int kMaxRowProducts = 16;
+
+// The CUDA kernels' launchers (abft_cuda.cu). Each launches on `stream` (a cudaStream_t) and
+// returns the launch's cudaError_t (0: success). abft_cuda.cu is built twice: by nvcc for GPUs
+// (cuda_launchers, in CUDA builds), and by the C++ compiler with cuda_emulator.h, which runs the
+// same kernels on the CPU, for tests on machines without a GPU (emulated_launchers, in builds
+// with the emulator).
+struct Launchers {
+  // With a screen whose sides are out's (C's, or C^T's where C is read transposed), each tile
+  // also screens the vectors it completes, in the same launch, and writes how many failed to its
+  // slot of screen->flagged (screen->slots = row_tiles * col_tiles of block_sums_tiling; no zero
+  // fill). screen may be null.
+  int (*block_sums)(const MatrixBatch& c, const BlockSums& out, void* stream,
+                    const Screen* screen);
+  // The block sums of two batches of one dtype (unscreened) in one launch.
+  int (*block_sums_pair)(const MatrixBatch& a, const BlockSums& a_out, const MatrixBatch& b,
+                         const BlockSums& b_out, void* stream);
+  // At most kMaxRowProducts vectors of each kind (u, z); the binding checks it. With b (or
+  // null), b's products (b_out; b of a's dtype) in the same launch.
+  int (*row_products)(const MatrixBatch& a, const RowProducts& out, void* stream,
+                      const MatrixBatch* b, const RowProducts* b_out);
+  // One thread block.
+  int (*tally)(const Tally& t, void* stream);
+  int (*bias_terms)(const BiasTerms& t, void* stream);
+  // The single pass, or the four kernels, as softmax_single_pass says.
+  int (*softmax_check)(const SoftmaxCheck& k, void* stream);
+  // What a sync-free check of the scores runs after softmax_check with a screen: c corrects the
+  // flagged matrices of the S that k read, from the block sums k wrote; each matrix corrected
+  // has its rows of P and P's checksum pass (where k has products) redone from the corrected S;
+  // t tallies c's results. One thread block: one launch. (The CPU composes correct_cpu,
+  // softmax_check_cpu over the corrected matrices' bands without the screen, and tally_cpu.)
+  int (*correct_redo_tally)(const Correct& c, const SoftmaxCheck& k, const Tally& t,
+                            void* stream);
+  // After the screen's launches.
+  int (*correct)(const Correct& k, bool f64, void* stream);
+  // correct, then tally its results (t reads k's outputs; batch >= 1), in one launch.
+  int (*correct_tally)(const Correct& k, const Tally& t, bool f64, void* stream);
+};
+extern const Launchers cuda_launchers;
+extern const Launchers emulated_launchers;
 
 }  // namespace abft

@@ -5,13 +5,67 @@
 
 #include <ATen/ATen.h>
 
+#ifdef ABFT_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "abft.h"
 
+// The CUDA kernels are in builds for GPUs (ABFT_WITH_CUDA), and, through the emulator
+// (cuda_emulator.h), in builds that have it (ABFT_WITH_EMULATOR).
+#if defined(ABFT_WITH_CUDA) || defined(ABFT_WITH_EMULATOR)
+#define ABFT_CUDA_KERNELS 1
+#endif
+
 namespace abft_binding {
+
+// Whether the ops on CPU tensors run the CUDA kernels through the emulator instead of the C++
+// kernels (megatron_abft._ext.emulated_cuda, for tests). False in builds without the emulator.
+bool emulating_cuda();
+
+#ifdef ABFT_CUDA_KERNELS
+// An op's implementation for CPU tensors, given its C++ one (Cpu) and its CUDA one (Cuda) of the
+// same signature: Cpu, or Cuda while emulating_cuda(). Registered as &OnCpu<cpu, cuda>::call.
+template <auto Cpu, auto Cuda>
+struct OnCpu;
+
+template <typename R, typename... A, R (*Cpu)(A...), R (*Cuda)(A...)>
+struct OnCpu<Cpu, Cuda> {
+  static R call(A... args) { return emulating_cuda() ? Cuda(args...) : Cpu(args...); }
+};
+
+// The CPU registration of op `name`, whose implementations are name_cpu and name_cuda.
+#define ABFT_CPU_IMPL(name) &abft_binding::OnCpu<name##_cpu, name##_cuda>::call
+#else
+#define ABFT_CPU_IMPL(name) &name##_cpu
+#endif
+
+#ifdef ABFT_CUDA_KERNELS
+// Where an op's CUDA kernels run: on the GPU that holds `on`, on torch's current stream there,
+// that device current while the launch lives; or, for a tensor on the CPU while emulating_cuda(),
+// through the emulator. Any other tensor is an error that says so.
+class CudaLaunch {
+ public:
+  explicit CudaLaunch(const at::Tensor& on);
+  at::DeviceType device() const { return device_; }
+  const abft::Launchers& kernels() const { return *kernels_; }
+  void* stream() const { return stream_; }
+  // Raises a launcher's error (0: none) as c10::Error, `op` and the cause named.
+  void check(int error, const char* op) const;
+
+ private:
+  at::DeviceType device_;
+  const abft::Launchers* kernels_ = nullptr;
+  void* stream_ = nullptr;
+#ifdef ABFT_WITH_CUDA
+  std::optional<c10::cuda::CUDAGuard> guard_;
+#endif
+};
+#endif
 
 using Sums = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Products = std::tuple<at::Tensor, at::Tensor>;
@@ -31,6 +85,19 @@ std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c
 std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tensor> prepare_products(
     const at::Tensor& a, const at::Tensor& u, const at::Tensor& z, double scale,
     at::DeviceType device);
+
+#ifdef ABFT_CUDA_KERNELS
+using Eight = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                         at::Tensor, at::Tensor>;
+
+// block_sums_pair and row_products_pair by the CUDA kernels, one launch each: registered for CUDA,
+// and taken by their composites (abft_encode.cpp) for CPU tensors while emulating_cuda().
+Eight block_sums_pair_cuda(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
+                           const at::Tensor& b, int64_t b_col_block, int64_t b_row_block);
+Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
+                            double scale, const at::Tensor& b, const at::Tensor& v,
+                            const at::Tensor& y, double b_scale);
+#endif
 
 // That the CUDA products kernel takes p's vectors (at most kMaxRowProducts of each kind); `op`
 // names the op in the error.

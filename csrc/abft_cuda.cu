@@ -6,9 +6,16 @@
 // thread walks one column of the tile, keeping its column sums in registers; each row's sums are
 // reduced across a warp by shuffles, and across the block's warps in shared memory. A tile
 // completes the vectors it covers, so it can screen them at once, in the same launch.
+#ifndef ABFT_CUDA_EMULATOR  // nvcc; cuda_emulator.h defines these where the CPU runs the kernels
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+// kernel<<<grid, block, shared, stream>>>(...), written so that the emulator can launch it too
+#define ABFT_LAUNCH(grid, block, shared, stream, ...) __VA_ARGS__<<<grid, block, shared, stream>>>
+#define ABFT_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#define ABFT_LAUNCHERS cuda_launchers
+#endif
 
 #include "abft.h"
 #include "abft_correct.h"
@@ -217,11 +224,11 @@ int launch(const MatrixBatch& c, const BlockSums& out, const Screen* screen, cud
   const int threads = int(block_sums_threads(job));
   const unsigned grid = unsigned(min64(tiles, 0x7fffffff));
   if (screen != nullptr) {
-    block_sums_kernel<T, Acc, true>
-        <<<grid, threads, 0, stream>>>(c, out, tiling, tiles, s, col_side, row_side);
+    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, true>)
+    (c, out, tiling, tiles, s, col_side, row_side);
   } else {
-    block_sums_kernel<T, Acc, false>
-        <<<grid, threads, 0, stream>>>(c, out, tiling, tiles, s, col_side, row_side);
+    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, false>)
+    (c, out, tiling, tiles, s, col_side, row_side);
   }
   return cudaGetLastError();
 }
@@ -233,7 +240,7 @@ int launch_pair(const BlockSumsJob& first, const BlockSumsJob& second, cudaStrea
   const int64_t wide = block_sums_threads(first), other = block_sums_threads(second);
   const int threads = int(wide > other ? wide : other);
   const unsigned grid = unsigned(min64(tiles, 0x7fffffff));
-  block_sums_pair_kernel<T, Acc><<<grid, threads, 0, stream>>>(first, second, Screen{});
+  ABFT_LAUNCH(grid, threads, 0, stream, block_sums_pair_kernel<T, Acc>)(first, second, Screen{});
   return cudaGetLastError();
 }
 
@@ -377,7 +384,7 @@ int launch_products(const MatrixBatch& a, const RowProducts& out, const MatrixBa
                                  : ProductsJob{*b, *b_out, first.blocks, products_blocks(*b)};
   const int64_t blocks = first.blocks + second.blocks;
   if (blocks == 0) return cudaSuccess;
-  products_kernel<T, Acc><<<unsigned(blocks), kThreads, 0, stream>>>(first, second);
+  ABFT_LAUNCH(unsigned(blocks), kThreads, 0, stream, products_kernel<T, Acc>)(first, second);
   return cudaGetLastError();
 }
 
@@ -524,7 +531,7 @@ int launch_softmax(const SoftmaxCheck& k, cudaStream_t stream) {
   const int64_t total_rows = k.s.batch * k.s.rows;
   if (total_rows == 0) return cudaSuccess;
   const unsigned grid = unsigned(min64(ceil_div(total_rows, kWarps), 0x7fffffff));
-  softmax_kernel<T, Acc><<<grid, kThreads, 0, stream>>>(k, total_rows);
+  ABFT_LAUNCH(grid, kThreads, 0, stream, softmax_kernel<T, Acc>)(k, total_rows);
   return cudaGetLastError();
 }
 
@@ -593,7 +600,7 @@ template <typename T, typename Acc>
 __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: at most 80 registers
     softmax_pass_kernel(SoftmaxCheck k, RowProducts pr, bool pass, int64_t tasks, int col_side,
                         int row_side) {
-  extern __shared__ __align__(16) unsigned char shared[];
+  ABFT_DYNAMIC_SHARED(shared);
   __shared__ int band_fails;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const MatrixBatch& s = k.s;
@@ -707,7 +714,8 @@ int launch_softmax_pass(const SoftmaxCheck& k, cudaStream_t stream) {
     if (error != cudaSuccess) return error;
   }
   const unsigned grid = unsigned(min64(tasks, 0x7fffffff));
-  kernel<<<grid, kThreads, size_t(bytes), stream>>>(k, pr, pass, tasks, col_side, row_side);
+  ABFT_LAUNCH(grid, kThreads, size_t(bytes), stream, kernel)
+  (k, pr, pass, tasks, col_side, row_side);
   return cudaGetLastError();
 }
 
@@ -793,7 +801,7 @@ int with_dtype(DType dtype, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-}  // namespace
+// The launchers (abft.h, Launchers).
 
 int bias_terms_cuda(const BiasTerms& t, void* stream) {
   const int64_t items = bias_terms_items(t);
@@ -801,9 +809,9 @@ int bias_terms_cuda(const BiasTerms& t, void* stream) {
   const unsigned grid = unsigned(min64(ceil_div(items, kThreads), 1024));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (t.f64) {
-    bias_terms_kernel<double><<<grid, kThreads, 0, st>>>(t, items);
+    ABFT_LAUNCH(grid, kThreads, 0, st, bias_terms_kernel<double>)(t, items);
   } else {
-    bias_terms_kernel<float><<<grid, kThreads, 0, st>>>(t, items);
+    ABFT_LAUNCH(grid, kThreads, 0, st, bias_terms_kernel<float>)(t, items);
   }
   return cudaGetLastError();
 }
@@ -814,9 +822,9 @@ int correct_cuda(const Correct& k, bool f64, void* stream) {
   const unsigned grid = unsigned(ceil_div(k.screen.batch, kPerBlock));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (f64) {
-    correct_kernel<double><<<grid, kPerBlock, 0, st>>>(k);
+    ABFT_LAUNCH(grid, kPerBlock, 0, st, correct_kernel<double>)(k);
   } else {
-    correct_kernel<float><<<grid, kPerBlock, 0, st>>>(k);
+    ABFT_LAUNCH(grid, kPerBlock, 0, st, correct_kernel<float>)(k);
   }
   return cudaGetLastError();
 }
@@ -825,9 +833,11 @@ int correct_tally_cuda(const Correct& k, const Tally& t, bool f64, void* stream)
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const SoftmaxCheck none{};  // no P to redo
   if (f64) {
-    correct_tally_kernel<double><<<1, kThreads, 0, st>>>(k, t, none, RowProducts{}, false);
+    ABFT_LAUNCH(1, kThreads, 0, st, correct_tally_kernel<double>)
+    (k, t, none, RowProducts{}, false);
   } else {
-    correct_tally_kernel<float><<<1, kThreads, 0, st>>>(k, t, none, RowProducts{}, false);
+    ABFT_LAUNCH(1, kThreads, 0, st, correct_tally_kernel<float>)
+    (k, t, none, RowProducts{}, false);
   }
   return cudaGetLastError();
 }
@@ -838,20 +848,20 @@ int correct_redo_tally_cuda(const Correct& c, const SoftmaxCheck& k, const Tally
   const RowProducts pr = pass ? *k.products : RowProducts{};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (k.s.dtype == DType::F64) {
-    correct_tally_kernel<double><<<1, kThreads, 0, st>>>(c, t, k, pr, pass);
+    ABFT_LAUNCH(1, kThreads, 0, st, correct_tally_kernel<double>)(c, t, k, pr, pass);
   } else {
-    correct_tally_kernel<float><<<1, kThreads, 0, st>>>(c, t, k, pr, pass);
+    ABFT_LAUNCH(1, kThreads, 0, st, correct_tally_kernel<float>)(c, t, k, pr, pass);
   }
   return cudaGetLastError();
 }
 
 int tally_cuda(const Tally& t, void* stream) {
-  tally_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(t);
+  ABFT_LAUNCH(1, kThreads, 0, static_cast<cudaStream_t>(stream), tally_kernel)(t);
   return cudaGetLastError();
 }
 
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream,
-                      const MatrixBatch* b, const RowProducts* b_out) {
+                      const MatrixBatch* b = nullptr, const RowProducts* b_out = nullptr) {
   const RowProducts* outs[] = {&out, b_out};
   for (const RowProducts* o : outs) {
     if (o != nullptr && (o->u.rows > kMaxRowProducts || o->z.rows > kMaxRowProducts)) {
@@ -867,7 +877,7 @@ int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream
 }
 
 int block_sums_cuda(const MatrixBatch& c, const BlockSums& out, void* stream,
-                    const Screen* screen) {
+                    const Screen* screen = nullptr) {
   return with_dtype(c.dtype, [&](auto types) {
     using Types = decltype(types);
     return launch<typename Types::Element, typename Types::Accumulator>(
@@ -916,5 +926,19 @@ int softmax_check_cuda(const SoftmaxCheck& k, void* stream) {
   error = block_sums_cuda(p, k.p_sums, stream);
   return error == cudaSuccess ? row_products_cuda(p, *k.products, stream) : error;
 }
+
+}  // namespace
+
+extern const Launchers ABFT_LAUNCHERS = {
+    block_sums_cuda,      // block_sums
+    block_sums_pair_cuda,  // block_sums_pair
+    row_products_cuda,     // row_products
+    tally_cuda,            // tally
+    bias_terms_cuda,       // bias_terms
+    softmax_check_cuda,    // softmax_check
+    correct_redo_tally_cuda,  // correct_redo_tally
+    correct_cuda,             // correct
+    correct_tally_cuda,       // correct_tally
+};
 
 }  // namespace abft

@@ -17,14 +17,14 @@
 #include <utility>
 #include <vector>
 
+#include "abft_binding.h"
+
 namespace {
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 using Four = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Eight = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                          at::Tensor, at::Tensor>;
-
-constexpr int64_t kMaxCudaProducts = 16;  // abft.h kMaxRowProducts
 
 Four block_sums(const at::Tensor& c, int64_t col_block, int64_t row_block) {
   static auto op = c10::Dispatcher::singleton()
@@ -71,10 +71,21 @@ Four row_products_pair_op(const at::Tensor& a, const at::Tensor& u, const at::Te
   return op.call(a, u, z, scale, b, v, y, b_scale);
 }
 
+// Whether x's ops run the CUDA kernels: on a GPU, or emulated on the CPU.
+bool runs_cuda_kernels(const at::Tensor& x) {
+  return x.is_cuda() || (x.is_cpu() && abft_binding::emulating_cuda());
+}
+
 // block_sums_pair and row_products_pair on any device: the two ops, one after the other (CUDA
-// has its own, one launch each: abft_ops.cpp).
+// has its own, one launch each: abft_ops.cpp, which the emulated CUDA kernels take too).
 Eight block_sums_pair(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
                       const at::Tensor& b, int64_t b_col_block, int64_t b_row_block) {
+#ifdef ABFT_CUDA_KERNELS
+  if (a.is_cpu() && abft_binding::emulating_cuda()) {
+    return abft_binding::block_sums_pair_cuda(a, a_col_block, a_row_block, b, b_col_block,
+                                              b_row_block);
+  }
+#endif
   const auto [a0, a1, a2, a3] = block_sums(a, a_col_block, a_row_block);
   const auto [b0, b1, b2, b3] = block_sums(b, b_col_block, b_row_block);
   return {a0, a1, a2, a3, b0, b1, b2, b3};
@@ -83,6 +94,11 @@ Eight block_sums_pair(const at::Tensor& a, int64_t a_col_block, int64_t a_row_bl
 Four row_products_pair(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
                        double scale, const at::Tensor& b, const at::Tensor& v, const at::Tensor& y,
                        double b_scale) {
+#ifdef ABFT_CUDA_KERNELS
+  if (a.is_cpu() && abft_binding::emulating_cuda()) {
+    return abft_binding::row_products_pair_cuda(a, u, z, scale, b, v, y, b_scale);
+  }
+#endif
   const auto [a0, a1] = row_products(a, u, z, scale);
   const auto [b0, b1] = row_products(b, v, y, b_scale);
   return {a0, a1, b0, b1};
@@ -93,7 +109,7 @@ bool column_major(const at::Tensor& x) { return x.stride(-2) == 1 && x.stride(-1
 // As _ext._products_apply: on CUDA the kernels take at most 16 vectors of each kind.
 bool products_apply(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
   if (u.dim() != a.dim() || z.dim() != a.dim()) return false;
-  return !a.is_cuda() || std::max(u.size(-2), z.size(-2)) <= kMaxCudaProducts;
+  return !runs_cuda_kernels(a) || std::max(u.size(-2), z.size(-2)) <= abft::kMaxRowProducts;
 }
 
 std::vector<int64_t> batch_of(const at::Tensor& t) {
@@ -267,7 +283,7 @@ Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t
   check_pair("megatron_abft::encode_pair", a, b);
   const auto [x_big, big] = larger(a, b);
   const at::Tensor small = x_big ? b.mT() : a;  // the operands as rows of length k
-  if (big.is_cuda()) return encode_split(x_big, big, small, alpha, block);
+  if (runs_cuda_kernels(big)) return encode_split(x_big, big, small, alpha, block);
   const auto [u, z] = small_vectors(big, small, block);
   return from_pass(x_big, small, alpha, operand_pass(big, block, u, z, alpha));
 }

@@ -15,20 +15,63 @@
 
 #ifdef ABFT_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 #include <utility>
 
 #include "abft.h"
 #include "abft_binding.h"
+#ifdef ABFT_WITH_EMULATOR
+#include "cuda_emulator.h"
+#endif
 
 namespace abft_binding {
+
+std::atomic<bool> emulating{false};  // set by _C.emulate_cuda (below)
+
+bool emulating_cuda() { return emulating.load(); }
+
+#ifdef ABFT_CUDA_KERNELS
+CudaLaunch::CudaLaunch(const at::Tensor& on) : device_(on.device().type()) {
+#ifdef ABFT_WITH_CUDA
+  if (device_ == at::kCUDA) {
+    guard_.emplace(on.device());
+    kernels_ = &abft::cuda_launchers;
+    stream_ = c10::cuda::getCurrentCUDAStream(on.device().index()).stream();
+    return;
+  }
+#endif
+#ifdef ABFT_WITH_EMULATOR
+  if (device_ == at::kCPU && emulating_cuda()) {
+    kernels_ = &abft::emulated_launchers;
+    cuda_emulator::forget_errors();  // so that a failure below is this op's
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "megatron_abft: the CUDA kernels run on a GPU, or emulated on the CPU (",
+              "megatron_abft._ext.emulated_cuda); got a tensor on ", on.device());
+}
+
+void CudaLaunch::check(int error, const char* op) const {
+  if (error == 0) return;
+#ifdef ABFT_WITH_CUDA
+  if (device_ == at::kCUDA) C10_CUDA_CHECK(static_cast<cudaError_t>(error));
+#endif
+#ifdef ABFT_WITH_EMULATOR
+  const std::string why = cuda_emulator::last_message();
+  TORCH_CHECK(false, op, ": the emulated CUDA kernels failed (error ", error, "): ",
+              why.empty() ? "the launcher refused its arguments" : why);
+#endif
+  TORCH_CHECK(false, op, ": CUDA launch failed with error ", error);
+}
+#endif
 
 // `what` names the tensor in the error message.
 abft::DType kernel_dtype(const at::Tensor& c, const char* what) {
@@ -217,38 +260,37 @@ Pass operand_pass_cpu(const at::Tensor& a, int64_t block, const at::Tensor& u,
   return result;
 }
 
-#ifdef ABFT_WITH_CUDA
+#ifdef ABFT_CUDA_KERNELS
 Pass operand_pass_cuda(const at::Tensor& a, int64_t block, const at::Tensor& u,
                        const at::Tensor& z, double scale) {
-  const c10::cuda::CUDAGuard guard(a.device());
+  const CudaLaunch launch(a);
   auto [result, matrices, out, products, u_, z_] =
-      prepare_pass(a, block, u, z, scale, at::kCUDA);
-  check_cuda_products("megatron_abft::operand_pass", products);
-  const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream)));
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::row_products_cuda(matrices, products, stream)));
+      prepare_pass(a, block, u, z, scale, launch.device());
+  const char* op = "megatron_abft::operand_pass";
+  check_cuda_products(op, products);
+  launch.check(launch.kernels().block_sums(matrices, out, launch.stream(), nullptr), op);
+  launch.check(
+      launch.kernels().row_products(matrices, products, launch.stream(), nullptr, nullptr), op);
   return result;
 }
-#endif
 
-#ifdef ABFT_WITH_CUDA
 Products row_products_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
                            double scale) {
-  const c10::cuda::CUDAGuard guard(a.device());
-  auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, scale, at::kCUDA);
-  check_cuda_products("megatron_abft::row_products", products);
-  const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
-  C10_CUDA_CHECK(
-      static_cast<cudaError_t>(abft::row_products_cuda(matrix, products, stream.stream())));
+  const CudaLaunch launch(a);
+  auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, scale, launch.device());
+  const char* op = "megatron_abft::row_products";
+  check_cuda_products(op, products);
+  launch.check(
+      launch.kernels().row_products(matrix, products, launch.stream(), nullptr, nullptr), op);
   return out;
 }
 
 Sums block_sums_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block) {
-  check_inputs(c, col_block, row_block, at::kCUDA);
-  const c10::cuda::CUDAGuard guard(c.device());
+  const CudaLaunch launch(c);
+  check_inputs(c, col_block, row_block, launch.device());
   auto [sums, matrices, out] = prepare(c, col_block, row_block);
-  const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index());
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream.stream())));
+  launch.check(launch.kernels().block_sums(matrices, out, launch.stream(), nullptr),
+               "megatron_abft::block_sums");
   return sums;
 }
 
@@ -260,20 +302,17 @@ void check_pair(const char* op, const at::Tensor& a, const at::Tensor& b) {
               b.device(), ") must share a dtype and a device");
 }
 
-using Eight = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                         at::Tensor, at::Tensor>;
-
 Eight block_sums_pair_cuda(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
                            const at::Tensor& b, int64_t b_col_block, int64_t b_row_block) {
-  check_pair("megatron_abft::block_sums_pair", a, b);
-  check_inputs(a, a_col_block, a_row_block, at::kCUDA);
-  check_inputs(b, b_col_block, b_row_block, at::kCUDA);
-  const c10::cuda::CUDAGuard guard(a.device());
+  const char* op = "megatron_abft::block_sums_pair";
+  check_pair(op, a, b);
+  const CudaLaunch launch(a);
+  check_inputs(a, a_col_block, a_row_block, launch.device());
+  check_inputs(b, b_col_block, b_row_block, launch.device());
   auto [a_sums, a_matrices, a_out] = prepare(a, a_col_block, a_row_block);
   auto [b_sums, b_matrices, b_out] = prepare(b, b_col_block, b_row_block);
-  const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
-  C10_CUDA_CHECK(static_cast<cudaError_t>(
-      abft::block_sums_pair_cuda(a_matrices, a_out, b_matrices, b_out, stream.stream())));
+  launch.check(
+      launch.kernels().block_sums_pair(a_matrices, a_out, b_matrices, b_out, launch.stream()), op);
   const auto& [a0, a1, a2, a3] = a_sums;
   const auto& [b0, b1, b2, b3] = b_sums;
   return {a0, a1, a2, a3, b0, b1, b2, b3};
@@ -282,15 +321,18 @@ Eight block_sums_pair_cuda(const at::Tensor& a, int64_t a_col_block, int64_t a_r
 Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
                             double scale, const at::Tensor& b, const at::Tensor& v,
                             const at::Tensor& y, double b_scale) {
-  check_pair("megatron_abft::row_products_pair", a, b);
-  const c10::cuda::CUDAGuard guard(a.device());
-  auto [a_found, a_matrix, a_products, u_, z_] = prepare_products(a, u, z, scale, at::kCUDA);
-  auto [b_found, b_matrix, b_products, v_, y_] = prepare_products(b, v, y, b_scale, at::kCUDA);
-  check_cuda_products("megatron_abft::row_products_pair", a_products);
-  check_cuda_products("megatron_abft::row_products_pair", b_products);
-  const auto stream = c10::cuda::getCurrentCUDAStream(a.device().index());
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::row_products_cuda(
-      a_matrix, a_products, stream.stream(), &b_matrix, &b_products)));
+  const char* op = "megatron_abft::row_products_pair";
+  check_pair(op, a, b);
+  const CudaLaunch launch(a);
+  auto [a_found, a_matrix, a_products, u_, z_] =
+      prepare_products(a, u, z, scale, launch.device());
+  auto [b_found, b_matrix, b_products, v_, y_] =
+      prepare_products(b, v, y, b_scale, launch.device());
+  check_cuda_products(op, a_products);
+  check_cuda_products(op, b_products);
+  launch.check(launch.kernels().row_products(a_matrix, a_products, launch.stream(), &b_matrix,
+                                             &b_products),
+               op);
   const auto& [a0, a1] = a_found;
   const auto& [b0, b1] = b_found;
   return {a0, a1, b0, b1};
@@ -411,20 +453,19 @@ at::Tensor screen_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
   return flagged_per_matrix(flagged);
 }
 
-#ifdef ABFT_WITH_CUDA
+#ifdef ABFT_CUDA_KERNELS
 at::Tensor screen_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
                        at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
                        at::ArrayRef<double> row_bounds) {
-  check_inputs(c, col_block, row_block, at::kCUDA);
-  const c10::cuda::CUDAGuard guard(c.device());
+  const CudaLaunch launch(c);
+  check_inputs(c, col_block, row_block, launch.device());
   const auto [sums, matrices, out] = prepare(c, col_block, row_block);
   const abft::Tiling tiling = abft::block_sums_tiling(matrices, out);
   std::vector<at::Tensor> keep;
   auto [screen, flagged] = prepare_screen(c, sums, col_block, row_block, col, row, col_bounds,
                                           row_bounds, keep, &tiling);
-  const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
-  C10_CUDA_CHECK(
-      static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream, &screen)));
+  launch.check(launch.kernels().block_sums(matrices, out, launch.stream(), &screen),
+               "megatron_abft::screen");
   return flagged_per_matrix(flagged);
 }
 #endif
@@ -566,7 +607,7 @@ Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_blo
   return v.correction.found;
 }
 
-#ifdef ABFT_WITH_CUDA
+#ifdef ABFT_CUDA_KERNELS
 // What verify_correct and verify_correct_tally run on CUDA: C's block sums, screened by their
 // tiles, then the correction, or, given a guard's ledger (written in place), the correction and
 // the tally of what it found in one launch.
@@ -581,26 +622,26 @@ CudaVerification verify_on_cuda(const at::Tensor& c, int64_t col_block, int64_t 
                                 const at::Tensor& a, const at::Tensor& b, double alpha,
                                 const std::optional<at::Tensor>& bias, double near_inf,
                                 int64_t capacity, const LedgerArgs* ledger) {
-  check_inputs(c, col_block, row_block, at::kCUDA);
-  const c10::cuda::CUDAGuard guard(c.device());
+  const CudaLaunch launch(c);
+  check_inputs(c, col_block, row_block, launch.device());
   const auto [sums, matrices, out] = prepare(c, col_block, row_block);
   const abft::Tiling tiling = abft::block_sums_tiling(matrices, out);
   const Verification v = prepare_verification(c, sums, col_block, row_block, col, row,
                                               col_bounds, row_bounds, a, b, alpha, bias,
                                               near_inf, capacity, &tiling);
   const bool f64 = c.scalar_type() == at::kDouble;
-  const auto stream = c10::cuda::getCurrentCUDAStream(c.device().index()).stream();
-  C10_CUDA_CHECK(
-      static_cast<cudaError_t>(abft::block_sums_cuda(matrices, out, stream, &v.screen)));
+  const abft::Launchers& kernels = launch.kernels();
+  const char* op = "megatron_abft::verify_correct";
+  launch.check(kernels.block_sums(matrices, out, launch.stream(), &v.screen), op);
   CudaVerification result{v.correction.found, {}};
   if (ledger == nullptr) {
-    C10_CUDA_CHECK(static_cast<cudaError_t>(abft::correct_cuda(v.correction.k, f64, stream)));
+    launch.check(kernels.correct(v.correction.k, f64, launch.stream()), op);
     return result;
   }
   const auto& [status, kind, rows, cols, magnitude] = result.found;
   auto [t, failed, flat] = prepare_tally(status, kind, rows, cols, magnitude, *ledger);
-  C10_CUDA_CHECK(
-      static_cast<cudaError_t>(abft::correct_tally_cuda(v.correction.k, t, f64, stream)));
+  launch.check(kernels.correct_tally(v.correction.k, t, f64, launch.stream()),
+               "megatron_abft::verify_correct_tally");
   result.failed = failed;
   return result;
 }
@@ -682,15 +723,14 @@ at::Tensor tally_cpu(const at::Tensor& status, const at::Tensor& kind, const at:
   return failed;
 }
 
-#ifdef ABFT_WITH_CUDA
+#ifdef ABFT_CUDA_KERNELS
 at::Tensor tally_cuda(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
                       const at::Tensor& col, const at::Tensor& magnitude, at::Tensor& counts,
                       const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
-  const c10::cuda::CUDAGuard guard(status.device());
+  const CudaLaunch launch(status);
   auto [t, failed, flat] =
       prepare_tally(status, kind, row, col, magnitude, {counts, step, log, logged});
-  const auto stream = c10::cuda::getCurrentCUDAStream(status.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::tally_cuda(t, stream)));
+  launch.check(launch.kernels().tally(t, launch.stream()), "megatron_abft::tally");
   return failed;
 }
 #endif
@@ -715,7 +755,7 @@ Six verify_correct_tally_cpu(const at::Tensor& c, int64_t col_block, int64_t row
   return {status, kind, rows, cols, magnitude, failed};
 }
 
-#ifdef ABFT_WITH_CUDA
+#ifdef ABFT_CUDA_KERNELS
 Six verify_correct_tally_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block,
                               at::TensorList col, at::TensorList row,
                               at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
@@ -814,14 +854,13 @@ Six add_bias_cpu(const at::Tensor& col, const at::Tensor& col_magnitude, const a
   return add.out;
 }
 
-#ifdef ABFT_WITH_CUDA
+#ifdef ABFT_CUDA_KERNELS
 Six add_bias_cuda(const at::Tensor& col, const at::Tensor& col_magnitude, const at::Tensor& row,
                   const at::Tensor& row_magnitude, const at::Tensor& bias, int64_t m,
                   int64_t block) {
-  const c10::cuda::CUDAGuard guard(col.device());
+  const CudaLaunch launch(col);
   const BiasAdd add = prepare_bias(col, col_magnitude, row, row_magnitude, bias, m, block);
-  const auto stream = c10::cuda::getCurrentCUDAStream(col.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::bias_terms_cuda(add.t, stream)));
+  launch.check(launch.kernels().bias_terms(add.t, launch.stream()), "megatron_abft::add_bias");
   return add.out;
 }
 #endif
@@ -866,14 +905,14 @@ TORCH_LIBRARY(megatron_abft, m) {
 }
 
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
-  m.impl("block_sums", &block_sums_cpu);
-  m.impl("row_products", &row_products_cpu);
-  m.impl("operand_pass", &operand_pass_cpu);
-  m.impl("screen", &screen_cpu);
-  m.impl("verify_correct", &verify_correct_cpu);
-  m.impl("tally", &tally_cpu);
-  m.impl("verify_correct_tally", &verify_correct_tally_cpu);
-  m.impl("add_bias", &add_bias_cpu);
+  m.impl("block_sums", ABFT_CPU_IMPL(block_sums));
+  m.impl("row_products", ABFT_CPU_IMPL(row_products));
+  m.impl("operand_pass", ABFT_CPU_IMPL(operand_pass));
+  m.impl("screen", ABFT_CPU_IMPL(screen));
+  m.impl("verify_correct", ABFT_CPU_IMPL(verify_correct));
+  m.impl("tally", ABFT_CPU_IMPL(tally));
+  m.impl("verify_correct_tally", ABFT_CPU_IMPL(verify_correct_tally));
+  m.impl("add_bias", ABFT_CPU_IMPL(add_bias));
 }
 
 #ifdef ABFT_WITH_CUDA
@@ -891,18 +930,46 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
 }
 #endif
 
-// Importing megatron_abft._C registers the ops above; the module itself only says how it was
-// built: cuda = 1 when the CUDA kernels are in, openmp = 1 when the CPU kernels' tasks run on
+#ifdef ABFT_WITH_EMULATOR
+namespace {
+// _C.emulate_cuda(on, schedule) -> (on, schedule) before: whether the ops on CPU tensors run the
+// CUDA kernels through the emulator, and its schedule (cuda_emulator::set_schedule).
+PyObject* emulate_cuda(PyObject*, PyObject* args) {
+  int on = 0;
+  long long schedule = 0;
+  if (!PyArg_ParseTuple(args, "pL", &on, &schedule)) return nullptr;
+  const bool was = abft_binding::emulating.exchange(on != 0);
+  const long long previous = cuda_emulator::set_schedule(schedule);
+  return Py_BuildValue("(OL)", was ? Py_True : Py_False, previous);
+}
+
+PyMethodDef methods[] = {
+    {"emulate_cuda", emulate_cuda, METH_VARARGS,
+     "emulate_cuda(on, schedule) -> (on, schedule) before: run the CUDA kernels on the CPU"},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+#else
+PyMethodDef* const methods = nullptr;
+#endif
+
+// Importing megatron_abft._C registers the ops above; the module says how it was built: cuda = 1
+// when the CUDA kernels are in, emulator = 1 when they are also built for the CPU through the
+// CUDA emulator (with emulate_cuda to turn it on), openmp = 1 when the CPU kernels' tasks run on
 // torch's threads (at::parallel_for is serial in code compiled without OpenMP).
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {
-      PyModuleDef_HEAD_INIT, "_C", "megatron-abft checksum kernels", -1, nullptr, nullptr, nullptr,
-      nullptr, nullptr};
+      PyModuleDef_HEAD_INIT, "_C", "megatron-abft checksum kernels", -1, methods, nullptr,
+      nullptr, nullptr, nullptr};
   PyObject* m = PyModule_Create(&module);
 #ifdef ABFT_WITH_CUDA
   const long cuda = 1;
 #else
   const long cuda = 0;
+#endif
+#ifdef ABFT_WITH_EMULATOR
+  const long emulator = 1;
+#else
+  const long emulator = 0;
 #endif
 #ifdef _OPENMP
   const long openmp = 1;
@@ -910,6 +977,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   const long openmp = 0;
 #endif
   if (m != nullptr && (PyModule_AddIntConstant(m, "cuda", cuda) != 0 ||
+                       PyModule_AddIntConstant(m, "emulator", emulator) != 0 ||
                        PyModule_AddIntConstant(m, "openmp", openmp) != 0)) {
     Py_DECREF(m);
     return nullptr;

@@ -9,12 +9,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#ifdef ABFT_WITH_CUDA
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
-
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -44,11 +38,13 @@ void check_block(const char* name, int64_t block) {
               " must be 0 (not wanted) or >= 2; got ", block);
 }
 
+// cuda_kernels: whether the CUDA kernels run it (on a GPU, or emulated), whose screen has one slot
+// a band of the single pass or a tile of the block sums, where the C++ kernels keep one a matrix.
 void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int64_t row_block,
                      at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
                      at::ArrayRef<double> row_bounds, const OptionalTensor& mask, bool causal,
                      double scale, int64_t block, const OptionalTensor& u,
-                     const OptionalTensor& z, at::DeviceType device) {
+                     const OptionalTensor& z, at::DeviceType device, bool cuda_kernels) {
   TORCH_CHECK(s.device().type() == device, "megatron_abft::softmax_check: s is on ", s.device(),
               " but this kernel runs on ", device);
   TORCH_CHECK(s.layout() == at::kStrided && s.dim() >= 2 && s.dim() <= 2 + abft::kMaxBatchDims &&
@@ -90,7 +86,7 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
   const auto acc = s.options().dtype(s.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   at::Tensor flagged;
   const bool single_pass =
-      device == at::kCUDA && abft::softmax_single_pass(k.s.cols, k.s.dtype, col_block > 0, pass);
+      cuda_kernels && abft::softmax_single_pass(k.s.cols, k.s.dtype, col_block > 0, pass);
   if (col_block > 0 || row_block > 0) {
     auto [sums, matrices, block_sums] = abft_binding::prepare(s, col_block, row_block);
     // the CUDA screen's slots: one a band in the single pass, else one a tile of the block sums
@@ -98,7 +94,7 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
                                             : abft::block_sums_tiling(matrices, block_sums);
     auto [screen, found] =
         abft_binding::prepare_screen(s, sums, col_block, row_block, col, row, col_bounds,
-                                     row_bounds, out.keep, device == at::kCUDA ? &tiling : nullptr);
+                                     row_bounds, out.keep, cuda_kernels ? &tiling : nullptr);
     out.keep.insert(out.keep.end(), {std::get<0>(sums), std::get<1>(sums), std::get<2>(sums),
                                      std::get<3>(sums)});
     k.s_sums = block_sums;
@@ -146,7 +142,7 @@ Six softmax_check_cpu(const at::Tensor& s, int64_t col_block, int64_t row_block,
                       const OptionalTensor& z) {
   Prepared out;
   prepare_softmax(out, s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
-                  scale, block, u, z, at::kCPU);
+                  scale, block, u, z, at::kCPU, false);
   const abft::SoftmaxCheck& k = out.k;
   at::parallel_for(0, abft::softmax_check_tasks(k), 1, [&](int64_t begin, int64_t end) {
     abft::softmax_check_cpu(k, begin, end);
@@ -154,22 +150,20 @@ Six softmax_check_cpu(const at::Tensor& s, int64_t col_block, int64_t row_block,
   return result(out);
 }
 
-#ifdef ABFT_WITH_CUDA
+#ifdef ABFT_CUDA_KERNELS
 Six softmax_check_cuda(const at::Tensor& s, int64_t col_block, int64_t row_block,
                        at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
                        at::ArrayRef<double> row_bounds, const OptionalTensor& mask, bool causal,
                        double scale, int64_t block, const OptionalTensor& u,
                        const OptionalTensor& z) {
-  const c10::cuda::CUDAGuard guard(s.device());
+  const abft_binding::CudaLaunch launch(s);
   Prepared out;
   prepare_softmax(out, s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
-                  scale, block, u, z, at::kCUDA);
+                  scale, block, u, z, launch.device(), true);
   const abft::SoftmaxCheck& k = out.k;
-  if (k.products != nullptr) {
-    abft_binding::check_cuda_products("megatron_abft::softmax_check", *k.products);
-  }
-  const auto stream = c10::cuda::getCurrentCUDAStream(s.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::softmax_check_cuda(k, stream)));
+  const char* op = "megatron_abft::softmax_check";
+  if (k.products != nullptr) abft_binding::check_cuda_products(op, *k.products);
+  launch.check(launch.kernels().softmax_check(k, launch.stream()), op);
   return result(out);
 }
 #endif
@@ -190,13 +184,13 @@ Corrected prepare_corrected(const at::Tensor& s, int64_t col_block, int64_t row_
                             const OptionalTensor& mask, bool causal, double scale, int64_t block,
                             const OptionalTensor& u, const OptionalTensor& z, const at::Tensor& a,
                             const at::Tensor& b, double alpha, double near_inf, int64_t capacity,
-                            at::DeviceType device) {
+                            at::DeviceType device, bool cuda_kernels) {
   TORCH_CHECK(col_block > 0 || row_block > 0,
               "megatron_abft::softmax_correct_tally: needs the screen of S (a col_block or a "
               "row_block)");
   Corrected out;
   prepare_softmax(out.softmax, s, col_block, row_block, col, row, col_bounds, row_bounds, mask,
-                  causal, scale, block, u, z, device);
+                  causal, scale, block, u, z, device, cuda_kernels);
   out.correction = abft_binding::prepare_correct(s, out.softmax.s_sums, out.softmax.k.screen,
                                                  col_block, row_block, a, b, alpha, std::nullopt,
                                                  near_inf, capacity);
@@ -224,7 +218,7 @@ Six softmax_correct_tally_cpu(const at::Tensor& s, int64_t col_block, int64_t ro
                               const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
   const Corrected c =
       prepare_corrected(s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
-                        scale, block, u, z, a, b, alpha, near_inf, capacity, at::kCPU);
+                        scale, block, u, z, a, b, alpha, near_inf, capacity, at::kCPU, false);
   const abft::SoftmaxCheck& k = c.softmax.k;
   at::parallel_for(0, abft::softmax_check_tasks(k), 1, [&](int64_t begin, int64_t end) {
     abft::softmax_check_cpu(k, begin, end);
@@ -248,7 +242,7 @@ Six softmax_correct_tally_cpu(const at::Tensor& s, int64_t col_block, int64_t ro
   return corrected_outputs(c, failed);
 }
 
-#ifdef ABFT_WITH_CUDA
+#ifdef ABFT_CUDA_KERNELS
 Six softmax_correct_tally_cuda(const at::Tensor& s, int64_t col_block, int64_t row_block,
                                at::TensorList col, at::TensorList row,
                                at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
@@ -257,21 +251,20 @@ Six softmax_correct_tally_cuda(const at::Tensor& s, int64_t col_block, int64_t r
                                const at::Tensor& a, const at::Tensor& b, double alpha,
                                double near_inf, int64_t capacity, at::Tensor& counts,
                                const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
-  const c10::cuda::CUDAGuard guard(s.device());
+  const abft_binding::CudaLaunch launch(s);
   const Corrected c =
       prepare_corrected(s, col_block, row_block, col, row, col_bounds, row_bounds, mask, causal,
-                        scale, block, u, z, a, b, alpha, near_inf, capacity, at::kCUDA);
+                        scale, block, u, z, a, b, alpha, near_inf, capacity, launch.device(),
+                        true);
   const abft::SoftmaxCheck& k = c.softmax.k;
-  if (k.products != nullptr) {
-    abft_binding::check_cuda_products("megatron_abft::softmax_correct_tally", *k.products);
-  }
+  const char* op = "megatron_abft::softmax_correct_tally";
+  if (k.products != nullptr) abft_binding::check_cuda_products(op, *k.products);
   const auto& [status, kind, rows, cols, magnitude] = c.correction.found;
   auto [t, failed, flat] = abft_binding::prepare_tally(status, kind, rows, cols, magnitude,
                                                        {counts, step, log, logged});
-  const auto stream = c10::cuda::getCurrentCUDAStream(s.device().index()).stream();
-  C10_CUDA_CHECK(static_cast<cudaError_t>(abft::softmax_check_cuda(k, stream)));
-  C10_CUDA_CHECK(static_cast<cudaError_t>(
-      abft::correct_redo_tally_cuda(c.correction.k, unscreened(k), t, stream)));
+  const abft::Launchers& kernels = launch.kernels();
+  launch.check(kernels.softmax_check(k, launch.stream()), op);
+  launch.check(kernels.correct_redo_tally(c.correction.k, unscreened(k), t, launch.stream()), op);
   return corrected_outputs(c, failed);
 }
 #endif
@@ -294,8 +287,8 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
 }
 
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
-  m.impl("softmax_check", &softmax_check_cpu);
-  m.impl("softmax_correct_tally", &softmax_correct_tally_cpu);
+  m.impl("softmax_check", ABFT_CPU_IMPL(softmax_check));
+  m.impl("softmax_correct_tally", ABFT_CPU_IMPL(softmax_correct_tally));
 }
 
 #ifdef ABFT_WITH_CUDA

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _MAX_DIMS = 10  # [*batch, m, n] with at most 8 batch dims (csrc/abft.h)
 _disabled = False
+_emulating = False
 
 
 @functools.cache
@@ -56,6 +57,8 @@ def backend() -> str:
         return "torch (the extension is disabled by megatron_abft._ext.disabled())"
     if module is None:
         return f"torch ({reason})"
+    if _emulating:
+        return "cuda (emulated on the CPU by megatron_abft._ext.emulated_cuda())"
     return "cuda" if module.cuda and torch.cuda.is_available() else "cpu"
 
 
@@ -68,6 +71,36 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _disabled = previous
+
+
+@contextmanager
+def emulated_cuda(schedule: int = 0) -> Iterator[None]:
+    """Inside this block the ops on CPU tensors run the CUDA kernels' source (csrc/abft_cuda.cu),
+    built for the CPU through the CUDA emulator (csrc/cuda_emulator.h), instead of the C++
+    kernels: a test of the CUDA code on machines without a GPU, and slow. The emulator runs each
+    GPU thread as a fiber and raises on a divergent barrier or shuffle. ``schedule`` orders the
+    fibers and blocks between barriers: 0 in order, 1 reversed, any other value a random order
+    from that seed; results that depend on it show a race. Built on x86-64 Linux."""
+    global _emulating
+    module, reason = _load()
+    if module is None or not getattr(module, "emulator", 0):
+        raise RuntimeError(
+            "megatron_abft._ext.emulated_cuda: the extension has no CUDA emulator "
+            f"({reason or 'built without it: setup.py builds it on x86-64 Linux'})"
+        )
+    before = module.emulate_cuda(True, schedule)
+    previous, _emulating = _emulating, True
+    try:
+        yield
+    finally:
+        module.emulate_cuda(*before)
+        _emulating = previous
+
+
+def _runs_cuda_kernels(device: torch.device) -> bool:
+    """Whether the kernels on ``device`` are the CUDA ones: a GPU's, or the CPU's while
+    emulated_cuda() is on."""
+    return device.type == "cuda" or (_emulating and device.type == "cpu")
 
 
 def _serves(c: Tensor) -> bool:
@@ -141,7 +174,7 @@ def row_products(a: Tensor, u: Tensor, z: Tensor) -> tuple[Tensor, Tensor] | Non
 def _products_apply(a: Tensor, u: Tensor, z: Tensor) -> bool:
     if not _serves(a) or u.dim() != a.dim() or z.dim() != a.dim():
         return False
-    return a.device.type != "cuda" or max(u.shape[-2], z.shape[-2]) <= _MAX_CUDA_PRODUCTS
+    return not _runs_cuda_kernels(a.device) or max(u.shape[-2], z.shape[-2]) <= _MAX_CUDA_PRODUCTS
 
 
 def _column_major(t: Tensor) -> bool:
@@ -162,7 +195,8 @@ def encode_pair_applies(a: Tensor, b: Tensor, block: int) -> bool:
         return False  # small's batch dims must broadcast to big's
     if _column_major(big):
         return False  # operand_pass reads rows
-    return not (big.device.type == "cuda" and 2 * -(-small.shape[-2] // block) > _MAX_CUDA_PRODUCTS)
+    too_many = 2 * -(-small.shape[-2] // block) > _MAX_CUDA_PRODUCTS
+    return not (_runs_cuda_kernels(big.device) and too_many)
 
 
 def encode_pair(

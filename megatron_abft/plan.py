@@ -54,6 +54,7 @@ def signature(
         config.near_inf,
         sync_free,
         _ext._disabled,
+        _ext._emulating,
     )
     if refs is not None:
         key += tuple(

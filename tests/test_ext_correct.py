@@ -4,6 +4,7 @@ a GPU runs it."""
 
 import pytest
 import torch
+from cuda_targets import TARGETS
 from hypothesis import example, given
 from hypothesis import strategies as st
 from test_ext import (
@@ -12,7 +13,6 @@ from test_ext import (
     assert_same_result,
     corrupted,
     gemm_case,
-    needs_cuda,
     needs_ext,
 )
 
@@ -247,10 +247,10 @@ def test_verify_correct_bad_inputs_raise_clear_errors(change, message):
         )
 
 
-@needs_cuda
+@pytest.mark.parametrize("gpu", TARGETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["contiguous", "column-major"])
-def test_cuda_verify_correct_equals_the_cpu_op(dtype, layout):
+def test_cuda_verify_correct_equals_the_cpu_op(dtype, layout, gpu):
     c, refs, operands = case(dtype, (2, 4), 256, 192, 64, True, ("col", "row"), seed=8)
     inject_(c, TensorFault("nan", "row", batch_index=5, seed=8))
     inject_(c, TensorFault("near_inf", "0d", batch_index=2, seed=9))
@@ -258,17 +258,18 @@ def test_cuda_verify_correct_equals_the_cpu_op(dtype, layout):
     c = corrupted(c, "none", "0d", layout, 0)
     cpu_c = c.clone()
     cpu = op_alone(cpu_c, refs, operands)
-    a, b, bias = (t.cuda() for t in (operands.a, operands.b, operands.bias))
-    col, row = encode(a, b, alpha=0.5, bias=bias, block=64)
-    gpu_refs, gpu_operands = {"col": col, "row": row}, GemmOperands(a, b, 0.5, bias)
-    gpu_c = c.cuda()
-    gpu = op_alone(gpu_c, gpu_refs, gpu_operands)
-    for got, want in zip(gpu[:2], cpu[:2], strict=True):
-        assert torch.equal(got.cpu(), want)
+    a, b, bias = (t.to(gpu.device) for t in (operands.a, operands.b, operands.bias))
+    gpu_c = c.to(gpu.device)
+    with gpu.kernels():
+        col, row = encode(a, b, alpha=0.5, bias=bias, block=64)
+        gpu_refs, gpu_operands = {"col": col, "row": row}, GemmOperands(a, b, 0.5, bias)
+        got = op_alone(gpu_c, gpu_refs, gpu_operands)
+        args = (gpu_c.clone(), *_sides(gpu_c, gpu_refs, gpu_operands), a, b, 0.5, bias, 1e10, 64)
+        torch.library.opcheck(torch.ops.megatron_abft.verify_correct.default, args)
+    for x, want in zip(got[:2], cpu[:2], strict=True):
+        assert torch.equal(x.cpu(), want)
     assert torch.equal(gpu_c.isnan().cpu(), cpu_c.isnan())
     torch.testing.assert_close(gpu_c.cpu(), cpu_c, equal_nan=True, **recompute_tolerance(dtype))
-    args = (gpu_c, *_sides(gpu_c, gpu_refs, gpu_operands), a, b, 0.5, bias, 1e10, 64)
-    torch.library.opcheck(torch.ops.megatron_abft.verify_correct.default, args)
 
 
 @needs_ext

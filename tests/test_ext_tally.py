@@ -4,6 +4,7 @@ verify_correct_tally, the check and its tally in one op."""
 
 import pytest
 import torch
+from cuda_targets import TARGETS
 from hypothesis import example, given
 from hypothesis import strategies as st
 from test_ext import PROPERTY, needs_cuda, needs_ext
@@ -205,21 +206,22 @@ def test_a_guard_s_check_with_the_kernels_is_a_few_ops_and_counts_as_the_pytorch
     torch.testing.assert_close(fixed, want, rtol=0.01, atol=1e-3)
 
 
-@needs_cuda
+@pytest.mark.parametrize("gpu", TARGETS)
 @pytest.mark.parametrize("batch", [(1,), (3, 7), (700,)])
-def test_cuda_tally_equals_the_cpu_op(batch):
+def test_cuda_tally_equals_the_cpu_op(batch, gpu):
     found = results(batch, seed=len(batch), dtype=torch.float64)
     found.status.reshape(-1)[-1] = 2  # ties: the first uncorrectable matrix is the worst
-    on_gpu = EECResult(*(t.cuda() for t in found.fields))
+    on_gpu = EECResult(*(t.to(gpu.device) for t in found.fields))
     cpu = Ledger.on(torch.device("cpu"), 11, capacity=2)
-    gpu = Ledger.on(torch.device("cuda"), 11, capacity=2)
-    gpu.counts += 1  # added to
-    for _ in range(3):
-        assert bool(gpu.tally(on_gpu)) == bool(cpu.tally(found))
-    gpu.counts -= 1
-    assert_same_ledger(Ledger(*(t.cpu() for t in vars(gpu).values())), cpu)
-    args = (*on_gpu.fields, gpu.counts, gpu.clock, gpu.log, gpu.logged)
-    torch.library.opcheck(torch.ops.megatron_abft.tally.default, args)
+    ledger = Ledger.on(gpu.device, 11, capacity=2)
+    ledger.counts += 1  # added to
+    want = [bool(cpu.tally(found)) for _ in range(3)]
+    with gpu.kernels():
+        assert [bool(ledger.tally(on_gpu)) for _ in range(3)] == want
+        copies = (ledger.counts.clone(), ledger.clock, ledger.log.clone(), ledger.logged.clone())
+        torch.library.opcheck(torch.ops.megatron_abft.tally.default, (*on_gpu.fields, *copies))
+    ledger.counts -= 1
+    assert_same_ledger(Ledger(*(t.cpu() for t in vars(ledger).values())), cpu)
 
 
 @needs_ext
@@ -371,14 +373,15 @@ def test_verify_correct_tally_opcheck_and_its_place_in_a_check():
     assert int((result.status == CORRECTED).sum()) == 1
 
 
-@needs_cuda
-def test_cuda_verify_correct_tally_equals_the_cpu_op():
+@pytest.mark.parametrize("gpu", TARGETS)
+def test_cuda_verify_correct_tally_equals_the_cpu_op(gpu):
     """In one launch on CUDA: the correction, then the tally of what it found."""
     cpu_c, cpu_refs, cpu_operands = faulty_case(torch.bfloat16, 4, "nan", "row")
-    gpu_c, gpu_refs, gpu_operands = faulty_case(torch.bfloat16, 4, "nan", "row", "cuda")
-    ledgers = [Ledger.on(torch.device(d), 9) for d in ("cpu", "cuda")]
+    ledgers = [Ledger.on(torch.device("cpu"), 9), Ledger.on(gpu.device, 9)]
     cpu = checked(cpu_c, cpu_refs, cpu_operands, ledgers[0])
-    gpu = checked(gpu_c, gpu_refs, gpu_operands, ledgers[1])
+    with gpu.kernels():
+        gpu_c, gpu_refs, gpu_operands = faulty_case(torch.bfloat16, 4, "nan", "row", gpu.device)
+        gpu = checked(gpu_c, gpu_refs, gpu_operands, ledgers[1])
     for got, want in zip(gpu[:2], cpu[:2], strict=True):
         assert torch.equal(got.cpu(), want)
     torch.testing.assert_close(

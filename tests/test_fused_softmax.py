@@ -5,6 +5,7 @@ GPU is present."""
 
 import pytest
 import torch
+from cuda_targets import TARGETS
 
 from megatron_abft import _ext
 from megatron_abft.checksum import encode, encode_from_pass
@@ -117,6 +118,15 @@ def assert_close_to_sums(got, want, sizes, dtype):
     assert got.dtype == want.dtype == acc and got.shape == want.shape
     bound = 64 * torch.finfo(acc).eps * sizes.abs() + torch.finfo(acc).tiny
     assert ((got - want).abs() <= bound).all()
+
+
+def pass_sizes(found, p, u):
+    """The sums of the magnitudes of the terms of P's pass's outputs (found: block sums, their
+    magnitudes, products, magnitudes' products), which bound their rounding: P is non-negative,
+    so its sums are their own, but a product with the signed u cancels; its bound is |P| |u|^T."""
+    sums, sizes, products, magnitudes = found
+    terms = (p.double().abs() @ u.double().abs().mT).to(products.dtype)
+    return sizes, sizes, terms, magnitudes
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -232,7 +242,7 @@ def test_opcheck_schemas_and_fakes():
     torch.library.opcheck(op.encode_pair_from.default, (p, v, 1.0, 16, *found[:2]))
 
 
-@needs_cuda
+@pytest.mark.parametrize("gpu", TARGETS)
 @pytest.mark.parametrize(
     "sq, sk",
     [
@@ -241,18 +251,22 @@ def test_opcheck_schemas_and_fakes():
         (20, 4100),  # a band's column sums too large for it: the composed kernels
     ],
 )
-def test_cuda_equals_cpu(sq, sk):
+def test_cuda_equals_cpu(sq, sk, gpu):
     _, _, s, sides = scores_case((2, 3), sq, sk, 8, torch.float32, "cpu")
     v = torch.randn(2, 3, sk, 16)
     bad = faulty_scores(s, 0)
-    results = {}
-    for device in ("cpu", "cuda"):
+
+    def run(device):
         moved = [t.to(device) for t in (bad, v)]
         screen = (*sides[:2], *[[t.to(device) for t in side] for side in sides[2:4]], *sides[4:])
         vectors = _ext.pair_vectors(moved[0], moved[1], 16)
         causal = sq == sk  # long rows unmasked, so that P is not mostly zeros
-        results[device] = _ext.softmax_check(moved[0], screen, None, causal, 1.0, 16, vectors)
-    cpu, gpu = results["cpu"], [t.cpu() for t in results["cuda"]]
+        return _ext.softmax_check(moved[0], screen, None, causal, 1.0, 16, vectors)
+
+    cpu = run("cpu")
+    with gpu.kernels():
+        gpu = [t.cpu() for t in run(gpu.device)]
+    u = _ext.pair_vectors(bad, v, 16)[0]
     assert torch.equal(cpu[1], gpu[1]) and (cpu[1] > 0).sum() == 4
     clean = cpu[1].view(-1) == 0  # the flagged matrices' P is NaN where S is
 
@@ -260,8 +274,9 @@ def test_cuda_equals_cpu(sq, sk):
         return t.flatten(0, 1)[clean]
 
     torch.testing.assert_close(of_clean(cpu[0]), of_clean(gpu[0]))
-    for got, want in zip(gpu[2:], cpu[2:], strict=True):
-        assert_close_to_sums(of_clean(got), of_clean(want), of_clean(want), torch.float32)
+    sizes = pass_sizes(cpu[2:], cpu[0], u)
+    for got, want, size in zip(gpu[2:], cpu[2:], sizes, strict=True):
+        assert_close_to_sums(of_clean(got), of_clean(want), of_clean(size), torch.float32)
 
 
 @needs_cuda

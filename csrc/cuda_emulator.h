@@ -1,0 +1,144 @@
+// A CUDA emulator for the kernels of abft_cuda.cu, so that their source runs, and is tested,
+// on machines without a GPU. abft_cuda_emulated.cpp includes cuda_emulator_cuda.h (CUDA's names
+// for what this header provides), then abft_cuda.cu, and the C++ compiler builds the kernels for
+// the CPU. This header is the emulator's own interface, which the binding uses too.
+//
+// Each thread of a thread block runs as a fiber on one CPU thread, and the blocks of a grid run
+// one after another. A block runs warp by warp: each warp runs as far as it can, its lanes taking
+// turns between its shuffles, until every lane waits at __syncthreads (or has exited), before
+// the next warp starts; so warps drift as far apart as a GPU lets them. The emulator also checks
+// what real hardware does not report:
+//   - every thread of a block reaches the same __syncthreads (same source line), none exited;
+//   - every lane of a warp takes part in a shuffle (full mask, same line, none exited);
+//   - a launch's shape is valid (grid and block not empty, at most 1024 threads a block), and
+//     dynamic shared memory above 48 KiB has been allowed with cudaFuncSetAttribute;
+//   - dynamic shared memory is poisoned (0xff bytes: NaN as floats) before each block, so that a
+//     read before a write shows.
+// The order of the warps, of the lanes of a warp and of the blocks is the schedule
+// (set_schedule): running a kernel under several schedules and comparing the results finds
+// races that depend on that order, between warps above all. What it cannot show: timing, the memory model of a real GPU,
+// the precision of its intrinsics (expf here is the C library's), or out-of-bounds accesses
+// (the memory is the CPU's).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+namespace cuda_emulator {
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+// The errors a launch returns, with cudaError_t's values.
+enum Error : int { kSuccess = 0, kInvalidValue = 1, kInvalidConfiguration = 9 };
+
+// The indices of the running emulated thread.
+struct Thread {
+  dim3 thread_idx, block_idx, block_dim, grid_dim;
+};
+
+extern Thread* running;  // the running emulated thread (null outside a launch)
+
+// __syncthreads: waits until every thread of the block has reached the barrier at `line`.
+void sync_threads(int line);
+// The warp's part of a shuffle: lane's `bytes` of `in` published, then what lane `source` published
+// read into `out`, once every lane of the warp has reached the shuffle at `line`.
+void exchange(const void* in, void* out, size_t bytes, unsigned mask, int source, int line);
+// The block's dynamic shared memory (the launch's third argument, in bytes).
+unsigned char* dynamic_shared();
+
+// Runs body in every thread of every block of grid; returns 0 or a cudaError_t value, and keeps
+// the message (last_message).
+int launch(dim3 grid, dim3 block, size_t shared, const void* kernel,
+           const std::function<void()>& body);
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes).
+int allow_dynamic_shared(const void* kernel, int bytes);
+
+// The error of the last failed launch since the last call, and clears it (cudaGetLastError).
+int take_error();
+// What went wrong in the last failed launch ("" if none failed since forget_errors).
+const char* last_message();
+// Clears the error and the message of earlier launches.
+void forget_errors();
+
+// The order of warps, lanes and blocks: 0 in order, 1 reversed, any other value a seed of a
+// random order drawn anew at every barrier. Returns the previous schedule.
+int64_t set_schedule(int64_t schedule);
+
+// kernel<<<grid, block, shared, stream>>>(args...): the arguments are converted to the kernel's
+// parameter types and copied, as a launch copies them, and every thread calls the kernel on them.
+template <typename... P>
+class Launch {
+ public:
+  Launch(dim3 grid, dim3 block, size_t shared, void (*kernel)(P...))
+      : grid_(grid), block_(block), shared_(shared), kernel_(kernel) {}
+
+  template <typename... A>
+  void operator()(A&&... args) const {
+    const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
+    launch(grid_, block_, shared_, reinterpret_cast<const void*>(kernel_),
+           [&] { std::apply(kernel_, params); });
+  }
+
+ private:
+  dim3 grid_, block_;
+  size_t shared_;
+  void (*kernel_)(P...);
+};
+
+template <typename T>
+T shfl_xor(unsigned mask, T value, int lane_mask, int line) {
+  static_assert(sizeof(T) <= 8, "the emulator shuffles values of at most 8 bytes");
+  const int lane = int(running->thread_idx.x & 31);
+  T out;
+  exchange(&value, &out, sizeof(T), mask, lane ^ lane_mask, line);
+  return out;
+}
+
+// Fibers take turns and never run at once, so a read-modify-write is atomic as it stands.
+template <typename T>
+T atomic_add(T* address, T value) {
+  const T old = *address;
+  *address = old + value;
+  return old;
+}
+
+template <typename T>
+T atomic_max(T* address, T value) {
+  const T old = *address;
+  if (value > old) *address = value;
+  return old;
+}
+
+// fp16 and bf16 as stored: round to nearest even, as __float2half_rn and __float2bfloat16_rn.
+struct Half {
+  _Float16 value;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float bf16_to_float(BFloat16 x) {
+  const uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline BFloat16 float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (std::isnan(f)) return {uint16_t(0x7fff)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {uint16_t(u >> 16)};
+}
+
+}  // namespace cuda_emulator

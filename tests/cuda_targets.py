@@ -1,0 +1,48 @@
+"""Where the tests of the CUDA kernels run: on a GPU where there is one, and on every machine with
+the CUDA emulator (megatron_abft._ext.emulated_cuda), which runs the same kernel source on the CPU.
+
+A test takes ``gpu`` from ``@pytest.mark.parametrize("gpu", TARGETS)``, puts its inputs on
+``gpu.device`` and calls the kernels inside ``with gpu.kernels():``; its references, computed
+outside that block, are the C++ kernels' or the PyTorch path's."""
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from megatron_abft import _ext
+
+
+def emulator_built() -> bool:
+    module = _ext._load()[0]
+    return module is not None and bool(getattr(module, "emulator", 0))
+
+
+@dataclass(frozen=True)
+class Target:
+    """A place where the CUDA kernels run: a GPU, or the CPU through the emulator."""
+
+    emulated: bool
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu" if self.emulated else "cuda")
+
+    def kernels(self, schedule: int = 0) -> AbstractContextManager:
+        return _ext.emulated_cuda(schedule) if self.emulated else nullcontext()
+
+
+GPU = pytest.param(
+    Target(emulated=False),
+    marks=pytest.mark.skipif(
+        not (torch.cuda.is_available() and _ext.available()), reason="needs a GPU and the extension"
+    ),
+    id="gpu",
+)
+EMULATED = pytest.param(
+    Target(emulated=True),
+    marks=pytest.mark.skipif(not emulator_built(), reason="no CUDA emulator in this build"),
+    id="emulated",
+)
+TARGETS = [GPU, EMULATED]
