@@ -5,6 +5,7 @@ then its own test. GQA with 2 KV groups, so each rank holds one whole group (q, 
 
 import pytest
 import torch
+from cuda_targets import emulator_built
 from mcore import Shape, build_gpt, loss_and_grads, spawn
 
 from megatron_abft import Fault
@@ -53,9 +54,15 @@ def _difference(result, reference) -> float:
     return worst if torch.isfinite(torch.tensor(worst)) else float("inf")
 
 
-def _correction_worker(cases, policy, fused_softmax=True, sync_free_scores=False):
+def _correction_worker(cases, policy, fused_softmax=True, sync_free_scores=False, emulated=False):
+    """emulated: as a GPU runs it, every check sync-free and the CUDA kernels' source, through
+    the CUDA emulator (megatron_abft._ext.emulated_cuda)."""
     from megatron_abft import _ext, attention, inject, reset_stats, stats
     from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    if emulated:
+        with _ext.emulated_cuda():
+            return _correction_worker(cases, policy, fused_softmax, sync_free_scores, False)
 
     fused_checks = []
     if sync_free_scores:  # the attention's path on a GPU: kernel 3 corrects S, no host read
@@ -68,7 +75,8 @@ def _correction_worker(cases, policy, fused_softmax=True, sync_free_scores=False
 
         _ext.softmax_correct_tally = counted
 
-    config = ABFTConfig(on_uncorrectable=policy, fused_softmax=fused_softmax)
+    sync_free = True if _ext._emulating else None
+    config = ABFTConfig(on_uncorrectable=policy, fused_softmax=fused_softmax, sync_free=sync_free)
     model = build_gpt(SHAPE, get_gpt_layer_abft_spec(config))
     reference = loss_and_grads(model, SHAPE)
     fused_checks.clear()
@@ -83,6 +91,7 @@ def _correction_worker(cases, policy, fused_softmax=True, sync_free_scores=False
                 "difference": _difference(result, reference),
                 "stats": stats(model),
                 "fused_checks": len(fused_checks),
+                "backend": _ext.backend(),
             }
         )
         fused_checks.clear()
@@ -116,6 +125,13 @@ def sync_free_corrections():
     return _spawned(ATTENTION_CASES, "raise", True, True)
 
 
+@pytest.fixture(scope="module")
+def emulated_corrections():
+    if not emulator_built():
+        pytest.skip("no CUDA emulator in this build")
+    return _spawned(CASES, "raise", True, True, True)
+
+
 def totals(stats: dict, outcome: str) -> dict[str, int]:
     return {section: sum(counts[outcome].values()) for section, counts in stats.items()}
 
@@ -142,6 +158,16 @@ def test_the_same_with_kernel_3_correcting_the_scores_sync_free(sync_free_correc
     assert_corrected(sync_free_corrections, ATTENTION_CASES, case)
     for results in sync_free_corrections:
         assert results[ATTENTION_CASES.index(case)]["fused_checks"] > 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_the_same_on_the_emulated_cuda_kernels_sync_free(emulated_corrections, case):
+    """As a GPU runs the model: every check sync-free, by the CUDA kernels (the emulator's),
+    kernel 3 correcting the scores."""
+    assert_corrected(emulated_corrections, CASES, case)
+    for results in emulated_corrections:
+        result = results[CASES.index(case)]
+        assert result["backend"].startswith("cuda (emulated") and result["fused_checks"] > 0
 
 
 def assert_corrected(corrections, cases, case):
