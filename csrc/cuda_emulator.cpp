@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <string>

@@ -21,10 +21,8 @@
 // (the memory is the CPU's).
 #pragma once
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <tuple>
 #include <type_traits>
@@ -116,29 +114,6 @@ T atomic_max(T* address, T value) {
   const T old = *address;
   if (value > old) *address = value;
   return old;
-}
-
-// fp16 and bf16 as stored: round to nearest even, as __float2half_rn and __float2bfloat16_rn.
-struct Half {
-  _Float16 value;
-};
-struct BFloat16 {
-  uint16_t bits;
-};
-
-inline float bf16_to_float(BFloat16 x) {
-  const uint32_t u = uint32_t(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline BFloat16 float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if (std::isnan(f)) return {uint16_t(0x7fff)};
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return {uint16_t(u >> 16)};
 }
 
 }  // namespace cuda_emulator

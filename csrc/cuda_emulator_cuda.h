@@ -3,6 +3,7 @@
 // translation unit that builds the kernels for the CPU (abft_cuda_emulated.cpp).
 #pragma once
 
+#include "abft_correct.h"  // the fp16 and bf16 conversions that the C++ kernels use
 #include "cuda_emulator.h"
 
 #define ABFT_CUDA_EMULATOR 1
@@ -14,8 +15,14 @@ enum cudaError_t : int {
   cudaErrorInvalidValue = cuda_emulator::kInvalidValue,
 };
 enum cudaFuncAttribute : int { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-using __half = cuda_emulator::Half;
-using __nv_bfloat16 = cuda_emulator::BFloat16;
+// fp16 and bf16 as stored, converted to nearest even (a NaN becomes torch's NaN, where a GPU
+// writes its own: the payload differs, not the value).
+struct __half {
+  uint16_t bits;
+};
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
 
 inline int cudaGetLastError() { return cuda_emulator::take_error(); }
 
@@ -24,10 +31,12 @@ int cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute, int bytes) {
   return cuda_emulator::allow_dynamic_shared(reinterpret_cast<const void*>(kernel), bytes);
 }
 
-inline float __half2float(__half x) { return float(x.value); }
-inline __half __float2half_rn(float x) { return {static_cast<_Float16>(x)}; }
-inline float __bfloat162float(__nv_bfloat16 x) { return cuda_emulator::bf16_to_float(x); }
-inline __nv_bfloat16 __float2bfloat16_rn(float x) { return cuda_emulator::float_to_bf16(x); }
+inline float __half2float(__half x) { return abft::half_to_float(x.bits); }
+inline __half __float2half_rn(float x) { return {abft::float_to_half(x)}; }
+inline float __bfloat162float(__nv_bfloat16 x) {
+  return abft::float_from_bits(uint32_t(x.bits) << 16);
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float x) { return {abft::float_to_bf16(x)}; }
 
 template <typename T>
 T atomicAdd(T* address, T value) {

@@ -27,17 +27,22 @@ def _clean_training_worker(steps):
         assert finish_step(model).action == "none"
         optimizer.step()
         losses.append(loss.item())
-    return {"stats": stats(model), "first": losses[0], "last": losses[-1]}
+    return {"stats": stats(model), "losses": losses}
 
 
 def test_no_false_alarm_in_200_clean_bf16_training_steps():
     """Every section checked every step, bf16, GQA, dropout and a padding mask: zero detections,
-    while the model trains."""
+    while the model trains. The batches are random tokens, so a single loss is noise (standard
+    deviation 0.025) around ln(vocab), and the last step's was above the first's on some
+    machines; the mean of the last 50 steps is below that of the first 50 (4.866 against 4.880
+    here, a difference of about three standard errors)."""
     for rank in spawn(2, 2, _clean_training_worker, 200):
         if isinstance(rank, Exception):
             raise rank
         assert _detections(rank["stats"]) == 0
-        assert rank["last"] < rank["first"]
+        losses = torch.tensor(rank["losses"])
+        assert losses.isfinite().all()
+        assert losses[-50:].mean() < losses[:50].mean()
 
 
 def _interval_worker():
