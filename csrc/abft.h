@@ -98,7 +98,8 @@ struct ScreenSide {
 
 // Both sides of a screen of a batch of matrices, and the output: flagged [batch, slots] int32,
 // whose slots sum to the number of flagged vectors of each matrix (flagged_count). The CPU
-// kernels keep one slot a matrix; the CUDA block sums that screen (Launchers::block_sums) one a tile.
+// kernels keep one slot a matrix; the CUDA block sums that screen (Launchers::block_sums) one a
+// tile.
 struct Screen {
   int batch_dims;
   int64_t batch_sizes[kMaxBatchDims];

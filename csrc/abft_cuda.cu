@@ -6,7 +6,7 @@
 // thread walks one column of the tile, keeping its column sums in registers; each row's sums are
 // reduced across a warp by shuffles, and across the block's warps in shared memory. A tile
 // completes the vectors it covers, so it can screen them at once, in the same launch.
-#ifndef ABFT_CUDA_EMULATOR  // nvcc; cuda_emulator.h defines these where the CPU runs the kernels
+#ifndef ABFT_CUDA_EMULATOR  // nvcc; cuda_emulator_cuda.h defines these for the CPU's build
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -929,16 +929,11 @@ int softmax_check_cuda(const SoftmaxCheck& k, void* stream) {
 
 }  // namespace
 
+// In the order of Launchers' members (each of a type of its own: a wrong order does not compile).
 extern const Launchers ABFT_LAUNCHERS = {
-    block_sums_cuda,      // block_sums
-    block_sums_pair_cuda,  // block_sums_pair
-    row_products_cuda,     // row_products
-    tally_cuda,            // tally
-    bias_terms_cuda,       // bias_terms
-    softmax_check_cuda,    // softmax_check
-    correct_redo_tally_cuda,  // correct_redo_tally
-    correct_cuda,             // correct
-    correct_tally_cuda,       // correct_tally
+    block_sums_cuda, block_sums_pair_cuda, row_products_cuda,
+    tally_cuda,      bias_terms_cuda,      softmax_check_cuda,
+    correct_redo_tally_cuda, correct_cuda, correct_tally_cuda,
 };
 
 }  // namespace abft

@@ -16,9 +16,9 @@
 //     read before a write shows.
 // The order of the warps, of the lanes of a warp and of the blocks is the schedule
 // (set_schedule): running a kernel under several schedules and comparing the results finds
-// races that depend on that order, between warps above all. What it cannot show: timing, the memory model of a real GPU,
-// the precision of its intrinsics (expf here is the C library's), or out-of-bounds accesses
-// (the memory is the CPU's).
+// races that depend on that order, between warps above all. What it cannot show: timing, the
+// memory model of a real GPU, the precision of its intrinsics (expf here is the C library's),
+// or out-of-bounds accesses (the memory is the CPU's).
 #pragma once
 
 #include <cstddef>

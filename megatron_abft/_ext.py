@@ -5,7 +5,7 @@ The extension is imported on first use, so ``import megatron_abft`` works withou
 ``block_sums``, ``row_products``, ``encode_pair``, ``add_bias``, ``screen``, ``verify_correct``,
 ``tally``, ``softmax_check`` and ``pair_vectors`` return None wherever the kernels do not apply
 (no extension, a device without a kernel, meta tensors); callers then take their PyTorch path,
-which stays the reference.
+which stays the reference. ``emulated_cuda()`` runs the CUDA kernels on the CPU, for tests.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def emulated_cuda(schedule: int = 0) -> Iterator[None]:
     """Inside this block the ops on CPU tensors run the CUDA kernels' source (csrc/abft_cuda.cu),
     built for the CPU through the CUDA emulator (csrc/cuda_emulator.h), instead of the C++
     kernels: a test of the CUDA code on machines without a GPU, and slow. The emulator runs each
-    GPU thread as a fiber and raises on a divergent barrier or shuffle. ``schedule`` orders the
-    fibers and blocks between barriers: 0 in order, 1 reversed, any other value a random order
-    from that seed; results that depend on it show a race. Built on x86-64 Linux."""
+    GPU thread as a fiber, a block warp by warp, and raises on a divergent barrier or shuffle.
+    ``schedule`` orders the warps, the lanes of a warp and the blocks: 0 in order, 1 reversed,
+    any other value a random order from that seed; results that depend on it show a race. Built
+    on x86-64 Linux (docs/abft.md section 7)."""
     global _emulating
     module, reason = _load()
     if module is None or not getattr(module, "emulator", 0):
