@@ -381,14 +381,14 @@ def test_cuda_verify_correct_tally_equals_the_cpu_op(gpu):
     cpu = checked(cpu_c, cpu_refs, cpu_operands, ledgers[0])
     with gpu.kernels():
         gpu_c, gpu_refs, gpu_operands = faulty_case(torch.bfloat16, 4, "nan", "row", gpu.device)
-        gpu = checked(gpu_c, gpu_refs, gpu_operands, ledgers[1])
-    for got, want in zip(gpu[:2], cpu[:2], strict=True):
+        found = checked(gpu_c, gpu_refs, gpu_operands, ledgers[1])
+    for got, want in zip(found[:2], cpu[:2], strict=True):
         assert torch.equal(got.cpu(), want)
     torch.testing.assert_close(
         gpu_c.cpu(), cpu_c, equal_nan=True, **recompute_tolerance(torch.bfloat16)
     )
     cpu_ledger, gpu_ledger = ledgers
     assert torch.equal(gpu_ledger.counts.cpu(), cpu_ledger.counts)
-    assert int(cpu_ledger.counts[1].sum()) == 1 and bool(gpu[5]) == bool(cpu[5])
+    assert int(cpu_ledger.counts[1].sum()) == 1 and bool(found[5]) == bool(cpu[5])
     assert int(gpu_ledger.logged) == int(cpu_ledger.logged) == 1
     assert torch.equal(gpu_ledger.log[0, :6].cpu(), cpu_ledger.log[0, :6])
