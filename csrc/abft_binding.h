@@ -91,7 +91,7 @@ using Eight = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Ten
                          at::Tensor, at::Tensor>;
 
 // block_sums_pair and row_products_pair by the CUDA kernels, one launch each: registered for CUDA,
-// and taken by their composites (abft_encode.cpp) for CPU tensors while emulating_cuda().
+// and for the CPU through OnCpu (abft_encode.cpp).
 Eight block_sums_pair_cuda(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
                            const at::Tensor& b, int64_t b_col_block, int64_t b_row_block);
 Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,

@@ -77,15 +77,9 @@ bool runs_cuda_kernels(const at::Tensor& x) {
 }
 
 // block_sums_pair and row_products_pair on any device: the two ops, one after the other (CUDA
-// has its own, one launch each: abft_ops.cpp, which the emulated CUDA kernels take too).
+// has its own, one launch each: abft_ops.cpp, which the CPU takes too while emulating CUDA).
 Eight block_sums_pair(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
                       const at::Tensor& b, int64_t b_col_block, int64_t b_row_block) {
-#ifdef ABFT_CUDA_KERNELS
-  if (a.is_cpu() && abft_binding::emulating_cuda()) {
-    return abft_binding::block_sums_pair_cuda(a, a_col_block, a_row_block, b, b_col_block,
-                                              b_row_block);
-  }
-#endif
   const auto [a0, a1, a2, a3] = block_sums(a, a_col_block, a_row_block);
   const auto [b0, b1, b2, b3] = block_sums(b, b_col_block, b_row_block);
   return {a0, a1, a2, a3, b0, b1, b2, b3};
@@ -94,11 +88,6 @@ Eight block_sums_pair(const at::Tensor& a, int64_t a_col_block, int64_t a_row_bl
 Four row_products_pair(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
                        double scale, const at::Tensor& b, const at::Tensor& v, const at::Tensor& y,
                        double b_scale) {
-#ifdef ABFT_CUDA_KERNELS
-  if (a.is_cpu() && abft_binding::emulating_cuda()) {
-    return abft_binding::row_products_pair_cuda(a, u, z, scale, b, v, y, b_scale);
-  }
-#endif
   const auto [a0, a1] = row_products(a, u, z, scale);
   const auto [b0, b1] = row_products(b, v, y, b_scale);
   return {a0, a1, b0, b1};
@@ -349,3 +338,13 @@ TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
   m.impl("block_sums_pair", &block_sums_pair);
   m.impl("row_products_pair", &row_products_pair);
 }
+
+#ifdef ABFT_CUDA_KERNELS
+// On the CPU, the two ops, or while emulating CUDA its one launch each.
+TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
+  m.impl("block_sums_pair",
+         &abft_binding::OnCpu<block_sums_pair, abft_binding::block_sums_pair_cuda>::call);
+  m.impl("row_products_pair",
+         &abft_binding::OnCpu<row_products_pair, abft_binding::row_products_pair_cuda>::call);
+}
+#endif

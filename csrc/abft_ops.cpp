@@ -69,7 +69,6 @@ void CudaLaunch::check(int error, const char* op) const {
   TORCH_CHECK(false, op, ": the emulated CUDA kernels failed (error ", error, "): ",
               why.empty() ? "the launcher refused its arguments" : why);
 #endif
-  TORCH_CHECK(false, op, ": CUDA launch failed with error ", error);
 }
 #endif
 

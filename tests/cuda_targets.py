@@ -33,15 +33,16 @@ class Target:
         return _ext.emulated_cuda(schedule) if self.emulated else nullcontext()
 
 
+ON_GPU, EMULATOR = Target(emulated=False), Target(emulated=True)
 GPU = pytest.param(
-    Target(emulated=False),
+    ON_GPU,
     marks=pytest.mark.skipif(
         not (torch.cuda.is_available() and _ext.available()), reason="needs a GPU and the extension"
     ),
     id="gpu",
 )
 EMULATED = pytest.param(
-    Target(emulated=True),
+    EMULATOR,
     marks=pytest.mark.skipif(not emulator_built(), reason="no CUDA emulator in this build"),
     id="emulated",
 )

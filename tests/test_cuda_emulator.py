@@ -3,6 +3,7 @@ built here with the C++ compiler; and the extension's CUDA kernels run through i
 (megatron_abft._ext.emulated_cuda)."""
 
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -61,8 +62,6 @@ def test_a_warp_and_block_reduction_runs_alike_in_every_schedule(probes):
     ],
 )
 def test_it_reports_what_a_gpu_would_leave_undefined(probes, probe, code, message):
-    import re
-
     got_code, text = probes[probe]
     assert got_code == code and re.search(message, text), (probe, got_code, text)
 

@@ -6,7 +6,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from cuda_targets import EMULATED, TARGETS, emulator_built
+from cuda_targets import EMULATOR, ON_GPU, TARGETS, emulator_built
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -720,7 +720,7 @@ def check_cuda_screen(gpu, dtype, block, bias, layout, kind, pattern, seed, m=30
 @PROPERTY
 @given(**SCREEN_CASES)
 def test_cuda_screen_equals_the_cpu_screen(dtype, block, bias, layout, kind, pattern, seed):
-    check_cuda_screen(TARGETS[0].values[0], dtype, block, bias, layout, kind, pattern, seed)
+    check_cuda_screen(ON_GPU, dtype, block, bias, layout, kind, pattern, seed)
 
 
 @needs_emulator
@@ -732,8 +732,7 @@ def test_emulated_cuda_screen_equals_the_cpu_screen(
     """As on a GPU, on 70 rows (a tile two passes wide needs the columns only), and blocks of 2
     on 60 columns (a shuffle per row and pair of columns is slow to emulate)."""
     m, n = 70, 60 if block == 2 else 290
-    gpu = EMULATED.values[0]
-    check_cuda_screen(gpu, dtype, block, bias, layout, kind, pattern, seed, m, n)
+    check_cuda_screen(EMULATOR, dtype, block, bias, layout, kind, pattern, seed, m, n)
 
 
 def moved(ref, device):
