@@ -1,5 +1,7 @@
 import json
 import math
+import statistics
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +21,7 @@ from megatron_abft.scaling import (
     ModelShape,
     Work,
     _share_of_steps,
+    forward_backward_time,
     predict,
     protection_forward,
     softmax_seconds,
@@ -104,14 +107,13 @@ def test_checks_read_at_their_own_bandwidth():
 
 def test_the_benchmark_measures_what_the_model_calibrates_on():
     """bench_overhead's rates: the kernels' read rate of a matrix in no cache (None without the
-    kernels), and glibc malloc's thresholds pinned so that every mode reuses one heap."""
-    from bench_overhead import check_read_rate, pin_malloc
+    kernels)."""
+    from bench_overhead import check_read_rate
     from overhead_report import calibrated
 
     from megatron_abft import _ext
 
     cpu = torch.device("cpu")
-    assert pin_malloc() == "glibc thresholds pinned"  # this suite runs on Linux (glibc)
     if _ext.available():
         rate = check_read_rate((2, 64, 64), torch.float32, cpu, 32)
         assert 1e8 < rate < 1e13
@@ -121,6 +123,39 @@ def test_the_benchmark_measures_what_the_model_calibrates_on():
     assert calibrated(run).check_bandwidth is None  # a run from before the rate was measured
     run["machine"]["check_bandwidth"] = 3e9
     assert calibrated(run).check_bandwidth == 3e9
+
+
+def test_the_benchmark_reuses_one_heap_for_blocks_of_any_size():
+    """pin_malloc keeps large blocks off mmap: steps that take and free 64 MiB blocks (the
+    scores from sequence 1024 on are 32 MiB and more, above what glibc's mmap threshold can be
+    pinned at) find their pages in the heap after the first few, where glibc by default maps
+    every such block afresh and faults all its pages in, every step. In a child process: the
+    pinning lasts for the process."""
+    script = """
+import resource, sys
+sys.path.insert(0, "tools")
+import torch
+from bench_overhead import pin_malloc
+print(pin_malloc() if sys.argv[1] == "pinned" else "default")
+for _ in range(8):
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a, b = torch.full((1 << 24,), 1.0), torch.full((1 << 24,), 2.0)
+    del a, b
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+"""
+    faults = {}
+    for mode in ("pinned", "default"):
+        out = subprocess.run(
+            [sys.executable, "-c", script, mode],
+            cwd=Path(__file__).parents[1],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        faults[mode] = int(out[-1])
+        if mode == "pinned":
+            assert out[0:3] == ["glibc", "thresholds", "pinned"]  # this suite runs on glibc
+    assert faults["pinned"] < 100 < 8192 < faults["default"], faults  # 8192 pages: 32 MiB
 
 
 def _timed_softmax(**costs) -> DeviceProfile:
@@ -250,6 +285,57 @@ def _kernel3_swap_worker():
     return swap, calls, any("_fused_softmax" in vars(core) for core in cores)
 
 
+def _time_checks_worker(fused: bool):
+    from bench_overhead import Timer, per_check, time_checks
+    from mcore import Shape, batch, build_gpt
+
+    from megatron_abft import set_step
+    from megatron_abft.config import ABFTConfig
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(fused_softmax=fused)))
+    tokens, positions, mask, labels = batch(Shape(), 0)
+    spans = {s: [] for s in SECTIONS}
+    timing = {"on": False, "step": 0}
+    time_checks(model, Timer(False), spans, timing)
+    counts = []
+    for step, on in ((0, False), (1, True), (2, True)):
+        set_step(model, step)
+        timing.update(on=on, step=step)
+        model(tokens, positions, mask, labels=labels).float().mean().backward()
+        counts.append({s: len(v) for s, v in spans.items()})
+    layers = Shape().layers
+    return counts, spans, {s: per_check(v, Timer(False), layers) for s, v in spans.items()}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_benchmark_times_every_piece_of_a_check(fused):
+    """Spawns 1 rank. While timing is on, each due check's pieces are timed under its section,
+    a layer each: the guards' checks and, with kernel 3, what runs outside them, the scores'
+    references (screen_sides) and the context's from P's pass (pair_vectors, encode_from_pass);
+    nothing while it is off. A check's time is its pieces summed a step, shared over the
+    layers, the median over the steps."""
+    from megatron_abft import _ext
+
+    if fused and not _ext.available():
+        pytest.skip("kernel 3 needs the compiled kernels")
+    (found,) = spawn(1, 1, _time_checks_worker, fused)
+    if isinstance(found, Exception):
+        raise found
+    counts, spans, seconds = found
+    layers = Shape().layers
+    pieces = {"qkv": 1, "scores": 1, "context": 3 if fused else 1, "proj": 1}
+    assert counts == [
+        dict.fromkeys(SECTIONS, 0),
+        {s: layers * n for s, n in pieces.items()},
+        {s: 2 * layers * n for s, n in pieces.items()},
+    ]
+    for section, timed in spans.items():
+        steps = [sum(end - begin for step, begin, end in timed if step == s) for s in (1, 2)]
+        assert seconds[section] == pytest.approx(statistics.median(steps) / layers)
+        assert all(step in (1, 2) and end >= begin for step, begin, end in timed)
+
+
 def test_kernel3_swap_times_steps_with_each_softmax_in_turns():
     """Spawns 1 rank. Each pair runs one step with kernel 3 as every layer's softmax and one with
     Megatron's, in turns first; the swap is their difference a layer, and the model is left as
@@ -285,6 +371,48 @@ def test_work_arithmetic_and_time():
     device = DeviceProfile("d", {"bf16": 1e12}, 1e9, 1e-3)
     assert device.time(w, "bf16") == pytest.approx(3 + 1.5 + 0.015)
     assert step_time(SHAPES["GPT-3 125M"], DEVICES["A100"]) > 0
+
+
+def test_a_baseline_scale_stretches_the_forward_and_backward_not_the_checks():
+    """DeviceProfile.baseline_scale multiplies the baseline's forward and backward (and so the
+    attention block's forward), never Adam's update nor the checks: the overheads shrink by as
+    much as the step grows."""
+    shape = replace(SHAPES["GPT-3 125M"], seq=1024)
+    plain = DEVICES["A100"]
+    slow = replace(plain, baseline_scale=1.5)
+    counted = forward_backward_time(shape, plain)
+    assert forward_backward_time(shape, slow) == counted  # the count, before the scale
+    assert step_time(shape, slow) - step_time(shape, plain) == pytest.approx(0.5 * counted)
+    fast, stretched = predict(shape, plain, "kernels"), predict(shape, slow, "kernels")
+    base = stretched.step_seconds / fast.step_seconds
+    assert stretched.step == pytest.approx(fast.step / base)
+    assert stretched.attention == pytest.approx(fast.attention / 1.5)
+    for section in SECTIONS:
+        assert stretched.sections[section] == pytest.approx(fast.sections[section] / base)
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="baseline_scale"):
+            replace(plain, baseline_scale=bad)
+
+
+def test_a_benchmark_run_calibrates_the_baseline_on_its_unprotected_steps():
+    """overhead_report's profile of a run: the baseline's forward and backward at what the run's
+    "off" steps took (step less optimizer), Adam at the run's optimizer bandwidth; the
+    roofline's own step is kept for its row."""
+    from overhead_report import calibrated, measured_shape, roofline, validation_rows
+
+    path = Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json"
+    run = json.loads(path.read_text())
+    shape, off = measured_shape(run["args"]), run["median"]["off"]
+    device = calibrated(run)
+    assert device.baseline_scale != 1.0 and roofline(run).baseline_scale == 1.0
+    assert device.baseline_scale * forward_backward_time(shape, device) == pytest.approx(
+        off["step"] - off["optimizer"]
+    )
+    adam = step_time(shape, device) - device.baseline_scale * forward_backward_time(shape, device)
+    assert adam == pytest.approx(off["optimizer"], rel=0.05)  # its bandwidth is the run's
+    (row,) = [r for r in validation_rows([path]) if r["what"] == "baseline step, roofline"]
+    assert row["predicted"] == step_time(shape, roofline(run)) and row["ok"] is None
+    assert row["measured"] == off["step"]
 
 
 def test_bad_shapes_are_refused():

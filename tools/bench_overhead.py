@@ -349,7 +349,6 @@ def run(rank: int, args) -> dict | None:
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_abft import set_step
-    from megatron_abft.guard import iter_guards
 
     config = ABFTConfig(
         check_interval=args.check_interval,
@@ -372,10 +371,9 @@ def run(rank: int, args) -> dict | None:
     for layer in model.decoder.layers:
         layer.self_attention.register_forward_pre_hook(before)
         layer.self_attention.register_forward_hook(after)
-    check_time = {s: [] for s in SECTIONS}  # (section) -> (begin, end) of each timed check
-    timing = {"on": False}  # set on the measured "all" steps
-    for guard in iter_guards(model):
-        guard.check = _timed_check(guard, timer, check_time, timing)
+    check_time = {s: [] for s in SECTIONS}  # (section) -> (step, begin, end) of each timed span
+    timing = {"on": False, "step": 0}  # on: the measured "all" steps
+    time_checks(model, timer, check_time, timing)
 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
@@ -409,7 +407,7 @@ def run(rank: int, args) -> dict | None:
             set_step(model, step)
             step += 1
             attention_time.clear()
-            timing["on"] = name == "all" and rep >= args.warmup
+            timing.update(on=name == "all" and rep >= args.warmup, step=step)
             faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             begin = timer.start()
             optimizer.zero_grad(set_to_none=True)
@@ -418,6 +416,7 @@ def run(rank: int, args) -> dict | None:
             before_optimizer = timer.start()
             optimizer.step()
             end = timer.start()
+            timing["on"] = False
             faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted
             if rep >= args.warmup:
                 faults[name].append(faulted)
@@ -448,9 +447,9 @@ def run(rank: int, args) -> dict | None:
         "page_faults": {n: statistics.median(f) for n, f in faults.items()},  # per step
         # one check of one layer, inside the measured "all" steps
         "check_seconds": {
-            section: statistics.median(timer.seconds(b, e) for b, e in pairs)
-            for section, pairs in check_time.items()
-            if pairs
+            section: per_check(spans, timer, len(model.decoder.layers))
+            for section, spans in check_time.items()
+            if spans
         },
     }
     if swap is not None:  # kernel 3's difference in a step, per element of S
@@ -491,20 +490,41 @@ def implementation(args, device: torch.device) -> str:
     return "fused" if args.fused_softmax and device.type == "cpu" else "kernels"
 
 
-def _timed_check(guard, timer: Timer, spans: dict[str, list], timing: dict):
-    """``guard.check`` that also records when each due check begins and ends while
-    ``timing["on"]`` (events on a GPU, read after the run: no extra synchronisation)."""
-    check = guard.check
+def time_checks(model, timer: Timer, spans: dict[str, list], timing: dict) -> None:
+    """Record when each piece of a due check begins and ends while ``timing["on"]``, as
+    ``(step, begin, end)`` under its section (events on a GPU, read after the run: no extra
+    synchronisation): every guard's ``check``, and the pieces of the fused path that run
+    outside it, the scores' references (``screen_sides``) and the context's (``pair_vectors``
+    and ``encode_from_pass`` from P's pass). Kernel 3's own screen and pass are timed apart
+    (softmax_costs)."""
+    from megatron_abft import attention
+    from megatron_abft.guard import iter_guards
 
-    def timed(*args, **kwargs):
-        if not (timing["on"] and guard.due):
-            return check(*args, **kwargs)
-        begin = timer.start()
-        output = check(*args, **kwargs)
-        spans[guard.section].append((begin, timer.start()))
-        return output
+    def timed(fn, section: str, guard=None):
+        def run(*args, **kwargs):
+            if not (timing["on"] and (guard is None or guard.due)):
+                return fn(*args, **kwargs)
+            begin = timer.start()
+            output = fn(*args, **kwargs)
+            spans[section].append((timing["step"], begin, timer.start()))
+            return output
 
-    return timed
+        return run
+
+    for guard in iter_guards(model):
+        guard.check = timed(guard.check, guard.section, guard)
+        guard.screen_sides = timed(guard.screen_sides, guard.section, guard)
+    attention.encode_from_pass = timed(attention.encode_from_pass, "context")
+    _ext.pair_vectors = timed(_ext.pair_vectors, "context")
+
+
+def per_check(spans: list, timer: Timer, layers: int) -> float:
+    """Seconds of one layer's check: each timed step's spans of the section summed and shared
+    over the ``layers``; the median over the steps."""
+    steps: dict[int, float] = {}
+    for step, begin, end in spans:
+        steps[step] = steps.get(step, 0.0) + timer.seconds(begin, end)
+    return statistics.median(total / layers for total in steps.values())
 
 
 def median_rates(rounds: list[dict]) -> dict:
@@ -531,20 +551,21 @@ def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -
 
 
 def pin_malloc() -> str:
-    """Fix glibc malloc's thresholds (mmap below 32 MiB off, heap never trimmed), so that every
-    mode reuses one warm heap. By default glibc moves its mmap threshold as blocks are freed, so
-    which of a step's large temporaries get fresh pages, and pay a page fault per 4 KiB, depends
-    on what else the step allocated: with glibc's defaults an unprotected step took 14,096 page
-    faults to a protected one's 8,128, and the step grew 1.4 points less than its checks took
-    (docs/benchmarks.md, bench_cpu_run14_default_malloc.json). Returns what was done."""
+    """Serve every allocation from one heap that is never trimmed (glibc: no mmap, whatever the
+    size; no trim below 1 GiB), so that every mode reuses warm pages. By default glibc moves its
+    mmap threshold as blocks are freed, so which of a step's large temporaries get fresh pages,
+    and pay a page fault per 4 KiB, depends on what else the step allocated: with glibc's
+    defaults an unprotected step took 14,096 page faults to a protected one's 8,128, and the
+    step grew 1.4 points less than its checks took (docs/benchmarks.md,
+    bench_cpu_run14_default_malloc.json). The threshold cannot be pinned above 32 MiB, so
+    blocks of that size and more (the scores from sequence 1024 on) are kept off mmap
+    altogether. Returns what was done."""
     import ctypes
 
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
     try:
         libc = ctypes.CDLL("libc.so.6")
-        pinned = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(
-            m_trim_threshold, 1 << 30
-        )
+        pinned = libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 30)
     except (OSError, AttributeError):
         pinned = 0
     return "glibc thresholds pinned" if pinned else "default (not glibc)"

@@ -27,8 +27,10 @@ from megatron_abft.scaling import (
     FUSED_SECTIONS,
     DeviceProfile,
     ModelShape,
+    forward_backward_time,
     predict,
     protection_forward,
+    step_time,
 )
 
 SEQUENCES = (2048, 4096, 8192)
@@ -63,6 +65,20 @@ def measured_shape(args: dict) -> ModelShape:
 
 
 def calibrated(result: dict) -> DeviceProfile:
+    """The device of a benchmark run, from its micro-benchmarks, with the baseline's forward
+    and backward scaled to the run's unprotected steps (DeviceProfile.baseline_scale)."""
+    rates = roofline(result)
+    off = result["median"]["off"]
+    measured = off["step"] - off["optimizer"]
+    return replace(
+        rates,
+        baseline_scale=measured / forward_backward_time(measured_shape(result["args"]), rates),
+    )
+
+
+def roofline(result: dict) -> DeviceProfile:
+    """The device of a benchmark run as its micro-benchmarks give it, the baseline at the
+    model's count (baseline_scale 1)."""
     m, impl = result["machine"], result.get("impl", "torch")
     return DeviceProfile(
         f"{result['device']} (calibrated)",
@@ -148,30 +164,36 @@ def validation_rows(paths: list[Path]) -> list[dict]:
             )
         if set(result.get("check_seconds", {})) == set(SECTIONS):
             # the same checks summed over the layers, as a share of the unprotected step: what
-            # the step overhead would be if the step grew by exactly the checks' time
+            # the step overhead would be if the step grew by exactly the checks' time (with
+            # kernel 3, its screen and pass and its difference to Megatron's softmax aside)
             own = (
                 a["layers"]
                 * sum(result["check_seconds"].values())
                 / result["median"]["off"]["step"]
+            )
+            p = (
+                a["layers"]
+                * sum(device.check_time(w, shape.dtype) for w in work.values())
+                / prediction.step_seconds
             )
             rows.append(
                 {
                     "config": name,
                     "what": "checks' own time, all",
                     "unit": "%",
-                    "predicted": prediction.step,
+                    "predicted": p,
                     "measured": own,
                     "interval": None,
-                    "ok": within(prediction.step, own),
+                    "ok": within(p, own),
                     "in_interval": None,
                 }
             )
-        rows.append(
+        rows.append(  # the roofline's own step: what baseline_scale calibrates away
             {
                 "config": name,
-                "what": "baseline step",
+                "what": "baseline step, roofline",
                 "unit": "s",
-                "predicted": prediction.step_seconds,
+                "predicted": step_time(shape, roofline(result)),
                 "measured": result["median"]["off"]["step"],
                 "interval": None,
                 "ok": None,
@@ -279,10 +301,14 @@ def summary(rows: list[dict]) -> list[str]:
 
     lines = [
         f"{sum(bool(r['ok']) for r in judged)} of {len(judged)} rows agree within the tolerance.",
-        "On the CPU a single section costs a point or two of the step, about the",
-        "95% interval of its measurement on the shared 2-core machine: those rows can hardly",
-        "tell a good model from a bad one.",
     ]
+    widths = [100 * r["interval"] for r in judged if r["what"] in SECTIONS and r["interval"]]
+    if widths:
+        lines += [
+            "A single section costs a point or two of the step on the CPU, and the 95%",
+            f"intervals of those rows run from ±{min(widths):.1f} to ±{max(widths):.1f} points:",
+            "the noisier runs can hardly tell a good model from a bad one.",
+        ]
     checks = [r for r in rows if r["unit"] == "ms" and r["measured"]]
     if checks:
         errors = [100 * (r["predicted"] / r["measured"] - 1) for r in checks]
@@ -293,6 +319,14 @@ def summary(rows: list[dict]) -> list[str]:
             "benchmark; the streaming bandwidth for runs that did not measure it), and its check",
             f"times are off by {min(errors):+.0f}% to {max(errors):+.0f}% by section ({low}",
             f"lowest, {high} highest).",
+        ]
+    roofline_rows = [r for r in rows if r["what"] == "baseline step, roofline"]
+    if roofline_rows:
+        errors = [100 * (r["predicted"] / r["measured"] - 1) for r in roofline_rows]
+        lines += [
+            f"The roofline alone is off the measured unprotected step by {span(errors, '%')}",
+            "(`baseline step, roofline`): the calibrated profiles take the measured forward and",
+            "backward instead, so that the overhead rows judge the model of the checks.",
         ]
     untimed = [
         r
@@ -311,25 +345,30 @@ def summary(rows: list[dict]) -> list[str]:
             "below the bandwidth those runs price a softmax at: a saving the model can only",
             "count where the benchmark timed both softmaxes (`softmax` in its JSON).",
         ]
-    step, own = of("step, all", "measured"), of("checks' own time, all", "measured")
+    step = of("step, all", "measured")
     lines += [
         f"For the step it predicts {span(of('step, all', 'predicted'), '%')} against "
         f"{span(step, '%')} measured, and for the attention block",
         f"{span(of('attention, all', 'predicted'), '%')} against "
         f"{span(of('attention, all', 'measured'), '%')}.",
     ]
-    if own:
-        pairs, last_step = [], None  # each run's step overhead with its checks' own time
-        for r in rows:
-            if r["what"] == "step, all":
-                last_step = r["measured"]
-            elif r["what"] == "checks' own time, all":
-                pairs.append((last_step, r["measured"]))
+    # without kernel 3, whose softmax changes the step besides its checks
+    pairs, last_step = [], None  # each such run's step overhead with its checks' own time
+    for r in rows:
+        if "(fused)" in r["config"]:
+            continue
+        if r["what"] == "step, all":
+            last_step = r["measured"]
+        elif r["what"] == "checks' own time, all":
+            pairs.append((last_step, r["measured"]))
+    if pairs:
         same = all(within(step_overhead, checks) for step_overhead, checks in pairs)
+        own_time = span([100 * c for _, c in pairs], "%")
+        growth = span([100 * s for s, _ in pairs], "%")
         lines += [
-            "The model takes a step's overhead to be the time of its checks. Timed inside the",
-            f"steps, the checks add up to {span(own, '%')} of the unprotected step, and the step",
-            f"grows by {span(step, '%')}"
+            "Without kernel 3 the model takes a step's overhead to be the time of its checks.",
+            f"Timed inside the steps, the checks add up to {own_time}",
+            f"of the unprotected step, and the step grows by {growth}"
             + (
                 ": the same, within the tolerance."
                 if same
@@ -412,17 +451,24 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "Each benchmark run is predicted with a profile calibrated from its own",
             "micro-benchmarks (matmul rate, elementwise bandwidth, op latency, the optimizer's",
             "bandwidth, the rate at which the kernels read the scores from memory, which",
-            "prices the checks' bytes, and the softmaxes' costs). Tolerance: ±25% relative or",
-            "±1 percentage point, whichever is looser.",
+            "prices the checks' bytes, and the softmaxes' costs) and from its unprotected steps:",
+            "the baseline's forward and backward are scaled to what those took",
+            "(`DeviceProfile.baseline_scale`; the `baseline step, roofline` rows give the",
+            "roofline's own step beside the measured one). The checks are never scaled: their",
+            "time is the model's count of their work at the micro-benchmarks' rates.",
+            "Tolerance: ±25% relative or ±1 percentage point, whichever is looser.",
             "Each measured overhead comes with the half-width of its 95% bootstrap interval",
             "over the run's repetitions (`bench_overhead.py`): a row whose prediction falls",
             "inside it agrees with the measurement as far as the measurement can tell. The",
             "`check` rows compare the time of one check of one layer, measured inside the",
-            "training steps with every section checked (median), with the model's",
-            "`check_time` of that section's work: the model's own quantity, with none of the",
-            "step's noise, judged at ±25%. The `checks' own time` row sums those times over",
-            "the layers, as a share of the unprotected step: the step overhead as the model",
-            "defines it, against the model's step prediction.",
+            "training steps with every section checked (its pieces summed a step, shared over",
+            "the layers, the median over the steps; with kernel 3 the pieces outside the",
+            "guard's check too: the scores' references, and the context's from P's pass), with",
+            "the model's `check_time` of that section's work: the model's own quantity, with",
+            "none of the step's noise, judged at ±25%. The `checks' own time` row sums those",
+            "times over the layers, as a share of the unprotected step, against the model's",
+            "sum of the same (with kernel 3, its screen, its pass and its difference to",
+            "Megatron's softmax are not in it).",
             "",
             *validation,
             "",
