@@ -25,7 +25,10 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
 Every check also costs a number of small ops, each at the device's op latency: on a CPU the
 top-level tensor ops of a clean check (CHECK_OPS, counted on the code by tests/test_scaling.py;
 eager dispatch and the Python around it, which tools/bench_overhead.py measures on the check
-itself), on a GPU the kernels a clean sync-free check launches (CHECK_KERNELS).
+itself), on a GPU the kernels a clean sync-free check launches (CHECK_KERNELS). On a CPU each
+dot product of the kernels' checksum products (an operand's row against one checksum vector)
+also costs a fixed time beyond its multiply-adds (DeviceProfile.check_dot, measured by the
+benchmark): for an operand head_dim wide, as Q, K and V are, that cost is most of the products'.
 
 The backward pass is not protected: protection costs forward work only, while the baseline step
 is forward + backward (2x the GEMM FLOPs) + optimizer. docs/scaling.md validates the model
@@ -127,17 +130,27 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Work:
-    """An amount of work: GEMM FLOPs, bytes moved by memory-bound ops, tensor ops launched."""
+    """An amount of work: GEMM FLOPs, bytes moved by memory-bound ops, tensor ops launched, and
+    the dot products of the checks' products kernels (a row of an operand against one checksum
+    vector; their multiply-adds are in ``flops``)."""
 
     flops: float = 0.0
     bytes: float = 0.0
     ops: float = 0.0
+    dots: float = 0.0
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.flops + other.flops, self.bytes + other.bytes, self.ops + other.ops)
+        return Work(
+            self.flops + other.flops,
+            self.bytes + other.bytes,
+            self.ops + other.ops,
+            self.dots + other.dots,
+        )
 
     def __mul__(self, factor: float) -> Work:
-        return Work(self.flops * factor, self.bytes * factor, self.ops * factor)
+        return Work(
+            self.flops * factor, self.bytes * factor, self.ops * factor, self.dots * factor
+        )
 
 
 SOFTMAX_PARTS = ("forward", "backward", "kernel3_forward", "kernel3_backward", "screen", "pass")
@@ -178,6 +191,11 @@ class DeviceProfile:
     on the device by tools/bench_overhead.py; ``forward`` and ``backward`` at least. Without them
     the softmax is priced by its bytes, kernel 3 as fast as Megatron's, and kernel 3's checks
     at nothing of their own: the fused path takes its sums while it reads S anyway."""
+    check_dot: float = 0.0
+    """Seconds of one of the checks' dot products beyond its multiply-adds (Work.dots): on a CPU
+    the horizontal sum that ends it and the loop around it, which cost the kernels more than
+    the multiply-adds of an operand head_dim wide. Calibrated on CPUs by bench_overhead; 0 on
+    GPUs, where a products kernel's reductions run in parallel with its reads."""
     baseline_scale: float = 1.0
     """The unprotected step's forward and backward as measured on the device, over their time
     as the model counts them at this profile's rates (forward_backward_time): 1 takes the
@@ -189,6 +207,8 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         if not self.baseline_scale > 0:
             raise ValueError(f"DeviceProfile {self.name}: baseline_scale {self.baseline_scale}")
+        if not self.check_dot >= 0:
+            raise ValueError(f"DeviceProfile {self.name}: check_dot {self.check_dot}")
         if self.softmax is not None:
             unknown = set(self.softmax) - set(SOFTMAX_PARTS)
             if unknown or not {"forward", "backward"} <= set(self.softmax):
@@ -205,9 +225,10 @@ class DeviceProfile:
 
     def check_time(self, work: Work, dtype: str) -> float:
         """Time of the checks' work: their bytes at ``check_bandwidth``, their ops at
-        ``check_op``."""
+        ``check_op``, their dot products at ``check_dot`` each."""
         op = self.launch if self.check_op is None else self.check_op
-        return self._roofline(work, dtype, self.check_bandwidth or self.bandwidth, op)
+        bandwidth = self.check_bandwidth or self.bandwidth
+        return self._roofline(work, dtype, bandwidth, op) + work.dots * self.check_dot
 
     def _roofline(self, work: Work, dtype: str, bandwidth: float, op: float) -> float:
         return work.flops / self.matmul[dtype] + work.bytes / bandwidth + work.ops * op
@@ -369,6 +390,7 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
     c_elems = g.batch * m * n
     products = Work(flops=2 * g.batch * 3 * blocks * k * n)  # [e w] rows and the |.| row
     if impl != "torch":  # per side, half of: the larger operand once, the smaller twice
+        products += Work(dots=g.batch * 3 * blocks * n)  # the kernels' (torch's: BLAS)
         larger, smaller = max(a_elems, b_elems), min(a_elems, b_elems)
         if impl == "fused" and g.softmax_operand:  # P's pass is the softmax's ("pass")
             larger = 0

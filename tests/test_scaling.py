@@ -105,6 +105,32 @@ def test_checks_read_at_their_own_bandwidth():
     assert predict(shape, slow_checks, "kernels").step > predict(shape, plain, "kernels").step
 
 
+def test_the_kernels_dot_products_are_counted_and_priced_apart():
+    """Work.dots: a products kernel's rows against its checksum vectors, both sides of each
+    checked GEMM (3 vectors a block); the torch path's products are BLAS's and count none.
+    DeviceProfile.check_dot prices them in the checks' time only."""
+    shape = ModelShape("m", 2, 512, 8, 2048, 1000, seq=1024, dtype="fp32", block=256)
+    kernels, torch_path = protection_forward(shape, "kernels"), protection_forward(shape, "torch")
+    blocks = shape.seq // shape.block
+    per_side = shape.micro_batch * shape.heads * 3 * blocks * shape.seq  # [e w] and |.| rows
+    assert kernels["scores"].dots == 2 * per_side
+    tokens, width = shape.seq * shape.micro_batch, 3 * shape.hidden
+    assert kernels["qkv"].dots == 3 * (tokens // shape.block * width + width // shape.block * tokens)
+    assert all(torch_path[s].dots == 0 for s in SECTIONS)
+    assert (Work(dots=3) + Work(dots=4) * 0.5).dots == 5
+    plain = DeviceProfile("d", {"fp32": 1e12}, 1e10, 1e-3)
+    dotted = replace(plain, check_dot=2e-9)
+    work = Work(bytes=1e9, ops=2, dots=1e6)
+    assert dotted.check_time(work, "fp32") - plain.check_time(work, "fp32") == pytest.approx(2e-3)
+    assert dotted.time(work, "fp32") == plain.time(work, "fp32")
+    assert step_time(shape, dotted) == step_time(shape, plain)
+    assert predict(shape, dotted, "kernels").step > predict(shape, plain, "kernels").step
+    assert predict(shape, dotted, "torch").step == predict(shape, plain, "torch").step
+    assert all(device.check_dot == 0 for device in DEVICES.values())
+    with pytest.raises(ValueError, match="check_dot"):
+        replace(plain, check_dot=-1e-9)
+
+
 def test_the_benchmark_measures_what_the_model_calibrates_on():
     """bench_overhead's rates: the kernels' read rate of a matrix in no cache (None without the
     kernels)."""
@@ -121,8 +147,26 @@ def test_the_benchmark_measures_what_the_model_calibrates_on():
         assert check_read_rate((2, 64, 64), torch.float32, cpu, 32) is None
     run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
     assert calibrated(run).check_bandwidth is None  # a run from before the rate was measured
-    run["machine"]["check_bandwidth"] = 3e9
-    assert calibrated(run).check_bandwidth == 3e9
+    assert calibrated(run).check_dot == 0
+    run["machine"].update(check_bandwidth=3e9, check_dot=4e-9)
+    assert calibrated(run).check_bandwidth == 3e9 and calibrated(run).check_dot == 4e-9
+
+
+def test_the_benchmark_prices_a_dot_product_of_the_kernels_on_a_cpu():
+    """check_dot_cost: the products kernel on queries as Megatron lays them out, less its
+    multiply-adds; None without the kernels."""
+    from bench_overhead import check_dot_cost, parse_args
+
+    from megatron_abft import _ext
+
+    args = parse_args(["--seq", "256", "--hidden", "256", "--heads", "4", "--block", "64"])
+    cpu = torch.device("cpu")
+    if _ext.available():
+        cost = check_dot_cost(args, cpu, matmul=1e11)
+        assert 0 <= cost < 1e-6
+        assert check_dot_cost(args, cpu, matmul=1e6) == 0  # all its time is multiply-adds
+    with _ext.disabled():
+        assert check_dot_cost(args, cpu, matmul=1e11) is None
 
 
 def test_the_benchmark_reuses_one_heap_for_blocks_of_any_size():
@@ -366,8 +410,8 @@ def test_the_benchmark_calibrates_on_the_median_of_its_rounds():
 
 
 def test_work_arithmetic_and_time():
-    w = Work(2e12, 1e9, 10) + Work(2e12, 1e9, 10) * 0.5
-    assert (w.flops, w.bytes, w.ops) == (3e12, 1.5e9, 15)
+    w = Work(2e12, 1e9, 10, 4) + Work(2e12, 1e9, 10, 4) * 0.5
+    assert (w.flops, w.bytes, w.ops, w.dots) == (3e12, 1.5e9, 15, 6)
     device = DeviceProfile("d", {"bf16": 1e12}, 1e9, 1e-3)
     assert device.time(w, "bf16") == pytest.approx(3 + 1.5 + 0.015)
     assert step_time(SHAPES["GPT-3 125M"], DEVICES["A100"]) > 0

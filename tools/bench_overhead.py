@@ -155,6 +155,31 @@ def check_read_rate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return c.numel() * c.element_size() / statistics.median(times)
 
 
+def check_dot_cost(args, device: torch.device, matmul: float) -> float | None:
+    """Seconds of one dot product of the checks' products kernel beyond its multiply-adds (at
+    ``matmul``): the kernel projecting the run's queries, as Megatron lays them out (a head's
+    rows strided by the others'), on the block sums of keys as long as the sequence, warm, as
+    the scores' check does after its GEMM read them. The overhead model's ``check_dot``. None
+    off a CPU (a GPU's products kernels are priced by their bytes) or without the kernels."""
+    if device.type != "cpu" or not _ext.available():
+        return None
+    heads, hn = args.heads // args.tp, args.hidden // args.heads
+    blocks = -(-args.seq // args.block)
+    query = torch.randn(args.seq, args.micro_batch, heads, hn, device=device)
+    rows = query.permute(1, 2, 0, 3)  # [b, np, s, hn], strided as q5 in the attention
+    u = torch.randn(args.micro_batch, heads, 2 * blocks, hn, device=device)
+    z = torch.randn(args.micro_batch, heads, blocks, hn, device=device).abs()
+    products = torch.ops.megatron_abft.row_products
+    times = []
+    for _ in range(16):
+        begin = time.perf_counter()
+        products(rows, u, z, 1.0)
+        times.append(time.perf_counter() - begin)
+    dots = args.micro_batch * heads * args.seq * 3 * blocks
+    seconds = statistics.median(times[1:]) - 2 * dots * hn / matmul
+    return max(seconds, 0.0) / dots
+
+
 def count_ops(profile) -> int:
     """Top-level operators of a torch.profiler run (aten ops and the extension's; the ops they
     call are not counted)."""
@@ -292,6 +317,7 @@ def micro_benchmarks(args, device: torch.device, softmax) -> dict:
         "check_ops": check_ops,
         "check_op": check_op,
         "check_launches": check_launches(device),
+        "check_dot": check_dot_cost(args, device, matmul),
         "check_bandwidth": check_read_rate(
             (args.micro_batch * args.heads // args.tp, args.seq, args.seq),
             dtype,
@@ -636,10 +662,11 @@ def print_table(result: dict) -> None:
         f"a small clean check: {m['check_ops']} ops at {m['check_op'] * 1e6:.1f} us each"
         + ("" if launches is None else f"; {launches} GPU launches with sync_free")
     )
-    read = m.get("check_bandwidth")
+    read, dot = m.get("check_bandwidth"), m.get("check_dot")
     print(
         f"bandwidth {m['bandwidth'] / 1e9:.1f} GB/s"
         + ("" if read is None else f"; the kernels read the scores at {read / 1e9:.1f} GB/s")
+        + ("" if dot is None else f"; a dot product of theirs {dot * 1e9:.2f} ns")
         + (f"; malloc: {result['malloc']}" if "malloc" in result else "")
     )
     a = result["args"]

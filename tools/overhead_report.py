@@ -89,6 +89,7 @@ def roofline(result: dict) -> DeviceProfile:
         check_op=m.get("check_op"),  # the checks' own ops, the Python around them included
         optimizer_bandwidth=m.get("optimizer_bandwidth"),  # the bench's timed optimizer steps
         check_bandwidth=m.get("check_bandwidth"),  # the kernels reading the scores from memory
+        check_dot=m.get("check_dot") or 0.0,  # their dot products' own cost (CPU runs)
         check_ops={**CHECK_OPS, impl: m["check_ops"]} if "check_ops" in m else None,  # its code's
         softmax=m.get("softmax"),  # both softmaxes and kernel 3's checks, timed on the machine
     )
