@@ -148,9 +148,7 @@ class Work:
         )
 
     def __mul__(self, factor: float) -> Work:
-        return Work(
-            self.flops * factor, self.bytes * factor, self.ops * factor, self.dots * factor
-        )
+        return Work(self.flops * factor, self.bytes * factor, self.ops * factor, self.dots * factor)
 
 
 SOFTMAX_PARTS = ("forward", "backward", "kernel3_forward", "kernel3_backward", "screen", "pass")

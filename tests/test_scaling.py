@@ -115,7 +115,8 @@ def test_the_kernels_dot_products_are_counted_and_priced_apart():
     per_side = shape.micro_batch * shape.heads * 3 * blocks * shape.seq  # [e w] and |.| rows
     assert kernels["scores"].dots == 2 * per_side
     tokens, width = shape.seq * shape.micro_batch, 3 * shape.hidden
-    assert kernels["qkv"].dots == 3 * (tokens // shape.block * width + width // shape.block * tokens)
+    qkv_dots = 3 * (tokens // shape.block * width + width // shape.block * tokens)
+    assert kernels["qkv"].dots == qkv_dots
     assert all(torch_path[s].dots == 0 for s in SECTIONS)
     assert (Work(dots=3) + Work(dots=4) * 0.5).dots == 5
     plain = DeviceProfile("d", {"fp32": 1e12}, 1e10, 1e-3)
