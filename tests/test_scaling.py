@@ -596,3 +596,27 @@ def test_the_report_explains_a_fused_section_the_model_misses():
     assert "masked_fill" not in " ".join(summary(rows))
     rows[0]["softmax_timed"], rows[0]["ok"] = False, True
     assert "masked_fill" not in " ".join(summary(rows))
+
+
+def test_the_read_benchmark_times_every_matrix_cold_and_warm():
+    """bench_reads: each matrix's bytes and its read times in no cache and warm; V in three
+    layouts holding the same values, the first a view of the qkv output; None without the
+    kernels."""
+    from bench_reads import attention_values, measure, parse_args
+
+    from megatron_abft import _ext
+
+    values = attention_values(seq=8, hidden=32, heads=2)
+    first, *others = values.values()
+    assert first.shape == (1, 2, 8, 16) and first.stride(-2) == 2 * 3 * 16
+    assert all(torch.equal(first, other) for other in others)
+    args = parse_args(["--seq", "64", "--hidden", "128", "--heads", "2", "--sizes", "0.25"])
+    args.reps, args.block = 3, 32
+    if _ext.available():
+        reads = measure(args)["reads"]
+        assert list(reads) == ["0.25 MiB contiguous", *values]
+        assert reads["0.25 MiB contiguous"]["bytes"] == 2**18
+        assert reads["V contiguous"]["bytes"] == 64 * 128 * 4
+        assert all(r["cold"] > 0 and r["warm"] > 0 for r in reads.values())
+    with _ext.disabled():
+        assert measure(args) is None
