@@ -317,9 +317,10 @@ def summary(rows: list[dict]) -> list[str]:
         lines += [
             "The `check` rows can. The model costs every byte a check reads at the rate the",
             "kernels read a matrix that is in no cache (`check_bandwidth`, measured by the",
-            "benchmark; the streaming bandwidth for runs that did not measure it), and its check",
-            f"times are off by {min(errors):+.0f}% to {max(errors):+.0f}% by section ({low}",
-            f"lowest, {high} highest).",
+            "benchmark; the streaming bandwidth for runs that did not measure it) and every dot",
+            "product of their checksum products at `check_dot` (measured; 0 for runs that did",
+            f"not measure it), and its check times are off by {min(errors):+.0f}% to",
+            f"{max(errors):+.0f}% by section ({low} lowest, {high} highest).",
         ]
     roofline_rows = [r for r in rows if r["what"] == "baseline step, roofline"]
     if roofline_rows:
@@ -415,7 +416,10 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "norms, residuals and the MLP activation; Adam's traffic; the number of tensor ops)",
             "and the extra forward work of each checked section: encoding both operands, the small",
             "checksum GEMMs, and verifying C. Work becomes time with a device profile:",
-            "`flops / matmul rate + bytes / bandwidth + ops x op latency`. Three implementations",
+            "`flops / matmul rate + bytes / bandwidth + ops x op latency`, and for the checks on",
+            "a CPU their kernels' dot products (a row of an operand against one checksum vector)",
+            "at a fixed cost each beyond the multiply-adds (`check_dot`; for an operand head_dim",
+            "wide, as Q, K and V are, most of their products' time). Three implementations",
             "are modelled: `torch`, the PyTorch path (every fp32 copy, abs and reduction",
             "counted); `kernels`, the code as it runs with the compiled kernels (a clean check is",
             "two of their ops: `encode_pair` reads the larger operand once and the smaller twice,",
@@ -452,7 +456,9 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "Each benchmark run is predicted with a profile calibrated from its own",
             "micro-benchmarks (matmul rate, elementwise bandwidth, op latency, the optimizer's",
             "bandwidth, the rate at which the kernels read the scores from memory, which",
-            "prices the checks' bytes, and the softmaxes' costs) and from its unprotected steps:",
+            "prices the checks' bytes, what one dot product of the kernels' checksum products",
+            "costs beyond its multiply-adds, and the softmaxes' costs) and from its unprotected",
+            "steps:",
             "the baseline's forward and backward are scaled to what those took",
             "(`DeviceProfile.baseline_scale`; the `baseline step, roofline` rows give the",
             "roofline's own step beside the measured one). The checks are never scaled: their",
