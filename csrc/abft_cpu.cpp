@@ -167,15 +167,27 @@ ABFT_INLINE void dots(const Acc* __restrict__ x, int64_t k, const Acc* __restric
   }
 }
 
+// Matrix b's vectors u_t and z_t, found once for all its rows (batch_offset divides).
+template <typename Acc>
+struct MatrixVectors {
+  const Acc* u;
+  const Acc* z;
+};
+
+template <typename Acc>
+ABFT_INLINE MatrixVectors<Acc> matrix_vectors(const RowProducts& out, int64_t b) {
+  return {static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b),
+          static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b)};
+}
+
 // Row i of matrix b, loaded in x: its dot products with every u_t and, in magnitude, z_t.
 template <typename Acc>
-ABFT_INLINE void row_dots(const Acc* __restrict__ x, int64_t k, const RowProducts& out, int64_t b,
-                          int64_t rows, int64_t i) {
+ABFT_INLINE void row_dots(const Acc* __restrict__ x, int64_t k, const RowProducts& out,
+                          const MatrixVectors<Acc>& vectors, int64_t b, int64_t rows, int64_t i) {
   const MatrixBatch &u = out.u, &z = out.z;
-  dots<false>(x, k, static_cast<const Acc*>(u.data) + batch_offset(u, b), u.row_stride, u.rows,
-              Acc(out.scale), static_cast<Acc*>(out.products) + (b * rows + i) * u.rows);
-  dots<true>(x, k, static_cast<const Acc*>(z.data) + batch_offset(z, b), z.row_stride, z.rows,
-             Acc(std::abs(out.scale)),
+  dots<false>(x, k, vectors.u, u.row_stride, u.rows, Acc(out.scale),
+              static_cast<Acc*>(out.products) + (b * rows + i) * u.rows);
+  dots<true>(x, k, vectors.z, z.row_stride, z.rows, Acc(std::abs(out.scale)),
              static_cast<Acc*>(out.magnitudes) + (b * rows + i) * z.rows);
 }
 
@@ -206,18 +218,20 @@ ABFT_INLINE void band(const MatrixBatch& c, const BlockSums& out, int64_t task, 
     load_row(base + r * c.row_stride, c.col_stride, cols, buffer);
     return buffer;
   };
+  const MatrixVectors<Acc> vectors =
+      products != nullptr ? matrix_vectors<Acc>(*products, b) : MatrixVectors<Acc>{};
   int64_t i = r0;
   for (; i + 1 < r1; i += 2) {
     const Acc *x0 = row(i, x), *x1 = row(i + 1, x + cols);
     if (products != nullptr) {
-      row_dots(x0, cols, *products, b, rows, i);
-      row_dots(x1, cols, *products, b, rows, i + 1);
+      row_dots(x0, cols, *products, vectors, b, rows, i);
+      row_dots(x1, cols, *products, vectors, b, rows, i + 1);
     }
     rows_step<2, kCols>(c, out, b, i, nbr, x0, x1, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
   }
   if (i < r1) {
     const Acc* x0 = row(i, x);
-    if (products != nullptr) row_dots(x0, cols, *products, b, rows, i);
+    if (products != nullptr) row_dots(x0, cols, *products, vectors, b, rows, i);
     rows_step<1, kCols>(c, out, b, i, nbr, x0, x0, weight, Acc(i - r0 + 1), s0, s1, z0, z1);
   }
 }
@@ -255,9 +269,10 @@ template <typename T, typename Acc>
 ABFT_INLINE void product_rows(const MatrixBatch& a, const RowProducts& out, int64_t b, int64_t r0,
                               int64_t r1, Acc* __restrict__ x) {
   const T* base = static_cast<const T*>(a.data) + batch_offset(a, b);
+  const MatrixVectors<Acc> vectors = matrix_vectors<Acc>(out, b);
   for (int64_t i = r0; i < r1; ++i) {
     load_row(base + i * a.row_stride, a.col_stride, a.cols, x);
-    row_dots(x, a.cols, out, b, a.rows, i);
+    row_dots(x, a.cols, out, vectors, b, a.rows, i);
   }
 }
 
@@ -422,6 +437,8 @@ ABFT_INLINE void softmax_band(const SoftmaxCheck& k, int64_t task, Acc* x, Acc* 
   Acc *sc[4] = {}, *pc[4] = {};
   accumulators(k.s_sums, s_cols, sc);
   accumulators(k.p_sums, k.products != nullptr, pc);
+  const MatrixVectors<Acc> vectors =
+      k.products != nullptr ? matrix_vectors<Acc>(*k.products, b) : MatrixVectors<Acc>{};
   auto row = [&](int64_t r, Acc* buffer) ABFT_LAMBDA -> const Acc* {
     if constexpr (std::is_same_v<T, Acc>) {
       if (s.col_stride == 1) return base + r * s.row_stride;
@@ -441,7 +458,9 @@ ABFT_INLINE void softmax_band(const SoftmaxCheck& k, int64_t task, Acc* x, Acc* 
     for (int r = 0; r < R; ++r) softmax_row<T, Acc>(k, b, i + r, r ? x1 : x0, p + r * cols,
                                                    out + (i + r) * cols);
     if (k.products != nullptr) {
-      for (int r = 0; r < R; ++r) row_dots(p + r * cols, cols, *k.products, b, rows, i + r);
+      for (int r = 0; r < R; ++r) {
+        row_dots(p + r * cols, cols, *k.products, vectors, b, rows, i + r);
+      }
       rows_step<R, true>(s, k.p_sums, b, i, 0, p, p + cols, weight, w0, pc[0], pc[1], pc[2],
                          pc[3]);
     }
