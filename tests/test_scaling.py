@@ -166,6 +166,8 @@ def test_the_benchmark_prices_a_dot_product_of_the_kernels_on_a_cpu():
         cost = check_dot_cost(args, cpu, matmul=1e11)
         assert 0 <= cost < 1e-6
         assert check_dot_cost(args, cpu, matmul=1e6) == 0  # all its time is multiply-adds
+        args.dtype = "bf16"  # the queries in the run's dtype, the sums in fp32
+        assert 0 <= check_dot_cost(args, cpu, matmul=1e11) < 1e-6
     with _ext.disabled():
         assert check_dot_cost(args, cpu, matmul=1e11) is None
 

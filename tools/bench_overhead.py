@@ -166,7 +166,7 @@ def check_dot_cost(args, device: torch.device, matmul: float) -> float | None:
     heads, hn = args.heads // args.tp, args.hidden // args.heads
     blocks = -(-args.seq // args.block)
     query = torch.randn(args.seq, args.micro_batch, heads, hn, device=device)
-    rows = query.permute(1, 2, 0, 3)  # [b, np, s, hn], strided as q5 in the attention
+    rows = query.to(DTYPES[args.dtype]).permute(1, 2, 0, 3)  # [b, np, s, hn], strided as q5
     u = torch.randn(args.micro_batch, heads, 2 * blocks, hn, device=device)
     z = torch.randn(args.micro_batch, heads, blocks, hn, device=device).abs()
     products = torch.ops.megatron_abft.row_products
