@@ -286,8 +286,7 @@ ABFT_INLINE void product_columns(const MatrixBatch& a, const RowProducts& out, i
   const MatrixBatch &u = out.u, &z = out.z;
   const int64_t n = r1 - r0, nu = u.rows, nz = z.rows;
   const T* base = static_cast<const T*>(a.data) + batch_offset(a, b) + r0;
-  const Acc* us = static_cast<const Acc*>(u.data) + batch_offset(u, b);
-  const Acc* zs = static_cast<const Acc*>(z.data) + batch_offset(z, b);
+  const auto [us, zs] = matrix_vectors<Acc>(out, b);
   std::fill(acc, acc + (nu + nz) * kRowBand, Acc(0));
   for (int64_t j = 0; j < a.cols; ++j) {
     load_row(base + j * a.col_stride, 1, n, x);

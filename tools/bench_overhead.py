@@ -155,6 +155,17 @@ def check_read_rate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return c.numel() * c.element_size() / statistics.median(times)
 
 
+def median_seconds(fn, timer: Timer, reps: int = 15) -> float:
+    """The median time of ``reps`` calls of ``fn``, after one untimed (warm) call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        begin = timer.start()
+        fn()
+        times.append(timer.seconds(begin, timer.start()))
+    return statistics.median(times)
+
+
 def check_dot_cost(args, device: torch.device, matmul: float) -> float | None:
     """Seconds of one dot product of the checks' products kernel beyond its multiply-adds (at
     ``matmul``): the kernel projecting the run's queries, as Megatron lays them out (a head's
@@ -170,13 +181,9 @@ def check_dot_cost(args, device: torch.device, matmul: float) -> float | None:
     u = torch.randn(args.micro_batch, heads, 2 * blocks, hn, device=device)
     z = torch.randn(args.micro_batch, heads, blocks, hn, device=device).abs()
     products = torch.ops.megatron_abft.row_products
-    times = []
-    for _ in range(16):
-        begin = time.perf_counter()
-        products(rows, u, z, 1.0)
-        times.append(time.perf_counter() - begin)
     dots = args.micro_batch * heads * args.seq * 3 * blocks
-    seconds = statistics.median(times[1:]) - 2 * dots * hn / matmul
+    seconds = median_seconds(lambda: products(rows, u, z, 1.0), Timer(cuda=False))
+    seconds -= 2 * dots * hn / matmul
     return max(seconds, 0.0) / dots
 
 
@@ -291,24 +298,14 @@ def micro_benchmarks(args, device: torch.device, softmax) -> dict:
     dtype, hidden = DTYPES[args.dtype], args.hidden
     tokens = args.seq * args.micro_batch
     timer = Timer(device.type == "cuda")
-
-    def median(fn, reps=15):
-        fn()
-        times = []
-        for _ in range(reps):
-            begin = timer.start()
-            fn()
-            times.append(timer.seconds(begin, timer.start()))
-        return statistics.median(times)
-
     a = torch.randn(tokens, hidden, device=device).to(dtype)
     b = torch.randn(hidden, 4 * hidden, device=device).to(dtype)
-    matmul = 2 * tokens * hidden * 4 * hidden / median(lambda: a @ b)
+    matmul = 2 * tokens * hidden * 4 * hidden / median_seconds(lambda: a @ b, timer)
     x = torch.randn(32 * 2**20 // 4, device=device)
     y = torch.empty_like(x)  # written in place: a fresh output would time the OS's page faults
-    bandwidth = 2 * x.numel() * 4 / median(lambda: torch.abs(x, out=y))
+    bandwidth = 2 * x.numel() * 4 / median_seconds(lambda: torch.abs(x, out=y), timer)
     one = torch.zeros(1, device=device)
-    launch = median(lambda: [one.add(1) for _ in range(200)]) / 200
+    launch = median_seconds(lambda: [one.add(1) for _ in range(200)], timer) / 200
     check_ops, check_op = check_cost(device)
     return {
         "matmul": matmul,
