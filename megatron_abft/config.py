@@ -8,8 +8,19 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-SECTIONS: tuple[str, ...] = ("qkv", "scores", "context", "proj")
-"""The checked GEMMs of one attention layer, in the order they run (DESIGN.md section 3)."""
+FORWARD_SECTIONS: tuple[str, ...] = ("qkv", "scores", "context", "proj")
+"""The checked forward GEMMs of one attention layer, in the order they run (DESIGN.md
+section 3): checked by the unfused and the flash attention alike."""
+
+BACKWARD_SECTIONS: tuple[str, ...] = ("bwd_scores", "grad_probs", "grad_v", "grad_k", "grad_q")
+"""The checked backward GEMMs of the flash attention (megatron_abft.flash): the recomputed
+scores S, dP = dO V^T, dV = P^T dO, dK = dS^T Q and dQ = dS K."""
+
+SECTIONS: tuple[str, ...] = FORWARD_SECTIONS + BACKWARD_SECTIONS
+"""Every checked section. The unfused attention checks the forward ones."""
+
+FLASH_SECTIONS: tuple[str, ...] = ("scores", "context") + BACKWARD_SECTIONS
+"""The sections the flash kernels check, in their order (megatron_abft.flash.kernels)."""
 
 POLICIES: tuple[str, ...] = ("recompute", "raise", "skip_step", "rerun", "log")
 """What to do with a fault that cannot be corrected in place."""
@@ -28,8 +39,9 @@ class ABFTConfig:
     Megatron's own."""
 
     sections: tuple[str, ...] = SECTIONS
-    """Which GEMMs are checked: a subset of qkv, scores, context, proj. A comma-separated string
-    is accepted too."""
+    """Which GEMMs are checked: a subset of SECTIONS (qkv, scores, context, proj, and the flash
+    attention's backward bwd_scores, grad_probs, grad_v, grad_k, grad_q). A comma-separated
+    string is accepted too."""
 
     check_interval: int | Mapping[str, int] = 1
     """Check a section on every N-th step (1 = every step). Either one int for all sections or a

@@ -79,40 +79,39 @@ def _draw(generator: torch.Generator, high: int) -> int:
     return int(torch.randint(high, (1,), generator=generator))
 
 
-def _corrupt(values: Tensor, fault: TensorFault, generator: torch.Generator) -> Tensor:
-    if fault.kind != "bitflip":
-        special = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "value": fault.value}
-        value = special.get(fault.kind)
-        if fault.kind == "near_inf":
-            value = NEAR_INF if _draw(generator, 2) else -NEAR_INF
-        # stored as the hardware would: a value beyond the dtype's range becomes INF
-        return torch.full(values.shape, value, dtype=torch.float64).to(values.dtype)
-    bits = torch.finfo(values.dtype).bits
+def fill_value(fault: TensorFault, generator: torch.Generator) -> float:
+    """The value a fault of any kind but bitflip writes (a near-INF sign drawn)."""
+    if fault.kind == "near_inf":
+        return NEAR_INF if _draw(generator, 2) else -NEAR_INF
+    return {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "value": fault.value}[fault.kind]
+
+
+def flip_mask(fault: TensorFault, generator: torch.Generator, bits: int) -> int:
+    """The bit a bitflip flips in a ``bits``-wide value (drawn if unset), as the mask a signed
+    integer of that width XORs with."""
     bit = fault.bit if fault.bit is not None else _draw(generator, bits)
     if not 0 <= bit < bits:
-        raise ValueError(f"TensorFault.bit: {values.dtype} has bits 0..{bits - 1}, got {bit}")
-    as_int = values.contiguous().view(_INT_VIEW[values.dtype])
+        raise ValueError(f"TensorFault.bit: a {bits}-bit value has bits 0..{bits - 1}, got {bit}")
     mask = 1 << bit
     if mask >= 1 << (bits - 1):  # the sign bit, as the signed integer of the same width
         mask -= 1 << bits
-    return (as_int ^ mask).view(values.dtype)
+    return mask
 
 
-@torch.no_grad()
-def inject_(t: Tensor, fault: TensorFault) -> Injection:
-    """Corrupt ``t [..., m, n]`` in place as ``fault`` says and report where."""
-    if not isinstance(t, Tensor) or t.dtype not in _INT_VIEW:
-        raise TypeError(
-            f"inject_ needs a floating-point tensor, got {getattr(t, 'dtype', type(t))}"
-        )
-    if t.dim() < 2:
-        raise ValueError(
-            f"inject_ needs a tensor with at least 2 dims [..., m, n]; got {tuple(t.shape)}"
-        )
-    m, n = t.shape[-2:]
-    batch = t.numel() // (m * n) if m * n else 0
-    if batch == 0:
-        raise ValueError("inject_ needs a non-empty tensor")
+def _corrupt(values: Tensor, fault: TensorFault, generator: torch.Generator) -> Tensor:
+    if fault.kind != "bitflip":
+        # stored as the hardware would: a value beyond the dtype's range becomes INF
+        value = fill_value(fault, generator)
+        return torch.full(values.shape, value, dtype=torch.float64).to(values.dtype)
+    mask = flip_mask(fault, generator, torch.finfo(values.dtype).bits)
+    return (values.contiguous().view(_INT_VIEW[values.dtype]) ^ mask).view(values.dtype)
+
+
+def locate(fault: TensorFault, batch: int, m: int, n: int) -> tuple[Injection, torch.Generator]:
+    """Where ``fault`` lands in a batch of ``batch`` matrices of ``m x n``, and the generator
+    that drew it, for the draws that follow (a near-INF sign, a bit)."""
+    if batch < 1 or m < 1 or n < 1:
+        raise ValueError("a fault needs a non-empty matrix")
     generator = torch.Generator().manual_seed(fault.seed)
     b = fault.batch_index if fault.batch_index is not None else _draw(generator, batch)
     if not 0 <= b < batch:
@@ -134,10 +133,29 @@ def inject_(t: Tensor, fault: TensorFault) -> Injection:
         cols = (0, n) if fault.pattern == "row" else (c, c + 1)
     if not (0 <= rows[0] < rows[1] <= m and 0 <= cols[0] < cols[1] <= n):
         raise ValueError(f"fault position {fault.position} is outside a {m}x{n} matrix")
-    index = [int(i) for i in torch.unravel_index(torch.tensor(b), t.shape[:-2])]
-    region = t[(*index, slice(*rows), slice(*cols))]  # a view of t, whatever its strides
+    return Injection(batch_index=b, rows=rows, cols=cols), generator
+
+
+@torch.no_grad()
+def inject_(t: Tensor, fault: TensorFault) -> Injection:
+    """Corrupt ``t [..., m, n]`` in place as ``fault`` says and report where."""
+    if not isinstance(t, Tensor) or t.dtype not in _INT_VIEW:
+        raise TypeError(
+            f"inject_ needs a floating-point tensor, got {getattr(t, 'dtype', type(t))}"
+        )
+    if t.dim() < 2:
+        raise ValueError(
+            f"inject_ needs a tensor with at least 2 dims [..., m, n]; got {tuple(t.shape)}"
+        )
+    m, n = t.shape[-2:]
+    batch = t.numel() // (m * n) if m * n else 0
+    if batch == 0:
+        raise ValueError("inject_ needs a non-empty tensor")
+    where, generator = locate(fault, batch, m, n)
+    index = [int(i) for i in torch.unravel_index(torch.tensor(where.batch_index), t.shape[:-2])]
+    region = t[(*index, slice(*where.rows), slice(*where.cols))]  # a view, whatever the strides
     region.copy_(_corrupt(region, fault, generator))
-    return Injection(batch_index=b, rows=rows, cols=cols)
+    return where
 
 
 # --- model-level injection --------------------------------------------------------------------

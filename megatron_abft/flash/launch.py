@@ -1,0 +1,382 @@
+"""Launching the flash kernels: block sizes, grids, and the choice between Triton's compiler (CUDA
+tensors) and its interpreter (CPU tensors, the same source) with nothing for the user to set.
+
+The interpreter is a second load of megatron_abft.flash.kernels with Triton's interpret switch
+on while it is decorated: ``triton.jit`` picks compiled or interpreted functions at decoration
+time, and a kernel's helpers resolve through its module, so each build needs its own module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import triton
+from torch import Tensor
+
+from megatron_abft.flash import kernels
+
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+"""Input dtypes the kernels take; they accumulate in fp32 whatever the input."""
+HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128)
+"""Head widths the kernels are built for; a head dim in between is padded to the next."""
+KERNELS: tuple[str, ...] = ("forward", "dkdv", "dq")
+
+TILE_C = 64.0
+"""The tile checks' bound is ``TILE_C * threshold_scale * 2**-24 * mass`` (docs/abft.md): the
+worst clean residual measured on CPU needed 4.3 (reference/flash_attention.md section 3); GPU
+tensor cores are calibrated by tools/flash_calibrate.py."""
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The tile shape and launch options of one kernel."""
+
+    block_m: int
+    """Query rows a tile."""
+    block_n: int
+    """Key rows a tile."""
+    num_warps: int
+    num_stages: int
+
+
+def blocks(kernel: str, head_dim: int, dtype: torch.dtype) -> Blocks:
+    """The tile shape ``kernel`` launches with for a padded ``head_dim`` and input ``dtype``:
+    sized so that every configuration builds for sm_80 and sm_90 without spilling registers
+    (tools/flash_aot.py checks them all)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown flash kernel {kernel!r}; choose from {', '.join(KERNELS)}")
+    wide = head_dim > 64 or dtype == torch.float32
+    if kernel == "forward":
+        return Blocks(64, 64 if not wide else 32, 4, 2)
+    return Blocks(64 if not wide else 32, 64 if not wide else 32, 4, 2)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' width for ``head_dim``: the smallest of HEAD_DIMS that holds it."""
+    for width in HEAD_DIMS:
+        if head_dim <= width:
+            return width
+    raise ValueError(
+        f"flash attention: head dim {head_dim} is above the largest the kernels take "
+        f"({HEAD_DIMS[-1]}); use the unfused attention (attention='unfused') for wider heads"
+    )
+
+
+# --- compiled or interpreted -----------------------------------------------------------------
+
+
+def _patch_interpreter(interpreter: ModuleType) -> None:
+    """Two fixes to Triton 3.6's interpreter for kernels interpreted in a process that also
+    compiles, applied within each interpreted launch (its own patch scope, undone after):
+
+    - triton.language's library functions (tl.sum, tl.max, tl.cdiv...) were decorated for the
+      compiler when triton was imported: they run as interpreted functions instead;
+    - its tensors serve as ``range`` bounds under numpy >= 2.4, which refuses ``int()`` of a
+      one-element array (triton-lang/triton#9171): every scalar in the interpreter is one.
+    """
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "abft_fixes", False):
+        return
+    import triton.experimental.gluon  # noqa: F401  imported on the first launch: before the patch
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    library = [
+        (module, name, member)
+        for module in (tl, tl.standard)
+        for name, member in vars(module).items()
+        if isinstance(member, JITFunction)
+    ]
+    interpreted = {
+        id(member): interpreter.InterpretedFunction(member.fn) for _, _, member in library
+    }
+
+    def patch(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        for module, name, member in library:
+            scope.set_attr(module, name, interpreted[id(member)])
+
+    patch.abft_fixes = True
+    interpreter._patch_lang_tensor = patch
+
+
+@contextlib.contextmanager
+def _interpreting():
+    """Triton's interpret switch on, and its environment variable as it was after."""
+    before = os.environ.get("TRITON_INTERPRET")
+    triton.knobs.runtime.interpret = True
+    try:
+        yield
+    finally:
+        del triton.knobs.runtime.interpret
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+@functools.cache
+def interpreted_kernels() -> ModuleType:
+    """megatron_abft.flash.kernels loaded again, its kernels decorated for the interpreter."""
+    from triton.runtime import interpreter
+
+    _patch_interpreter(interpreter)
+    name = kernels.__name__ + "_interpreted"
+    spec = importlib.util.spec_from_file_location(name, kernels.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with _interpreting():
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def kernels_for(device: torch.device) -> ModuleType:
+    """The kernels that run on ``device``: compiled on CUDA, interpreted on CPU."""
+    if device.type == "cuda":
+        return kernels
+    if device.type == "cpu":
+        return interpreted_kernels()
+    raise ValueError(f"flash attention runs on CUDA or CPU tensors, not {device.type}")
+
+
+# --- launches --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What a launch checks and how strictly."""
+
+    due: int
+    """Bit i set: section FLASH_SECTIONS[i] is checked on this call."""
+    tol: float
+    """``c * 2**-24``: the tile checks' bound per unit of mass."""
+    near_inf: float
+    """Residuals above this count as near-INF faults."""
+
+    @property
+    def compiled(self) -> bool:
+        return self.due != 0
+
+
+@dataclass
+class Found:
+    """What one launch's checks found, one entry a section and (batch, head) matrix, on the
+    device: ``codes`` as kernels.py describes, the first flagged row and column (int32 max:
+    none), and, in calibration runs, the largest clean residual ratio."""
+
+    codes: Tensor
+    rows: Tensor
+    cols: Tensor
+    ratio: Tensor | None = None
+
+    @classmethod
+    def empty(cls, matrices: int, device: torch.device, calibrate: bool = False) -> Found:
+        shape = (len(kernels_sections()), matrices)
+        return cls(
+            torch.zeros(shape, dtype=torch.int32, device=device),
+            torch.full(shape, kernels.NO_ROW.value, dtype=torch.int32, device=device),
+            torch.full(shape, kernels.NO_ROW.value, dtype=torch.int32, device=device),
+            torch.zeros(shape, dtype=torch.float32, device=device) if calibrate else None,
+        )
+
+
+def kernels_sections() -> range:
+    return range(kernels.N_SECTIONS.value)
+
+
+def _strides(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.stride())
+
+
+def _flags(dtype: torch.dtype, device: torch.device) -> dict:
+    # the interpreter's bf16 tl.dot multiplies bit patterns (triton-lang/triton#11584)
+    return {"UPCAST": device.type != "cuda" and dtype == torch.bfloat16}
+
+
+def _no_fault(device: torch.device) -> Tensor:
+    return torch.zeros(9, dtype=torch.int32, device=device)
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    scale: float,
+    checks: Checks,
+    found: Found,
+    inject: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """O [B, H, Nq, D] (laid out as q) and LSE [B, H, Nq] (fp32, log2 units)."""
+    batch, heads, n_q, dim = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    width = padded_head_dim(dim)
+    tiles = blocks("forward", width, q.dtype)
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
+    module = kernels_for(q.device)
+    grid = (triton.cdiv(n_q, tiles.block_m), batch * heads)
+    module._fwd_kernel[grid](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        found.codes,
+        found.rows,
+        found.cols,
+        _ratio(found),
+        inject if inject is not None else _no_fault(q.device),
+        scale * math.log2(math.e),
+        checks.tol,
+        checks.near_inf,
+        checks.due,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(o),
+        heads,
+        heads // kv_heads,
+        n_q,
+        n_k,
+        dim,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        HEAD_DIM=width,
+        CAUSAL=causal,
+        CHECK=checks.compiled,
+        INJECT=inject is not None,
+        CALIBRATE=found.ratio is not None,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        **_flags(q.dtype, q.device),
+    )
+    return o, lse
+
+
+def backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    checks: Checks,
+    found: Found,
+    inject: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV, laid out as q, k and v."""
+    batch, heads, n_q, dim = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    width = padded_head_dim(dim)
+    o32, do32 = o.float(), do.float()
+    delta = (o32 * do32).sum(-1)
+    odo = (o32.abs() * do32.abs()).sum(-1) if checks.compiled else delta
+    del o32, do32
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    module = kernels_for(q.device)
+    fault = inject if inject is not None else _no_fault(q.device)
+    common = dict(
+        HEAD_DIM=width,
+        CAUSAL=causal,
+        CHECK=checks.compiled,
+        INJECT=inject is not None,
+        CALIBRATE=found.ratio is not None,
+        **_flags(q.dtype, q.device),
+    )
+    qk_scale = scale * math.log2(math.e)
+    tiles = blocks("dkdv", width, q.dtype)
+    module._bwd_dkdv_kernel[(triton.cdiv(n_k, tiles.block_n), batch * kv_heads)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        found.codes,
+        found.rows,
+        found.cols,
+        _ratio(found),
+        fault,
+        qk_scale,
+        scale,
+        checks.tol,
+        checks.near_inf,
+        checks.due,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(do),
+        *_strides(dk),
+        *_strides(dv),
+        heads,
+        heads // kv_heads,
+        n_q,
+        n_k,
+        dim,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        **common,
+    )
+    tiles = blocks("dq", width, q.dtype)
+    module._bwd_dq_kernel[(triton.cdiv(n_q, tiles.block_m), batch * heads)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        odo,
+        dq,
+        found.codes,
+        found.rows,
+        found.cols,
+        _ratio(found),
+        fault,
+        qk_scale,
+        scale,
+        checks.tol,
+        unit_roundoff(o.dtype),
+        checks.near_inf,
+        checks.due,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(do),
+        *_strides(dq),
+        heads,
+        heads // kv_heads,
+        n_q,
+        n_k,
+        dim,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        **common,
+    )
+    return dq, dk, dv
+
+
+def _ratio(found: Found) -> Tensor:
+    return found.ratio if found.ratio is not None else found.codes
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the distance from 1 to the next number of ``dtype``."""
+    return torch.finfo(dtype).eps / 2
