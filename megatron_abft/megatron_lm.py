@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_abft.config import POLICIES, SECTIONS, ABFTConfig
+from megatron_abft.config import BACKWARD_SECTIONS, FORWARD_SECTIONS, POLICIES, SECTIONS, ABFTConfig
 from megatron_abft.eec import KINDS
 from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
 from megatron_abft.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
@@ -285,7 +285,8 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="P",
         help="Pick per-section check intervals that catch this share of harmful faults at least "
         "cost (the check-frequency optimizer, megatron_abft.frequency); overrides "
-        "--abft-sections and --abft-check-interval.",
+        "--abft-sections and --abft-check-interval. It weighs the forward sections; the flash "
+        "attention's backward sections are checked every step when P > 0.",
     )
     group.add_argument(
         "--abft-fault-rates",
@@ -352,10 +353,10 @@ def _fraction(text: str) -> float:
 def coverage_intervals(args: argparse.Namespace) -> dict[str, int | None]:
     """Per-section check intervals (None: off) from ``--abft-coverage-target``: faults land in a
     section in proportion to its GEMM work, cost is the overhead model's for this model shape."""
-    vulnerability = dict.fromkeys(SECTIONS, DEFAULT_VULNERABILITY)
+    vulnerability = dict.fromkeys(FORWARD_SECTIONS, DEFAULT_VULNERABILITY)
     if args.abft_vulnerability:
         measured = json.loads(Path(args.abft_vulnerability).read_text())
-        vulnerability.update({s: measured[s] for s in SECTIONS if s in measured})
+        vulnerability.update({s: measured[s] for s in FORWARD_SECTIONS if s in measured})
     shape = ModelShape(
         "this run",
         args.num_layers,
@@ -373,7 +374,7 @@ def coverage_intervals(args: argparse.Namespace) -> dict[str, int | None]:
         bias=getattr(args, "add_bias_linear", not getattr(args, "disable_bias_linear", False)),
     )
     forward = baseline_forward(shape)
-    exposure = {s: forward[s].flops for s in SECTIONS}
+    exposure = {s: forward[s].flops for s in FORWARD_SECTIONS}
     costs = predict(shape, DEVICES[args.abft_cost_device], "torch").sections
     rates = harm(args.abft_fault_rates, vulnerability, exposure)
     return choose_intervals(rates, costs, args.abft_coverage_target)
@@ -385,6 +386,8 @@ def abft_config_from_args(args: argparse.Namespace, enabled: bool | None = None)
     if getattr(args, "abft_coverage_target", None) is not None:
         chosen = coverage_intervals(args)
         sections = tuple(s for s, n in chosen.items() if n)
+        if args.abft_coverage_target > 0:  # the model prices the forward checks only
+            sections += BACKWARD_SECTIONS
         interval = {s: n for s, n in chosen.items() if n}
     return ABFTConfig(
         enabled=bool(args.abft) if enabled is None else enabled,

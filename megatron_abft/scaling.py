@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 
-from megatron_abft.config import SECTIONS
+from megatron_abft.config import FORWARD_SECTIONS
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 IMPLEMENTATIONS = ("torch", "kernels", "fused")
@@ -449,7 +449,7 @@ def predict(
     shape: ModelShape,
     device: DeviceProfile,
     impl: str = "torch",
-    sections: tuple[str, ...] = SECTIONS,
+    sections: tuple[str, ...] = FORWARD_SECTIONS,
     intervals: dict[str, int] | None = None,
 ) -> Prediction:
     """Overhead of protecting ``sections`` (checked every ``intervals[s]`` steps) for ``shape``."""
@@ -479,7 +479,7 @@ def predict(
         shape=shape,
         device=device.name,
         impl=impl,
-        sections={s: (extra[s] + swapped * (s in FUSED_SECTIONS)) / base for s in SECTIONS},
+        sections={s: (extra[s] + swapped * (s in FUSED_SECTIONS)) / base for s in FORWARD_SECTIONS},
         attention=(sum(extra[s] for s in sections) + attention_swap) / shape.layers / attention,
         step=checked / base,
         step_seconds=base,

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_abft.config import BACKWARD_SECTIONS, FORWARD_SECTIONS, SECTIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "pretrain" / "pretrain_gpt.py"
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -279,11 +281,12 @@ def test_a_coverage_target_sets_the_check_intervals():
         return abft_config_from_args(args)
 
     full = config("--abft-coverage-target", "1")
-    assert full.sections == ("qkv", "scores", "context", "proj")
+    assert full.sections == SECTIONS
     assert {full.interval(s) for s in full.sections} == {1}
     assert config("--abft-coverage-target", "0").sections == ()
     half = config("--abft-coverage-target", "0.5", "--abft-fault-rates", "nan=1")
-    assert 0 < len(half.sections) < 4
+    forward = [s for s in half.sections if s in FORWARD_SECTIONS]
+    assert 0 < len(forward) < 4 and half.sections == (*forward, *BACKWARD_SECTIONS)
     assert config("--abft-coverage-target", "0.5", "--abft-sections", "qkv").sections == (
         half.sections
     )  # the target overrides --abft-sections

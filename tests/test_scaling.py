@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_abft.config import SECTIONS
+from megatron_abft.config import FORWARD_SECTIONS
 from megatron_abft.scaling import (
     BIAS_OPS,
     CATALOGUE,
@@ -61,7 +61,7 @@ def test_protection_costs_forward_work_that_scales_with_what_each_section_reads(
         grow = [w[section].bytes - small[section].bytes for w in (middle, large)]
         assert grow[1] == pytest.approx(3 * grow[0]) and small[section].bytes > grow[0]
     fused = protection_forward(base, "fused")
-    assert all(fused[s].bytes < small[s].bytes / 4 for s in SECTIONS)
+    assert all(fused[s].bytes < small[s].bytes / 4 for s in FORWARD_SECTIONS)
     # the fused target reads neither S (verified in the softmax) nor P (summed there)
     kernels = protection_forward(base, "kernels")
     s_or_p = base.micro_batch * base.heads * base.seq**2 * 2  # bf16, TP 1
@@ -77,7 +77,7 @@ def test_predictions_add_up_and_intervals_divide_the_cost():
     device = DEVICES["H100"]
     every = predict(shape, device, "fused")
     assert every.step == pytest.approx(sum(every.sections.values()))
-    halved = predict(shape, device, "fused", intervals=dict.fromkeys(SECTIONS, 2))
+    halved = predict(shape, device, "fused", intervals=dict.fromkeys(FORWARD_SECTIONS, 2))
     assert halved.step == pytest.approx(every.step / 2)
     only = predict(shape, device, "fused", sections=("scores",))
     assert only.step == pytest.approx(every.sections["scores"])
@@ -117,7 +117,7 @@ def test_the_kernels_dot_products_are_counted_and_priced_apart():
     tokens, width = shape.seq * shape.micro_batch, 3 * shape.hidden
     qkv_dots = 3 * (tokens // shape.block * width + width // shape.block * tokens)
     assert kernels["qkv"].dots == qkv_dots
-    assert all(torch_path[s].dots == 0 for s in SECTIONS)
+    assert all(torch_path[s].dots == 0 for s in FORWARD_SECTIONS)
     assert (Work(dots=3) + Work(dots=4) * 0.5).dots == 5
     plain = DeviceProfile("d", {"fp32": 1e12}, 1e10, 1e-3)
     dotted = replace(plain, check_dot=2e-9)
@@ -232,7 +232,7 @@ def test_a_timed_softmax_prices_the_baseline_and_what_kernel_3_changes():
     )
     swap = 4 * elements * (-2e-9 - 3e-9) / step_time(shape, plain)
     fast = predict(shape, faster, "fused")
-    for s in SECTIONS:
+    for s in FORWARD_SECTIONS:
         assert fast.sections[s] == pytest.approx(
             even.sections[s] + swap * (s in ("scores", "context"))
         )
@@ -342,7 +342,7 @@ def _time_checks_worker(fused: bool):
 
     model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(fused_softmax=fused)))
     tokens, positions, mask, labels = batch(Shape(), 0)
-    spans = {s: [] for s in SECTIONS}
+    spans = {s: [] for s in FORWARD_SECTIONS}
     timing = {"on": False, "step": 0}
     time_checks(model, Timer(False), spans, timing)
     counts = []
@@ -373,7 +373,7 @@ def test_the_benchmark_times_every_piece_of_a_check(fused):
     layers = Shape().layers
     pieces = {"qkv": 1, "scores": 1, "context": 3 if fused else 1, "proj": 1}
     assert counts == [
-        dict.fromkeys(SECTIONS, 0),
+        dict.fromkeys(FORWARD_SECTIONS, 0),
         {s: layers * n for s, n in pieces.items()},
         {s: 2 * layers * n for s, n in pieces.items()},
     ]
@@ -434,7 +434,7 @@ def test_a_baseline_scale_stretches_the_forward_and_backward_not_the_checks():
     base = stretched.step_seconds / fast.step_seconds
     assert stretched.step == pytest.approx(fast.step / base)
     assert stretched.attention == pytest.approx(fast.attention / 1.5)
-    for section in SECTIONS:
+    for section in FORWARD_SECTIONS:
         assert stretched.sections[section] == pytest.approx(fast.sections[section] / base)
     for bad in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match="baseline_scale"):
@@ -519,7 +519,10 @@ def test_a_bias_adds_the_ops_the_model_counts(impl):
     gpt = SHAPES["GPT-3 350M"]
     for shape, more in ((gpt, BIAS_OPS[impl]), (replace(gpt, bias=False), 0)):
         ops = {s: w.ops for s, w in protection_forward(shape, impl).items()}
-        assert ops == {**dict.fromkeys(SECTIONS, CHECK_OPS[impl]), "qkv": CHECK_OPS[impl] + more}
+        assert ops == {
+            **dict.fromkeys(FORWARD_SECTIONS, CHECK_OPS[impl]),
+            "qkv": CHECK_OPS[impl] + more,
+        }
     assert not SHAPES["Llama-3 8B"].bias
 
 
@@ -533,10 +536,10 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
     rows = validation_rows([run])
     judged = [r for r in rows if r["ok"] is not None]
     assert [r["what"] for r in judged] == [
-        *SECTIONS,
+        *FORWARD_SECTIONS,
         "step, all",
         "attention, all",
-        *(f"{s} check" for s in SECTIONS),
+        *(f"{s} check" for s in FORWARD_SECTIONS),
         "checks' own time, all",
     ]
     for r in judged:
@@ -563,12 +566,15 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     assert device.ops_per_check("kernels") == run["machine"]["check_ops"] == 13
     assert device.ops_per_check("torch") == CHECK_OPS["torch"]
     work = protection_forward(measured_shape(run["args"]), "kernels", 13)
-    assert {s: w.ops for s, w in work.items()} == {**dict.fromkeys(SECTIONS, 13), "qkv": 14}
+    assert {s: w.ops for s, w in work.items()} == {**dict.fromkeys(FORWARD_SECTIONS, 13), "qkv": 14}
     llama = protection_forward(SHAPES["Llama-2 7B"], "kernels")  # no bias
     assert {w.ops for w in llama.values()} == {CHECK_OPS["kernels"]}
     # the fused path's context: references by pair_vectors and encode_pair_from, verify_correct
     fused = protection_forward(SHAPES["Llama-2 7B"], "fused", CHECK_KERNELS["fused"])
-    assert {s: w.ops for s, w in fused.items()} == {**dict.fromkeys(SECTIONS, 3), "context": 4}
+    assert {s: w.ops for s, w in fused.items()} == {
+        **dict.fromkeys(FORWARD_SECTIONS, 3),
+        "context": 4,
+    }
 
 
 def test_the_report_explains_a_fused_section_the_model_misses():

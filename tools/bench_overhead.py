@@ -31,7 +31,7 @@ import torch
 
 from megatron_abft import _ext, fused_softmax
 from megatron_abft.checksum import encode
-from megatron_abft.config import SECTIONS, ABFTConfig
+from megatron_abft.config import FORWARD_SECTIONS, ABFTConfig
 from megatron_abft.scaling import ADAM_BYTES_PER_PARAMETER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
-    p.add_argument("--sections", default=",".join(SECTIONS), help="checked in mode 'all'")
+    p.add_argument("--sections", default=",".join(FORWARD_SECTIONS), help="checked in mode 'all'")
     p.add_argument("--check-interval", type=int, default=1)
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
@@ -360,7 +360,7 @@ def _build(args, config: ABFTConfig):
 def _modes(args) -> list[tuple[str, tuple[str, ...] | None]]:
     """(name, the sections checked; None: protection disabled). "idle" enables protection with
     nothing due: what the protected layers cost when they check nothing."""
-    sections = tuple(s for s in SECTIONS if s in args.sections.split(","))
+    sections = tuple(s for s in FORWARD_SECTIONS if s in args.sections.split(","))
     modes = [("off", None), ("all", sections)]
     if not args.no_per_section:
         modes += [("idle", ())] + [(s, (s,)) for s in sections]
@@ -394,7 +394,8 @@ def run(rank: int, args) -> dict | None:
     for layer in model.decoder.layers:
         layer.self_attention.register_forward_pre_hook(before)
         layer.self_attention.register_forward_hook(after)
-    check_time = {s: [] for s in SECTIONS}  # (section) -> (step, begin, end) of each timed span
+    # (section) -> (step, begin, end) of each timed span
+    check_time = {s: [] for s in FORWARD_SECTIONS}
     timing = {"on": False, "step": 0}  # on: the measured "all" steps
     time_checks(model, timer, check_time, timing)
 

@@ -17,7 +17,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_abft.config import SECTIONS
+from megatron_abft.config import FORWARD_SECTIONS
 from megatron_abft.scaling import (
     BIAS_OPS,
     CATALOGUE,
@@ -125,7 +125,7 @@ def validation_rows(paths: list[Path]) -> list[dict]:
         measured, spread = result["overhead"], result.get("interval", {})
         cases = [
             (s, prediction.sections[s], measured[s]["step"], spread.get(s, {}).get("step"))
-            for s in SECTIONS
+            for s in FORWARD_SECTIONS
             if s in measured
         ]
         for what, key, p in (
@@ -163,7 +163,7 @@ def validation_rows(paths: list[Path]) -> list[dict]:
                     "in_interval": None,
                 }
             )
-        if set(result.get("check_seconds", {})) == set(SECTIONS):
+        if set(result.get("check_seconds", {})) == set(FORWARD_SECTIONS):
             # the same checks summed over the layers, as a share of the unprotected step: what
             # the step overhead would be if the step grew by exactly the checks' time (with
             # kernel 3, its screen and pass and its difference to Megatron's softmax aside)
@@ -240,14 +240,16 @@ def plot(device: DeviceProfile, path: Path) -> None:
 
 def prediction_table(device: DeviceProfile) -> list[str]:
     lines = [
-        "| model | TP | seq | impl | " + " | ".join(SECTIONS) + " | attention | step | step s |",
-        "|---" * (len(SECTIONS) + 7) + "|",
+        "| model | TP | seq | impl | "
+        + " | ".join(FORWARD_SECTIONS)
+        + " | attention | step | step s |",
+        "|---" * (len(FORWARD_SECTIONS) + 7) + "|",
     ]
     for shape in CATALOGUE:
         for seq in SEQUENCES:
             for impl in ("fused", "kernels", "torch"):
                 p = predict(replace(shape, seq=seq), device, impl)
-                cells = " | ".join(f"{100 * p.sections[s]:.2f}%" for s in SECTIONS)
+                cells = " | ".join(f"{100 * p.sections[s]:.2f}%" for s in FORWARD_SECTIONS)
                 lines.append(
                     f"| {shape.name} | {shape.tp} | {seq} | {impl} | {cells} | "
                     f"{100 * p.attention:.1f}% | **{100 * p.step:.2f}%** | "
@@ -303,7 +305,9 @@ def summary(rows: list[dict]) -> list[str]:
     lines = [
         f"{sum(bool(r['ok']) for r in judged)} of {len(judged)} rows agree within the tolerance.",
     ]
-    widths = [100 * r["interval"] for r in judged if r["what"] in SECTIONS and r["interval"]]
+    widths = [
+        100 * r["interval"] for r in judged if r["what"] in FORWARD_SECTIONS and r["interval"]
+    ]
     if widths:
         lines += [
             "A single section costs a point or two of the step on the CPU, and the 95%",
