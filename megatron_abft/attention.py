@@ -30,13 +30,15 @@ from megatron_abft.eec import GemmOperands
 from megatron_abft.guard import SectionGuard, host_reads
 
 
-def reject_unsupported(config: TransformerConfig, where: str) -> None:
-    """Fail at construction, with what to use instead, for what the protected layers lack."""
+def reject_unsupported(config: TransformerConfig, where: str, flash: bool = False) -> None:
+    """Fail at construction, with what to use instead, for what the protected layers lack.
+    ``flash``: for the flash attention (megatron_abft.flash_attention), which takes Megatron's
+    flash backend where the unfused attention cannot."""
     if config.context_parallel_size != 1:
         raise ValueError(
             f"{where}: context parallelism (context_parallel_size="
-            f"{config.context_parallel_size}) is not supported: ring attention never materialises "
-            "the scores ABFT checks; use context_parallel_size=1"
+            f"{config.context_parallel_size}) is not supported: its ring attention exchanges "
+            "partial results the checks do not cover; use context_parallel_size=1"
         )
     graphs = getattr(config, "cuda_graph_impl", "none")
     if graphs != "none" or getattr(config, "enable_cuda_graph", False):
@@ -46,11 +48,19 @@ def reject_unsupported(config: TransformerConfig, where: str) -> None:
             "the step's policy (finish_step), and a replayed graph would repeat the captured "
             "step's decisions and lose its faults; use cuda_graph_impl=none"
         )
-    if config.attention_backend in (AttnBackend.flash, AttnBackend.fused):
+    if flash:
+        refused, use = (AttnBackend.fused, AttnBackend.unfused), "flash, local or auto"
+        why = "the protected flash attention is the core attention of this spec"
+    else:
+        refused, use = (AttnBackend.flash, AttnBackend.fused), "local or auto"
+        why = (
+            "fused kernels never materialise the scores these checks read; for flash, build "
+            "the spec with attention='flash'"
+        )
+    if config.attention_backend in refused:
         raise ValueError(
-            f"{where}: attention_backend={config.attention_backend.name} is not supported: fused "
-            "kernels never materialise the scores ABFT checks; use attention_backend=local "
-            "(or auto with the ABFT layer spec)"
+            f"{where}: attention_backend={config.attention_backend.name} is not supported: "
+            f"{why}; use attention_backend={use}"
         )
 
 

@@ -22,6 +22,10 @@ SECTIONS: tuple[str, ...] = FORWARD_SECTIONS + BACKWARD_SECTIONS
 FLASH_SECTIONS: tuple[str, ...] = ("scores", "context") + BACKWARD_SECTIONS
 """The sections the flash kernels check, in their order (megatron_abft.flash.kernels)."""
 
+ATTENTIONS: tuple[str, ...] = ("auto", "flash", "unfused")
+"""The protected core attentions a layer spec can take (megatron_abft.spec): the flash kernels
+(megatron_abft.flash), the unfused attention, or flash where the kernels compile for the GPU."""
+
 POLICIES: tuple[str, ...] = ("recompute", "raise", "skip_step", "rerun", "log")
 """What to do with a fault that cannot be corrected in place."""
 

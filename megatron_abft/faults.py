@@ -2,7 +2,8 @@
 
 The last two dims of the tensor are a matrix, leading dims index a batch of matrices. A fault has
 a kind (what the corrupted values become) and a pattern (which elements): one element (``0d``),
-a whole row or column (``row``, ``col``, the 1D patterns), or a block of at least 2x2 (``2d``).
+a whole row or column (``row``, ``col``, the 1D patterns; or a segment of one, with a block of
+``(1, w)`` or ``(h, 1)``), or a block of at least 2x2 (``2d``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from megatron_abft.config import BACKWARD_SECTIONS
 
 FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near_inf", "bitflip", "value")
 PATTERNS: tuple[str, ...] = ("0d", "row", "col", "2d")
@@ -39,11 +42,12 @@ class TensorFault:
     bit: int | None = None
     """The bit flipped by kind="bitflip", 0 = least significant bit of the stored dtype."""
     position: tuple[int, int] | None = None
-    """(row, col) of the element, or of the 2d block's corner; the row or column for 1D patterns."""
+    """(row, col) of the element, or of the block's corner; the row or column for 1D patterns."""
     batch_index: int | None = None
     """Which matrix of the flattened batch."""
     block: tuple[int, int] | None = None
-    """Rows and columns of a 2d block (default: drawn between 2 and 4)."""
+    """Rows and columns of a 2d block (default: drawn between 2 and 4), or of a row's or
+    column's segment: ``(1, w)`` or ``(h, 1)`` (default: the whole row or column)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,8 +65,19 @@ class TensorFault:
             raise ValueError(
                 f"TensorFault.value: kind='value' needs a finite value, got {self.value!r}"
             )
-        if self.block is not None and (len(self.block) != 2 or min(self.block) < 2):
-            raise ValueError(f"TensorFault.block: a 2d block is at least 2x2, got {self.block!r}")
+        if self.block is not None:
+            shapes = {
+                "2d": ("at least 2x2", lambda h, w: min(h, w) >= 2),
+                "row": ("(1, w), w >= 1", lambda h, w: h == 1 and w >= 1),
+                "col": ("(h, 1), h >= 1", lambda h, w: w == 1 and h >= 1),
+                "0d": ("none", lambda h, w: False),
+            }
+            wanted, fits = shapes[self.pattern]
+            if len(self.block) != 2 or not fits(*self.block):
+                raise ValueError(
+                    f"TensorFault.block: a {self.pattern} fault's block is {wanted}, "
+                    f"got {self.block!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,12 @@ def locate(fault: TensorFault, batch: int, m: int, n: int) -> tuple[Injection, t
             raise ValueError(f"2d block {h}x{w} does not fit a {m}x{n} matrix")
         r, c = fault.position or (_draw(generator, m - h + 1), _draw(generator, n - w + 1))
         rows, cols = (r, r + h), (c, c + w)
+    elif fault.block is not None:  # a row's or a column's segment
+        h, w = fault.block
+        if h > m or w > n:
+            raise ValueError(f"a {h}x{w} segment does not fit a {m}x{n} matrix")
+        r, c = fault.position or (_draw(generator, m - h + 1), _draw(generator, n - w + 1))
+        rows, cols = (r, r + h), (c, c + w)
     else:
         r, c = fault.position or (_draw(generator, m), _draw(generator, n))
         rows = (0, m) if fault.pattern == "col" else (r, r + 1)
@@ -160,10 +181,19 @@ def inject_(t: Tensor, fault: TensorFault) -> Injection:
 
 # --- model-level injection --------------------------------------------------------------------
 
-MODEL_SECTIONS: tuple[str, ...] = ("qkv", "q", "k", "v", "scores", "probs", "context", "proj")
+MODEL_SECTIONS: tuple[str, ...] = (
+    "qkv",
+    "q",
+    "k",
+    "v",
+    "scores",
+    "probs",
+    "context",
+    "proj",
+) + BACKWARD_SECTIONS
 """Where a model-level fault can land: the checked GEMM outputs, the query, key or value part of
-the QKV output, and the softmax output ``probs`` (outside the guarantee: its checksums are taken
-from the faulty P)."""
+the QKV output, the softmax output ``probs`` (unfused attention only, and outside the guarantee:
+its checksums are taken from the faulty P), and the flash attention's backward GEMMs."""
 
 GUARD_OF = {
     "qkv": "qkv",
@@ -174,8 +204,9 @@ GUARD_OF = {
     "probs": "context",
     "context": "context",
     "proj": "proj",
+    **{section: section for section in BACKWARD_SECTIONS},
 }
-"""The guard (checked section) whose forward a fault section lands in."""
+"""The guard (checked section) a fault section lands in."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +229,9 @@ class Fault:
     batch_index: int | None = None
     block: tuple[int, int] | None = None
     seed: int = 0
+    persistent: bool = False
+    """Every computation, recomputations included (the flash attention's kernels); False: the
+    first only. The unfused layers land a fault once."""
 
     def __post_init__(self) -> None:
         if self.section not in MODEL_SECTIONS:
@@ -244,7 +278,13 @@ def land(armed: ArmedFault, guard, output: Tensor, views: dict) -> bool:
         return False
     if fault.section not in views:
         return False  # it lands in the other forward of this guard (probs vs context)
-    where = inject_(views[fault.section](output), fault.tensor_fault())
+    landed(armed, guard, inject_(views[fault.section](output), fault.tensor_fault()))
+    return True
+
+
+def landed(armed: ArmedFault, guard, where: Injection) -> None:
+    """Log where ``armed`` landed in ``guard``'s layer."""
+    fault = armed.fault
     armed.log.append(
         {
             **guard.where(),
@@ -254,14 +294,14 @@ def land(armed: ArmedFault, guard, output: Tensor, views: dict) -> bool:
             "injection": where,
         }
     )
-    return True
 
 
 @contextlib.contextmanager
 def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
     """Arm ``faults`` in ``model``'s protected layers for the duration of the block. Each lands
     after its GEMM and before its verification, on the named layer and tensor-parallel rank,
-    once. Yields the list of landings (rank, layer, section, step, kind, position)."""
+    once (a persistent one, in the flash kernels, in every computation of its call). Yields the
+    list of landings (rank, layer, section, step, kind, position)."""
     from megatron_abft.guard import iter_guards
 
     guards = list(iter_guards(model))
@@ -276,6 +316,12 @@ def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
                 f"Fault.layer {fault.layer} is not a protected layer of this model; "
                 f"layers: {sorted(x for x in layers if x is not None)}"
             )
+        if not any(g.section == GUARD_OF[fault.section] for g in guards):
+            backward = fault.section in BACKWARD_SECTIONS
+            raise ValueError(
+                f"no protected layer of this model checks section {fault.section!r}"
+                + (" (the flash attention's backward)" if backward else "")
+            )
         for guard in guards:
             if not (
                 guard.section == GUARD_OF[fault.section]
@@ -283,6 +329,16 @@ def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
                 and fault.tp_rank in (None, guard.tp_rank)
             ):
                 continue
+            if guard.in_kernel and fault.section not in guard.fault_sections:
+                raise ValueError(
+                    f"section {fault.section!r} does not exist in the flash attention (layer "
+                    f"{guard.layer}): P never leaves its kernels"
+                )
+            if fault.persistent and not guard.in_kernel:
+                raise ValueError(
+                    f"a persistent fault lands in the flash attention's kernels; layer "
+                    f"{guard.layer}'s section {fault.section!r} lands a fault once"
+                )
             if fault.section not in guard.fault_sections:  # e.g. no key columns on this rank
                 if fault.tp_rank is not None:
                     raise ValueError(

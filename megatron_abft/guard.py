@@ -27,6 +27,7 @@ from megatron_abft.plan import GENERAL, CheckPlan, signature
 from megatron_abft.sides import Check, kernel_sides
 from megatron_abft.tolerance import gemm_rounding
 
+UNCORRECTABLE_ROW = OUTCOMES.index("uncorrectable")
 RECOMPUTED = 3
 """Event status of a fault that was uncorrectable in place and went away when recomputed."""
 ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed"}
@@ -74,6 +75,9 @@ def recompute_in_place_possible(t: Tensor) -> bool:
 
 class SectionGuard:
     """Checks one section (qkv, scores, context or proj) of one layer on one rank."""
+
+    in_kernel = False
+    """Whether the section's checks run inside its layer's kernels (KernelGuard)."""
 
     def __init__(
         self, section: str, config: ABFTConfig, tp_rank: int, fault_sections: Iterable[str] = ()
@@ -275,6 +279,43 @@ class SectionGuard:
             self.ledger.counts.zero_()
             self.ledger.logged.zero_()
         self.recomputed = self.pending = None
+
+
+class KernelGuard(SectionGuard):
+    """A section checked and corrected inside its layer's own kernels (the flash attention):
+    the guard decides what is due, holds the faults meant for it and reads what the kernels
+    found from its ledger, a view of the layer's (megatron_abft.flash.FlashLedger). What the
+    kernels could not correct, they already computed twice: it is pending from the moment the
+    kernels count it, until the policy consumes it."""
+
+    in_kernel = True
+
+    def __init__(self, section: str, config: ABFTConfig, tp_rank: int):
+        self._consumed: Tensor | None = None
+        super().__init__(section, config, tp_rank)
+
+    @property
+    def pending(self) -> Tensor | None:
+        """Whether the kernels counted an uncorrectable fault since the policy last looked (a
+        device bool); None before the first check."""
+        if self.ledger is None:
+            return None
+        return self.ledger.counts[UNCORRECTABLE_ROW].sum() > self._consumed
+
+    @pending.setter
+    def pending(self, value: Tensor | None) -> None:
+        if value is not None:
+            raise ValueError("a kernel guard's pending faults are its ledger's; set None")
+        if self.ledger is not None:
+            self._consumed = self.ledger.counts[UNCORRECTABLE_ROW].sum()
+
+    def attach(self, ledger: Ledger, batch_shape: tuple[int, ...]) -> None:
+        """Read the kernels' findings from ``ledger``, for matrices laid out as
+        ``batch_shape``."""
+        if self.ledger is None:
+            self.ledger = ledger
+            self._consumed = ledger.counts[UNCORRECTABLE_ROW].sum()
+        self.batch_shape = batch_shape
 
 
 def iter_guards(model: torch.nn.Module) -> Iterator[SectionGuard]:

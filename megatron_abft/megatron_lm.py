@@ -23,7 +23,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_abft.config import BACKWARD_SECTIONS, FORWARD_SECTIONS, POLICIES, SECTIONS, ABFTConfig
+from megatron_abft.config import (
+    ATTENTIONS,
+    BACKWARD_SECTIONS,
+    FORWARD_SECTIONS,
+    POLICIES,
+    SECTIONS,
+    ABFTConfig,
+)
 from megatron_abft.eec import KINDS
 from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
 from megatron_abft.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
@@ -187,6 +194,15 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Protect the attention GEMMs (QKV, scores, context, output projection) with ABFT: "
         "detect and correct soft errors in place. --no-abft (the default): Megatron's own local "
         "layers.",
+    )
+    group.add_argument(
+        "--abft-attention",
+        choices=ATTENTIONS,
+        default="auto",
+        help="The protected core attention: flash (Triton kernels that check every tile GEMM "
+        "of the forward and the backward; needs --attention-dropout 0 and a causal mask), "
+        "unfused (Megatron's unfused attention with its scores and context checked), or auto "
+        "(flash where the kernels compile for the GPU, unfused elsewhere).",
     )
     group.add_argument(
         "--abft-sections",
@@ -519,7 +535,9 @@ def get_gpt_layer_abft_spec(config: object = None, vp_stage: int | None = None):
     )
     if not args.abft and not (args.abft_inject or args.abft_inject_every):
         return get_gpt_layer_local_spec(**layer_kwargs)
-    return spec.get_gpt_layer_abft_spec(abft_config_from_args(args), **layer_kwargs)
+    return spec.get_gpt_layer_abft_spec(
+        abft_config_from_args(args), attention=args.abft_attention, **layer_kwargs
+    )
 
 
 def flag_names(parser: argparse.ArgumentParser) -> Iterable[str]:

@@ -1,7 +1,10 @@
 """Layer specs with protected attention: ``get_gpt_layer_abft_spec`` and ``apply_abft``.
 
 The ABFT config reaches the protected modules through the spec's ``params``, so Megatron builds
-them with ``build_module`` as usual; nothing in Megatron is patched.
+them with ``build_module`` as usual; nothing in Megatron is patched. The core attention is the
+protected flash attention (megatron_abft.flash_attention) or the protected unfused one
+(megatron_abft.attention): ``attention="flash"``, ``"unfused"``, or ``"auto"``, flash where the
+flash kernels compile for this machine's GPU and unfused elsewhere.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_abft.attention import ProtectedDotProductAttention
-from megatron_abft.config import ABFTConfig
+from megatron_abft.config import ATTENTIONS, ABFTConfig
+from megatron_abft.flash_attention import ProtectedFlashAttention, kernels_compile_here
 from megatron_abft.linear import ProtectedColumnParallelLinear, ProtectedRowParallelLinear
 
-_SWAPS = {
+_LINEARS = {
     "linear_qkv": (ColumnParallelLinear, ProtectedColumnParallelLinear),
-    "core_attention": (DotProductAttention, ProtectedDotProductAttention),
     "linear_proj": (RowParallelLinear, ProtectedRowParallelLinear),
 }
 
@@ -29,12 +32,25 @@ def _module_of(entry) -> type:
     return entry.module if isinstance(entry, ModuleSpec) else entry
 
 
-def apply_abft(spec: ModuleSpec, abft_config: ABFTConfig | None = None) -> ModuleSpec:
+def core_attention(attention: str) -> type:
+    """The protected core attention ``attention`` names (one of ATTENTIONS) on this machine."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r}: choose from {', '.join(ATTENTIONS)}")
+    if attention == "auto":
+        attention = "flash" if kernels_compile_here() else "unfused"
+    return ProtectedFlashAttention if attention == "flash" else ProtectedDotProductAttention
+
+
+def apply_abft(
+    spec: ModuleSpec, abft_config: ABFTConfig | None = None, attention: str = "auto"
+) -> ModuleSpec:
     """A copy of a transformer-layer spec whose self-attention (QKV projection, core attention,
-    output projection) is protected. The spec must use Megatron-core's local modules."""
+    output projection) is protected, the core attention as ``attention`` says (ATTENTIONS). The
+    spec must use Megatron-core's local modules."""
     config = abft_config if abft_config is not None else ABFTConfig()
     if not isinstance(config, ABFTConfig):
         raise TypeError(f"abft_config must be an ABFTConfig, got {type(config).__name__}")
+    swaps = {**_LINEARS, "core_attention": (DotProductAttention, core_attention(attention))}
     spec = copy.copy(spec)
     spec.submodules = copy.copy(spec.submodules)
     attention = getattr(spec.submodules, "self_attention", None)
@@ -46,7 +62,7 @@ def apply_abft(spec: ModuleSpec, abft_config: ABFTConfig | None = None) -> Modul
         )
     attention = copy.copy(attention)
     attention.submodules = copy.copy(attention.submodules)
-    for name, (stock, protected) in _SWAPS.items():
+    for name, (stock, protected) in swaps.items():
         entry = getattr(attention.submodules, name)
         module = _module_of(entry)
         if not (isinstance(module, type) and issubclass(module, stock)):
@@ -65,8 +81,12 @@ def apply_abft(spec: ModuleSpec, abft_config: ABFTConfig | None = None) -> Modul
     return spec
 
 
-def get_gpt_layer_abft_spec(abft_config: ABFTConfig | None = None, **kwargs) -> ModuleSpec:
-    """Megatron-core's ``get_gpt_layer_local_spec(**kwargs)`` with protected attention.
+def get_gpt_layer_abft_spec(
+    abft_config: ABFTConfig | None = None, attention: str = "auto", **kwargs
+) -> ModuleSpec:
+    """Megatron-core's ``get_gpt_layer_local_spec(**kwargs)`` with protected attention, the core
+    attention as ``attention`` says: "flash", "unfused" or "auto" (flash where the flash kernels
+    compile for this machine's GPU).
 
     Megatron-LM's ``--spec megatron_abft.spec get_gpt_layer_abft_spec`` calls this with its model
     config in place of an ABFTConfig; the ABFT config then comes from its ``--abft*`` flags
@@ -79,4 +99,4 @@ def get_gpt_layer_abft_spec(abft_config: ABFTConfig | None = None, **kwargs) -> 
         raise ValueError(
             "ABFT does not support multi-latent attention; drop multi_latent_attention"
         )
-    return apply_abft(get_gpt_layer_local_spec(**kwargs), abft_config)
+    return apply_abft(get_gpt_layer_local_spec(**kwargs), abft_config, attention)

@@ -139,7 +139,7 @@ def build_model(args, vocab_size: int, device: torch.device):
     config = transformer_config(args)
     if args.abft or FaultPlan.from_args(args).active:
         # With --abft off the protected layers run Megatron's own code; faults still land.
-        spec = get_gpt_layer_abft_spec(abft_config_from_args(args))
+        spec = get_gpt_layer_abft_spec(abft_config_from_args(args), attention=args.abft_attention)
     else:
         spec = get_gpt_layer_local_spec()
     gpt = GPTModel(

@@ -136,6 +136,11 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
     if not (q.device == k.device == v.device):
         raise ValueError(f"flash_attention: q, k, v on {q.device}, {k.device}, {v.device}")
+    if q.device.type == "cuda" and q.dtype not in launch.GPU_DTYPES:
+        raise ValueError(
+            f"flash_attention: on a GPU the kernels take bfloat16 or float16, not {q.dtype} "
+            "(they accumulate in fp32); cast q, k and v, or use the unfused attention"
+        )
     if k.shape != v.shape:
         raise ValueError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     batch, heads, n_q, dim = q.shape

@@ -46,6 +46,11 @@ class FlashFault:
                 f"choose from {', '.join(FLASH_SECTIONS)}"
             )
 
+    def landing(self, matrices: int, n_q: int, n_k: int, head_dim: int) -> Injection:
+        """Where it lands in a call of ``matrices`` (batch * heads) matrices: the same each
+        call, its positions drawn from its seed."""
+        return locate(self.fault, matrices, *matrix_shape(self.section, n_q, n_k, head_dim))[0]
+
 
 def matrix_shape(section: str, n_q: int, n_k: int, head_dim: int) -> tuple[int, int]:
     """Rows and columns of ``section``'s logical matrix."""

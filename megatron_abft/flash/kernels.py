@@ -2,22 +2,32 @@
 (dK/dV, a program per key block; dQ, a program per query block), FA2-style.
 
 Every tile GEMM is checked against a row checksum taken from its inputs (docs/abft.md, "The
-flash path"): for ``C = A B`` the kernel compares ``C e`` with ``A (B e)`` under the bound
-``tol * mass``, the mass a Cauchy-Schwarz or max-norm bound of ``|A| (|B| e)`` taken from the
-operands only, so that a corrupted output never widens its own threshold; the comparison is
-written so that NaN flags. A flagged tile is recomputed with its reference; one still flagged is
-uncorrectable. Identities over whole rows cover what the tile checks cannot see: a running
-checksum of the output and ``1 <= l <= #keys`` in the forward, ``sum P = 1`` and ``sum dS = 0``
-in the dQ kernel; a row that breaks one is recomputed whole (the row block), once.
+flash path"): for ``C = A B`` the kernel compares ``C e`` with ``A (B e)``, the reference a
+16-wide MMA of A against ``B e`` split into input-dtype parts (megatron_abft.flash.checksums,
+made before the launch), under the bound ``tol * mass``; the mass, a Cauchy-Schwarz or max-norm
+bound of ``|A| (|B| e)``, comes from the operands only, so that a corrupted output never widens
+its own threshold, and the comparison is written so that NaN flags. Identities over whole rows
+cover what the tile checks cannot see: a running checksum of the output and
+``1 <= l <= #keys`` in the forward, ``sum P = 1`` and ``sum dS = 0`` in the dQ kernel.
+
+The hot loop only accumulates per-row flags, with no branch and no reduction across warps, so
+that it pipelines as the unchecked loop does and keeps its registers. A program that flagged
+anything computes its whole block again, once (its query block, or in dK/dV its key block over
+every query head of its group): a transient fault is gone the second time, and what is flagged
+again is uncorrectable.
 
 Outcomes go to ``CODES [sections, batch * heads]`` (int32, atomic max of
 ``outcome << 2 | kind``: outcome 1 corrected, 2 uncorrectable; kind as megatron_abft.eec.KINDS),
 and the first flagged row and column to ``ROWS``/``COLS`` (atomic min): one matrix a section, on
-the device, no host synchronisation. Constexpr switches compile out what production does not
-need: ``CHECK`` (all checks), ``INJECT`` (fault injection, megatron_abft.flash.faults) and
-``CALIBRATE`` (the largest ``|residual| / (u * mass)`` of clean checks, for threshold
-calibration on a GPU). ``UPCAST`` makes tl.dot take fp32 operands, for Triton's interpreter,
-whose bf16 tl.dot is wrong (exact: a product of two bf16 values fits fp32).
+the device, no host synchronisation; a program reports what its first pass flagged as
+corrected and what its second flagged as uncorrectable, which the atomic max lets win.
+
+Constexpr switches compile out what production does not need: ``CHECK`` (all checks),
+``INJECT`` (fault injection, megatron_abft.flash.faults) and ``CALIBRATE`` (the largest
+``|residual| / (u * mass)`` of clean checks, for threshold calibration on a GPU). ``UPCAST``
+works around Triton's interpreter for bf16: its tl.dot on bf16 is wrong, so tl.dot takes fp32
+operands (exact: a product of two bf16 values fits fp32); its fp32 -> bf16 cast truncates, so
+the kernels round on the bits (to nearest even, as a GPU does) and keep the value in fp32.
 """
 
 import triton
@@ -56,11 +66,21 @@ I_PERSISTENT = tl.constexpr(8)
 
 @triton.jit
 def _mm(a, b, UPCAST: tl.constexpr):
-    """a @ b accumulated in fp32; fp32 operands in IEEE fp32, not TF32, so that the checks'
-    fp32 rounding bound holds."""
+    """a @ b accumulated in fp32 (fp32 operands: in the interpreter only, IEEE there)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _lo(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """``x`` (fp32) rounded to ``dtype``, to nearest even: in ``dtype``, or under UPCAST
+    (bf16 in the interpreter) as the fp32 value of that bf16."""
+    if UPCAST:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -68,7 +88,7 @@ def _corrupt(x, rows, cols, bh, section: tl.constexpr, fresh, INJ):
     """``x`` with the armed fault landed where it hits: tile elements whose logical ``rows`` and
     ``cols`` (2-d, broadcastable) lie in its region, in its section and (batch, head). A
     transient fault hits the first computation of an element only (``fresh``), a persistent one
-    every computation, recomputations included."""
+    every computation, the second pass's included."""
     persistent = tl.load(INJ + I_PERSISTENT) != 0
     hit = (tl.load(INJ + I_SECTION) == section) & (tl.load(INJ + I_BH) == bh)
     if hit & (fresh | persistent):
@@ -82,90 +102,81 @@ def _corrupt(x, rows, cols, bh, section: tl.constexpr, fresh, INJ):
 
 
 @triton.jit
-def _flags(got, ref, bound):
-    """Per row: whether ``got`` is outside ``ref +- bound``. NaN anywhere flags."""
-    return ~(tl.abs(got - ref) <= bound)
-
-
-@triton.jit
 def _kind(got, ref, near_inf):
-    """Per row: the fault kind of a residual (index into megatron_abft.eec.KINDS)."""
+    """Per row: 1 + the fault kind of a residual (megatron_abft.eec.KINDS)."""
     r = tl.abs(got - ref)
-    return tl.where(r != r, 3, tl.where(r == INF, 2, tl.where(r > near_inf, 1, 0)))
+    return tl.where(r != r, 4, tl.where(r == INF, 3, tl.where(r > near_inf, 2, 1)))
 
 
 @triton.jit
-def _outcome(bad, kinds, still_bad, rows, code, first):
-    """Fold one check's result into a program's running ``code`` and first flagged row: the
-    rows ``bad`` flagged with ``kinds``, of which ``still_bad`` survived the recompute."""
-    kind = tl.max(tl.where(bad, kinds, 0))
-    outcome = tl.where(tl.max(still_bad.to(tl.int32)) > 0, 2, 1)
-    code = tl.maximum(code, (outcome << 2) | kind)
-    first = tl.minimum(first, tl.min(tl.where(bad, rows, NO_ROW)))
-    return code, first
+def _check(got, ref, bound, state, near_inf):
+    """Fold a row check into the rows' ``state``: 0 clean, else 1 + the worst fault kind seen.
+    Flags where ``|got - ref| <= bound`` fails, NaN included."""
+    flagged = ~(tl.abs(got - ref) <= bound)
+    return tl.maximum(state, tl.where(flagged, _kind(got, ref, near_inf), 0))
 
 
 @triton.jit
-def _report(CODES, ROWS, COLS, section: tl.constexpr, bh, BH, code, row, col):
-    """Publish a program's outcome for one section (nothing when it found nothing)."""
-    if code > 0:
-        tl.atomic_max(CODES + section * BH + bh, code)
-        tl.atomic_min(ROWS + section * BH + bh, row)
-        tl.atomic_min(COLS + section * BH + bh, col)
+def _ratio(got, ref, mass, ratio):
+    """The rows' largest ``|got - ref| / (u * mass)`` so far (calibration runs)."""
+    return tl.maximum(ratio, tl.abs(got - ref) / (U32 * tl.maximum(mass, 1e-30)))
 
 
 @triton.jit
-def _calibrate(RATIO, section: tl.constexpr, bh, BH, got, ref, mass):
-    """Record the largest ``|got - ref| / (u * mass)`` of a clean check (calibration runs)."""
-    ratio = tl.abs(got - ref) / (U32 * tl.maximum(mass, 1e-30))
-    tl.atomic_max(RATIO + section * BH + bh, tl.max(ratio))
-
-
-@triton.jit
-def _checked_mm(
-    a,
-    b,
-    ref,
-    mass,
-    r2,
-    c2,
-    rows,
-    bh,
-    fresh,
-    check,
-    code,
-    first,
-    tol,
-    near_inf,
-    INJ,
+def _report(
+    CODES,
+    ROWS,
+    COLS,
     RATIO,
-    BH,
     section: tl.constexpr,
-    CHECK: tl.constexpr,
-    INJECT: tl.constexpr,
+    bh,
+    BH,
+    state,
+    rows,
+    ratio,
+    outcome,
+    TRANSPOSED: tl.constexpr,
     CALIBRATE: tl.constexpr,
-    UPCAST: tl.constexpr,
 ):
-    """``a @ b`` (fp32) with its row check against ``ref`` under ``tol * mass``: a flagged tile
-    is recomputed once; ``code`` and ``first`` (the first flagged row among ``rows``) fold in
-    the outcome. ``r2``/``c2`` are the tile's logical rows and columns, where a fault lands."""
-    c = _mm(a, b, UPCAST)
-    if INJECT:
-        c = _corrupt(c, r2, c2, bh, section, fresh, INJ)
-    if CHECK:
-        if check:
-            got = tl.sum(c, 1)
-            bad = _flags(got, ref, tol * mass)
-            if tl.max(bad.to(tl.int32)) > 0:
-                kinds = _kind(got, ref, near_inf)
-                c = _mm(a, b, UPCAST)
-                if INJECT:
-                    c = _corrupt(c, r2, c2, bh, section, False, INJ)
-                still = _flags(tl.sum(c, 1), ref, tol * mass)
-                code, first = _outcome(bad, kinds, still, rows, code, first)
-            elif CALIBRATE:
-                _calibrate(RATIO, section, bh, BH, got, ref, mass)
-    return c, code, first
+    """Publish one pass's outcome for one section of matrix ``bh``: ``state`` per row (tile
+    rows ``rows``, logical columns when TRANSPOSED), as ``outcome`` (1 corrected, 2
+    uncorrectable). Returns whether anything was flagged."""
+    kind = tl.max(state)
+    if kind > 0:
+        at = section * BH + bh
+        tl.atomic_max(CODES + at, (outcome << 2) | (kind - 1))
+        first = tl.min(tl.where(state > 0, rows, NO_ROW))
+        if TRANSPOSED:
+            tl.atomic_min(COLS + at, first)
+        else:
+            tl.atomic_min(ROWS + at, first)
+    if CALIBRATE:
+        tl.atomic_max(RATIO + section * BH + bh, tl.max(tl.where(state > 0, 0.0, ratio)))
+    return kind > 0
+
+
+@triton.jit
+def _col_ref(a, W, ST, bhx, tiles, j, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """``a [R, HEAD_DIM]`` times tile ``j``'s column sums (checksums.columns): ``A (B e)`` of a
+    GEMM whose B is that tile, transposed."""
+    base = (bhx * tiles + j).to(tl.int64)
+    at = (base * HEAD_DIM + tl.arange(0, HEAD_DIM))[:, None] * 16 + tl.arange(0, 16)[None, :]
+    return tl.sum(_mm(a, tl.load(W + at), UPCAST), 1) * tl.load(ST + base * 3)
+
+
+@triton.jit
+def _row_ref(a, W, ST, bhx, tiles, j, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+    """``a [R, BLOCK]`` times the row sums of tile ``j`` (checksums.rows): ``A (B e)`` of a GEMM
+    whose B is that tile."""
+    base = (bhx * tiles + j).to(tl.int64)
+    at = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + tl.arange(0, 16)[None, :]
+    return tl.sum(_mm(a, tl.load(W + at), UPCAST), 1) * tl.load(ST + base * 3)
+
+
+@triton.jit
+def _stat(ST, bhx, tiles, j, which: tl.constexpr):
+    """Mass ``which`` (1 or 2) of tile ``j`` (checksums.Sums.stats)."""
+    return tl.load(ST + (bhx * tiles + j).to(tl.int64) * 3 + which)
 
 
 @triton.jit
@@ -177,16 +188,20 @@ def _norm(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _fwd_rows(
+def _fwd_pass(
     q,
     qn,
     offs_m,
+    m_ok,
     bh,
+    bhk,
     K,
     V,
+    KC,
+    KCS,
+    VR,
+    VRS,
     INJ,
-    RATIO,
-    BH,
     qk_scale,
     tol,
     near_inf,
@@ -198,6 +213,7 @@ def _fwd_rows(
     svd,
     N_K,
     D,
+    TILES_K,
     hi,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -208,8 +224,9 @@ def _fwd_rows(
     CALIBRATE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One pass of a query block over its keys: the online softmax and P~V, each tile GEMM
-    checked (S: F1; P~V: F2), and the running checksum ``cs`` of the output with its mass (F3)."""
+    """One pass of a query block over its keys: the online softmax and P~V, the rows' states
+    of the checks of S (F1, and 1 <= l <= #keys) and of the context (F2, and F3: the running
+    checksum ``cs`` of the output against its row sums), and, calibrating, their ratios."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     d_ok = offs_d < D
@@ -218,51 +235,29 @@ def _fwd_rows(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     cs = tl.zeros([BLOCK_M], tl.float32)
     cmass = tl.zeros([BLOCK_M], tl.float32)
-    code_s = 0
-    code_c = 0
-    row_s = NO_ROW
-    row_c = NO_ROW
+    state_s = tl.zeros([BLOCK_M], tl.int32)
+    state_c = tl.zeros([BLOCK_M], tl.int32)
+    ratio_s = tl.zeros([BLOCK_M], tl.float32)
+    ratio_c = tl.zeros([BLOCK_M], tl.float32)
     check_s = ((due >> SCORES) & 1) != 0
     check_c = ((due >> CONTEXT) & 1) != 0
-    q32 = q.to(tl.float32)
     for start_n in range(0, hi, BLOCK_N):
+        j = start_n // BLOCK_N
         cols = start_n + offs_n
         n_ok = cols < N_K
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
         v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        # F1: S e = Q (K^T e)
-        ref = tl.zeros([BLOCK_M], tl.float32)
-        mass = tl.zeros([BLOCK_M], tl.float32)
+        s = _mm(q, tl.trans(k), UPCAST)
+        if INJECT:
+            s = _corrupt(s, offs_m[:, None], cols[None, :], bh, SCORES, first_pass, INJ)
         if CHECK:
-            if check_s:
-                k32 = k.to(tl.float32)
-                ref = tl.sum(q32 * tl.sum(k32, 0)[None, :], 1)
-                mass = qn * _norm(tl.sum(tl.abs(k32), 0), 0)
-        s, code_s, row_s = _checked_mm(
-            q,
-            tl.trans(k),
-            ref,
-            mass,
-            offs_m[:, None],
-            cols[None, :],
-            offs_m,
-            bh,
-            first_pass,
-            check_s,
-            code_s,
-            row_s,
-            tol,
-            near_inf,
-            INJ,
-            RATIO,
-            BH,
-            SCORES,
-            CHECK,
-            INJECT,
-            CALIBRATE,
-            UPCAST,
-        )
+            if check_s:  # F1: S e = Q (K^T e)
+                ref = _col_ref(q, KC, KCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
+                mass = qn * _stat(KCS, bhk, TILES_K, j, 1)
+                state_s = _check(tl.sum(s, 1), ref, tol * mass, state_s, near_inf)
+                if CALIBRATE:
+                    ratio_s = _ratio(tl.sum(s, 1), ref, mass, ratio_s)
         s = s * qk_scale
         visible = n_ok[None, :]
         if CAUSAL:
@@ -271,44 +266,37 @@ def _fwd_rows(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p_lo = p.to(q.dtype)
-        # F2: (P~ V) e = P~ (V e), P~ rounded as the GEMM takes it
+        psum = tl.sum(p, 1)
+        l_i = l_i * alpha + psum
+        p_lo = _lo(p, q.dtype, UPCAST)
+        pv = _mm(p_lo, v, UPCAST)
+        if INJECT:
+            fresh = first_pass & (start_n == 0)
+            pv = _corrupt(pv, offs_m[:, None], offs_d[None, :], bh, CONTEXT, fresh, INJ)
         if CHECK:
-            if check_c:
-                v32 = v.to(tl.float32)
-                p32 = p_lo.to(tl.float32)
-                ref = tl.sum(p32 * tl.sum(v32, 1)[None, :], 1)
-                mass = tl.sum(p32, 1) * tl.max(tl.sum(tl.abs(v32), 1), 0)
-        pv, code_c, row_c = _checked_mm(
-            p_lo,
-            v,
-            ref,
-            mass,
-            offs_m[:, None],
-            offs_d[None, :],
-            offs_m,
-            bh,
-            first_pass & (start_n == 0),
-            check_c,
-            code_c,
-            row_c,
-            tol,
-            near_inf,
-            INJ,
-            RATIO,
-            BH,
-            CONTEXT,
-            CHECK,
-            INJECT,
-            CALIBRATE,
-            UPCAST,
-        )
-        cs = cs * alpha + ref
-        cmass = cmass * alpha + mass
+            if check_c:  # F2: (P~ V) e = P~ (V e), P~ rounded as the GEMM takes it (+1%)
+                ref = _row_ref(p_lo, VR, VRS, bhk, TILES_K, j, BLOCK_N, UPCAST)
+                mass = 1.01 * psum * _stat(VRS, bhk, TILES_K, j, 1)
+                state_c = _check(tl.sum(pv, 1), ref, tol * mass, state_c, near_inf)
+                if CALIBRATE:
+                    ratio_c = _ratio(tl.sum(pv, 1), ref, mass, ratio_c)
+                cs = cs * alpha + ref
+                cmass = cmass * alpha + mass
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    return acc, m_i, l_i, cs, cmass, code_s, code_c, row_s, row_c
+    if CHECK:
+        if check_c:  # F3, its bound grown with the tiles summed
+            tiles = tl.cdiv(hi, BLOCK_N).to(tl.float32)
+            bound = tol * tl.maximum(1.0, tl.sqrt(tiles / 16.0)) * cmass
+            state_c = tl.where(m_ok, _check(tl.sum(acc, 1), cs, bound, state_c, near_inf), 0)
+        if check_s:  # 1 <= l <= #keys: the row's largest term is exp2(0) = 1
+            keys = tl.full([BLOCK_M], N_K, tl.int32)
+            if CAUSAL:
+                keys = tl.minimum(keys, offs_m + 1)
+            inside = tl.minimum(tl.maximum(l_i, 1.0 - 1e-3), keys * (1.0 + 1e-3))
+            state_s = tl.where(m_ok, _check(l_i, inside, 0.0, state_s, near_inf), 0)
+    # a row flagged in S fails downstream too: it counts once, in S
+    return acc, m_i, l_i, state_s, tl.where(state_s > 0, 0, state_c), ratio_s, ratio_c
 
 
 @triton.jit
@@ -318,6 +306,10 @@ def _fwd_kernel(
     V,
     OUT,
     LSE,
+    KC,
+    KCS,
+    VR,
+    VRS,
     CODES,
     ROWS,
     COLS,
@@ -357,13 +349,16 @@ def _fwd_kernel(
     CALIBRATE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """O = softmax(scale Q K^T) V for one query block of one (batch, head); LSE in log2 units."""
+    """O = softmax(scale Q K^T) V for one query block of one (batch, head); LSE in log2 units.
+    KC/KCS: K's column sums, VR/VRS: V's row sums, tiled by BLOCK_N (checksums.py)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     BH = tl.num_programs(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    hk = (h // GROUP).to(tl.int64)
+    hk = h // GROUP
+    bhk = b * (H // GROUP) + hk
+    hk = hk.to(tl.int64)
     h = h.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -375,76 +370,42 @@ def _fwd_kernel(
     K += b * skb + hk * skh
     V += b * svb + hk * svh
     qn = _norm(q.to(tl.float32), 1)
+    TILES_K = tl.cdiv(N_K, BLOCK_N)
     hi = N_K
     if CAUSAL:
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
-    acc, m_i, l_i, cs, cmass, code_s, code_c, row_s, row_c = _fwd_rows(
-        q,
-        qn,
-        offs_m,
-        bh,
-        K,
-        V,
-        INJ,
-        RATIO,
-        BH,
-        qk_scale,
-        tol,
-        near_inf,
-        due,
-        True,
-        skn,
-        skd,
-        svn,
-        svd,
-        N_K,
-        D,
-        hi,
-        BLOCK_M,
-        BLOCK_N,
-        HEAD_DIM,
-        CAUSAL,
-        CHECK,
-        INJECT,
-        CALIBRATE,
-        UPCAST,
-    )
-    if CHECK:
-        # F3: the running checksum against the output's row sums, and 1 <= l <= #keys; a row
-        # that breaks either is recomputed whole, once
-        tiles = tl.cdiv(hi, BLOCK_N).to(tl.float32)
-        check_c = ((due >> CONTEXT) & 1) != 0
-        check_s = ((due >> SCORES) & 1) != 0
-        keys = tl.full([BLOCK_M], N_K, tl.int32)
-        if CAUSAL:
-            keys = tl.minimum(keys, offs_m + 1)
-        bound3 = tol * tl.maximum(1.0, tl.sqrt(tiles / 16.0)) * cmass
-        bad3 = _flags(tl.sum(acc, 1), cs, bound3) & m_ok & check_c
-        bad_l = ~((l_i >= 1.0 - 1e-3) & (l_i <= keys * (1.0 + 1e-3))) & m_ok & check_s
-        if tl.max((bad3 | bad_l).to(tl.int32)) > 0:
-            kinds3 = _kind(tl.sum(acc, 1), cs, near_inf)
-            kinds_l = _kind(l_i, 0.0, near_inf)
-            acc, m_i, l_i, cs, cmass, code_s2, code_c2, row_s2, row_c2 = _fwd_rows(
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    again = N_Q >= 0
+    for attempt in range(0, 1 + CHECK):  # the second: the block again, if the first flagged
+        if again:
+            acc, m_i, l_i, state_s, state_c, ratio_s, ratio_c = _fwd_pass(
                 q,
                 qn,
                 offs_m,
+                m_ok,
                 bh,
+                bhk,
                 K,
                 V,
+                KC,
+                KCS,
+                VR,
+                VRS,
                 INJ,
-                RATIO,
-                BH,
                 qk_scale,
                 tol,
                 near_inf,
                 due,
-                False,
+                attempt == 0,
                 skn,
                 skd,
                 svn,
                 svd,
                 N_K,
                 D,
+                TILES_K,
                 hi,
                 BLOCK_M,
                 BLOCK_N,
@@ -455,28 +416,265 @@ def _fwd_kernel(
                 CALIBRATE,
                 UPCAST,
             )
-            still3 = _flags(tl.sum(acc, 1), cs, bound3) & m_ok & check_c
-            still_l = ~((l_i >= 1.0 - 1e-3) & (l_i <= keys * (1.0 + 1e-3))) & m_ok & check_s
-            code_s = tl.maximum(code_s, code_s2)
-            code_c = tl.maximum(code_c, code_c2)
-            row_s = tl.minimum(row_s, row_s2)
-            row_c = tl.minimum(row_c, row_c2)
-            if tl.max(bad3.to(tl.int32)) > 0:
-                code_c, row_c = _outcome(bad3, kinds3, still3, offs_m, code_c, row_c)
-            if tl.max(bad_l.to(tl.int32)) > 0:
-                code_s, row_s = _outcome(bad_l, kinds_l, still_l, offs_m, code_s, row_s)
-        _report(CODES, ROWS, COLS, SCORES, bh, BH, code_s, row_s, NO_ROW)
-        _report(CODES, ROWS, COLS, CONTEXT, bh, BH, code_c, row_c, NO_ROW)
+            if CHECK:
+                again = _report(
+                    CODES,
+                    ROWS,
+                    COLS,
+                    RATIO,
+                    SCORES,
+                    bh,
+                    BH,
+                    state_s,
+                    offs_m,
+                    ratio_s,
+                    1 + attempt,
+                    False,
+                    CALIBRATE,
+                )
+                again |= _report(
+                    CODES,
+                    ROWS,
+                    COLS,
+                    RATIO,
+                    CONTEXT,
+                    bh,
+                    BH,
+                    state_c,
+                    offs_m,
+                    ratio_c,
+                    1 + attempt,
+                    False,
+                    CALIBRATE,
+                )
     o = acc / l_i[:, None]
     tl.store(
         OUT + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-        o.to(OUT.dtype.element_ty),
+        _lo(o, OUT.dtype.element_ty, UPCAST).to(OUT.dtype.element_ty),
         mask=mask,
     )
     tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, m_i + tl.log2(l_i), mask=m_ok)
 
 
 # --- backward: dK and dV ------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_pass(
+    k,
+    v,
+    kn,
+    vn,
+    offs_n,
+    n_ok,
+    b,
+    hk,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    QC,
+    QCS,
+    QR,
+    QRS,
+    DOC,
+    DOCS,
+    DOR,
+    DORS,
+    CODES,
+    ROWS,
+    COLS,
+    RATIO,
+    INJ,
+    qk_scale,
+    tol,
+    near_inf,
+    due,
+    first_pass,
+    outcome,
+    BH,
+    sqb,
+    sqh,
+    sqm,
+    sqd,
+    sdob,
+    sdoh,
+    sdom,
+    sdod,
+    H,
+    GROUP,
+    N_Q,
+    D,
+    TILES_Q,
+    lo,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    CHECK: tl.constexpr,
+    INJECT: tl.constexpr,
+    CALIBRATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One pass of a key block over the queries of every head of its group: dK, dV, each
+    tile checked; each head's states are reported as ``outcome``. Returns dK (unscaled), dV
+    and whether anything was flagged."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_mb = tl.arange(0, BLOCK_M)
+    d_ok = offs_d < D
+    b64 = b.to(tl.int64)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    flagged = N_Q < 0  # False, as a scalar the loop can carry
+    check_s = ((due >> BWD_SCORES) & 1) != 0
+    check_p = ((due >> GRAD_PROBS) & 1) != 0
+    check_v = ((due >> GRAD_V) & 1) != 0
+    check_k = ((due >> GRAD_K) & 1) != 0
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h.to(tl.int32)
+        Qh = Q + b64 * sqb + h * sqh
+        DOh = DO + b64 * sdob + h * sdoh
+        state_s = tl.zeros([BLOCK_N], tl.int32)
+        state_p = tl.zeros([BLOCK_N], tl.int32)
+        state_v = tl.zeros([BLOCK_N], tl.int32)
+        state_k = tl.zeros([BLOCK_N], tl.int32)
+        ratio_s = tl.zeros([BLOCK_N], tl.float32)
+        ratio_p = tl.zeros([BLOCK_N], tl.float32)
+        ratio_v = tl.zeros([BLOCK_N], tl.float32)
+        ratio_k = tl.zeros([BLOCK_N], tl.float32)
+        for start_m in range(lo, N_Q, BLOCK_M):
+            i = start_m // BLOCK_M
+            offs_m = start_m + offs_mb
+            m_ok = offs_m < N_Q
+            q_mask = m_ok[:, None] & d_ok[None, :]
+            q = tl.load(Qh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
+            do = tl.load(
+                DOh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=q_mask, other=0.0
+            )
+            lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=0.0)
+            fresh = first_pass & (start_m == lo)
+            # S^T = K Q^T: S^T e = K (Q^T e)
+            st = _mm(k, tl.trans(q), UPCAST)
+            if INJECT:
+                st = _corrupt(st, offs_m[None, :], offs_n[:, None], bh, BWD_SCORES, first_pass, INJ)
+            if CHECK:
+                if check_s:
+                    ref = _col_ref(k, QC, QCS, bh, TILES_Q, i, HEAD_DIM, UPCAST)
+                    mass = kn * _stat(QCS, bh, TILES_Q, i, 1)
+                    state_s = _check(tl.sum(st, 1), ref, tol * mass, state_s, near_inf)
+                    if CALIBRATE:
+                        ratio_s = _ratio(tl.sum(st, 1), ref, mass, ratio_s)
+            visible = n_ok[:, None] & m_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_m[None, :] >= offs_n[:, None])
+            pt = tl.where(visible, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
+            pt_lo = _lo(pt, q.dtype, UPCAST)
+            # dV += P^T dO: (P^T dO) e = P^T (dO e)
+            part = _mm(pt_lo, do, UPCAST)
+            if INJECT:
+                part = _corrupt(part, offs_n[:, None], offs_d[None, :], bh, GRAD_V, fresh, INJ)
+            if CHECK:
+                if check_v:
+                    ref = _row_ref(pt_lo, DOR, DORS, bh, TILES_Q, i, BLOCK_M, UPCAST)
+                    mass = 1.01 * tl.sum(pt, 1) * _stat(DORS, bh, TILES_Q, i, 1)
+                    state_v = _check(tl.sum(part, 1), ref, tol * mass, state_v, near_inf)
+                    if CALIBRATE:
+                        ratio_v = _ratio(tl.sum(part, 1), ref, mass, ratio_v)
+            dv += part
+            # dP^T = V dO^T: dP^T e = V (dO^T e)
+            dpt = _mm(v, tl.trans(do), UPCAST)
+            if INJECT:
+                dpt = _corrupt(
+                    dpt, offs_m[None, :], offs_n[:, None], bh, GRAD_PROBS, first_pass, INJ
+                )
+            if CHECK:
+                if check_p:
+                    ref = _col_ref(v, DOC, DOCS, bh, TILES_Q, i, HEAD_DIM, UPCAST)
+                    mass = vn * _stat(DOCS, bh, TILES_Q, i, 1)
+                    state_p = _check(tl.sum(dpt, 1), ref, tol * mass, state_p, near_inf)
+                    if CALIBRATE:
+                        ratio_p = _ratio(tl.sum(dpt, 1), ref, mass, ratio_p)
+            dst = pt * (dpt - delta[None, :])
+            dst_lo = _lo(dst, q.dtype, UPCAST)
+            # dK += dS^T Q: (dS^T Q) e = dS^T (Q e)
+            part = _mm(dst_lo, q, UPCAST)
+            if INJECT:
+                part = _corrupt(part, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
+            if CHECK:
+                if check_k:
+                    ref = _row_ref(dst_lo, QR, QRS, bh, TILES_Q, i, BLOCK_M, UPCAST)
+                    mass = 1.01 * tl.sum(tl.abs(dst), 1) * _stat(QRS, bh, TILES_Q, i, 1)
+                    state_k = _check(tl.sum(part, 1), ref, tol * mass, state_k, near_inf)
+                    if CALIBRATE:
+                        ratio_k = _ratio(tl.sum(part, 1), ref, mass, ratio_k)
+            dk += part
+        if CHECK:
+            # a key row flagged upstream fails downstream too: it counts once, where it began
+            state_v = tl.where(state_s > 0, 0, state_v)
+            state_k = tl.where((state_s > 0) | (state_p > 0), 0, state_k)
+            flagged |= _report(
+                CODES,
+                ROWS,
+                COLS,
+                RATIO,
+                BWD_SCORES,
+                bh,
+                BH,
+                state_s,
+                offs_n,
+                ratio_s,
+                outcome,
+                True,
+                CALIBRATE,
+            )
+            flagged |= _report(
+                CODES,
+                ROWS,
+                COLS,
+                RATIO,
+                GRAD_PROBS,
+                bh,
+                BH,
+                state_p,
+                offs_n,
+                ratio_p,
+                outcome,
+                True,
+                CALIBRATE,
+            )
+            flagged |= _report(
+                CODES,
+                ROWS,
+                COLS,
+                RATIO,
+                GRAD_V,
+                bh,
+                BH,
+                state_v,
+                offs_n,
+                ratio_v,
+                outcome,
+                False,
+                CALIBRATE,
+            )
+            flagged |= _report(
+                CODES,
+                ROWS,
+                COLS,
+                RATIO,
+                GRAD_K,
+                bh,
+                BH,
+                state_k,
+                offs_n,
+                ratio_k,
+                outcome,
+                False,
+                CALIBRATE,
+            )
+    return dk, dv, flagged
 
 
 @triton.jit
@@ -489,6 +687,14 @@ def _bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    QC,
+    QCS,
+    QR,
+    QRS,
+    DOC,
+    DOCS,
+    DOR,
+    DORS,
     CODES,
     ROWS,
     COLS,
@@ -538,7 +744,8 @@ def _bwd_dkdv_kernel(
     UPCAST: tl.constexpr,
 ):
     """dK and dV of one key block of one (batch, KV head), over the query heads of its group:
-    S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q, each tile checked."""
+    S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q, each tile checked. QC/QR and
+    DOC/DOR: the column and row sums of Q and dO, tiled by BLOCK_M (checksums.py)."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     HKV = H // GROUP
@@ -548,10 +755,8 @@ def _bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_mb = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N_K
-    d_ok = offs_d < D
-    kv_mask = n_ok[:, None] & d_ok[None, :]
+    kv_mask = n_ok[:, None] & (offs_d < D)[None, :]
     k = tl.load(
         K + b64 * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
         mask=kv_mask,
@@ -562,186 +767,81 @@ def _bwd_dkdv_kernel(
         mask=kv_mask,
         other=0.0,
     )
-    k32 = k.to(tl.float32)
-    v32 = v.to(tl.float32)
-    kn = _norm(k32, 1)
-    vn = _norm(v32, 1)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    kn = _norm(k.to(tl.float32), 1)
+    vn = _norm(v.to(tl.float32), 1)
+    TILES_Q = tl.cdiv(N_Q, BLOCK_M)
     lo = 0
     if CAUSAL:
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    check_s = ((due >> BWD_SCORES) & 1) != 0
-    check_p = ((due >> GRAD_PROBS) & 1) != 0
-    check_v = ((due >> GRAD_V) & 1) != 0
-    check_k = ((due >> GRAD_K) & 1) != 0
-    for g in range(0, GROUP):
-        h = hk * GROUP + g
-        bh = b * H + h.to(tl.int32)
-        Qh = Q + b64 * sqb + h * sqh
-        DOh = DO + b64 * sdob + h * sdoh
-        code_s = 0
-        code_p = 0
-        code_v = 0
-        code_k = 0
-        col_s = NO_ROW
-        col_p = NO_ROW
-        row_v = NO_ROW
-        row_k = NO_ROW
-        for start_m in range(lo, N_Q, BLOCK_M):
-            offs_m = start_m + offs_mb
-            m_ok = offs_m < N_Q
-            q_mask = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(Qh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
-            do = tl.load(
-                DOh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=q_mask, other=0.0
-            )
-            lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=0.0)
-            delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=0.0)
-            q32 = q.to(tl.float32)
-            do32 = do.to(tl.float32)
-            fresh = start_m == lo
-            ref = tl.zeros([BLOCK_N], tl.float32)
-            mass = tl.zeros([BLOCK_N], tl.float32)
-            # S^T = K Q^T: S^T e = K (Q^T e)
-            if CHECK:
-                if check_s:
-                    ref = tl.sum(k32 * tl.sum(q32, 0)[None, :], 1)
-                    mass = kn * _norm(tl.sum(tl.abs(q32), 0), 0)
-            st, code_s, col_s = _checked_mm(
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    again = N_Q >= 0
+    for attempt in range(0, 1 + CHECK):  # the second: the block again, if the first flagged
+        if again:
+            dk, dv, again = _dkdv_pass(
                 k,
-                tl.trans(q),
-                ref,
-                mass,
-                offs_m[None, :],
-                offs_n[:, None],
-                offs_n,
-                bh,
-                True,
-                check_s,
-                code_s,
-                col_s,
-                tol,
-                near_inf,
-                INJ,
-                RATIO,
-                BH,
-                BWD_SCORES,
-                CHECK,
-                INJECT,
-                CALIBRATE,
-                UPCAST,
-            )
-            visible = n_ok[:, None] & m_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_m[None, :] >= offs_n[:, None])
-            pt = tl.where(visible, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
-            pt_lo = pt.to(q.dtype)
-            # dV += P^T dO: (P^T dO) e = P^T (dO e)
-            if CHECK:
-                if check_v:
-                    p32 = pt_lo.to(tl.float32)
-                    ref = tl.sum(p32 * tl.sum(do32, 1)[None, :], 1)
-                    mass = tl.sum(p32, 1) * tl.max(tl.sum(tl.abs(do32), 1), 0)
-            part, code_v, row_v = _checked_mm(
-                pt_lo,
-                do,
-                ref,
-                mass,
-                offs_n[:, None],
-                offs_d[None, :],
-                offs_n,
-                bh,
-                fresh,
-                check_v,
-                code_v,
-                row_v,
-                tol,
-                near_inf,
-                INJ,
-                RATIO,
-                BH,
-                GRAD_V,
-                CHECK,
-                INJECT,
-                CALIBRATE,
-                UPCAST,
-            )
-            dv += part
-            # dP^T = V dO^T: dP^T e = V (dO^T e)
-            if CHECK:
-                if check_p:
-                    ref = tl.sum(v32 * tl.sum(do32, 0)[None, :], 1)
-                    mass = vn * _norm(tl.sum(tl.abs(do32), 0), 0)
-            dpt, code_p, col_p = _checked_mm(
                 v,
-                tl.trans(do),
-                ref,
-                mass,
-                offs_m[None, :],
-                offs_n[:, None],
+                kn,
+                vn,
                 offs_n,
-                bh,
-                True,
-                check_p,
-                code_p,
-                col_p,
+                n_ok,
+                b,
+                hk,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                QC,
+                QCS,
+                QR,
+                QRS,
+                DOC,
+                DOCS,
+                DOR,
+                DORS,
+                CODES,
+                ROWS,
+                COLS,
+                RATIO,
+                INJ,
+                qk_scale,
                 tol,
                 near_inf,
-                INJ,
-                RATIO,
+                due,
+                attempt == 0,
+                1 + attempt,
                 BH,
-                GRAD_PROBS,
+                sqb,
+                sqh,
+                sqm,
+                sqd,
+                sdob,
+                sdoh,
+                sdom,
+                sdod,
+                H,
+                GROUP,
+                N_Q,
+                D,
+                TILES_Q,
+                lo,
+                BLOCK_M,
+                BLOCK_N,
+                HEAD_DIM,
+                CAUSAL,
                 CHECK,
                 INJECT,
                 CALIBRATE,
                 UPCAST,
             )
-            dst_lo = (pt * (dpt - delta[None, :])).to(q.dtype)
-            # dK += dS^T Q: (dS^T Q) e = dS^T (Q e)
-            if CHECK:
-                if check_k:
-                    ds32 = dst_lo.to(tl.float32)
-                    ref = tl.sum(ds32 * tl.sum(q32, 1)[None, :], 1)
-                    mass = tl.sum(tl.abs(ds32), 1) * tl.max(tl.sum(tl.abs(q32), 1), 0)
-            part, code_k, row_k = _checked_mm(
-                dst_lo,
-                q,
-                ref,
-                mass,
-                offs_n[:, None],
-                offs_d[None, :],
-                offs_n,
-                bh,
-                fresh,
-                check_k,
-                code_k,
-                row_k,
-                tol,
-                near_inf,
-                INJ,
-                RATIO,
-                BH,
-                GRAD_K,
-                CHECK,
-                INJECT,
-                CALIBRATE,
-                UPCAST,
-            )
-            dk += part
-        if CHECK:
-            _report(CODES, ROWS, COLS, BWD_SCORES, bh, BH, code_s, NO_ROW, col_s)
-            _report(CODES, ROWS, COLS, GRAD_PROBS, bh, BH, code_p, NO_ROW, col_p)
-            _report(CODES, ROWS, COLS, GRAD_V, bh, BH, code_v, row_v, NO_ROW)
-            _report(CODES, ROWS, COLS, GRAD_K, bh, BH, code_k, row_k, NO_ROW)
     tl.store(
         DK + b64 * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :] * sdkd,
-        (dk * sm_scale).to(DK.dtype.element_ty),
+        _lo(dk * sm_scale, DK.dtype.element_ty, UPCAST).to(DK.dtype.element_ty),
         mask=kv_mask,
     )
     tl.store(
         DV + b64 * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :] * sdvd,
-        dv.to(DV.dtype.element_ty),
+        _lo(dv, DV.dtype.element_ty, UPCAST).to(DV.dtype.element_ty),
         mask=kv_mask,
     )
 
@@ -750,21 +850,28 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_rows(
+def _dq_pass(
     q,
     do,
     qn,
     don,
     lse,
     delta,
+    odo,
+    u_out,
     offs_m,
     m_ok,
     bh,
+    bhk,
     K,
     V,
+    KC,
+    KCS,
+    KR,
+    KRS,
+    VC,
+    VCS,
     INJ,
-    RATIO,
-    BH,
     qk_scale,
     tol,
     near_inf,
@@ -776,6 +883,7 @@ def _dq_rows(
     svd,
     N_K,
     D,
+    TILES_K,
     hi,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -787,7 +895,8 @@ def _dq_rows(
     UPCAST: tl.constexpr,
 ):
     """One pass of a query block over its keys for dQ: S = Q K^T, dP = dO V^T, dQ += dS K, each
-    tile checked, and the row sums of P and dS with the magnitudes their bounds need (B2)."""
+    tile checked, and the row identities sum P = 1 and sum dS = 0 (B2) folded into the states
+    of S and dP."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     d_ok = offs_d < D
@@ -797,125 +906,79 @@ def _dq_rows(
     pabs = tl.zeros([BLOCK_M], tl.float32)
     dpmax = tl.zeros([BLOCK_M], tl.float32)
     kmax = 0.0
-    code_s = 0
-    code_p = 0
-    code_q = 0
-    row_s = NO_ROW
-    row_p = NO_ROW
-    row_q = NO_ROW
+    state_s = tl.zeros([BLOCK_M], tl.int32)
+    state_p = tl.zeros([BLOCK_M], tl.int32)
+    state_q = tl.zeros([BLOCK_M], tl.int32)
+    ratio_s = tl.zeros([BLOCK_M], tl.float32)
+    ratio_p = tl.zeros([BLOCK_M], tl.float32)
+    ratio_q = tl.zeros([BLOCK_M], tl.float32)
     check_s = ((due >> BWD_SCORES) & 1) != 0
     check_p = ((due >> GRAD_PROBS) & 1) != 0
     check_q = ((due >> GRAD_Q) & 1) != 0
-    q32 = q.to(tl.float32)
-    do32 = do.to(tl.float32)
     for start_n in range(0, hi, BLOCK_N):
+        j = start_n // BLOCK_N
         cols = start_n + offs_n
         n_ok = cols < N_K
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
         v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        k32 = k.to(tl.float32)
-        ref = tl.zeros([BLOCK_M], tl.float32)
-        mass = tl.zeros([BLOCK_M], tl.float32)
+        s = _mm(q, tl.trans(k), UPCAST)
+        if INJECT:
+            s = _corrupt(s, offs_m[:, None], cols[None, :], bh, BWD_SCORES, False, INJ)
         if CHECK:
             if check_s:
-                ref = tl.sum(q32 * tl.sum(k32, 0)[None, :], 1)
-                mass = qn * _norm(tl.sum(tl.abs(k32), 0), 0)
-        s, code_s, row_s = _checked_mm(
-            q,
-            tl.trans(k),
-            ref,
-            mass,
-            offs_m[:, None],
-            cols[None, :],
-            offs_m,
-            bh,
-            False,
-            check_s,
-            code_s,
-            row_s,
-            tol,
-            near_inf,
-            INJ,
-            RATIO,
-            BH,
-            BWD_SCORES,
-            CHECK,
-            INJECT,
-            CALIBRATE,
-            UPCAST,
-        )
+                ref = _col_ref(q, KC, KCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
+                mass = qn * _stat(KCS, bhk, TILES_K, j, 1)
+                state_s = _check(tl.sum(s, 1), ref, tol * mass, state_s, near_inf)
+                if CALIBRATE:
+                    ratio_s = _ratio(tl.sum(s, 1), ref, mass, ratio_s)
         visible = n_ok[None, :] & m_ok[:, None]
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None])
         p = tl.where(visible, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        dp = _mm(do, tl.trans(v), UPCAST)
+        if INJECT:
+            dp = _corrupt(dp, offs_m[:, None], cols[None, :], bh, GRAD_PROBS, False, INJ)
         if CHECK:
             if check_p:
-                v32 = v.to(tl.float32)
-                ref = tl.sum(do32 * tl.sum(v32, 0)[None, :], 1)
-                mass = don * _norm(tl.sum(tl.abs(v32), 0), 0)
-        dp, code_p, row_p = _checked_mm(
-            do,
-            tl.trans(v),
-            ref,
-            mass,
-            offs_m[:, None],
-            cols[None, :],
-            offs_m,
-            bh,
-            False,
-            check_p,
-            code_p,
-            row_p,
-            tol,
-            near_inf,
-            INJ,
-            RATIO,
-            BH,
-            GRAD_PROBS,
-            CHECK,
-            INJECT,
-            CALIBRATE,
-            UPCAST,
-        )
+                ref = _col_ref(do, VC, VCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
+                mass = don * _stat(VCS, bhk, TILES_K, j, 1)
+                state_p = _check(tl.sum(dp, 1), ref, tol * mass, state_p, near_inf)
+                if CALIBRATE:
+                    ratio_p = _ratio(tl.sum(dp, 1), ref, mass, ratio_p)
         ds = p * (dp - delta[:, None])
-        ds_lo = ds.to(q.dtype)
+        ds_lo = _lo(ds, q.dtype, UPCAST)
+        part = _mm(ds_lo, k, UPCAST)
+        if INJECT:
+            fresh = first_pass & (start_n == 0)
+            part = _corrupt(part, offs_m[:, None], offs_d[None, :], bh, GRAD_Q, fresh, INJ)
         if CHECK:
             psum += tl.sum(p, 1)
             dssum += tl.sum(ds, 1)
             pabs += tl.sum(p * (tl.abs(dp) + tl.abs(delta)[:, None]), 1)
             dpmax = tl.maximum(dpmax, tl.max(tl.where(visible, tl.abs(dp), 0.0), 1))
-            kmax = tl.maximum(kmax, tl.max(_norm(k32, 1), 0))
+            kmax = tl.maximum(kmax, _stat(KCS, bhk, TILES_K, j, 2))
             if check_q:
-                ds32 = ds_lo.to(tl.float32)
-                ref = tl.sum(ds32 * tl.sum(k32, 1)[None, :], 1)
-                mass = tl.sum(tl.abs(ds32), 1) * tl.max(tl.sum(tl.abs(k32), 1), 0)
-        part, code_q, row_q = _checked_mm(
-            ds_lo,
-            k,
-            ref,
-            mass,
-            offs_m[:, None],
-            offs_d[None, :],
-            offs_m,
-            bh,
-            first_pass & (start_n == 0),
-            check_q,
-            code_q,
-            row_q,
-            tol,
-            near_inf,
-            INJ,
-            RATIO,
-            BH,
-            GRAD_Q,
-            CHECK,
-            INJECT,
-            CALIBRATE,
-            UPCAST,
-        )
+                ref = _row_ref(ds_lo, KR, KRS, bhk, TILES_K, j, BLOCK_N, UPCAST)
+                mass = 1.01 * tl.sum(tl.abs(ds), 1) * _stat(KRS, bhk, TILES_K, j, 1)
+                state_q = _check(tl.sum(part, 1), ref, tol * mass, state_q, near_inf)
+                if CALIBRATE:
+                    ratio_q = _ratio(tl.sum(part, 1), ref, mass, ratio_q)
         dq += part
-    return dq, psum, dssum, pabs, dpmax, kmax, code_s, code_p, code_q, row_s, row_p, row_q
+    if CHECK:
+        # B2: sum_n P = 1 within the rounding of S, lse and exp2; sum_n dS = 0 within that of
+        # dP, Delta (from the stored O) and P
+        tiles = tl.cdiv(hi, BLOCK_N).to(tl.float32)
+        bound_p = tol * (tiles + 1.0 + tl.abs(lse) + qk_scale * (D + 1.0) * qn * kmax)
+        if check_s:
+            state_s = tl.where(m_ok, _check(psum, 1.0, bound_p, state_s, near_inf), 0)
+        if check_p:
+            bound_ds = 2.0 * u_out * odo + tol * pabs + bound_p * (dpmax + tl.abs(delta))
+            state_p = tl.where(m_ok, _check(dssum, 0.0, bound_ds, state_p, near_inf), 0)
+    # a row flagged upstream fails downstream too: it counts once, where it began
+    state_p = tl.where(state_s > 0, 0, state_p)
+    state_q = tl.where((state_s > 0) | (state_p > 0), 0, state_q)
+    return dq, state_s, state_p, state_q, ratio_s, ratio_p, ratio_q
 
 
 @triton.jit
@@ -928,6 +991,12 @@ def _bwd_dq_kernel(
     DELTA,
     ODO,
     DQ,
+    KC,
+    KCS,
+    KR,
+    KRS,
+    VC,
+    VCS,
     CODES,
     ROWS,
     COLS,
@@ -973,15 +1042,17 @@ def _bwd_dq_kernel(
     CALIBRATE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """dQ of one query block of one (batch, head), with the row identities sum P = 1 and
-    sum dS = 0 (B2): a row that breaks one is recomputed whole, once. ``ODO`` holds
-    ``sum |O| |dO|`` a row, the rounding of the stored O in Delta."""
+    """dQ of one query block of one (batch, head). ``ODO`` holds ``sum |O| |dO|`` a row, the
+    rounding of the stored O in Delta. KC/KR: K's column and row sums, VC: V's column sums,
+    tiled by BLOCK_N (checksums.py)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     BH = tl.num_programs(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    hk = (h // GROUP).to(tl.int64)
+    hk = h // GROUP
+    bhk = b * (H // GROUP) + hk
+    hk = hk.to(tl.int64)
     h = h.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -998,89 +1069,53 @@ def _bwd_dq_kernel(
     row = bh.to(tl.int64) * N_Q + offs_m
     lse = tl.load(LSE + row, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
+    odo = tl.load(ODO + row, mask=m_ok, other=0.0)
     K += b * skb + hk * skh
     V += b * svb + hk * svh
     qn = _norm(q.to(tl.float32), 1)
     don = _norm(do.to(tl.float32), 1)
+    TILES_K = tl.cdiv(N_K, BLOCK_N)
     hi = N_K
     if CAUSAL:
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
-    dq, psum, dssum, pabs, dpmax, kmax, code_s, code_p, code_q, row_s, row_p, row_q = _dq_rows(
-        q,
-        do,
-        qn,
-        don,
-        lse,
-        delta,
-        offs_m,
-        m_ok,
-        bh,
-        K,
-        V,
-        INJ,
-        RATIO,
-        BH,
-        qk_scale,
-        tol,
-        near_inf,
-        due,
-        True,
-        skn,
-        skd,
-        svn,
-        svd,
-        N_K,
-        D,
-        hi,
-        BLOCK_M,
-        BLOCK_N,
-        HEAD_DIM,
-        CAUSAL,
-        CHECK,
-        INJECT,
-        CALIBRATE,
-        UPCAST,
-    )
-    if CHECK:
-        # B2: sum_n P = 1 within the rounding of S, lse and exp2; sum_n dS = 0 within that of
-        # dP, Delta (from the stored O) and P
-        odo = tl.load(ODO + row, mask=m_ok, other=0.0)
-        tiles = tl.cdiv(hi, BLOCK_N).to(tl.float32)
-        bound_p = tol * (tiles + 1.0 + tl.abs(lse) + qk_scale * (D + 1.0) * qn * kmax)
-        bound_ds = 2.0 * u_out * odo + tol * pabs + bound_p * (dpmax + tl.abs(delta))
-        check_s = ((due >> BWD_SCORES) & 1) != 0
-        check_p = ((due >> GRAD_PROBS) & 1) != 0
-        bad_p = _flags(psum, 1.0, bound_p) & m_ok & check_s
-        bad_ds = _flags(dssum, 0.0, bound_ds) & m_ok & check_p
-        if tl.max((bad_p | bad_ds).to(tl.int32)) > 0:
-            kinds_p = _kind(psum, 1.0, near_inf)
-            kinds_ds = _kind(dssum, 0.0, near_inf)
-            dq, psum, dssum, pabs, dpmax, kmax, c_s, c_p, c_q, r_s, r_p, r_q = _dq_rows(
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    again = N_Q >= 0
+    for attempt in range(0, 1 + CHECK):  # the second: the block again, if the first flagged
+        if again:
+            dq, state_s, state_p, state_q, ratio_s, ratio_p, ratio_q = _dq_pass(
                 q,
                 do,
                 qn,
                 don,
                 lse,
                 delta,
+                odo,
+                u_out,
                 offs_m,
                 m_ok,
                 bh,
+                bhk,
                 K,
                 V,
+                KC,
+                KCS,
+                KR,
+                KRS,
+                VC,
+                VCS,
                 INJ,
-                RATIO,
-                BH,
                 qk_scale,
                 tol,
                 near_inf,
                 due,
-                False,
+                attempt == 0,
                 skn,
                 skd,
                 svn,
                 svd,
                 N_K,
                 D,
+                TILES_K,
                 hi,
                 BLOCK_M,
                 BLOCK_N,
@@ -1091,23 +1126,54 @@ def _bwd_dq_kernel(
                 CALIBRATE,
                 UPCAST,
             )
-            still_p = _flags(psum, 1.0, bound_p) & m_ok & check_s
-            still_ds = _flags(dssum, 0.0, bound_ds) & m_ok & check_p
-            code_s = tl.maximum(code_s, c_s)
-            code_p = tl.maximum(code_p, c_p)
-            code_q = tl.maximum(code_q, c_q)
-            row_s = tl.minimum(row_s, r_s)
-            row_p = tl.minimum(row_p, r_p)
-            row_q = tl.minimum(row_q, r_q)
-            if tl.max(bad_p.to(tl.int32)) > 0:
-                code_s, row_s = _outcome(bad_p, kinds_p, still_p, offs_m, code_s, row_s)
-            if tl.max(bad_ds.to(tl.int32)) > 0:
-                code_p, row_p = _outcome(bad_ds, kinds_ds, still_ds, offs_m, code_p, row_p)
-        _report(CODES, ROWS, COLS, BWD_SCORES, bh, BH, code_s, row_s, NO_ROW)
-        _report(CODES, ROWS, COLS, GRAD_PROBS, bh, BH, code_p, row_p, NO_ROW)
-        _report(CODES, ROWS, COLS, GRAD_Q, bh, BH, code_q, row_q, NO_ROW)
+            if CHECK:
+                again = _report(
+                    CODES,
+                    ROWS,
+                    COLS,
+                    RATIO,
+                    BWD_SCORES,
+                    bh,
+                    BH,
+                    state_s,
+                    offs_m,
+                    ratio_s,
+                    1 + attempt,
+                    False,
+                    CALIBRATE,
+                )
+                again |= _report(
+                    CODES,
+                    ROWS,
+                    COLS,
+                    RATIO,
+                    GRAD_PROBS,
+                    bh,
+                    BH,
+                    state_p,
+                    offs_m,
+                    ratio_p,
+                    1 + attempt,
+                    False,
+                    CALIBRATE,
+                )
+                again |= _report(
+                    CODES,
+                    ROWS,
+                    COLS,
+                    RATIO,
+                    GRAD_Q,
+                    bh,
+                    BH,
+                    state_q,
+                    offs_m,
+                    ratio_q,
+                    1 + attempt,
+                    False,
+                    CALIBRATE,
+                )
     tl.store(
         DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :] * sdqd,
-        (dq * sm_scale).to(DQ.dtype.element_ty),
+        _lo(dq * sm_scale, DQ.dtype.element_ty, UPCAST).to(DQ.dtype.element_ty),
         mask=mask,
     )

@@ -21,10 +21,14 @@ import torch
 import triton
 from torch import Tensor
 
-from megatron_abft.flash import kernels
+from megatron_abft.flash import checksums, kernels
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 """Input dtypes the kernels take; they accumulate in fp32 whatever the input."""
+GPU_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+"""Input dtypes the kernels take on GPUs. fp32 operands would take 3xTF32 MMAs to keep the
+checks' fp32 bound, and no tile shape of those builds without spilling registers (measured by
+tools/flash_aot.py): fp32 runs in the interpreter only, as FlashAttention takes no fp32."""
 HEAD_DIMS: tuple[int, ...] = (64, 128)
 """Head widths the kernels are built for; a narrower head is padded to the next."""
 KERNELS: tuple[str, ...] = ("forward", "dkdv", "dq")
@@ -178,6 +182,12 @@ class Found:
     cols: Tensor
     ratio: Tensor | None = None
 
+    @property
+    def arguments(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """CODES, ROWS, COLS, RATIO as the kernels take them (RATIO a placeholder when off)."""
+        ratio = self.ratio if self.ratio is not None else self.codes
+        return self.codes, self.rows, self.cols, ratio
+
     @classmethod
     def empty(cls, matrices: int, device: torch.device, calibrate: bool = False) -> Found:
         shape = (len(kernels_sections()), matrices)
@@ -191,19 +201,6 @@ class Found:
 
 def kernels_sections() -> range:
     return range(kernels.N_SECTIONS.value)
-
-
-def _strides(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.stride())
-
-
-def _flags(dtype: torch.dtype, device: torch.device) -> dict:
-    # the interpreter's bf16 tl.dot multiplies bit patterns (triton-lang/triton#11584)
-    return {"UPCAST": device.type != "cuda" and dtype == torch.bfloat16}
-
-
-def _no_fault(device: torch.device) -> Tensor:
-    return torch.zeros(9, dtype=torch.int32, device=device)
 
 
 def forward(
@@ -223,43 +220,16 @@ def forward(
     tiles = blocks("forward", width, q.dtype)
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
-    module = kernels_for(q.device)
-    grid = (triton.cdiv(n_q, tiles.block_m), batch * heads)
-    module._fwd_kernel[grid](
-        q,
-        k,
-        v,
-        o,
-        lse,
-        found.codes,
-        found.rows,
-        found.cols,
-        _ratio(found),
-        inject if inject is not None else _no_fault(q.device),
-        scale * math.log2(math.e),
-        checks.tol,
-        checks.near_inf,
-        checks.due,
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(o),
-        heads,
-        heads // kv_heads,
-        n_q,
-        n_k,
-        dim,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        HEAD_DIM=width,
-        CAUSAL=causal,
-        CHECK=checks.compiled,
-        INJECT=inject is not None,
-        CALIBRATE=found.ratio is not None,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **_flags(q.dtype, q.device),
+    sums = _sums(checks, tiles.block_n, width, (checksums.columns, k), (checksums.rows, v))
+    # fmt: off
+    kernels_for(q.device)._fwd_kernel[(triton.cdiv(n_q, tiles.block_m), batch * heads)](
+        q, k, v, o, lse, *sums, *found.arguments, _fault(inject, q.device),
+        scale * math.log2(math.e), checks.tol, checks.near_inf, checks.due,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        heads, heads // kv_heads, n_q, n_k, dim,
+        **_constants(tiles, width, causal, checks, found, inject, q),
     )
+    # fmt: on
     return o, lse
 
 
@@ -286,95 +256,89 @@ def backward(
     del o32, do32
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     module = kernels_for(q.device)
-    fault = inject if inject is not None else _no_fault(q.device)
-    common = dict(
-        HEAD_DIM=width,
-        CAUSAL=causal,
-        CHECK=checks.compiled,
-        INJECT=inject is not None,
-        CALIBRATE=found.ratio is not None,
-        **_flags(q.dtype, q.device),
-    )
+    fault = _fault(inject, q.device)
     qk_scale = scale * math.log2(math.e)
     tiles = blocks("dkdv", width, q.dtype)
+    sums = _sums(
+        checks,
+        tiles.block_m,
+        width,
+        (checksums.columns, q),
+        (checksums.rows, q),
+        (checksums.columns, do),
+        (checksums.rows, do),
+    )
+    # fmt: off
     module._bwd_dkdv_kernel[(triton.cdiv(n_k, tiles.block_n), batch * kv_heads)](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dk,
-        dv,
-        found.codes,
-        found.rows,
-        found.cols,
-        _ratio(found),
-        fault,
-        qk_scale,
-        scale,
-        checks.tol,
-        checks.near_inf,
-        checks.due,
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(do),
-        *_strides(dk),
-        *_strides(dv),
-        heads,
-        heads // kv_heads,
-        n_q,
-        n_k,
-        dim,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **common,
+        q, k, v, do, lse, delta, dk, dv, *sums, *found.arguments, fault,
+        qk_scale, scale, checks.tol, checks.near_inf, checks.due,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        heads, heads // kv_heads, n_q, n_k, dim,
+        **_constants(tiles, width, causal, checks, found, inject, q),
     )
+    # fmt: on
     tiles = blocks("dq", width, q.dtype)
-    module._bwd_dq_kernel[(triton.cdiv(n_q, tiles.block_m), batch * heads)](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        odo,
-        dq,
-        found.codes,
-        found.rows,
-        found.cols,
-        _ratio(found),
-        fault,
-        qk_scale,
-        scale,
-        checks.tol,
-        unit_roundoff(o.dtype),
-        checks.near_inf,
-        checks.due,
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(do),
-        *_strides(dq),
-        heads,
-        heads // kv_heads,
-        n_q,
-        n_k,
-        dim,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **common,
+    sums = _sums(
+        checks,
+        tiles.block_n,
+        width,
+        (checksums.columns, k),
+        (checksums.rows, k),
+        (checksums.columns, v),
     )
+    # fmt: off
+    module._bwd_dq_kernel[(triton.cdiv(n_q, tiles.block_m), batch * heads)](
+        q, k, v, do, lse, delta, odo, dq, *sums, *found.arguments, fault,
+        qk_scale, scale, checks.tol, unit_roundoff(o.dtype), checks.near_inf, checks.due,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        heads, heads // kv_heads, n_q, n_k, dim,
+        **_constants(tiles, width, causal, checks, found, inject, q),
+    )
+    # fmt: on
     return dq, dk, dv
 
 
-def _ratio(found: Found) -> Tensor:
-    return found.ratio if found.ratio is not None else found.codes
+def _constants(
+    tiles: Blocks,
+    width: int,
+    causal: bool,
+    checks: Checks,
+    found: Found,
+    inject: Tensor | None,
+    q: Tensor,
+) -> dict:
+    """A launch's constexprs and launch options."""
+    return {
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": tiles.block_n,
+        "HEAD_DIM": width,
+        "CAUSAL": causal,
+        "CHECK": checks.compiled,
+        "INJECT": inject is not None,
+        "CALIBRATE": found.ratio is not None,
+        # the interpreter's bf16 tl.dot multiplies bit patterns (triton-lang/triton#11584)
+        "UPCAST": q.device.type != "cuda" and q.dtype == torch.bfloat16,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+
+
+def _fault(inject: Tensor | None, device: torch.device) -> Tensor:
+    """The kernels' INJ argument: the armed fault, or a placeholder (INJECT off)."""
+    return inject if inject is not None else torch.zeros(9, dtype=torch.int32, device=device)
+
+
+def _sums(checks: Checks, block: int, width: int, *wanted) -> list[Tensor]:
+    """The checksum vectors (checksums.py) of each ``(kind, tensor)`` in ``wanted``, tiled by
+    ``block`` rows and padded to ``width``, as kernel arguments (parts, stats); placeholders
+    where the checks are compiled out."""
+    if not checks.compiled:
+        return [torch.zeros(1, dtype=torch.int32, device=wanted[0][1].device)] * 2 * len(wanted)
+    arguments = []
+    for kind, x in wanted:
+        sums = kind(x, block, width)
+        arguments += [sums.parts, sums.stats]
+    return arguments
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

@@ -1,0 +1,75 @@
+"""Shared pieces of the flash attention tests: inputs, the float64 and same-precision PyTorch
+references (FlashAttention's rule: an output is as good as the same-precision PyTorch
+attention's, within 2x its error against float64), and a run of forward and backward."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from megatron_abft.flash import FlashLedger, flash_attention
+
+
+def inputs(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq: int,
+    dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    kv_seq: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v and an upstream gradient, standard normal."""
+    g = torch.Generator().manual_seed(seed)
+    kv_seq = seq if kv_seq is None else kv_seq
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return (
+        randn(batch, heads, seq, dim),
+        randn(batch, kv_heads, kv_seq, dim),
+        randn(batch, kv_heads, kv_seq, dim),
+        randn(batch, heads, seq, dim),
+    )
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    """softmax(scale q k^T) v by PyTorch ops in the inputs' dtype; K and V repeated to the
+    query heads; causal masks key j from query i when j > i."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s = s.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1), -math.inf)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def outputs(fn, q, k, v, do, dtype=None) -> list[Tensor]:
+    """fn(q, k, v) and its gradients for the upstream gradient ``do``, in ``dtype`` (default:
+    the inputs')."""
+    leaves = [x.detach().to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(do.to(out.dtype))
+    return [t.detach() for t in (out, *(x.grad for x in leaves))]
+
+
+def run(q, k, v, do, causal=True, **options) -> tuple[list[Tensor], FlashLedger]:
+    """The protected flash attention's output and gradients, and what its checks found."""
+    ledger = FlashLedger.on(q.device)
+    result = outputs(
+        lambda a, b, c: flash_attention(a, b, c, causal=causal, ledger=ledger, **options),
+        q,
+        k,
+        v,
+        do,
+    )
+    return result, ledger
+
+
+def errors(got: list[Tensor], want: list[Tensor]) -> list[float]:
+    return [(g.double() - w.double()).abs().max().item() for g, w in zip(got, want, strict=True)]

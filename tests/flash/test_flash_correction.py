@@ -1,0 +1,131 @@
+"""Faults landed inside the flash kernels are corrected or reported: every section x kind x
+pattern. A transient fault gives the clean run's output and gradients, bit for bit, and one
+detection and one correction in its section, nothing elsewhere; a persistent one is counted
+uncorrectable in its section. Triton's interpreter, one (batch, head), 80 tokens: every
+section's matrix spans more than one tile both ways."""
+
+import math
+
+import pytest
+import torch
+from flash_cases import inputs, run
+
+from megatron_abft.config import FLASH_SECTIONS
+from megatron_abft.faults import FAULT_KINDS, TensorFault
+from megatron_abft.flash import FlashFault
+from megatron_abft.flash.launch import blocks, padded_head_dim
+
+SEQ, DIM, DTYPE = 80, 64, torch.bfloat16
+ROW = 64  # a tile's first row for every tile height the kernels use (16 to 64)
+PATTERNS = {
+    "0d": dict(pattern="0d", position=(70, 5)),
+    "row in a tile": dict(pattern="row", position=(ROW, 0), block=(1, 8)),
+    "col in a tile": dict(pattern="col", position=(ROW, 0), block=(8, 1)),
+    "2d in a tile": dict(pattern="2d", position=(ROW, 0), block=(3, 4)),
+    "row across every tile": dict(pattern="row", position=(70, 0)),
+}
+
+
+@pytest.fixture(scope="module")
+def case():
+    """Inputs, the clean run, and the first computation of each section's matrix in float64
+    (for kind 'value': a finite error of one RMS of its tile)."""
+    q, k, v, do = inputs(1, 1, 1, SEQ, DIM, DTYPE, seed=11)
+    clean, ledger = run(q, k, v, do)
+    assert ledger.counts.sum() == 0
+    return q, k, v, do, clean, first_computations(q, k, v, do)
+
+
+def first_computations(q, k, v, do) -> dict[str, torch.Tensor]:
+    """Each section's logical matrix as its first computation makes it: S and dP whole; the
+    context and dQ as the first KV block's product; dV and dK, per key, as the first query
+    block's (megatron_abft.flash.faults)."""
+    q, k, v, do = (t[0, 0].double() for t in (q, k, v, do))
+    scale = 1 / math.sqrt(DIM)
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    s = q @ k.T
+    probs = torch.softmax((s * scale).masked_fill(~causal, -math.inf), -1)
+    dp = do @ v.T
+    ds = probs * (dp - (do * (probs @ v)).sum(-1, keepdim=True))
+    width = padded_head_dim(DIM)
+    fwd, dkdv, dq = (blocks(kernel, width, DTYPE) for kernel in ("forward", "dkdv", "dq"))
+    first = slice(0, fwd.block_n)
+    s0 = (s[:, first] * scale).masked_fill(~causal[:, first], -math.inf)
+    p0 = torch.exp(s0 - s0.amax(-1, keepdim=True)).to(DTYPE).double()
+    keys = torch.arange(SEQ)
+    lo = (keys // dkdv.block_n * dkdv.block_n) // dkdv.block_m * dkdv.block_m
+    rows = lo[:, None] + torch.arange(dkdv.block_m)[None, :]
+    taken = (rows < SEQ) & (rows >= keys[:, None])
+    rows = rows.clamp(max=SEQ - 1)
+
+    def per_key(grid, operand):
+        part = torch.where(taken, grid.T.gather(1, rows), 0.0).to(DTYPE).double()
+        return torch.einsum("nm,nmd->nd", part, operand[rows])
+
+    dq_first = slice(0, dq.block_n)
+    return {
+        "scores": s,
+        "bwd_scores": s,
+        "grad_probs": dp,
+        "context": p0 @ v[first],
+        "grad_q": ds[:, dq_first].to(DTYPE).double() @ k[dq_first],
+        "grad_v": per_key(probs, do),
+        "grad_k": per_key(ds, q),
+    }
+
+
+def fault(section, kind, where, matrices, persistent=False):
+    options = dict(PATTERNS[where])
+    if kind == "value":
+        r, c = options["position"]
+        m = matrices[section]
+        tile = m[ROW - 16 : ROW + 16, max(c - 16, 0) : c + 16]
+        options["value"] = (m[r, c] + tile.pow(2).mean().sqrt()).item()
+    return FlashFault(section, TensorFault(kind, bit=30, seed=3, **options), persistent)
+
+
+def outcomes(ledger, section):
+    return {o: sum(k.values()) for o, k in ledger.summary()[section].items()}
+
+
+@pytest.mark.parametrize("where", list(PATTERNS))
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+@pytest.mark.parametrize("section", FLASH_SECTIONS)
+def test_a_transient_fault_is_corrected_bit_for_bit_and_counted_once(case, section, kind, where):
+    q, k, v, do, clean, matrices = case
+    got, ledger = run(q, k, v, do, faults=[fault(section, kind, where, matrices)])
+    assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True))
+    assert outcomes(ledger, section) == {"detected": 1, "corrected": 1, "uncorrectable": 0}
+    assert ledger.counts.sum() == 2, ledger.summary()  # nothing in another section
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+@pytest.mark.parametrize("section", FLASH_SECTIONS)
+def test_a_persistent_fault_is_counted_uncorrectable(case, section, kind):
+    q, k, v, do, _, matrices = case
+    _, ledger = run(q, k, v, do, faults=[fault(section, kind, "0d", matrices, persistent=True)])
+    assert outcomes(ledger, section) == {"detected": 1, "corrected": 0, "uncorrectable": 1}
+    record = ledger.section(section)
+    assert int(record.logged) == 1
+    status, matrix = record.log[0, 1:3].tolist()
+    assert (status, matrix) == (2.0, 0.0)  # uncorrectable, in matrix 0
+
+
+def test_a_forward_and_a_backward_fault_land_in_one_call(case):
+    q, k, v, do, clean, matrices = case
+    faults = [fault("context", "nan", "0d", matrices), fault("grad_k", "inf", "0d", matrices)]
+    got, ledger = run(q, k, v, do, faults=faults)
+    assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True))
+    assert outcomes(ledger, "context")["corrected"] == outcomes(ledger, "grad_k")["corrected"] == 1
+    with pytest.raises(ValueError, match="at most one forward and one backward"):
+        run(q, k, v, do, faults=faults[:1] * 2)
+
+
+def test_a_fault_in_another_head_leaves_this_one_alone():
+    """GQA: the fault lands in matrix 3 (batch 1, head 1 of 2); the counters name it."""
+    q, k, v, do = inputs(2, 2, 1, 40, DIM, DTYPE, seed=5)
+    clean, _ = run(q, k, v, do)
+    bad = FlashFault("grad_v", TensorFault("nan", position=(3, 3), batch_index=3))
+    got, ledger = run(q, k, v, do, faults=[bad])
+    assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True))
+    assert ledger.section("grad_v").log[0, 2].item() == 3.0

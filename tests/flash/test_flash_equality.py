@@ -1,0 +1,131 @@
+"""The protected flash attention computes attention: output and dQ, dK, dV against a float64
+reference, within FlashAttention's rule (at most 2x the error of the same-precision PyTorch
+attention; bf16 against a bf16 baseline), clean checks raising nothing. Triton's interpreter,
+on CPU, at small shapes; one process."""
+
+import math
+
+import pytest
+import torch
+from flash_cases import attention, errors, inputs, outputs, run
+
+from megatron_abft.flash import flash_attention
+
+SEQS = (1, 17, 129, 256)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HEADS = ((4, 4), (4, 2), (4, 1))  # MHA, GQA, MQA
+
+
+def _cases():
+    """Every sequence length with every dtype; head dim, causal and the head layout rotate so
+    that each dtype meets both head dims, both masks (in all four pairs) and all three
+    layouts."""
+    for i, seq in enumerate(SEQS):
+        for j, dtype in enumerate(DTYPES):
+            yield pytest.param(
+                seq,
+                (64, 128)[(i + j) % 2],
+                dtype,
+                (True, False)[(i // 2 + j) % 2],
+                HEADS[(i + 2 * j) % 3],
+                id=f"seq{seq}-{str(dtype)[6:]}",
+            )
+
+
+@pytest.mark.parametrize("seq, dim, dtype, causal, heads", list(_cases()))
+def test_output_and_gradients_are_within_flash_attentions_rule(seq, dim, dtype, causal, heads):
+    batch = 2 if seq < 64 else 1
+    q, k, v, do = inputs(batch, *heads, seq, dim, dtype, seed=seq + dim)
+    scale = 1 / math.sqrt(dim)
+
+    def reference(a, b, c):
+        return attention(a, b, c, causal, scale)
+
+    exact = outputs(reference, q, k, v, do, torch.float64)
+    baseline = errors(outputs(reference, q, k, v, do), exact)
+    got, ledger = run(q, k, v, do, causal=causal)
+    for name, error, allowed in zip(
+        ("output", "dq", "dk", "dv"), errors(got, exact), baseline, strict=True
+    ):
+        # a floor of a few fp32 roundings of the largest value, where PyTorch's own error is
+        # at that level (fp32)
+        floor = 8 * 2**-24 * max(t.abs().max().item() for t in exact)
+        assert error <= 2 * allowed + floor, (name, error, allowed)
+    assert all(t.dtype == dtype for t in got)
+    assert ledger.counts.sum() == 0, ledger.summary()
+
+
+def test_head_dims_between_the_kernels_widths_are_padded():
+    q, k, v, do = inputs(1, 2, 1, 33, 80, torch.float32)
+    exact = outputs(lambda a, b, c: attention(a, b, c, True, 80**-0.5), q, k, v, do, torch.float64)
+    got, ledger = run(q, k, v, do)
+    assert max(errors(got, exact)) < 1e-5
+    assert ledger.counts.sum() == 0
+
+
+def test_queries_and_keys_of_different_lengths_take_the_top_left_causal_mask():
+    q, k, v, do = inputs(1, 2, 2, 20, 64, torch.float32, kv_seq=70)
+    for causal in (True, False):
+        exact = outputs(
+            lambda a, b, c, causal=causal: attention(a, b, c, causal, 0.125),
+            q,
+            k,
+            v,
+            do,
+            torch.float64,
+        )
+        got, _ = run(q, k, v, do, causal=causal)
+        assert max(errors(got, exact)) < 1e-5
+
+
+def test_inputs_in_megatrons_layout_need_no_copy():
+    """q, k, v as views of [seq, batch, heads, dim] tensors: the output and gradients come back
+    in the same layout, so that the attention's [sq, b, np * hn] output is a view."""
+    base = [torch.randn(40, 2, h, 64) for h in (4, 2, 2)]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in base)
+    do = torch.randn(40, 2, 4, 64).permute(1, 2, 0, 3)
+    (out, dq, dk, dv), _ = run(q, k, v, do)
+    assert out.permute(2, 0, 1, 3).is_contiguous()
+    assert dq.permute(2, 0, 1, 3).is_contiguous() and dk.permute(2, 0, 1, 3).is_contiguous()
+    exact = outputs(lambda a, b, c: attention(a, b, c, True, 0.125), q, k, v, do, torch.float64)
+    assert max(errors([out, dq, dk, dv], exact)) < 1e-5
+
+
+def test_the_checks_compiled_out_give_the_same_numbers():
+    q, k, v, do = inputs(1, 2, 1, 70, 64, torch.bfloat16)
+    checked, _ = run(q, k, v, do)
+    plain, ledger = run(q, k, v, do, sections=())
+    assert all(torch.equal(a, b) for a, b in zip(checked, plain, strict=True))
+    assert ledger.counts.sum() == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)), "4-d"),
+        (
+            (torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64).half(), torch.randn(1, 2, 8, 64)),
+            "one dtype",
+        ),
+        (
+            (torch.randn(1, 2, 8, 64).double(),) * 3,
+            "float32, bfloat16, float16",
+        ),
+        ((torch.randn(1, 3, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)), "split"),
+        ((torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 32), torch.randn(1, 2, 8, 32)), "head"),
+        ((torch.randn(1, 2, 8, 64), torch.randn(1, 2, 9, 64), torch.randn(1, 2, 8, 64)), "differ"),
+        ((torch.randn(1, 2, 8, 256),) * 3, "unfused"),
+        ((torch.randn(1, 2, 0, 64),) * 3, "empty"),
+    ],
+)
+def test_bad_inputs_are_refused_with_what_is_wrong(args, message):
+    with pytest.raises(ValueError, match=message):
+        flash_attention(*args)
+
+
+def test_bad_options_are_refused():
+    q = torch.randn(1, 2, 8, 64)
+    with pytest.raises(ValueError, match="unknown section 'qkv'"):
+        flash_attention(q, q, q, sections=("qkv",))
+    with pytest.raises(ValueError, match="threshold_scale"):
+        flash_attention(q, q, q, threshold_scale=0.0)

@@ -1,0 +1,181 @@
+"""ProtectedFlashAttention in Megatron-core: what the spec builds, what it refuses, and a GPT
+(GQA, RoPE, causal) under tensor parallelism that matches the stock local spec, clean and with
+faults in every section on either rank. Distributed tests spawn gloo ranks on CPU
+(tests/mcore.py), the kernels in Triton's interpreter; each test says how many ranks."""
+
+import dataclasses
+
+import pytest
+import torch
+from mcore import Shape, build_gpt, loss_and_grads, spawn
+
+from megatron_abft.config import FLASH_SECTIONS, ABFTConfig
+
+GQA = Shape(heads=4, groups=2, seq=40)
+MATCH = [GQA, Shape(heads=4, groups=1, seq=24), Shape(seq=24, dtype=torch.bfloat16)]
+
+
+def _close(loss, ref_loss, grads, ref_grads, dtype):
+    """Flash and Megatron's unfused attention round differently: equal to the dtype's rounding
+    (bf16: P~ rounded for the P V GEMM, as every flash attention does)."""
+    half = dtype != torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2 if half else 1e-5, atol=0)
+    for key, ref in ref_grads.items():
+        error = (grads[key].double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)
+        assert error <= (3e-2 if half else 1e-4), (key, float(error))
+
+
+def _matching_worker(shapes):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    flash = get_gpt_layer_abft_spec(ABFTConfig(), attention="flash")
+    stock = get_gpt_layer_local_spec()
+    return [
+        (loss_and_grads(build_gpt(s, flash), s), loss_and_grads(build_gpt(s, stock), s))
+        for s in shapes
+    ]
+
+
+def _faults_worker(shape):
+    """For each section and rank: a NaN landed in layer 2's kernels on that rank; the run's
+    loss and gradients, and what each rank's counters and events say."""
+    from megatron_abft import Fault, collect_events, inject, reset_stats, stats
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    model = build_gpt(shape, get_gpt_layer_abft_spec(ABFTConfig(), attention="flash"))
+    clean = loss_and_grads(model, shape)
+    results = {}
+    for section in FLASH_SECTIONS:
+        for rank in (0, 1):
+            reset_stats(model)
+            fault = Fault(section, "nan", layer=2, tp_rank=rank, position=(20, 3), seed=1)
+            with inject(model, [fault]) as log:
+                run = loss_and_grads(model, shape)
+            results[section, rank] = (
+                run,
+                stats(model),
+                [(e["rank"], e["layer"], e["section"], e["action"]) for e in collect_events(model)],
+                len(log),
+            )
+    return clean, results
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_the_flash_spec_matches_the_stock_spec(tp):
+    """Spawns 2 ranks: GQA (2 KV groups), MQA (1 group, fewer than ranks) and bf16."""
+    ranks = spawn(tp, tp, _matching_worker, MATCH)
+    for rank in ranks:
+        if isinstance(rank, Exception):
+            raise rank
+    for shape, (flash, stock) in zip(MATCH, ranks[0], strict=True):
+        _close(*flash, *stock, shape.dtype)
+
+
+def test_faults_in_every_section_on_either_rank_are_corrected_and_named():
+    """Spawns 2 ranks. Each transient fault leaves loss and gradients as the clean run's, bit
+    for bit, and only the faulty rank counts it, in its section, where the events name it."""
+    ranks = spawn(2, 2, _faults_worker, GQA)
+    for rank in ranks:
+        if isinstance(rank, Exception):
+            raise rank
+    for here, (clean, results) in enumerate(ranks):
+        for (section, faulty), ((loss, grads), counts, events, landed) in results.items():
+            assert torch.equal(loss, clean[0]), (section, faulty)
+            assert all(torch.equal(grads[k], clean[1][k]) for k in grads), (section, faulty)
+            found = {o: sum(kinds.values()) for o, kinds in counts[section].items()}
+            if here == faulty:
+                assert landed == 1
+                assert found == {"detected": 1, "corrected": 1, "uncorrectable": 0, "recomputed": 0}
+                assert events == [(here, 2, section, "corrected")]
+            else:
+                assert landed == 0 and found["detected"] == 0 and events == []
+            others = [s for s in counts if s != section]
+            assert all(sum(counts[s]["detected"].values()) == 0 for s in others), section
+
+
+def _persistent_worker(policy):
+    from megatron_abft import ABFTUncorrectableError, Fault, finish_step, inject, set_step
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    shape = Shape(seq=24)
+    config = ABFTConfig(on_uncorrectable=policy)
+    model = build_gpt(shape, get_gpt_layer_abft_spec(config, attention="flash"))
+    set_step(model, 0)
+    fault = Fault("grad_k", "inf", layer=1, tp_rank=1, persistent=True, position=(5, 2))
+    with inject(model, [fault]):
+        loss_and_grads(model, shape)
+    try:
+        return finish_step(model).action
+    except ABFTUncorrectableError as error:
+        return error.where
+
+
+@pytest.mark.parametrize("policy", ["raise", "recompute", "skip_step"])
+def test_a_persistent_fault_reaches_the_policy_on_every_rank(policy):
+    """Spawns 2 ranks; the fault is in rank 1's kernels, the decision is every rank's."""
+    ranks = spawn(2, 2, _persistent_worker, policy)
+    if policy == "raise":
+        assert ranks[1] == [{"rank": 1, "tp_rank": 1, "layer": 1, "section": "grad_k", "step": 0}]
+        assert ranks[0][0]["rank"] == "another"
+    else:
+        assert ranks == [policy, policy]
+
+
+def _construction_worker():
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_abft.attention import ProtectedDotProductAttention
+    from megatron_abft.flash_attention import ProtectedFlashAttention
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    def core(attention):
+        model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(), attention=attention))
+        return type(model.decoder.layers[0].self_attention.core_attention)
+
+    built = {name: core(name) for name in ("flash", "unfused", "auto")}
+    errors = {}
+    spec = get_gpt_layer_abft_spec(ABFTConfig(), attention="flash")
+    for name, shape in {"dropout": Shape(dropout=0.1)}.items():
+        try:
+            build_gpt(shape, spec)
+        except ValueError as error:
+            errors[name] = str(error)
+    model = build_gpt(Shape(), spec)
+    attention = model.decoder.layers[0].self_attention.core_attention
+    for name, backend in {"fused": AttnBackend.fused, "flash": AttnBackend.flash}.items():
+        config = dataclasses.replace(model.config, attention_backend=backend)
+        try:
+            ProtectedFlashAttention(config, 1, attention.attn_mask_type, "self")
+            errors[name] = None
+        except ValueError as error:
+            errors[name] = str(error)
+    try:
+        from megatron.core.transformer.enums import AttnMaskType
+
+        ProtectedFlashAttention(model.config, 1, AttnMaskType.padding, "self")
+    except ValueError as error:
+        errors["padding"] = str(error)
+    return built == {
+        "flash": ProtectedFlashAttention,
+        "unfused": ProtectedDotProductAttention,
+        "auto": ProtectedDotProductAttention,  # no GPU here
+    }, errors
+
+
+def test_the_spec_builds_the_attention_asked_for_and_refuses_what_flash_lacks():
+    """Spawns 1 rank."""
+    (built, errors) = spawn(1, 1, _construction_worker)[0]
+    assert built
+    assert "attention_dropout=0" in errors["dropout"] and "attention='unfused'" in errors["dropout"]
+    assert errors["flash"] is None  # Megatron's flash backend is this attention now
+    assert "attention_backend=fused is not supported" in errors["fused"]
+    assert "attention='unfused'" in errors["padding"]
+
+
+def test_an_unknown_attention_is_refused():
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    with pytest.raises(ValueError, match="attention='flashy': choose from auto, flash, unfused"):
+        get_gpt_layer_abft_spec(ABFTConfig(), attention="flashy")

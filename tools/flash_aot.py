@@ -1,0 +1,145 @@
+"""Build every flash kernel configuration for sm_80 and sm_90 without a GPU and report what each
+uses (shared memory, registers, spills): ``megatron_abft.flash.aot``. CI runs the same builds
+(tests/flash/test_aot.py); this writes them down for docs/benchmarks.md.
+
+    python tools/flash_aot.py --json docs/figures/flash_aot.json --markdown
+
+``--search`` picks the tile shapes launch.blocks uses: for each kernel, head width and dtype,
+the first candidate (largest tiles first) whose heaviest variants build without spills for
+both architectures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from megatron_abft.flash import aot, launch
+
+CANDIDATES: dict[str, list[launch.Blocks]] = {
+    "forward": [
+        launch.Blocks(128, 64, 8, 2),
+        launch.Blocks(64, 64, 4, 2),
+        launch.Blocks(64, 64, 8, 2),
+        launch.Blocks(128, 32, 8, 2),
+        launch.Blocks(64, 32, 4, 2),
+        launch.Blocks(32, 32, 4, 2),
+        launch.Blocks(32, 16, 4, 1),
+        launch.Blocks(16, 16, 4, 1),
+        launch.Blocks(16, 16, 1, 1),
+    ],
+    "dkdv": [
+        launch.Blocks(64, 64, 8, 2),
+        launch.Blocks(32, 64, 4, 2),
+        launch.Blocks(32, 64, 8, 2),
+        launch.Blocks(32, 32, 4, 2),
+        launch.Blocks(32, 32, 8, 2),
+        launch.Blocks(16, 32, 4, 1),
+        launch.Blocks(16, 16, 4, 1),
+        launch.Blocks(16, 16, 1, 1),
+    ],
+    "dq": [
+        launch.Blocks(128, 32, 8, 2),
+        launch.Blocks(64, 64, 8, 2),
+        launch.Blocks(64, 32, 4, 2),
+        launch.Blocks(64, 32, 8, 2),
+        launch.Blocks(64, 16, 8, 2),
+        launch.Blocks(32, 32, 4, 2),
+        launch.Blocks(32, 16, 4, 1),
+        launch.Blocks(16, 16, 4, 1),
+        launch.Blocks(16, 16, 1, 1),
+    ],
+}
+
+
+def search(workers: int) -> dict[tuple[str, int, str], launch.Blocks | None]:
+    """The first candidate of each (kernel, width, dtype) whose checked, inject and calibrate
+    variants, causal or not, build for every architecture without a problem (None: none
+    does)."""
+    chosen = {}
+    for kernel in launch.KERNELS:
+        for width in launch.HEAD_DIMS:
+            for dtype in launch.GPU_DTYPES:
+                name = str(dtype).removeprefix("torch.")
+                for blocks in CANDIDATES[kernel]:
+                    configs = [
+                        aot.Config(kernel, name, width, causal, variant, blocks)
+                        for causal in (False, True)
+                        for variant in ("checked", "inject", "calibrate")
+                    ]
+                    builds = aot.build_all(configs, workers=workers)
+                    worst = max(builds, key=lambda b: (b.stack + b.local, b.registers))
+                    print(
+                        kernel,
+                        width,
+                        name,
+                        blocks,
+                        "->",
+                        worst.registers,
+                        worst.stack,
+                        worst.problems,
+                        flush=True,
+                    )
+                    if not any(b.problems for b in builds):
+                        chosen[kernel, width, name] = blocks
+                        break
+                else:
+                    chosen[kernel, width, name] = None
+    return chosen
+
+
+def markdown(builds: list[aot.Build]) -> str:
+    """A table: per configuration, shared memory and registers on each architecture."""
+    rows = {}
+    for b in builds:
+        c = b.config
+        key = (c.kernel, c.head_dim, c.dtype, c.variant)
+        rows.setdefault(key, {"blocks": c.blocks})[b.arch] = b
+    lines = [
+        "| kernel | head dim | dtype | variant | tile (m, n, warps, stages) "
+        "| sm_80 smem KiB / regs | sm_90 smem KiB / regs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (kernel, width, dtype, variant), row in rows.items():
+        b = row["blocks"]
+        cells = [
+            f"{row[arch].shared / 1024:.0f} / {row[arch].registers}" if arch in row else "-"
+            for arch in aot.ARCHS
+        ]
+        lines.append(
+            f"| {kernel} | {width} | {dtype} | {variant} | "
+            f"{b.block_m}, {b.block_n}, {b.num_warps}, {b.num_stages} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write every build here")
+    parser.add_argument("--markdown", action="store_true", help="print the table for the docs")
+    parser.add_argument("--search", action="store_true", help="pick the tile shapes")
+    parser.add_argument("--workers", type=int, default=0, help="processes (0: one a CPU)")
+    args = parser.parse_args(argv)
+    if args.search:
+        for key, blocks in search(args.workers).items():
+            print(key, blocks)
+        return 0
+    start = time.perf_counter()
+    configs = aot.configurations()
+    builds = aot.build_all(configs, workers=args.workers)
+    problems = [(b.config, b.arch, b.problems) for b in builds if b.problems]
+    seconds = time.perf_counter() - start
+    print(f"{len(builds)} builds in {seconds:.0f} s, {len(problems)} with problems")
+    for problem in problems:
+        print(*problem)
+    if args.json:
+        args.json.write_text(json.dumps([b.as_dict() for b in builds], indent=1) + "\n")
+    if args.markdown:
+        print(markdown(builds))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
