@@ -39,26 +39,33 @@ def _matching_worker(shapes):
 
 
 def _faults_worker(shape):
-    """For each section and rank: a NaN landed in layer 2's kernels on that rank; the run's
-    loss and gradients, and what each rank's counters and events say."""
+    """Run i lands a NaN in layer 2's kernels in section i on rank 0 and in section i + 1 on
+    rank 1, so that every section is hit on either rank; the run's loss and gradients, and
+    what this rank's counters and events say."""
     from megatron_abft import Fault, collect_events, inject, reset_stats, stats
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     model = build_gpt(shape, get_gpt_layer_abft_spec(ABFTConfig(), attention="flash"))
     clean = loss_and_grads(model, shape)
-    results = {}
-    for section in FLASH_SECTIONS:
-        for rank in (0, 1):
-            reset_stats(model)
-            fault = Fault(section, "nan", layer=2, tp_rank=rank, position=(20, 3), seed=1)
-            with inject(model, [fault]) as log:
-                run = loss_and_grads(model, shape)
-            results[section, rank] = (
+    results = []
+    for i, section in enumerate(FLASH_SECTIONS):
+        reset_stats(model)
+        sections = (section, FLASH_SECTIONS[(i + 1) % len(FLASH_SECTIONS)])
+        faults = [
+            Fault(s, "nan", layer=2, tp_rank=rank, position=(20, 3), seed=1)
+            for rank, s in enumerate(sections)
+        ]
+        with inject(model, faults) as log:
+            run = loss_and_grads(model, shape)
+        results.append(
+            (
+                sections,
                 run,
                 stats(model),
                 [(e["rank"], e["layer"], e["section"], e["action"]) for e in collect_events(model)],
                 len(log),
             )
+        )
     return clean, results
 
 
@@ -70,57 +77,62 @@ def test_the_flash_spec_matches_the_stock_spec(tp):
         if isinstance(rank, Exception):
             raise rank
     for shape, (flash, stock) in zip(MATCH, ranks[0], strict=True):
-        _close(*flash, *stock, shape.dtype)
+        _close(flash[0], stock[0], flash[1], stock[1], shape.dtype)
 
 
 def test_faults_in_every_section_on_either_rank_are_corrected_and_named():
     """Spawns 2 ranks. Each transient fault leaves loss and gradients as the clean run's, bit
-    for bit, and only the faulty rank counts it, in its section, where the events name it."""
+    for bit, and only its rank counts it, in its section, where the events name it."""
     ranks = spawn(2, 2, _faults_worker, GQA)
     for rank in ranks:
         if isinstance(rank, Exception):
             raise rank
+    hit = set()
     for here, (clean, results) in enumerate(ranks):
-        for (section, faulty), ((loss, grads), counts, events, landed) in results.items():
-            assert torch.equal(loss, clean[0]), (section, faulty)
-            assert all(torch.equal(grads[k], clean[1][k]) for k in grads), (section, faulty)
-            found = {o: sum(kinds.values()) for o, kinds in counts[section].items()}
-            if here == faulty:
-                assert landed == 1
-                assert found == {"detected": 1, "corrected": 1, "uncorrectable": 0, "recomputed": 0}
-                assert events == [(here, 2, section, "corrected")]
-            else:
-                assert landed == 0 and found["detected"] == 0 and events == []
-            others = [s for s in counts if s != section]
-            assert all(sum(counts[s]["detected"].values()) == 0 for s in others), section
+        for sections, (loss, grads), counts, events, landed in results:
+            assert torch.equal(loss, clean[0]), sections
+            assert all(torch.equal(grads[k], clean[1][k]) for k in grads), sections
+            section = sections[here]
+            assert landed == 1
+            assert events == [(here, 2, section, "corrected")]
+            for name, outcomes in counts.items():
+                found = {o: sum(kinds.values()) for o, kinds in outcomes.items()}
+                mine = (1, 1) if name == section else (0, 0)
+                assert (found["detected"], found["corrected"]) == mine, (here, name, section)
+                assert found["uncorrectable"] == 0
+            hit.add((section, here))
+    assert len(hit) == 2 * len(FLASH_SECTIONS)
 
 
-def _persistent_worker(policy):
+def _persistent_worker(policies):
+    """For each policy: a persistent fault in rank 1's kernels, and what finish_step decides
+    on this rank (the error's ``where`` under raise)."""
     from megatron_abft import ABFTUncorrectableError, Fault, finish_step, inject, set_step
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     shape = Shape(seq=24)
-    config = ABFTConfig(on_uncorrectable=policy)
-    model = build_gpt(shape, get_gpt_layer_abft_spec(config, attention="flash"))
-    set_step(model, 0)
-    fault = Fault("grad_k", "inf", layer=1, tp_rank=1, persistent=True, position=(5, 2))
-    with inject(model, [fault]):
-        loss_and_grads(model, shape)
-    try:
-        return finish_step(model).action
-    except ABFTUncorrectableError as error:
-        return error.where
+    decisions = {}
+    for policy in policies:
+        config = ABFTConfig(on_uncorrectable=policy)
+        model = build_gpt(shape, get_gpt_layer_abft_spec(config, attention="flash"))
+        set_step(model, 0)
+        fault = Fault("grad_k", "inf", layer=1, tp_rank=1, persistent=True, position=(5, 2))
+        with inject(model, [fault]):
+            loss_and_grads(model, shape)
+        try:
+            decisions[policy] = finish_step(model).action
+        except ABFTUncorrectableError as error:
+            decisions[policy] = error.where
+    return decisions
 
 
-@pytest.mark.parametrize("policy", ["raise", "recompute", "skip_step"])
-def test_a_persistent_fault_reaches_the_policy_on_every_rank(policy):
+def test_a_persistent_fault_reaches_the_policy_on_every_rank():
     """Spawns 2 ranks; the fault is in rank 1's kernels, the decision is every rank's."""
-    ranks = spawn(2, 2, _persistent_worker, policy)
-    if policy == "raise":
-        assert ranks[1] == [{"rank": 1, "tp_rank": 1, "layer": 1, "section": "grad_k", "step": 0}]
-        assert ranks[0][0]["rank"] == "another"
-    else:
-        assert ranks == [policy, policy]
+    ranks = spawn(2, 2, _persistent_worker, ("raise", "recompute", "skip_step"))
+    where = {"rank": 1, "tp_rank": 1, "layer": 1, "section": "grad_k", "step": 0}
+    assert ranks[1]["raise"] == [where] and ranks[0]["raise"][0]["rank"] == "another"
+    for rank in ranks:
+        assert (rank["recompute"], rank["skip_step"]) == ("recompute", "skip_step")
 
 
 def _construction_worker():
