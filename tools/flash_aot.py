@@ -4,9 +4,9 @@ uses (shared memory, registers, spills): ``megatron_abft.flash.aot``. CI runs th
 
     python tools/flash_aot.py --json docs/figures/flash_aot.json --markdown
 
-``--search`` picks the tile shapes launch.blocks uses: for each kernel, head width and dtype,
-the first candidate (largest tiles first) whose heaviest variants build without spills for
-both architectures.
+``--search`` picks the tile shapes launch.TILES holds: for each kernel, head width and dtype,
+the first candidate (largest tiles first) whose every variant builds without spills for both
+architectures.
 """
 
 from __future__ import annotations
@@ -55,9 +55,8 @@ CANDIDATES: dict[str, list[launch.Blocks]] = {
 
 
 def search(workers: int) -> dict[tuple[str, int, str], launch.Blocks | None]:
-    """The first candidate of each (kernel, width, dtype) whose checked, inject and calibrate
-    variants, causal or not, build for every architecture without a problem (None: none
-    does)."""
+    """The first candidate of each (kernel, width, dtype) whose every variant, causal or not,
+    builds for every architecture without a problem (None: none does)."""
     chosen = {}
     for kernel in launch.KERNELS:
         for width in launch.HEAD_DIMS:
@@ -67,7 +66,7 @@ def search(workers: int) -> dict[tuple[str, int, str], launch.Blocks | None]:
                     configs = [
                         aot.Config(kernel, name, width, causal, variant, blocks)
                         for causal in (False, True)
-                        for variant in ("checked", "inject", "calibrate")
+                        for variant in aot.VARIANTS
                     ]
                     builds = aot.build_all(configs, workers=workers)
                     worst = max(builds, key=lambda b: (b.stack + b.local, b.registers))

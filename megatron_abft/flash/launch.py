@@ -51,16 +51,29 @@ class Blocks:
     num_stages: int
 
 
+TILES: dict[tuple[str, int], Blocks] = {
+    ("forward", 64): Blocks(128, 64, 8, 2),
+    ("forward", 128): Blocks(32, 32, 8, 2),
+    ("dkdv", 64): Blocks(32, 32, 8, 2),
+    ("dkdv", 128): Blocks(32, 32, 8, 2),
+    ("dq", 64): Blocks(64, 16, 8, 2),
+    ("dq", 128): Blocks(32, 32, 4, 2),
+}
+"""Tile shapes by kernel and head width, for bf16 and fp16 (the same for both): the first of
+tools/flash_aot.py's candidates, largest first, whose every variant builds for sm_80 and sm_90
+without spilling (``python tools/flash_aot.py --search``). For dK/dV, block_m is the query
+block it streams and block_n the key block it holds."""
+INTERPRETED = Blocks(64, 64, 4, 2)
+"""fp32's tiles: it runs in the interpreter only (GPU_DTYPES), where larger tiles run faster."""
+
+
 def blocks(kernel: str, head_dim: int, dtype: torch.dtype) -> Blocks:
-    """The tile shape ``kernel`` launches with for a padded ``head_dim`` and input ``dtype``:
-    sized so that every configuration builds for sm_80 and sm_90 without spilling registers
-    (tools/flash_aot.py checks them all)."""
+    """The tile shape ``kernel`` launches with for a padded ``head_dim`` and input ``dtype``."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown flash kernel {kernel!r}; choose from {', '.join(KERNELS)}")
-    wide = head_dim > 64 or dtype == torch.float32
-    if kernel == "forward":
-        return Blocks(64, 64 if not wide else 32, 4, 2)
-    return Blocks(64 if not wide else 32, 64 if not wide else 32, 4, 2)
+    if dtype not in GPU_DTYPES:
+        return INTERPRETED
+    return TILES[kernel, head_dim]
 
 
 def padded_head_dim(head_dim: int) -> int:

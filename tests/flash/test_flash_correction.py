@@ -16,7 +16,7 @@ from megatron_abft.flash import FlashFault
 from megatron_abft.flash.launch import blocks, padded_head_dim
 
 SEQ, DIM, DTYPE = 80, 64, torch.bfloat16
-ROW = 64  # a tile's first row for every tile height the kernels use (16 to 64)
+ROW = 64  # a tile's first row for every tile height the kernels use (16 to 64; 128 holds it)
 PATTERNS = {
     "0d": dict(pattern="0d", position=(70, 5)),
     "row in a tile": dict(pattern="row", position=(ROW, 0), block=(1, 8)),
