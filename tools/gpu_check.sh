@@ -10,7 +10,12 @@
 #     bash tools/gpu_check.sh more
 # (the machine still warm, or it installs again) runs what did not fit: the host's time per check
 # and per step (bench_host.py), the GPT-3 350M step at micro-batch 4 (at 1 the host may bound the
-# step, and its overhead with it) and the kernels at sequence 4096.
+# step, and its overhead with it) and the kernels at sequence 4096. A third,
+#     bash tools/gpu_check.sh flash
+# runs the protected flash attention (Triton; no CUDA extension needed): its tests on the GPU's
+# compiled kernels, the no-false-alarm sweep on the tensor cores (the margin of each check),
+# compute-sanitizer on a few of its tests, and bench_attention.py against SDPA and the unfused
+# attention. Run it first when a session has one call: it is the unmeasured part.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
@@ -28,6 +33,25 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
         status=1
     fi
 }
+
+if [ "${1:-}" = flash ]; then
+    if ! "$PY" -c "import megatron, megatron_abft.flash" 2>/dev/null; then
+        step install 60 bash -c "$PY -m pip install --no-index --no-deps wheels/*.whl && \
+ABFT_BUILD=none $PY -m pip install --no-index --no-build-isolation --no-deps -e ."
+    fi
+    step environment 20 bash -c "nvidia-smi; $PY -c 'import torch, triton; \
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), triton.__version__)'"
+    step flash_tests 200 env ABFT_FLASH_DEVICE=cuda "$PY" -m pytest -q \
+        tests/flash/test_flash_equality.py tests/flash/test_flash_correction.py
+    step flash_false_alarms 90 "$PY" tools/flash_false_alarms.py --device cuda --seq 2048 \
+        --tiles 200000 --dtypes bf16 fp16 --json "$OUT/flash_false_alarms.json"
+    if command -v compute-sanitizer >/dev/null; then
+        step flash_sanitizer 90 env ABFT_FLASH_DEVICE=cuda compute-sanitizer --tool memcheck \
+            --error-exitcode 1 "$PY" -m pytest -q tests/flash/test_flash_equality.py -k "seq129"
+    fi
+    step bench_attention 200 "$PY" tools/bench_attention.py --json "$OUT/bench_attention.json"
+    exit $status
+fi
 
 if [ "${1:-}" = more ]; then
     if ! "$PY" -c "import megatron, megatron_abft._C" 2>/dev/null; then

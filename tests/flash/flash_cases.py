@@ -1,15 +1,21 @@
 """Shared pieces of the flash attention tests: inputs, the float64 and same-precision PyTorch
 references (FlashAttention's rule: an output is as good as the same-precision PyTorch
-attention's, within 2x its error against float64), and a run of forward and backward."""
+attention's, within 2x its error against float64), and a run of forward and backward.
+
+The tests run on CPU tensors (Triton's interpreter); ``ABFT_FLASH_DEVICE=cuda`` runs the same
+tests on the GPU's compiled kernels (tools/gpu_check.sh)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
 
 from megatron_abft.flash import FlashLedger, flash_attention
+
+DEVICE = torch.device(os.environ.get("ABFT_FLASH_DEVICE", "cpu"))
 
 
 def inputs(
@@ -22,12 +28,12 @@ def inputs(
     seed: int = 0,
     kv_seq: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q, k, v and an upstream gradient, standard normal."""
+    """q, k, v and an upstream gradient, standard normal, on DEVICE."""
     g = torch.Generator().manual_seed(seed)
     kv_seq = seq if kv_seq is None else kv_seq
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
 
     return (
         randn(batch, heads, seq, dim),
@@ -45,7 +51,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Te
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
         n_q, n_k = s.shape[-2:]
-        s = s.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1), -math.inf)
+        future = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future, -math.inf)
     return torch.softmax(s, dim=-1) @ v
 
 

@@ -40,7 +40,7 @@ def first_computations(q, k, v, do) -> dict[str, torch.Tensor]:
     """Each section's logical matrix as its first computation makes it: S and dP whole; the
     context and dQ as the first KV block's product; dV and dK, per key, as the first query
     block's (megatron_abft.flash.faults)."""
-    q, k, v, do = (t[0, 0].double() for t in (q, k, v, do))
+    q, k, v, do = (t[0, 0].double().cpu() for t in (q, k, v, do))
     scale = 1 / math.sqrt(DIM)
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
     s = q @ k.T
