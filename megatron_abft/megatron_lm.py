@@ -65,6 +65,7 @@ FAULT_KEYS: dict[str, str] = {
     "bit": "bit",
     "seed": "seed",
     "block": "block",
+    "persistent": "persistent",
 }
 """The keys of an ``--abft-inject`` spec and the ``Fault`` fields they set."""
 
@@ -102,7 +103,8 @@ def parse_check_interval(text: str | int) -> int | dict[str, int]:
 def parse_fault(text: str) -> Fault:
     """A fault from its command-line spec: ``section=scores,layer=1,kind=inf,step=20,tp-rank=1``.
     Keys: section (required), kind, pattern, layer (1-based), step (required), tp-rank, value,
-    bit, seed, block (rows x columns of a 2d block: ``block=64x64``)."""
+    bit, seed, block (rows x columns of a 2d block: ``block=64x64``), persistent (``yes``: in
+    every computation of its call, the flash kernels' second pass included)."""
     fields: dict[str, object] = {}
     for item in (part.strip() for part in text.split(",")):
         key, sep, value = item.partition("=")
@@ -120,10 +122,14 @@ def parse_fault(text: str) -> Fault:
                 fields[name] = float(value)
             elif name == "block":
                 fields[name] = tuple(int(size) for size in value.split("x"))
+            elif name == "persistent":
+                fields[name] = {"yes": True, "no": False}[value.strip()]
             else:
                 fields[name] = value.strip()
-        except ValueError:
-            expected = "rows x columns such as 4x4" if name == "block" else "a number"
+        except (ValueError, KeyError):
+            expected = {"block": "rows x columns such as 4x4", "persistent": "yes or no"}.get(
+                name, "a number"
+            )
             raise argparse.ArgumentTypeError(
                 f"{text!r}: {key}={value!r} is not {expected}"
             ) from None

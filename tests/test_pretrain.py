@@ -316,6 +316,9 @@ BAD = [
     (["--abft-inject", "section=scores,pattern=2d,block=4by4,step=2"], "block='4by4' is not rows "
      "x columns such as 4x4"),
     (["--abft-check-interval", "scores=0"], "use an int >= 1"),
+    (["--abft-attention", "flashy"], "invalid choice: 'flashy'"),
+    (["--abft-inject", "section=grad_q,step=2,persistent=maybe"], "persistent='maybe' is not "
+     "yes or no"),
     (["--abft-coverage-target", "1.5"], "'1.5' is not between 0 and 1"),
     (["--abft-fault-rates", "inf=1,bitrot=2"], "unknown fault kind 'bitrot'"),
     (["--abft-fault-rates", "nan=-1"], "rate of 'nan' must be >= 0"),
@@ -431,6 +434,16 @@ for abft in (True, False):  # --no-abft and no faults: Megatron's own local spec
     attention = model.decoder.layers[0].self_attention
     names = [type(m).__name__ for m in (attention.core_attention, attention.linear_qkv)]
     print("BUILT", abft, *names)
+args.abft, args.abft_attention = True, "flash"
+for dropout in (0.1, 0.0):  # Megatron-LM's default attention dropout, then none
+    args.attention_dropout = dropout
+    try:
+        model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
+            ProcessGroupCollection.use_mpu_process_groups()
+        )
+        print("BUILT flash", type(model.decoder.layers[0].self_attention.core_attention).__name__)
+    except ValueError as error:
+        print("REFUSED", "attention_dropout=0" in str(error))
 """
 
 
@@ -462,9 +475,15 @@ def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    built = [line for line in done.stdout.splitlines() if line.startswith(("BUILT", "POLICY"))]
+    built = [
+        line
+        for line in done.stdout.splitlines()
+        if line.startswith(("BUILT", "POLICY", "REFUSED"))
+    ]
     assert built == [
         "POLICY skip_step scores",
         "BUILT True ProtectedDotProductAttention ProtectedColumnParallelLinear",
         "BUILT False DotProductAttention ColumnParallelLinear",
+        "REFUSED True",
+        "BUILT flash ProtectedFlashAttention",
     ]
