@@ -476,9 +476,7 @@ def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     built = [
-        line
-        for line in done.stdout.splitlines()
-        if line.startswith(("BUILT", "POLICY", "REFUSED"))
+        line for line in done.stdout.splitlines() if line.startswith(("BUILT", "POLICY", "REFUSED"))
     ]
     assert built == [
         "POLICY skip_step scores",
