@@ -134,8 +134,11 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"flash_attention: q, k and v must share one dtype of float32, bfloat16, float16; "
             f"got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"flash_attention: q, k, v on {q.device}, {k.device}, {v.device}")
+    if not (q.device == k.device == v.device) or q.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"flash_attention: q, k, v on {q.device}, {k.device}, {v.device}; the kernels run "
+            "on one CUDA device, or on CPU"
+        )
     if q.device.type == "cuda" and q.dtype not in launch.GPU_DTYPES:
         raise ValueError(
             f"flash_attention: on a GPU the kernels take bfloat16 or float16, not {q.dtype} "

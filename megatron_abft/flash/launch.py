@@ -34,9 +34,9 @@ HEAD_DIMS: tuple[int, ...] = (64, 128)
 KERNELS: tuple[str, ...] = ("forward", "dkdv", "dq")
 
 TILE_C = 64.0
-"""The tile checks' bound is ``TILE_C * threshold_scale * 2**-24 * mass`` (docs/abft.md): the
-worst clean residual measured on CPU needed 4.3 (reference/flash_attention.md section 3); GPU
-tensor cores are calibrated by tools/flash_calibrate.py."""
+"""The tile checks' bound is ``TILE_C * threshold_scale * 2**-24 * mass`` (docs/abft.md §8):
+tools/flash_false_alarms.py measures each check's largest clean residual against it, on the
+CPU and, with ``--device cuda``, on a GPU's tensor cores."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,65 @@
+"""flash_attention as a PyTorch op: torch.compile traces it (a custom op with a fake, inside an
+autograd.Function), and its path holds no buffer of O(seq^2): every tensor it makes, forward and
+backward, is watched and none is the size of the scores."""
+
+import torch
+from flash_cases import inputs, outputs
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_abft.config import FLASH_SECTIONS
+from megatron_abft.flash import FlashLedger, flash_attention, launch
+from megatron_abft.flash.ledger import record
+
+
+def test_torch_compile_traces_it_whole_and_agrees_with_eager():
+    q, k, v, do = inputs(1, 2, 1, 40, 64, torch.bfloat16)
+    ledger = FlashLedger.on(q.device)
+
+    def attention(a, b, c):
+        return flash_attention(a, b, c, ledger=ledger)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    eager = outputs(attention, q, k, v, do)
+    traced = outputs(compiled, q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(traced, eager, strict=True))
+    assert ledger.counts.sum() == 0
+
+
+class _Sizes(TorchDispatchMode):
+    """The element count of every tensor an op makes while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.sizes.append((t.numel(), str(func)))
+        return out
+
+
+def test_no_tensor_on_its_path_is_the_size_of_the_scores():
+    """The ops' bodies, forward and backward, at 384 tokens, watched op by op: the largest
+    tensor they make is a few times q (the fp32 copies of O and dO for Delta, the checksum
+    parts), far from the 147,456 elements of one head's scores; the kernels themselves work
+    tile by tile in registers and shared memory."""
+    seq, dim = 384, 64
+    q, k, v, do = inputs(1, 1, 1, seq, dim, torch.bfloat16)
+    checks = launch.Checks((1 << len(FLASH_SECTIONS)) - 1, launch.TILE_C * 2.0**-24, 1e10)
+    ledger = FlashLedger.on(q.device)
+    with _Sizes() as watched:
+        for run in ("forward", "backward"):
+            found = launch.Found.empty(1, q.device)
+            if run == "forward":
+                o, lse = launch.forward(q, k, v, True, dim**-0.5, checks, found)
+            else:
+                launch.backward(do, q, k, v, o, lse, True, dim**-0.5, checks, found)
+            record(found, *ledger.tensors)
+    largest, op = max(watched.sizes)
+    assert largest <= 2 * seq * dim < seq * seq, (largest, op)
+    ops = {op for _, op in watched.sizes}
+    assert {"aten.mul.Tensor", "aten.sum.dim_IntList", "aten.empty_like.default"} <= ops
+    assert ledger.counts.sum() == 0
