@@ -66,6 +66,13 @@ class ProtectedFlashAttention(DotProductAttention):
             raise ValueError(
                 f"{where}: softmax_type={config.softmax_type} is not supported; use vanilla"
             )
+        half = config.bf16 or config.fp16 or config.params_dtype != torch.float32
+        if torch.cuda.is_available() and not half:
+            raise ValueError(
+                f"{where}: fp32 attention on a GPU is not supported by the flash kernels (they "
+                "take bf16 and fp16, accumulating in fp32); train in bf16 (--bf16) or use "
+                "attention='unfused'"
+            )
         if config.window_size is not None:
             raise ValueError(
                 f"{where}: sliding-window attention (window_size={config.window_size}) is not "

@@ -90,25 +90,24 @@ def search(workers: int) -> dict[tuple[str, int, str], launch.Blocks | None]:
 
 
 def markdown(builds: list[aot.Build]) -> str:
-    """A table: per configuration, shared memory and registers on each architecture."""
-    rows = {}
+    """A table: per kernel, head width and dtype, its tile and the most shared memory and
+    registers any of its variants (causal or not) uses on each architecture."""
+    rows: dict[tuple, dict] = {}
     for b in builds:
         c = b.config
-        key = (c.kernel, c.head_dim, c.dtype, c.variant)
-        rows.setdefault(key, {"blocks": c.blocks})[b.arch] = b
+        row = rows.setdefault((c.kernel, c.head_dim, c.dtype), {"blocks": c.blocks})
+        shared, registers = row.get(b.arch, (0, 0))
+        row[b.arch] = (max(shared, b.shared), max(registers, b.registers))
     lines = [
-        "| kernel | head dim | dtype | variant | tile (m, n, warps, stages) "
+        "| kernel | head dim | dtype | tile (m, n, warps, stages) "
         "| sm_80 smem KiB / regs | sm_90 smem KiB / regs |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|",
     ]
-    for (kernel, width, dtype, variant), row in rows.items():
+    for (kernel, width, dtype), row in rows.items():
         b = row["blocks"]
-        cells = [
-            f"{row[arch].shared / 1024:.0f} / {row[arch].registers}" if arch in row else "-"
-            for arch in aot.ARCHS
-        ]
+        cells = [f"{row[a][0] / 1024:.0f} / {row[a][1]}" if a in row else "-" for a in aot.ARCHS]
         lines.append(
-            f"| {kernel} | {width} | {dtype} | {variant} | "
+            f"| {kernel} | {width} | {dtype} | "
             f"{b.block_m}, {b.block_n}, {b.num_warps}, {b.num_stages} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
