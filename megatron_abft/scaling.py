@@ -4,7 +4,8 @@ For a model shape it counts, per layer and tensor-parallel rank, the baseline wo
 step (FLOPs of every GEMM, bytes of the memory-bound ops, number of tensor ops) and the extra
 work of each protected section, then turns work into time with a device profile
 (``time = flops / matmul rate + bytes / bandwidth + ops * launch latency``, each term a roofline
-limit of its own). Three implementations of the checks are modelled (IMPLEMENTATIONS):
+limit of its own). Four implementations of the checks are modelled (IMPLEMENTATIONS), three of
+the unfused attention (S and P materialised; UNFUSED) and the flash attention:
 
 - ``torch``: the PyTorch path of megatron_abft.eec and .checksum, pass by pass: every fp32 copy,
   abs and reduction over C and the operands, as the code does them;
@@ -21,6 +22,16 @@ limit of its own). Three implementations of the checks are modelled (IMPLEMENTAT
   Kernel 3 also replaces Megatron's softmax, forward and backward: where a device profile has
   timed both softmaxes and kernel 3's checks (SOFTMAX_PARTS, on the CPU), the difference is
   part of the cost; elsewhere both run at the bandwidth and the checks in the pass are free.
+- ``flash``: the protected flash attention (megatron_abft.flash), for GPUs only. Its baseline is
+  the same Triton kernels with the checks compiled out, in place of the unfused attention's
+  scores, softmax and context (flash_baseline): tile GEMMs on the tensor cores, the softmax's
+  exp2 on the special-function units and its other elementwise ops on the CUDA cores, and only
+  O(seq * head_dim) bytes. Its checks (flash_protection, flash_shared) are tensor-core FLOPs (a
+  16-wide reference MMA a checked tile GEMM), CUDA-core ops (the output tile's row sums and the
+  comparisons), and what the step runs once whenever any flash section is due: the checksum
+  prepass in torch ops (bytes and launches), the backward's rounding of Delta, the dQ kernel's
+  row identities and the ledger's updates. qkv and proj are checked as by ``kernels``. A
+  prediction only: no GPU has run these kernels yet.
 
 Every check also costs a number of small ops, each at the device's op latency: on a CPU the
 top-level tensor ops of a clean check (CHECK_OPS, counted on the code by tests/test_scaling.py;
@@ -30,8 +41,9 @@ dot product of the kernels' checksum products (an operand's row against one chec
 also costs a fixed time beyond its multiply-adds (DeviceProfile.check_dot, measured by the
 benchmark): for an operand head_dim wide, as Q, K and V are, that cost is most of the products'.
 
-The backward pass is not protected: protection costs forward work only, while the baseline step
-is forward + backward (2x the GEMM FLOPs) + optimizer. docs/scaling.md validates the model
+The unfused attention's backward pass is not protected: its protection costs forward work only,
+while the baseline step is forward + backward (2x the GEMM FLOPs) + optimizer. The flash path
+checks the attention's backward GEMMs too. docs/scaling.md validates the model
 against tools/bench_overhead.py and reports predictions for common model shapes.
 """
 
@@ -41,13 +53,20 @@ import math
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 
-from megatron_abft.config import FORWARD_SECTIONS
+import torch
+
+from megatron_abft.config import FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
+from megatron_abft.flash.checksums import WIDTH
+from megatron_abft.flash.launch import blocks, padded_head_dim
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-IMPLEMENTATIONS = ("torch", "kernels", "fused")
-"""How the checks run: the PyTorch path; today's code with the compiled kernels (one read of C
-for both sides with the comparisons, one of the larger operand and two of the smaller); and the
-fused path (the softmax pass verifies S and sums P, so those two reads go)."""
+UNFUSED = ("torch", "kernels", "fused")
+"""How the unfused attention's checks run: the PyTorch path; today's code with the compiled
+kernels (one read of C for both sides with the comparisons, one of the larger operand and two of
+the smaller); and the fused path (the softmax pass verifies S and sums P, so those two reads
+go)."""
+IMPLEMENTATIONS = (*UNFUSED, "flash")
+"""UNFUSED, and the flash attention's checks inside its kernels (qkv and proj as ``kernels``)."""
 CHECK_OPS = {"torch": 124, "kernels": 4, "fused": 4}
 """Top-level tensor ops of one clean check (encode both sides, verify, read whether anything
 was found) of a batched GEMM on a CPU, as a guard runs it once it has planned its shape
@@ -130,14 +149,18 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Work:
-    """An amount of work: GEMM FLOPs, bytes moved by memory-bound ops, tensor ops launched, and
-    the dot products of the checks' products kernels (a row of an operand against one checksum
-    vector; their multiply-adds are in ``flops``)."""
+    """An amount of work: GEMM FLOPs, bytes moved by memory-bound ops, tensor ops launched, the
+    dot products of the checks' products kernels (a row of an operand against one checksum
+    vector; their multiply-adds are in ``flops``), and inside the flash kernels, fp32 ops on the
+    CUDA cores (``vector``, an FMA one) and exponentials on the special-function units
+    (``exps``)."""
 
     flops: float = 0.0
     bytes: float = 0.0
     ops: float = 0.0
     dots: float = 0.0
+    vector: float = 0.0
+    exps: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -145,10 +168,19 @@ class Work:
             self.bytes + other.bytes,
             self.ops + other.ops,
             self.dots + other.dots,
+            self.vector + other.vector,
+            self.exps + other.exps,
         )
 
     def __mul__(self, factor: float) -> Work:
-        return Work(self.flops * factor, self.bytes * factor, self.ops * factor, self.dots * factor)
+        return Work(
+            self.flops * factor,
+            self.bytes * factor,
+            self.ops * factor,
+            self.dots * factor,
+            self.vector * factor,
+            self.exps * factor,
+        )
 
 
 SOFTMAX_PARTS = ("forward", "backward", "kernel3_forward", "kernel3_backward", "screen", "pass")
@@ -201,6 +233,19 @@ class DeviceProfile:
     unprotected steps (tools/overhead_report.py), where a layer's own small GEMMs, RoPE and
     elementwise passes run below the micro-benchmarks' rates. It scales the baseline, never
     the checks, which are priced by their own rates."""
+    vector: float | None = None
+    """fp32 ops a second on the CUDA cores, the flash kernels' elementwise work (Work.vector): an
+    add, multiply, max, compare or cast each, an FMA one, so half the datasheet's fp32 FLOP/s
+    (which counts an FMA as two). In the flash kernels the softmax's elementwise ops and the
+    checks' row sums and comparisons run between the tile GEMMs, issued by the same warps as the
+    softmax's exp2: an FA2-style kernel (no warp specialisation, unlike FlashAttention-3) does
+    not overlap them with the tensor cores, so the model adds their times to the GEMMs'. None:
+    not known (the CPU profiles), and the flash path is not priced."""
+    exp: float | None = None
+    """exp2 a second on the special-function units (MUFU), the flash softmax's exponentials
+    (Work.exps): 16 a clock an SM on sm_80 and sm_90, which on an H100 SXM is 3.9 T/s against
+    989 TFLOP/s of bf16 matmul (FlashAttention-3, arXiv 2407.08608, section 3): at head dim 64
+    the forward's exp2 take as long as its GEMMs. None: not known, as ``vector``."""
 
     def __post_init__(self) -> None:
         if not self.baseline_scale > 0:
@@ -219,21 +264,45 @@ class DeviceProfile:
         return (self.check_ops or CHECK_OPS)[impl]
 
     def time(self, work: Work, dtype: str) -> float:
-        return self._roofline(work, dtype, self.bandwidth, self.launch)
+        return sum(self._terms(work, dtype, self.bandwidth, self.launch).values())
 
     def check_time(self, work: Work, dtype: str) -> float:
         """Time of the checks' work: their bytes at ``check_bandwidth``, their ops at
         ``check_op``, their dot products at ``check_dot`` each."""
+        return sum(self.check_terms(work, dtype).values())
+
+    def check_terms(self, work: Work, dtype: str) -> dict[str, float]:
+        """check_time by kind of work: tensor-core FLOPs, bytes, ops, dot products, CUDA-core
+        ops and exponentials, in seconds."""
         op = self.launch if self.check_op is None else self.check_op
         bandwidth = self.check_bandwidth or self.bandwidth
-        return self._roofline(work, dtype, bandwidth, op) + work.dots * self.check_dot
+        return self._terms(work, dtype, bandwidth, op) | {"dots": work.dots * self.check_dot}
 
-    def _roofline(self, work: Work, dtype: str, bandwidth: float, op: float) -> float:
-        return work.flops / self.matmul[dtype] + work.bytes / bandwidth + work.ops * op
+    def _terms(self, work: Work, dtype: str, bandwidth: float, op: float) -> dict[str, float]:
+        return {
+            "flops": work.flops / self.matmul[dtype],
+            "bytes": work.bytes / bandwidth,
+            "ops": work.ops * op,
+            "vector": self._at(work.vector, self.vector, "vector"),
+            "exps": self._at(work.exps, self.exp, "exp"),
+        }
+
+    def _at(self, amount: float, rate: float | None, name: str) -> float:
+        """``amount`` at ``rate``; refused where work needs a rate the profile does not have."""
+        if not amount:
+            return 0.0
+        if rate is None:
+            raise ValueError(
+                f"DeviceProfile {self.name} has no {name} rate: the flash path is priced on GPU "
+                "profiles (DEVICES)"
+            )
+        return amount / rate
 
 
 # Datasheet peaks (dense, no sparsity) at sustained fractions of 70% for GEMMs and 85% for memory;
 # ``launch`` is the minimum time of a small kernel (launches overlap execution on a busy GPU).
+# The flash kernels' rates at 70% too: CUDA-core ops at half the fp32 FLOP/s (an FMA is one op),
+# exp2 at 16 a clock an SM (H100 SXM: 3.9 T/s, FlashAttention-3; A100: 108 SMs at 1.41 GHz).
 DEVICES = {
     "H100": DeviceProfile(
         "H100 SXM",
@@ -242,6 +311,8 @@ DEVICES = {
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM3)",
         check_ops=CHECK_KERNELS,
+        vector=0.7 * 67e12 / 2,
+        exp=0.7 * 3.9e12,
     ),
     "H200": DeviceProfile(
         "H200 SXM",
@@ -250,6 +321,8 @@ DEVICES = {
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM3e)",
         check_ops=CHECK_KERNELS,
+        vector=0.7 * 67e12 / 2,
+        exp=0.7 * 3.9e12,
     ),
     "A100": DeviceProfile(
         "A100 80GB SXM",
@@ -258,6 +331,8 @@ DEVICES = {
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM2e)",
         check_ops=CHECK_KERNELS,
+        vector=0.7 * 19.5e12 / 2,
+        exp=0.7 * 16 * 108 * 1.41e9,
     ),
 }
 
@@ -309,26 +384,160 @@ def softmax_seconds(shape: ModelShape, device: DeviceProfile, part: str) -> floa
     return 2 * forward if part == "backward" else forward
 
 
-def forward_backward_time(shape: ModelShape, device: DeviceProfile) -> float:
+def forward_backward_time(shape: ModelShape, device: DeviceProfile, flash: bool = False) -> float:
     """The baseline step's forward and backward as counted, before ``device.baseline_scale``:
     the GEMMs' FLOPs (backward 2x), the memory traffic (backward 2x), the logits GEMM and the
-    softmax both ways."""
-    per_layer = sum(baseline_forward(shape).values(), Work())
+    softmax both ways. ``flash``: with the flash attention's kernels (flash_baseline) in place
+    of the unfused attention's FLASH_REPLACES and softmax."""
+    parts = baseline_forward(shape)
+    if flash:
+        parts = {part: work for part, work in parts.items() if part not in FLASH_REPLACES}
+    per_layer = sum(parts.values(), Work())
     tokens = shape.seq * shape.micro_batch
     logits = _gemm(tokens, shape.hidden, shape.vocab / shape.tp)
     forward = per_layer * shape.layers + logits
     backward = Work(flops=2 * forward.flops, bytes=2 * forward.bytes, ops=2 * forward.ops)
-    softmax = sum(softmax_seconds(shape, device, p) for p in ("forward", "backward"))
-    return device.time(forward + backward, shape.dtype) + softmax * shape.layers
+    if flash:
+        core = device.time(sum(flash_baseline(shape).values(), Work()), shape.dtype)
+    else:
+        core = sum(softmax_seconds(shape, device, p) for p in ("forward", "backward"))
+    return device.time(forward + backward, shape.dtype) + core * shape.layers
 
 
-def step_time(shape: ModelShape, device: DeviceProfile) -> float:
+def step_time(shape: ModelShape, device: DeviceProfile, flash: bool = False) -> float:
     """Baseline training step: forward and backward (forward_backward_time, times the device's
-    baseline_scale), and an Adam update over this rank's parameters."""
+    baseline_scale; ``flash``: with the flash attention), and an Adam update over this rank's
+    parameters."""
     adam_bytes = shape.parameters() / shape.tp * ADAM_BYTES_PER_PARAMETER
     adam = adam_bytes / (device.optimizer_bandwidth or device.bandwidth)
     adam += 12 * 4 * shape.layers * device.launch
-    return device.baseline_scale * forward_backward_time(shape, device) + adam
+    return device.baseline_scale * forward_backward_time(shape, device, flash) + adam
+
+
+def unfused_scores_bytes(shape: ModelShape) -> float:
+    """One layer's S on one rank in the unfused attention, in bytes (P, kept for the backward,
+    is as large again): what the flash attention never writes."""
+    return shape.micro_batch * shape.heads // shape.tp * shape.seq**2 * BYTES[shape.dtype]
+
+
+# --- the flash attention's baseline ---------------------------------------------------------
+
+FLASH_REPLACES = tuple(s for s in FORWARD_SECTIONS if s in FLASH_SECTIONS)
+"""The parts of the unfused attention's forward (baseline_forward) that the flash kernels
+compute instead, with the softmax between them: the GEMMs both attentions check inside it."""
+
+
+@dataclass(frozen=True)
+class FlashKernel:
+    """What one flash kernel does for each element of S it computes, as
+    megatron_abft.flash.kernels writes it with the checks compiled out, before the compiler fuses
+    anything (the per-row work, the running max and sum, is under 1% of it and left out)."""
+
+    gemms: int
+    """Tile GEMMs, 2 x head_dim FLOPs an element each (head_dim padded as the kernels pad it)."""
+    elementwise: int
+    """fp32 ops on the CUDA cores an element (Work.vector)."""
+    accumulators: int
+    """[rows, head_dim] fp32 accumulators each tile adds to: head_dim / (the side of the tiles
+    the program loops over) ops an element each."""
+    launch_ops: int
+    """Tensor ops launched for the kernel, itself included."""
+    exps: int = 1
+    """exp2 an element: P, computed again by each backward kernel."""
+
+
+FLASH_KERNELS = {
+    "forward": FlashKernel(2, 8, 1, 6),
+    "dkdv": FlashKernel(4, 9, 2, 10),
+    "dq": FlashKernel(3, 8, 1, 2),
+}
+"""By launch.KERNELS. The forward: S = Q K^T and P~ V; S scaled, masked (compare, and, where),
+its row max, the shift, P's row sum and its cast; O rescaled as it accumulates. dK/dV: S^T,
+dV += P^T dO, dP^T = V dO^T, dK += dS^T Q; the scale and LSE (an FMA), the mask (two ands, a
+compare, where), P's cast, dS = P (dP - Delta) and its cast; dK and dV accumulate. dQ: S,
+dP = dO V^T, dQ += dS K, as dK/dV without P's cast. The backward computes S and dP in both its
+kernels: its GEMMs are 3.5x the forward's (7 tile GEMMs to 2), not FlashAttention-2's 2.5x.
+Launches, from megatron_abft.flash.launch and .attention: the forward's findings
+(Found.empty, 3), the placeholders for its sums and its fault, and the kernel; dK/dV's Delta
+(O and dO cast to fp32, their product, its row sums), the backward's findings, placeholders as
+the forward's, and the kernel; dQ's sums placeholder and the kernel."""
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtypes the flash kernels take on a GPU (launch.GPU_DTYPES)."""
+
+
+@dataclass(frozen=True)
+class _FlashShape:
+    """One layer's flash attention on one rank, as the kernels see it."""
+
+    queries: int
+    """Q, O and dO matrices: micro-batch x the rank's query heads."""
+    keys: int
+    """K and V matrices: micro-batch x the rank's KV heads."""
+    seq: int
+    head_dim: int
+    width: int
+    """head_dim padded as the kernels pad it (launch.padded_head_dim)."""
+    dtype: str
+
+    @classmethod
+    def of(cls, shape: ModelShape) -> _FlashShape:
+        if shape.dtype not in _DTYPES:
+            raise ValueError(
+                f"flash path: dtype {shape.dtype!r}; the kernels take {', '.join(_DTYPES)} on GPUs"
+            )
+        return cls(
+            shape.micro_batch * shape.heads // shape.tp,
+            shape.micro_batch * max(shape.groups // shape.tp, 1),
+            shape.seq,
+            shape.head_dim,
+            padded_head_dim(shape.head_dim),
+            shape.dtype,
+        )
+
+    def tiles(self, kernel: str) -> tuple[int, int]:
+        """``kernel``'s (program side, loop side): a program's rows of S (its accumulators' and
+        its checked tiles' rows), and the side of the tiles it loops over (launch.blocks); the
+        loop side is also the rows of the tiles its checksum vectors are made for (PREPASS)."""
+        b = blocks(kernel, self.width, _DTYPES[self.dtype])
+        return (b.block_n, b.block_m) if kernel == "dkdv" else (b.block_m, b.block_n)
+
+    def computed(self, kernel: str) -> float:
+        """Elements of S ``kernel`` computes, causal (every model here is): a program's tiles up
+        to the diagonal, whole."""
+        tiles = -(-self.seq // self.tiles(kernel)[0])
+        return self.queries * self.seq**2 * (tiles + 1) / (2 * tiles)
+
+
+def flash_baseline(shape: ModelShape) -> dict[str, Work]:
+    """Work of one layer's flash attention on one rank, by kernel (FLASH_KERNELS), with the
+    checks compiled out (``flash_attention(..., sections=())``). Its bytes are O(seq x head_dim):
+    each kernel reads Q, K, V (and dO, the LSE and Delta) and writes its outputs once, the tiles
+    it reads again coming from L2; and the backward takes Delta from O and dO in torch ops."""
+    f = _FlashShape.of(shape)
+    e = BYTES[f.dtype]
+    q = f.queries * f.seq * f.head_dim * e  # Q, O, dO, dQ
+    kv = f.keys * f.seq * f.head_dim * e  # K, V, dK, dV
+    rows = f.queries * f.seq * 4  # the LSE, Delta
+    # Delta: O and dO cast to fp32 (written), their product (read, written), its row sums
+    delta = 2 * q + f.queries * f.seq * f.head_dim * (2 * 4 + 12 + 4) + rows
+    moved = {
+        "forward": 2 * q + 2 * kv + rows,
+        "dkdv": 2 * q + 4 * kv + 2 * rows + delta,
+        "dq": 3 * q + 2 * kv + 2 * rows,
+    }
+    out = {}
+    for name, kernel in FLASH_KERNELS.items():
+        elements = f.computed(name)
+        loop = f.tiles(name)[1]
+        out[name] = Work(
+            flops=kernel.gemms * 2 * f.width * elements,
+            bytes=moved[name],
+            ops=kernel.launch_ops,
+            vector=elements * (kernel.elementwise + kernel.accumulators * f.width / loop),
+            exps=elements * kernel.exps,
+        )
+    return out
 
 
 # --- protection work ------------------------------------------------------------------------
@@ -409,9 +618,12 @@ def protection_forward(
 ) -> dict[str, Work]:
     """Extra forward work of each checked section, one layer, one rank, on a clean step, with
     ``ops`` ops a check (default CHECK_OPS[impl]), BIAS_OPS more for a bias and
-    FUSED_CONTEXT_OPS more for the fused path's context."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
+    FUSED_CONTEXT_OPS more for the fused path's context. The unfused attention's (UNFUSED): the
+    flash path's checks are flash_protection's and flash_shared's."""
+    if impl not in UNFUSED:
+        raise ValueError(
+            f"impl {impl!r}; choose from {', '.join(UNFUSED)} (the flash path: flash_protection)"
+        )
     e, block = BYTES[shape.dtype], shape.block
     out = {}
     for section, g in _checked_gemms(shape).items():
@@ -429,31 +641,183 @@ def protection_forward(
     return out
 
 
+# --- the flash attention's checks -----------------------------------------------------------
+
+_SCORES, _CONTEXT, _BWD_SCORES, _GRAD_PROBS, _GRAD_V, _GRAD_K, _GRAD_Q = FLASH_SECTIONS
+# in config's order, which the kernels' section codes follow
+
+
+@dataclass(frozen=True)
+class FlashCheck:
+    """One checked tile GEMM ``C = A B`` of a flash kernel: the kernel compares C's row sums with
+    ``A (B e)``, a 16-wide MMA of A against ``B e`` split into parts (flash.checksums), and
+    folds the comparison into the rows' states."""
+
+    section: str
+    kernel: str
+    operand: bool
+    """A is a head_dim-wide tile of Q, K, V or dO (C a tile of S, S^T, dP or dP^T: the reference
+    is 16 / (the loop side) of the GEMM); else A is a tile of P~, P^T, dS or dS^T (C is head_dim
+    wide: the reference is 16 / head_dim of the GEMM)."""
+    mass: int = 0
+    """CUDA-core ops an element of S for the bound's mass beyond the row's own norms: sum P for
+    dV, sum |dS| for dK and dQ."""
+
+
+FLASH_CHECKS = (
+    FlashCheck(_SCORES, "forward", operand=True),
+    FlashCheck(_CONTEXT, "forward", operand=False),
+    FlashCheck(_BWD_SCORES, "dkdv", operand=True),
+    FlashCheck(_GRAD_V, "dkdv", operand=False, mass=1),
+    FlashCheck(_GRAD_PROBS, "dkdv", operand=True),
+    FlashCheck(_GRAD_K, "dkdv", operand=False, mass=2),
+    FlashCheck(_BWD_SCORES, "dq", operand=True),
+    FlashCheck(_GRAD_PROBS, "dq", operand=True),
+    FlashCheck(_GRAD_Q, "dq", operand=False, mass=2),
+)
+"""Every tile check of the flash kernels, in the order they run (megatron_abft.flash.kernels):
+S and dP are computed, and checked, in both backward kernels."""
+CHECK_ROW_OPS = 33
+"""CUDA-core ops of one tile check for each row of its output tile, as the kernels write them:
+the reference MMA's 16 columns summed (16) and scaled (1), the mass and the bound (2), and
+_check's comparison, fault kind and state (14). The context's running checksum adds 4, left
+out."""
+IDENTITY_OPS = 9
+"""CUDA-core ops an element of S the dQ kernel spends on its row identities whenever it is
+compiled with the checks, whatever is due: sum P, sum dS, sum P (|dP| + |Delta|) (4), and the
+largest |dP| (3)."""
+
+PREPASS = {
+    "forward": (("columns", False), ("rows", False)),
+    "dkdv": (("columns", True), ("rows", True), ("columns", True), ("rows", True)),
+    "dq": (("columns", False), ("rows", False), ("columns", False)),
+}
+"""The checksum vectors launch.py makes before each kernel (checksums.columns or .rows), each
+of a query-sized operand (True: Q, dO) or a KV-sized one (K, V): the forward's of K and V, tiled
+by its block_n; dK/dV's of Q and dO, by its block_m; dQ's of K (both) and V, by its block_n."""
+PREPASS_OPS = {"columns": 26, "rows": 25}
+"""Tensor ops of one checksums.columns or .rows call on bf16, counted on the code by
+tests/test_scaling.py: the fp32 padded copy (2), the sums (1), split's peak and scale (4), its
+parts (1 and 4 a part), and the masses (5 or 4)."""
+FP16_PREPASS_OPS = 3
+"""What fp16's power-of-two scale of the parts adds to a call (frexp, its exponent, ldexp)."""
+PREPASS_PASSES = {"columns": 24, "rows": 20}
+"""Bytes per element of the operand's fp32 padded copy (checksums._tiles) that one call moves
+beyond making it: zeroed (4), summed (4), its absolute values written and read (8) and summed
+(4), and for columns its row norms (4). Making it reads the operand and writes it in fp32."""
+PREPASS_VECTOR_BYTES = (92, 28)
+"""Bytes per element of the checksum vector one call makes (a [width] vector a tile for columns,
+a value a row for rows): 92 + 28 x the dtype's bytes: the sums written (4), split's peak and
+division (20), its parts zeroed (16 x the dtype's) and three rounds of cast, store, cast back
+and subtract (60 + 12 x the dtype's), the masses' sums written and read (8)."""
+ODO_OPS = 4
+"""The backward's ``sum |O| |dO|`` a row (the rounding of Delta, for the dQ kernel's sum dS = 0),
+made whenever the checks are compiled: two abs, a product, a sum (launch.backward)."""
+RECORD_OPS = 46
+"""GPU launches of one ledger update (megatron_abft.flash.ledger.record, after each of the
+forward's and the backward's launches when the checks are compiled), counted on the code by
+tests/test_scaling.py."""
+
+
+def _prepass(f: _FlashShape, kind: str, query: bool, block: int) -> Work:
+    """One checksums call (PREPASS) on Q or dO (``query``) or on K or V, tiled by ``block``."""
+    e = BYTES[f.dtype]
+    matrices = f.queries if query else f.keys
+    padded = matrices * -(-f.seq // block) * block * f.width
+    vector = padded / (block if kind == "columns" else f.width)
+    fixed, per_byte = PREPASS_VECTOR_BYTES
+    return Work(
+        bytes=matrices * f.seq * f.head_dim * (e + 4)
+        + padded * PREPASS_PASSES[kind]
+        + vector * (fixed + per_byte * e),
+        ops=PREPASS_OPS[kind] + FP16_PREPASS_OPS * (f.dtype == "fp16"),
+    )
+
+
+def flash_protection(shape: ModelShape) -> dict[str, Work]:
+    """The own work of each of FLASH_SECTIONS in the flash kernels, one layer, one rank, a clean
+    step: for each of its tile checks (FLASH_CHECKS), the reference MMAs (tensor-core FLOPs),
+    the row sums of each output tile (an add an element), the bound's mass and the comparisons
+    (CHECK_ROW_OPS a row of a tile). What every launch does once anything is due is
+    flash_shared's. A clean program computes its block once: nothing is recomputed."""
+    f = _FlashShape.of(shape)
+    out = dict.fromkeys(FLASH_SECTIONS, Work())
+    for check in FLASH_CHECKS:
+        elements = f.computed(check.kernel)
+        loop = f.tiles(check.kernel)[1]
+        if check.operand:  # A [rows, head_dim] against W [head_dim, WIDTH]; C [rows, loop]
+            flops, sums = 2 * WIDTH * f.width / loop, 1
+        else:  # A [rows, loop] against W [loop, WIDTH]; C [rows, head_dim]
+            flops, sums = 2 * WIDTH, f.width / loop
+        vector = sums + check.mass + CHECK_ROW_OPS / loop
+        out[check.section] += Work(flops=elements * flops, vector=elements * vector)
+    return out
+
+
+def flash_shared(shape: ModelShape) -> dict[str, Work]:
+    """What the flash path runs, one layer, one rank, on any step that checks any of its
+    sections, whichever they are: a launch with anything due compiles the checks in and makes
+    all its checksum vectors, and every launch of the step has what is due (one ``due`` mask).
+    By part: ``prepass``, the checksum vectors (PREPASS), in torch ops; ``odo``, the backward's
+    rounding of Delta (ODO_OPS, and its bytes: |O|, |dO|, their product written and read);
+    ``identities``, the dQ kernel's row identities (IDENTITY_OPS); ``ledger``, the ledger's
+    updates after the forward and the backward (RECORD_OPS each). The kernels' reads of the
+    vectors, a tile's at a time and mostly from L2, are left out."""
+    f = _FlashShape.of(shape)
+    prepass = Work()
+    for kernel, calls in PREPASS.items():
+        for kind, query in calls:
+            prepass += _prepass(f, kind, query, f.tiles(kernel)[1])
+    outputs = f.queries * f.seq * f.head_dim
+    return {
+        "prepass": prepass,
+        "odo": Work(bytes=outputs * (8 + 8 + 12 + 4) + f.queries * f.seq * 4, ops=ODO_OPS),
+        "identities": Work(vector=f.computed("dq") * IDENTITY_OPS),
+        "ledger": Work(ops=2 * RECORD_OPS),
+    }
+
+
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted overheads as fractions of the unprotected time."""
+    """Predicted overheads as fractions of the unprotected time: the unfused attention's against
+    the unprotected step with the unfused attention, the flash path's against the unprotected
+    step with the flash attention (its kernels with the checks compiled out)."""
 
     shape: ModelShape
     device: str
     impl: str
     sections: dict[str, float] = field(default_factory=dict)
-    """Each section alone, every step: extra time over the baseline step."""
+    """Each section alone, every step: extra time over the baseline step (every section the
+    implementation checks: FORWARD_SECTIONS unfused, SECTIONS flash)."""
     attention: float = 0.0
-    """All checked sections over the attention block's forward time."""
+    """All checked sections over the attention block's time: its forward unfused (the checks
+    are forward work), its forward and backward on the flash path (they are in both)."""
     step: float = 0.0
     """All checked sections (with their intervals) over the baseline step time."""
     step_seconds: float = 0.0
+    shared: float = 0.0
+    """The flash path: what it runs on any step that checks any of its sections (flash_shared),
+    over the baseline step; part of each of its sections' figures, once in ``step``."""
 
 
 def predict(
     shape: ModelShape,
     device: DeviceProfile,
     impl: str = "torch",
-    sections: tuple[str, ...] = FORWARD_SECTIONS,
+    sections: tuple[str, ...] | None = None,
     intervals: dict[str, int] | None = None,
 ) -> Prediction:
-    """Overhead of protecting ``sections`` (checked every ``intervals[s]`` steps) for ``shape``."""
+    """Overhead of protecting ``sections`` (checked every ``intervals[s]`` steps; default every
+    section ``impl`` checks) for ``shape``."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
+    checked = SECTIONS if impl == "flash" else FORWARD_SECTIONS
+    sections = checked if sections is None else sections
+    if unknown := set(sections) - set(checked):
+        raise ValueError(f"sections {sorted(unknown)}: impl {impl!r} checks {', '.join(checked)}")
     intervals = intervals or {}
+    if impl == "flash":
+        return _predict_flash(shape, device, sections, intervals)
     extra = {
         s: device.check_time(w, shape.dtype) * shape.layers
         for s, w in protection_forward(shape, impl, device.ops_per_check(impl)).items()
@@ -468,8 +832,7 @@ def predict(
     fused_share = _share_of_steps([intervals.get(s, 1) for s in sections if s in FUSED_SECTIONS])
     base = step_time(shape, device)
     forward = baseline_forward(shape)
-    attention_parts = ("qkv", "scores", "rope", "context", "proj")
-    attention = device.time(sum((forward[p] for p in attention_parts), Work()), shape.dtype)
+    attention = device.time(sum((forward[p] for p in ATTENTION_PARTS), Work()), shape.dtype)
     attention += softmax_seconds(shape, device, "forward")
     attention *= device.baseline_scale
     swapped = sum(swap.values())
@@ -486,8 +849,43 @@ def predict(
     )
 
 
+def _predict_flash(
+    shape: ModelShape, device: DeviceProfile, sections: tuple[str, ...], intervals: dict[str, int]
+) -> Prediction:
+    """predict for the flash path: qkv and proj as ``kernels``, the flash sections' own work
+    (flash_protection) on the steps that check each, flash_shared on the steps that check any."""
+    kernels = protection_forward(shape, "kernels", device.ops_per_check("kernels"))
+    own = {s: kernels[s] for s in FORWARD_SECTIONS if s not in FLASH_SECTIONS}
+    own |= flash_protection(shape)
+    extra = {s: device.check_time(own[s], shape.dtype) * shape.layers for s in SECTIONS}
+    shared_work = sum(flash_shared(shape).values(), Work())
+    shared = device.check_time(shared_work, shape.dtype) * shape.layers
+    flash_due = [intervals.get(s, 1) for s in sections if s in FLASH_SECTIONS]
+    base = step_time(shape, device, flash=True)
+    forward = baseline_forward(shape)
+    around = sum((forward[p] for p in ATTENTION_PARTS if p not in FLASH_REPLACES), Work())
+    core = sum(flash_baseline(shape).values(), Work())
+    attention = device.time(around * 3 + core, shape.dtype)  # their backward 2x their forward
+    attention *= device.baseline_scale
+    checked = sum(extra[s] / intervals.get(s, 1) for s in sections)
+    return Prediction(
+        shape=shape,
+        device=device.name,
+        impl="flash",
+        sections={s: (extra[s] + shared * (s in FLASH_SECTIONS)) / base for s in SECTIONS},
+        attention=(sum(extra[s] for s in sections) + shared * bool(flash_due))
+        / shape.layers
+        / attention,
+        step=(checked + shared * _share_of_steps(flash_due)) / base,
+        step_seconds=base,
+        shared=shared / base,
+    )
+
+
 FUSED_SECTIONS = ("scores", "context")
 """The sections whose checks run kernel 3 in place of Megatron's softmax."""
+ATTENTION_PARTS = ("qkv", "scores", "rope", "context", "proj")
+"""The parts of baseline_forward in the attention block."""
 
 
 def _share_of_steps(intervals: list[int]) -> float:

@@ -8,24 +8,41 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from megatron_abft.config import FORWARD_SECTIONS
+from megatron_abft.config import BACKWARD_SECTIONS, FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
 from megatron_abft.scaling import (
     BIAS_OPS,
+    BYTES,
     CATALOGUE,
     CHECK_KERNELS,
     CHECK_OPS,
+    CHECK_ROW_OPS,
     DEVICES,
+    FLASH_CHECKS,
+    FLASH_KERNELS,
+    FLASH_REPLACES,
+    FP16_PREPASS_OPS,
+    IDENTITY_OPS,
+    PREPASS,
+    PREPASS_OPS,
+    RECORD_OPS,
     SOFTMAX_PARTS,
     DeviceProfile,
     ModelShape,
     Work,
     _share_of_steps,
+    baseline_forward,
+    flash_baseline,
+    flash_protection,
+    flash_shared,
     forward_backward_time,
     predict,
     protection_forward,
     softmax_seconds,
     step_time,
+    unfused_scores_bytes,
 )
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
@@ -628,3 +645,358 @@ def test_the_read_benchmark_times_every_matrix_cold_and_warm():
         assert all(r["cold"] > 0 and r["warm"] > 0 for r in reads.values())
     with _ext.disabled():
         assert measure(args) is None
+
+
+# --- the flash path ---------------------------------------------------------------------------
+
+FLASH_SHAPE = ModelShape("flash", 2, 192, 4, 768, 1000, seq=96, micro_batch=2, kv_groups=2)
+"""A GQA layer whose head dim (48) the kernels pad (to 64) and whose sequence fills none of the
+kernels' tiles."""
+
+
+class _NoKernels:
+    """Stands in for the flash kernels' module (launch.kernels_for): a launch is counted, and
+    runs nothing."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getattr__(self, name):  # _fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
+        return self
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs):
+        self.launches += 1
+
+
+class _Launches(TorchDispatchMode):
+    """What the torch ops run in the mode would launch on a GPU, and the bytes they move. Not
+    launched: views, uninitialised tensors, host reads (_local_scalar_dense) and what feeds them
+    (one_hot's range checks, full min and max, which it makes on CPU tensors only), and Python
+    scalars wrapped as tensors. An op reads its tensor arguments (copy_ its source only, a
+    factory none) and writes its outputs."""
+
+    SILENT = ("empty", "empty_like", "new_empty", "_local_scalar_dense", "scalar_tensor")
+    FACTORIES = ("zeros", "zeros_like", "ones_like", "full", "full_like", "arange")
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        one_hot_check = func in (torch.ops.aten.min.default, torch.ops.aten.max.default)
+        if func.is_view or name in self.SILENT or one_hot_check:
+            return out
+        read = () if name in self.FACTORIES else args[1:2] if name == "copy_" else (args, kwargs)
+        tensors = [t for t in tree_leaves((read, out)) if isinstance(t, torch.Tensor)]
+        self.ops += 1
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _flash_launches(shape: ModelShape, due: int, monkeypatch) -> dict[str, tuple[int, int]]:
+    """Ops launched (the kernels among them) and bytes moved by one layer's flash attention,
+    forward and backward, TP 1, with the ``due`` sections' bits, as attention.py's custom ops
+    run them (Found.empty, then launch.forward or .backward) with the kernels stubbed; the
+    ledger's update apart (it reads small slices of large tensors)."""
+    from megatron_abft.flash import launch
+
+    b, n, d = shape.micro_batch, shape.seq, shape.head_dim
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+    q, do = (torch.randn(b, shape.heads, n, d).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, shape.groups, n, d).to(dtype) for _ in range(2))
+    checks = launch.Checks(due, 2.0**-18, 1e10)
+    kernels = _NoKernels()
+    monkeypatch.setattr(launch, "kernels_for", lambda device: kernels)
+    counted = {}
+    with _Launches() as mode:
+        found = launch.Found.empty(b * shape.heads, q.device)
+        o, lse = launch.forward(q, k, v, True, d**-0.5, checks, found)
+    counted["forward"] = (mode.ops + kernels.launches, mode.bytes)
+    with _Launches() as mode:
+        found = launch.Found.empty(b * shape.heads, q.device)
+        launch.backward(do, q, k, v, o, lse, True, d**-0.5, checks, found)
+    counted["backward"] = (mode.ops + kernels.launches - 1, mode.bytes)
+    return counted
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtype, monkeypatch):
+    """FLASH_KERNELS' launches and Delta's bytes, and flash_shared's prepass and odo, follow the
+    code: counted on it (kernels stubbed), with the checks compiled out and in. A checked launch
+    makes its sums instead of a placeholder (one launch of 4 bytes each): the model leaves the
+    placeholders in the baseline."""
+    shape = replace(FLASH_SHAPE, dtype=dtype)
+    off = _flash_launches(shape, 0, monkeypatch)
+    on = _flash_launches(shape, 2 ** len(FLASH_SECTIONS) - 1, monkeypatch)
+    assert off["forward"][0] == FLASH_KERNELS["forward"].launch_ops
+    assert off["backward"][0] == FLASH_KERNELS["dkdv"].launch_ops + FLASH_KERNELS["dq"].launch_ops
+    # the backward's Delta: O and dO cast to fp32, their product, its row sums
+    outputs = shape.micro_batch * shape.heads * shape.seq * shape.head_dim
+    e = BYTES[dtype]
+    rows = shape.micro_batch * shape.heads * shape.seq * 4
+    delta = outputs * (2 * e + 8 + 12 + 4) + rows
+    assert off["backward"][1] == pytest.approx(delta, rel=0.01)
+    kernel_io = 2 * outputs * e + 4 * outputs // 2 * e + 2 * rows  # Q, dO; K, V, dK, dV; rows
+    assert flash_baseline(shape)["dkdv"].bytes == pytest.approx(kernel_io + delta)
+    shared = flash_shared(shape)
+    placeholders = len(FLASH_KERNELS)
+    ops = sum(on[w][0] - off[w][0] for w in on)
+    assert ops == shared["prepass"].ops + shared["odo"].ops - placeholders
+    moved = sum(on[w][1] - off[w][1] for w in on)
+    assert moved == pytest.approx(shared["prepass"].bytes + shared["odo"].bytes, rel=0.01)
+    calls = sum(len(c) for c in PREPASS.values())
+    assert shared["prepass"].ops == sum(
+        PREPASS_OPS[kind] for c in PREPASS.values() for kind, _ in c
+    ) + calls * FP16_PREPASS_OPS * (dtype == "fp16")
+
+
+def test_a_ledger_update_launches_what_the_model_counts():
+    """RECORD_OPS follows megatron_abft.flash.ledger.record: the GPU launches of one update."""
+    from megatron_abft.flash import launch
+    from megatron_abft.flash.ledger import FlashLedger, record
+
+    ledger = FlashLedger.on(torch.device("cpu"))
+    found = launch.Found.empty(6, torch.device("cpu"))
+    with _Launches() as mode:
+        record(found, *ledger.tensors)
+    assert mode.ops == RECORD_OPS
+    assert flash_shared(FLASH_SHAPE)["ledger"].ops == 2 * RECORD_OPS  # forward and backward
+
+
+def _computed(seq: int, side: int, matrices: int) -> float:
+    """Elements of S a causal kernel computes whose programs take ``side`` rows: the tiles up to
+    the diagonal, whole."""
+    tiles = -(-seq // side)
+    return matrices * sum(
+        min(seq, (i + 1) * side) * min(side, seq - i * side) for i in range(tiles)
+    )
+
+
+def test_the_flash_baseline_computes_what_its_kernels_do_with_no_n2_bytes():
+    """flash_baseline: per element of S its kernels compute (causal, whole tiles to the
+    diagonal), 2 tile GEMMs forward and 7 backward (3.5x, S and dP in both backward kernels), an
+    exp2 a kernel, the elementwise ops and accumulators of FLASH_KERNELS; and bytes linear in
+    the sequence, where the unfused attention's S (and its softmax) grows with its square."""
+    from megatron_abft.flash.launch import blocks
+
+    shape = ModelShape("m", 2, 256, 4, 1024, 1000, seq=512, micro_batch=2)  # head dim 64
+    work = flash_baseline(shape)
+    assert list(work) == list(FLASH_KERNELS) == ["forward", "dkdv", "dq"]  # launch.KERNELS
+    matrices, width = shape.micro_batch * shape.heads, 64
+    for kernel, w in work.items():
+        tiles = blocks(kernel, width, torch.bfloat16)
+        side, loop = (
+            (tiles.block_n, tiles.block_m) if kernel == "dkdv" else (tiles.block_m, tiles.block_n)
+        )
+        elements = _computed(shape.seq, side, matrices)
+        spec = FLASH_KERNELS[kernel]
+        assert w.flops == pytest.approx(spec.gemms * 2 * width * elements)
+        assert w.exps == pytest.approx(elements)
+        assert w.vector == pytest.approx(
+            elements * (spec.elementwise + spec.accumulators * 64 / loop)
+        )
+        assert w.ops == spec.launch_ops
+    assert (FLASH_KERNELS["dkdv"].gemms + FLASH_KERNELS["dq"].gemms) / 2 == 3.5
+    long = replace(shape, seq=8192)
+    flops = {k: w.flops for k, w in flash_baseline(long).items()}
+    assert (flops["dkdv"] + flops["dq"]) / flops["forward"] == pytest.approx(3.5, rel=0.02)
+    double = replace(shape, seq=2 * shape.seq)
+    assert sum(w.bytes for w in flash_baseline(double).values()) == pytest.approx(
+        2 * sum(w.bytes for w in work.values())
+    )
+    assert unfused_scores_bytes(double) == 4 * unfused_scores_bytes(shape)
+    assert unfused_scores_bytes(replace(SHAPES["GPT-3 350M"], micro_batch=8)) == 2**30  # 1 GiB
+    memory = DeviceProfile("m", {"bf16": 1e30}, 1e12, 0.0)  # prices bytes alone
+    softmax = [softmax_seconds(s, memory, "forward") for s in (shape, double)]
+    assert softmax[1] == pytest.approx(4 * softmax[0])  # S read, P written: O(seq^2)
+    # the flash step: the unfused scores and context (forward and backward) and the softmax
+    # (both ways) out, the flash kernels in
+    h100 = DEVICES["H100"]
+    replaced = sum((baseline_forward(long)[p] for p in FLASH_REPLACES), Work())
+    softmax = sum(softmax_seconds(long, h100, p) for p in ("forward", "backward"))
+    core = h100.time(sum(flash_baseline(long).values(), Work()), "bf16")
+    assert step_time(long, h100) - step_time(long, h100, flash=True) == pytest.approx(
+        long.layers * (h100.time(replaced * 3, "bf16") + softmax - core)
+    )
+
+
+def _kernel_tiles(shape: ModelShape, kernel: str) -> tuple[float, int]:
+    """Elements of S ``kernel`` computes for ``shape`` (TP 1, head dim padded to 64, bf16) and
+    the side of the tiles its programs loop over."""
+    from megatron_abft.flash.launch import blocks
+
+    t = blocks(kernel, 64, torch.bfloat16)
+    side, loop = (t.block_n, t.block_m) if kernel == "dkdv" else (t.block_m, t.block_n)
+    return _computed(shape.seq, side, shape.micro_batch * shape.heads), loop
+
+
+def test_each_flash_check_costs_its_reference_mma_row_sums_and_comparisons():
+    """flash_protection for a small shape, section by section: a checked tile GEMM's reference
+    MMA is 16 over the loop side (A a head_dim-wide tile of Q, K, V or dO) or 16 over head_dim
+    (A a tile of P or dS) of that GEMM's FLOPs; the CUDA cores sum C's rows (an add an element),
+    take the mass (sum P, sum |dS|) and spend CHECK_ROW_OPS a row of a tile; no bytes, no
+    launches. S and dP are checked in both backward kernels. The dQ kernel's identities are
+    flash_shared's."""
+    shape = replace(FLASH_SHAPE, seq=512)  # head dim 48, padded to 64
+    width = 64
+    (fwd, f), (dkdv, k), (dq, q) = (_kernel_tiles(shape, kernel) for kernel in FLASH_KERNELS)
+    scores, context, bwd_scores, grad_probs, grad_v, grad_k, grad_q = FLASH_SECTIONS
+    own = flash_protection(shape)
+    assert list(own) == list(FLASH_SECTIONS)
+    assert {c.section for c in FLASH_CHECKS} == set(FLASH_SECTIONS)
+
+    def gemm(elements):  # one tile GEMM's FLOPs over S
+        return 2 * width * elements
+
+    flops = {
+        scores: 16 / f * gemm(fwd),
+        context: 16 / width * gemm(fwd),
+        bwd_scores: 16 / k * gemm(dkdv) + 16 / q * gemm(dq),
+        grad_probs: 16 / k * gemm(dkdv) + 16 / q * gemm(dq),
+        grad_v: 16 / width * gemm(dkdv),
+        grad_k: 16 / width * gemm(dkdv),
+        grad_q: 16 / width * gemm(dq),
+    }
+    r = CHECK_ROW_OPS
+    vector = {
+        scores: fwd * (1 + r / f),
+        context: fwd * (width / f + r / f),
+        bwd_scores: dkdv * (1 + r / k) + dq * (1 + r / q),
+        grad_probs: dkdv * (1 + r / k) + dq * (1 + r / q),
+        grad_v: dkdv * (width / k + 1 + r / k),
+        grad_k: dkdv * (width / k + 2 + r / k),
+        grad_q: dq * (width / q + 2 + r / q),
+    }
+    for section, work in own.items():
+        assert work.flops == pytest.approx(flops[section]), section
+        assert work.vector == pytest.approx(vector[section]), section
+        assert work.bytes == work.ops == work.exps == 0
+    assert flash_shared(shape)["identities"].vector == pytest.approx(dq * IDENTITY_OPS)
+
+
+def test_the_flash_checks_cost_less_as_head_dim_or_tile_width_grows(monkeypatch):
+    """The in-kernel checks' share of the flash kernels' time falls as the tiles widen (the
+    reference MMA of a head_dim-wide tile and the comparisons go as 1 over the loop side), and
+    so does the step's overhead; and it falls as the head dim grows (the reference of a P or dS
+    tile is 16 / head_dim of its GEMM). Tiles of one side for every kernel."""
+    from megatron_abft import scaling
+    from megatron_abft.flash.launch import Blocks
+
+    device = DEVICES["H100"]
+
+    def overheads(head_dim, side):
+        monkeypatch.setattr(
+            scaling, "blocks", lambda kernel, width, dtype: Blocks(side, side, 4, 2)
+        )
+        shape = ModelShape("m", 4, 1024, 1024 // head_dim, 4096, 1000, seq=2048, micro_batch=2)
+        own = sum(flash_protection(shape).values(), Work())
+        kernels = sum(flash_baseline(shape).values(), Work())
+        share = device.check_time(own, "bf16") / device.time(kernels, "bf16")
+        return share, predict(shape, device, "flash").step
+
+    sides = (16, 32, 64, 128)
+    for head_dim in (64, 128):
+        found = [overheads(head_dim, side) for side in sides]
+        assert found == sorted(found, reverse=True) and len(set(found)) == len(found), found
+    for side in sides:
+        assert overheads(64, side)[0] > overheads(128, side)[0]
+
+
+def test_the_flash_path_predicts_every_section_and_its_shared_work_once_a_step():
+    """predict(..., "flash"): every section of SECTIONS, the backward's counted; qkv and proj as
+    the kernels check them; each flash section's figure is its own work and the shared work,
+    which the step pays once on any step that checks any flash section; against the flash
+    step. The unfused predictions keep FORWARD_SECTIONS and no shared work; what an
+    implementation does not check, or does not know, is refused."""
+    shape = replace(SHAPES["GPT-3 350M"], seq=2048)
+    device = DEVICES["H100"]
+    every = predict(shape, device, "flash")
+    base = step_time(shape, device, flash=True)
+    assert list(every.sections) == list(SECTIONS) and every.step_seconds == base
+    own = {s: every.sections[s] - every.shared * (s in FLASH_SECTIONS) for s in SECTIONS}
+    assert every.shared > 0 and all(own[s] > 0 for s in SECTIONS)
+    assert every.step == pytest.approx(sum(own.values()) + every.shared)
+    assert 0 < every.step < every.attention
+    kernels = protection_forward(shape, "kernels", device.ops_per_check("kernels"))
+    outside = tuple(s for s in SECTIONS if s not in FLASH_SECTIONS)
+    for s in outside:
+        assert own[s] == pytest.approx(device.check_time(kernels[s], "bf16") * shape.layers / base)
+    backward = predict(shape, device, "flash", sections=BACKWARD_SECTIONS)
+    assert backward.step == pytest.approx(sum(own[s] for s in BACKWARD_SECTIONS) + every.shared)
+    halved = predict(shape, device, "flash", intervals=dict.fromkeys(FLASH_SECTIONS, 2))
+    in_flash = sum(own[s] for s in FLASH_SECTIONS) + every.shared
+    assert halved.step == pytest.approx(every.step - in_flash / 2)
+    around = predict(shape, device, "flash", sections=outside)
+    assert around.step == pytest.approx(sum(own[s] for s in outside))
+    fused = predict(shape, device, "fused")
+    assert list(fused.sections) == list(FORWARD_SECTIONS) and fused.shared == 0
+    with pytest.raises(ValueError, match="impl 'triton'"):
+        predict(shape, device, "triton")
+    with pytest.raises(ValueError, match="impl 'kernels' checks"):
+        predict(shape, device, "kernels", sections=BACKWARD_SECTIONS[-1:])
+    with pytest.raises(ValueError, match="flash_protection"):
+        protection_forward(shape, "flash")
+    with pytest.raises(ValueError, match="dtype 'fp32'"):
+        predict(replace(shape, dtype="fp32"), device, "flash")
+    with pytest.raises(ValueError, match="no vector rate"):
+        predict(shape, DeviceProfile("cpu", {"bf16": 1e12}, 1e10, 1e-5), "flash")
+
+
+def test_gpu_profiles_price_cuda_core_ops_and_exponentials():
+    """DeviceProfile.vector and .exp: half the datasheet's fp32 FLOP/s (an FMA is one op) and
+    exp2 at 16 a clock an SM (H100 SXM: 3.9 T/s), at 70%; check_terms gives each kind of work's
+    time, which check_time sums; a profile without a rate refuses work that needs it."""
+    h100, a100 = DEVICES["H100"], DEVICES["A100"]
+    assert h100.vector == pytest.approx(0.7 * 67e12 / 2) and h100.exp == pytest.approx(0.7 * 3.9e12)
+    assert (DEVICES["H200"].vector, DEVICES["H200"].exp) == (h100.vector, h100.exp)
+    assert a100.vector == pytest.approx(0.7 * 19.5e12 / 2) and a100.exp < h100.exp
+    work = Work(flops=1e12, bytes=1e9, ops=3, vector=2e12, exps=1e11)
+    terms = h100.check_terms(work, "bf16")
+    assert terms == pytest.approx(
+        {
+            "flops": 1e12 / h100.matmul["bf16"],
+            "bytes": 1e9 / h100.bandwidth,
+            "ops": 3 * h100.launch,
+            "vector": 2e12 / h100.vector,
+            "exps": 1e11 / h100.exp,
+            "dots": 0.0,
+        }
+    )
+    assert h100.check_time(work, "bf16") == pytest.approx(sum(terms.values()))
+    assert h100.time(work, "bf16") == pytest.approx(sum(terms.values()))
+    with pytest.raises(ValueError, match="no exp rate"):
+        DeviceProfile("d", {"bf16": 1e12}, 1e10, 1e-3).time(Work(exps=1), "bf16")
+
+
+def test_the_report_sets_both_attentions_side_by_side_as_predictions():
+    """overhead_report: the flash table, a row a catalogue model and sequence with every
+    section; the side-by-side table, both attentions on every GPU profile at every micro-batch
+    with the unfused attention's S; text that calls the flash figures predictions."""
+    from overhead_report import (
+        MICRO_BATCHES,
+        SEQUENCES,
+        flash_example,
+        flash_method,
+        flash_table,
+        paths_table,
+    )
+
+    device = DEVICES["H100"]
+    flash = flash_table(device)
+    assert len(flash) == 2 + len(CATALOGUE) * len(SEQUENCES)
+    assert all(f" {s} " in flash[0] for s in SECTIONS)
+    p = predict(replace(SHAPES["GPT-3 350M"], seq=2048), device, "flash")
+    row = next(line for line in flash if line.startswith("| GPT-3 350M | 1 | 2048 |"))
+    assert f"**{100 * p.step:.2f}%**" in row and f"| {100 * p.shared:.2f}% |" in row
+    paths = paths_table(device)
+    assert len(paths) == 2 + len(CATALOGUE) * len(SEQUENCES) * len(MICRO_BATCHES)
+    assert all(f"{d.name.split()[0]} flash" in paths[0] for d in DEVICES.values())
+    row = next(line for line in paths if line.startswith("| GPT-3 350M | 1 | 2048 | 8 |"))
+    assert "| 1.00 GiB |" in row
+    text = " ".join(flash_method() + flash_example(device))
+    assert "prediction" in text and "no GPU has run" in text

@@ -1,10 +1,11 @@
 """The overhead report: what protection will cost on common models, and how far to trust it.
 
 Writes docs/scaling.md: the model's predictions for the GPT-3 family and Llama-2/3 shapes at
-sequence lengths 2k, 4k and 8k on a chosen device, a plot of step overhead against parameter
-count, and a validation table of predicted against measured overhead for every benchmark result
-given (tools/bench_overhead.py JSON), each predicted with a device profile calibrated from that
-run's own micro-benchmarks.
+sequence lengths 2k, 4k and 8k on a chosen device, the unfused attention's and the flash
+attention's (predicted only: no GPU has run the flash kernels), the two side by side on every GPU
+profile, a plot of step overhead against parameter count, and a validation table of predicted
+against measured overhead for every benchmark result given (tools/bench_overhead.py JSON), each
+predicted with a device profile calibrated from that run's own micro-benchmarks.
 
     python tools/overhead_report.py --device H100 --measured docs/figures/bench_cpu.json
 """
@@ -14,28 +15,53 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_abft.config import FORWARD_SECTIONS
+from megatron_abft.config import FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
 from megatron_abft.scaling import (
     BIAS_OPS,
     CATALOGUE,
     CHECK_KERNELS,
     CHECK_OPS,
+    CHECK_ROW_OPS,
     DEVICES,
     FUSED_SECTIONS,
+    IDENTITY_OPS,
+    PREPASS,
+    PREPASS_OPS,
+    RECORD_OPS,
     DeviceProfile,
     ModelShape,
+    Work,
+    flash_protection,
+    flash_shared,
     forward_backward_time,
     predict,
     protection_forward,
     step_time,
+    unfused_scores_bytes,
 )
 
 SEQUENCES = (2048, 4096, 8192)
+MICRO_BATCHES = (1, 8)
+"""Micro-batches of the table that sets the two attentions side by side."""
+EXAMPLE = ("GPT-3 350M", 2048)
+"""The model and sequence the text's worked example of the flash path takes, at micro-batch 1."""
+TERMS = {
+    "ops": "launches",
+    "bytes": "memory",
+    "vector": "CUDA cores",
+    "flops": "tensor cores",
+    "exps": "exp2",
+    "dots": "dot products",
+}
+"""DeviceProfile.check_terms' kinds of work, as the report names them."""
 ATTNCHECKER = 0.07
 TOLERANCE = (0.25, 0.01)  # relative, absolute (percentage points): the looser one applies
+WRAP = 88
+"""Line length of the generated text that is wrapped rather than written line by line."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -210,9 +236,10 @@ def plot(device: DeviceProfile, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    lines = (("fused", "-"), ("kernels", "--"), ("torch", ":"), ("flash", "-."))
     for seq, color in zip(SEQUENCES, ("C0", "C1", "C2"), strict=True):
-        for impl, style in (("fused", "-"), ("kernels", "--"), ("torch", ":")):
+        for impl, style in lines:
             points = sorted(
                 (shape.parameters(), predict(replace(shape, seq=seq), device, impl).step)
                 for shape in CATALOGUE
@@ -224,14 +251,14 @@ def plot(device: DeviceProfile, path: Path) -> None:
                 color=color,
                 marker="o",
                 markersize=3,
-                label=f"seq {seq // 1024}k, {impl}",
+                label=f"seq {seq // 1024}k, {impl}" + (" (predicted)" if impl == "flash" else ""),
             )
     ax.axhline(100 * ATTNCHECKER, color="grey", linestyle=":", label="ATTNChecker (7%)")
     ax.set_xlabel("parameters")
     ax.set_ylabel("predicted step overhead (%)")
     ax.set_yscale("log")
     ax.set_title(f"ABFT step overhead, every section every step, bf16, {device.name}")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # off the lines
     ax.grid(True, which="both", alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -256,6 +283,134 @@ def prediction_table(device: DeviceProfile) -> list[str]:
                     f"{p.step_seconds:.3f} |"
                 )
     return lines
+
+
+def flash_table(device: DeviceProfile) -> list[str]:
+    """The flash path's predictions on ``device``, section by section: qkv and proj as the
+    unfused attention's kernels check them, each flash section's own extra time, and
+    ``shared``, what any of them brings once a step."""
+    own = [s for s in SECTIONS if s in FLASH_SECTIONS]
+    around = [s for s in SECTIONS if s not in FLASH_SECTIONS]
+    lines = [
+        "| model | TP | seq | "
+        + " | ".join(around + own)
+        + " | shared | attention | step | step s |",
+        "|---" * (len(SECTIONS) + 7) + "|",
+    ]
+    for shape in CATALOGUE:
+        for seq in SEQUENCES:
+            p = predict(replace(shape, seq=seq), device, "flash")
+            cells = [p.sections[s] for s in around] + [p.sections[s] - p.shared for s in own]
+            lines.append(
+                f"| {shape.name} | {shape.tp} | {seq} | "
+                + " | ".join(f"{100 * c:.2f}%" for c in cells)
+                + f" | {100 * p.shared:.2f}% | {100 * p.attention:.1f}% | "
+                f"**{100 * p.step:.2f}%** | {p.step_seconds:.3f} |"
+            )
+    return lines
+
+
+def flash_terms(shape: ModelShape, device: DeviceProfile) -> dict[str, float]:
+    """The flash attention's checks (its sections' own work and the shared), one layer, in
+    seconds by kind of work (DeviceProfile.check_terms)."""
+    work = sum((*flash_protection(shape).values(), *flash_shared(shape).values()), Work())
+    return device.check_terms(work, shape.dtype)
+
+
+def largest_term(shape: ModelShape, device: DeviceProfile) -> str:
+    """What takes most of the flash attention's checks' time, and its share."""
+    terms = flash_terms(shape, device)
+    kind = max(terms, key=terms.get)
+    return f"{TERMS[kind]} {100 * terms[kind] / sum(terms.values()):.0f}%"
+
+
+def paths_table(device: DeviceProfile) -> list[str]:
+    """Both attentions' step overheads on every GPU profile (the unfused attention with kernel 3,
+    the flash attention), every section every step, with the unfused attention's S and what
+    dominates the flash path's checks on ``device``."""
+    devices = list(DEVICES.values())
+    lines = [
+        "| model | TP | seq | micro-batch | S a layer, unfused | "
+        + " | ".join(f"{d.name.split()[0]} unfused | {d.name.split()[0]} flash" for d in devices)
+        + f" | flash's largest term, {device.name.split()[0]} |",
+        "|---" * (5 + 2 * len(devices) + 1) + "|",
+    ]
+    for shape in CATALOGUE:
+        for seq in SEQUENCES:
+            for micro_batch in MICRO_BATCHES:
+                at = replace(shape, seq=seq, micro_batch=micro_batch)
+                cells = [
+                    f"{100 * predict(at, d, impl).step:.1f}%"
+                    for d in devices
+                    for impl in ("fused", "flash")
+                ]
+                lines.append(
+                    f"| {shape.name} | {shape.tp} | {seq} | {micro_batch} | "
+                    f"{unfused_scores_bytes(at) / 2**30:.2f} GiB | "
+                    + " | ".join(cells)
+                    + f" | {largest_term(at, device)} |"
+                )
+    return lines
+
+
+def flash_method() -> list[str]:
+    """How the flash path is modelled, for "How the prediction is made"."""
+    text = (
+        "The flash path (`flash`: the protected flash attention, `megatron_abft.flash`) is a "
+        "prediction for the GPU profiles only: no GPU has run its kernels yet, and no row below "
+        "measures it. Its baseline is the unprotected step with the same Triton kernels, the "
+        "checks compiled out, in place of the unfused attention's scores, softmax and context. "
+        "For each element of S they compute (causal: the tiles up to the diagonal, whole; tile "
+        "shapes from `launch.blocks`) the kernels run 2 tile GEMMs forward and 7 backward (S and "
+        "dP are computed in both backward kernels: 3.5x the forward, not FlashAttention-2's "
+        "2.5x) on the tensor cores, in each kernel an exp2 on the special-function units "
+        "(3.9 T/s on an H100, FlashAttention-3 section 3: at head dim 64 as long as the "
+        "forward's GEMMs) and "
+        "8 or 9 elementwise ops on the CUDA cores (half the datasheet's fp32 FLOP/s, an FMA one "
+        "op), each rate at 70% of its peak and their times added: an FA2-style kernel overlaps "
+        "none of them with the tensor cores. Its bytes are O(seq x head_dim), where the unfused "
+        "attention writes S and P (`S a layer` below). Each checked tile GEMM `C = A B` adds a "
+        "16-wide MMA `A W` on the tensor cores (16 over the tile's side, or over head_dim, of "
+        "the GEMM) and, on the CUDA cores, C's row sums (an add an element) and "
+        f"{CHECK_ROW_OPS} ops a row for the reference, the bound and the comparison. On any "
+        "step that checks any flash section, every launch also makes its checksum vectors in "
+        f"torch ops ({sum(len(c) for c in PREPASS.values())} calls a layer, "
+        f"{min(PREPASS_OPS.values())} or {max(PREPASS_OPS.values())} ops each, each moving some "
+        "30 bytes an element of an fp32 padded copy of its operand), the backward the rounding "
+        f"of Delta, the dQ kernel its row identities ({IDENTITY_OPS} ops an element of S), and "
+        f"the ledger takes {RECORD_OPS} launches after each launch: the `shared` column, paid "
+        "once a step whichever flash sections are due. qkv and proj are checked as by "
+        "`kernels`. Every figure of the flash path is the model's count of what the code does, "
+        "priced at datasheet rates."
+    )
+    return textwrap.wrap(text, WRAP)
+
+
+def flash_example(device: DeviceProfile) -> list[str]:
+    """The text's worked example of the flash path: one model and sequence at micro-batch 1."""
+    name, seq = EXAMPLE
+    shape = replace(next(s for s in CATALOGUE if s.name == name), seq=seq)
+    flash, unfused = predict(shape, device, "flash"), predict(shape, device, "fused")
+    terms = flash_terms(shape, device)
+    total = sum(terms.values())
+    shares = ", ".join(
+        f"{TERMS[k]} {100 * v / total:.0f}%"
+        for k, v in sorted(terms.items(), key=lambda kv: -kv[1])
+        if v > 0
+    )
+    shared = flash_shared(shape)
+    around = sum(device.check_time(shared[p], shape.dtype) for p in ("prepass", "odo", "ledger"))
+    text = (
+        f"For {name} at sequence {seq}, micro-batch 1 on the {device.name} the unprotected step "
+        f"takes {flash.step_seconds * 1e3:.0f} ms with the flash attention against "
+        f"{unfused.step_seconds * 1e3:.0f} ms with the unfused one. The flash attention's checks "
+        f"take {total * 1e3:.2f} ms a layer ({shares}), {100 * around / total:.0f}% of it in "
+        "the torch ops around the kernels (the checksum prepass, the rounding of Delta, the "
+        "ledger) rather than in the kernels; protecting every section every step costs "
+        f"{100 * flash.step:.0f}% of the step, against {100 * unfused.step:.1f}% for the "
+        "unfused attention with kernel 3."
+    )
+    return textwrap.wrap(text, WRAP)
 
 
 def main() -> None:
@@ -440,7 +595,7 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "model takes the softmax at those costs per element of S: the baseline's, kernel 3's",
             "difference to it, and its checks. Elsewhere, the GPU profiles included, both run at",
             "the bandwidth and kernel 3's checks cost nothing of their own.",
-            "The backward pass is not protected.",
+            "The unfused attention's backward pass is not protected (the flash path's is, below).",
             "",
             "On a GPU the launches weigh most below a few billion parameters: a clean check",
             f"launches about {CHECK_KERNELS['kernels']} kernels (`CHECK_KERNELS`, counted from the",
@@ -450,6 +605,10 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "does not count; nor does it count the host's time for each check (about 0.1 ms on",
             "the CPU host here: its ops, and 11 to 31 µs of Python around them;",
             "docs/benchmarks.md), which a GPU hides only while the host runs ahead of it.",
+            "",
+            *flash_method(),
+            "",
+            *flash_example(device),
             "",
             f"Device profile for the predictions: {device.name}, {device.notes}. Predictions for a",
             "device are only as good as the validation rows measured on it: a device with no row",
@@ -487,13 +646,36 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "",
             "## Predictions",
             "",
-            "Every section checked every step, bf16, micro-batch 1. Sections are the extra time",
-            "of that section alone over the baseline step; attention is all checks over the",
-            "attention block's forward; step is all checks over the training step.",
+            "The unfused attention by implementation, then the flash path. Every section checked",
+            "every step, bf16, micro-batch 1. Sections are the extra time of that section alone",
+            "over the baseline step; attention is all checks over the attention block's forward;",
+            "step is all checks over the training step.",
             "",
             f"![overhead vs parameters]({os.path.relpath(args.plot, args.out.parent)})",
             "",
             *prediction_table(device),
+            "",
+            "### The flash path: predicted, no GPU has run its kernels",
+            "",
+            f"On the {device.name}, every section checked every step, bf16, micro-batch 1, against",
+            "the unprotected step with the flash attention. qkv and proj as the unfused",
+            "attention's kernels check them; each flash section's own extra time (a section",
+            "checked alone costs its own and `shared`); `shared`, what any flash section brings",
+            "once a step; attention is all checks over the attention block's forward and",
+            "backward (both hold flash checks); step is all checks over the training step.",
+            "",
+            *flash_table(device),
+            "",
+            "### Both attentions on every GPU profile",
+            "",
+            "Step overhead of every section checked every step, bf16: the unfused attention with",
+            "kernel 3 (`fused`, against the unfused step) and the flash attention (predicted,",
+            "against the flash step). `S a layer, unfused` is the scores one layer of the unfused",
+            "attention holds on one rank (P, kept for the backward, as much again): what the",
+            "flash attention never writes, and why it exists. The last column names the kind of",
+            f"work that takes most of the flash attention's checks' time on the {device.name}.",
+            "",
+            *paths_table(device),
             "",
         ]
     )
