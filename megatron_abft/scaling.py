@@ -447,9 +447,9 @@ class FlashKernel:
 
 
 FLASH_KERNELS = {
-    "forward": FlashKernel(2, 8, 1, 6),
-    "dkdv": FlashKernel(4, 9, 2, 10),
-    "dq": FlashKernel(3, 8, 1, 2),
+    "forward": FlashKernel(2, 8, 1, 1),
+    "dkdv": FlashKernel(4, 9, 2, 2),
+    "dq": FlashKernel(3, 8, 1, 1),
 }
 """By launch.KERNELS. The forward: S = Q K^T and P~ V; S scaled, masked (compare, and, where),
 its row max, the shift, P's row sum and its cast; O rescaled as it accumulates. dK/dV: S^T,
@@ -457,10 +457,8 @@ dV += P^T dO, dP^T = V dO^T, dK += dS^T Q; the scale and LSE (an FMA), the mask 
 compare, where), P's cast, dS = P (dP - Delta) and its cast; dK and dV accumulate. dQ: S,
 dP = dO V^T, dQ += dS K, as dK/dV without P's cast. The backward computes S and dP in both its
 kernels: its GEMMs are 3.5x the forward's (7 tile GEMMs to 2), not FlashAttention-2's 2.5x.
-Launches, from megatron_abft.flash.launch and .attention: the forward's findings
-(Found.empty, 3), the placeholders for its sums and its fault, and the kernel; dK/dV's Delta
-(O and dO cast to fp32, their product, its row sums), the backward's findings, placeholders as
-the forward's, and the kernel; dQ's sums placeholder and the kernel."""
+Launches, from megatron_abft.flash.launch and .attention: each kernel, and before dK/dV the
+Delta kernel (a call that checks nothing makes its placeholders without a launch)."""
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtypes the flash kernels take on a GPU (launch.GPU_DTYPES)."""
@@ -513,14 +511,13 @@ def flash_baseline(shape: ModelShape) -> dict[str, Work]:
     """Work of one layer's flash attention on one rank, by kernel (FLASH_KERNELS), with the
     checks compiled out (``flash_attention(..., sections=())``). Its bytes are O(seq x head_dim):
     each kernel reads Q, K, V (and dO, the LSE and Delta) and writes its outputs once, the tiles
-    it reads again coming from L2; and the backward takes Delta from O and dO in torch ops."""
+    it reads again coming from L2; and the backward's Delta kernel reads O and dO once."""
     f = _FlashShape.of(shape)
     e = BYTES[f.dtype]
     q = f.queries * f.seq * f.head_dim * e  # Q, O, dO, dQ
     kv = f.keys * f.seq * f.head_dim * e  # K, V, dK, dV
     rows = f.queries * f.seq * 4  # the LSE, Delta
-    # Delta: O and dO cast to fp32 (written), their product (read, written), its row sums
-    delta = 2 * q + f.queries * f.seq * f.head_dim * (2 * 4 + 12 + 4) + rows
+    delta = 2 * q + rows  # Delta: O and dO read, a value a row written
     moved = {
         "forward": 2 * q + 2 * kv + rows,
         "dkdv": 2 * q + 4 * kv + 2 * rows + delta,
@@ -682,56 +679,38 @@ CHECK_ROW_OPS = 33
 the reference MMA's 16 columns summed (16) and scaled (1), the mass and the bound (2), and
 _check's comparison, fault kind and state (14). The context's running checksum adds 4, left
 out."""
-IDENTITY_OPS = 9
-"""CUDA-core ops an element of S the dQ kernel spends on its row identities whenever it is
-compiled with the checks, whatever is due: sum P, sum dS, sum P (|dP| + |Delta|) (4), and the
-largest |dP| (3)."""
+IDENTITY_OPS = 2
+"""CUDA-core ops an element of S the dQ kernel spends on its row identities when bwd_scores or
+grad_probs is due: sum P and sum dS (their bounds take |dP| from the rows' norms, per tile)."""
 
 PREPASS = {
-    "forward": (("columns", False), ("rows", False)),
-    "dkdv": (("columns", True), ("rows", True), ("columns", True), ("rows", True)),
-    "dq": (("columns", False), ("rows", False), ("columns", False)),
+    "forward": ((("columns",), False), (("rows",), False)),
+    "dkdv": ((("columns", "rows"), True), (("columns", "rows"), True)),
+    "dq": ((("columns", "rows"), False), (("columns",), False)),
 }
-"""The checksum vectors launch.py makes before each kernel (checksums.columns or .rows), each
-of a query-sized operand (True: Q, dO) or a KV-sized one (K, V): the forward's of K and V, tiled
-by its block_n; dK/dV's of Q and dO, by its block_m; dQ's of K (both) and V, by its block_n."""
-PREPASS_OPS = {"columns": 26, "rows": 25}
-"""Tensor ops of one checksums.columns or .rows call on bf16, counted on the code by
-tests/test_scaling.py: the fp32 padded copy (2), the sums (1), split's peak and scale (4), its
-parts (1 and 4 a part), and the masses (5 or 4)."""
-FP16_PREPASS_OPS = 3
-"""What fp16's power-of-two scale of the parts adds to a call (frexp, its exponent, ldexp)."""
-PREPASS_PASSES = {"columns": 24, "rows": 20}
-"""Bytes per element of the operand's fp32 padded copy (checksums._tiles) that one call moves
-beyond making it: zeroed (4), summed (4), its absolute values written and read (8) and summed
-(4), and for columns its row norms (4). Making it reads the operand and writes it in fp32."""
-PREPASS_VECTOR_BYTES = (92, 28)
-"""Bytes per element of the checksum vector one call makes (a [width] vector a tile for columns,
-a value a row for rows): 92 + 28 x the dtype's bytes: the sums written (4), split's peak and
-division (20), its parts zeroed (16 x the dtype's) and three rounds of cast, store, cast back
-and subtract (60 + 12 x the dtype's), the masses' sums written and read (8)."""
-ODO_OPS = 4
-"""The backward's ``sum |O| |dO|`` a row (the rounding of Delta, for the dQ kernel's sum dS = 0),
-made whenever the checks are compiled: two abs, a product, a sum (launch.backward)."""
-RECORD_OPS = 46
-"""GPU launches of one ledger update (megatron_abft.flash.ledger.record, after each of the
-forward's and the backward's launches when the checks are compiled), counted on the code by
+"""The checksum vectors launch.py makes before each kernel when all its sections are due
+(megatron_abft.flash.checksums.sums: one Triton launch a tensor, both kinds from one read), each
+of a query-sized operand (True: Q, dO) or a KV-sized one (K, V): the forward's of K and V,
+tiled by its block_n; dK/dV's of Q and dO, by its block_m; dQ's of K and V, by its block_n."""
+FOUND_OPS = 1
+"""Launches of one call's findings buffer (launch.Found.empty: one zero fill), made by each of
+the forward's and the backward's ops when they check anything."""
+RECORD_OPS = 1
+"""GPU launches of one ledger update (megatron_abft.flash.ledger.record: one Triton launch after
+each of the forward's and the backward's ops when they checked anything), counted on the code by
 tests/test_scaling.py."""
 
 
-def _prepass(f: _FlashShape, kind: str, query: bool, block: int) -> Work:
-    """One checksums call (PREPASS) on Q or dO (``query``) or on K or V, tiled by ``block``."""
+def _prepass(f: _FlashShape, kinds: tuple[str, ...], query: bool, block: int) -> Work:
+    """One checksums.sums launch (PREPASS) on Q or dO (``query``) or on K or V, tiled by
+    ``block``: it reads the operand once and writes each kind's parts (16 values of the input
+    dtype a vector element) and stats (3 fp32 a tile)."""
     e = BYTES[f.dtype]
     matrices = f.queries if query else f.keys
-    padded = matrices * -(-f.seq // block) * block * f.width
-    vector = padded / (block if kind == "columns" else f.width)
-    fixed, per_byte = PREPASS_VECTOR_BYTES
-    return Work(
-        bytes=matrices * f.seq * f.head_dim * (e + 4)
-        + padded * PREPASS_PASSES[kind]
-        + vector * (fixed + per_byte * e),
-        ops=PREPASS_OPS[kind] + FP16_PREPASS_OPS * (f.dtype == "fp16"),
-    )
+    tiles = -(-f.seq // block)
+    length = {"columns": f.width, "rows": block}  # a tile's vector
+    written = sum(matrices * tiles * (length[k] * WIDTH * e + 3 * 4) for k in kinds)
+    return Work(bytes=matrices * f.seq * f.head_dim * e + written, ops=1)
 
 
 def flash_protection(shape: ModelShape) -> dict[str, Work]:
@@ -758,22 +737,25 @@ def flash_shared(shape: ModelShape) -> dict[str, Work]:
     """What the flash path runs, one layer, one rank, on any step that checks any of its
     sections, whichever they are: a launch with anything due compiles the checks in and makes
     all its checksum vectors, and every launch of the step has what is due (one ``due`` mask).
-    By part: ``prepass``, the checksum vectors (PREPASS), in torch ops; ``odo``, the backward's
-    rounding of Delta (ODO_OPS, and its bytes: |O|, |dO|, their product written and read);
-    ``identities``, the dQ kernel's row identities (IDENTITY_OPS); ``ledger``, the ledger's
-    updates after the forward and the backward (RECORD_OPS each). The kernels' reads of the
-    vectors, a tile's at a time and mostly from L2, are left out."""
+    By part: ``prepass``, the checksum vectors (PREPASS), a Triton launch a tensor; ``odo``, the
+    backward's rounding of Delta (``sum |O| |dO|`` a row, which the Delta kernel writes beside
+    Delta); ``identities``, the dQ kernel's row identities (IDENTITY_OPS); ``ledger``, the
+    findings buffers (FOUND_OPS) and the ledger's updates (RECORD_OPS) of the forward and the
+    backward. The kernels' reads of the vectors, a tile's at a time and mostly from L2, are
+    left out."""
     f = _FlashShape.of(shape)
     prepass = Work()
     for kernel, calls in PREPASS.items():
-        for kind, query in calls:
-            prepass += _prepass(f, kind, query, f.tiles(kernel)[1])
-    outputs = f.queries * f.seq * f.head_dim
+        for kinds, query in calls:
+            prepass += _prepass(f, kinds, query, f.tiles(kernel)[1])
     return {
         "prepass": prepass,
-        "odo": Work(bytes=outputs * (8 + 8 + 12 + 4) + f.queries * f.seq * 4, ops=ODO_OPS),
+        "odo": Work(bytes=f.queries * f.seq * 4),
         "identities": Work(vector=f.computed("dq") * IDENTITY_OPS),
-        "ledger": Work(ops=2 * RECORD_OPS),
+        # the findings buffers (codes, rows, columns of each section and matrix), zero-filled
+        "ledger": Work(
+            ops=2 * (FOUND_OPS + RECORD_OPS), bytes=2 * 3 * len(FLASH_SECTIONS) * f.queries * 4
+        ),
     }
 
 

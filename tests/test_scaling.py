@@ -23,10 +23,9 @@ from megatron_abft.scaling import (
     FLASH_CHECKS,
     FLASH_KERNELS,
     FLASH_REPLACES,
-    FP16_PREPASS_OPS,
+    FOUND_OPS,
     IDENTITY_OPS,
     PREPASS,
-    PREPASS_OPS,
     RECORD_OPS,
     SOFTMAX_PARTS,
     DeviceProfile,
@@ -655,8 +654,8 @@ kernels' tiles."""
 
 
 class _NoKernels:
-    """Stands in for the flash kernels' module (launch.kernels_for): a launch is counted, and
-    runs nothing."""
+    """Stands in for the flash path's Triton modules (build.for_device): a launch is counted,
+    and runs nothing."""
 
     def __init__(self):
         self.launches = 0
@@ -699,11 +698,12 @@ class _Launches(TorchDispatchMode):
 
 
 def _flash_launches(shape: ModelShape, due: int, monkeypatch) -> dict[str, tuple[int, int]]:
-    """Ops launched (the kernels among them) and bytes moved by one layer's flash attention,
-    forward and backward, TP 1, with the ``due`` sections' bits, as attention.py's custom ops
-    run them (Found.empty, then launch.forward or .backward) with the kernels stubbed; the
-    ledger's update apart (it reads small slices of large tensors)."""
-    from megatron_abft.flash import launch
+    """Ops launched (the Triton kernels among them) and bytes the torch ops move, for one
+    layer's flash attention, forward and backward, TP 1, with the ``due`` sections' bits, as
+    attention.py's custom ops run them (their findings buffer, then launch.forward or
+    .backward) with the kernels stubbed; the ledger's update apart."""
+    from megatron_abft.flash import build, launch
+    from megatron_abft.flash.attention import _found
 
     b, n, d = shape.micro_batch, shape.seq, shape.head_dim
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
@@ -711,61 +711,93 @@ def _flash_launches(shape: ModelShape, due: int, monkeypatch) -> dict[str, tuple
     k, v = (torch.randn(b, shape.groups, n, d).to(dtype) for _ in range(2))
     checks = launch.Checks(due, 2.0**-18, 1e10)
     kernels = _NoKernels()
-    monkeypatch.setattr(launch, "kernels_for", lambda device: kernels)
+    monkeypatch.setattr(build, "for_device", lambda module, device: kernels)
+    sections = launch.KERNEL_SECTIONS
     counted = {}
     with _Launches() as mode:
-        found = launch.Found.empty(b * shape.heads, q.device)
-        o, lse = launch.forward(q, k, v, True, d**-0.5, checks, found)
+        found = _found(checks.has(*sections["forward"]), q)
+        o, lse = torch.empty_like(q), torch.empty(b, shape.heads, n)
+        launch.forward(q, k, v, True, d**-0.5, checks, found)
     counted["forward"] = (mode.ops + kernels.launches, mode.bytes)
+    kernels.launches = 0
     with _Launches() as mode:
-        found = launch.Found.empty(b * shape.heads, q.device)
+        found = _found(checks.has(*sections["dkdv"], *sections["dq"]), q)
         launch.backward(do, q, k, v, o, lse, True, d**-0.5, checks, found)
-    counted["backward"] = (mode.ops + kernels.launches - 1, mode.bytes)
+    counted["backward"] = (mode.ops + kernels.launches, mode.bytes)
     return counted
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtype, monkeypatch):
-    """FLASH_KERNELS' launches and Delta's bytes, and flash_shared's prepass and odo, follow the
-    code: counted on it (kernels stubbed), with the checks compiled out and in. A checked launch
-    makes its sums instead of a placeholder (one launch of 4 bytes each): the model leaves the
-    placeholders in the baseline."""
+    """FLASH_KERNELS' launches and flash_shared's prepass and findings follow the code: counted
+    on it (kernels stubbed), with the checks compiled out and in. Every byte moves in Triton
+    kernels, none in torch ops; the prepass's the model counts from the vectors it writes."""
+    from megatron_abft.flash import checksums
+
     shape = replace(FLASH_SHAPE, dtype=dtype)
     off = _flash_launches(shape, 0, monkeypatch)
     on = _flash_launches(shape, 2 ** len(FLASH_SECTIONS) - 1, monkeypatch)
     assert off["forward"][0] == FLASH_KERNELS["forward"].launch_ops
     assert off["backward"][0] == FLASH_KERNELS["dkdv"].launch_ops + FLASH_KERNELS["dq"].launch_ops
-    # the backward's Delta: O and dO cast to fp32, their product, its row sums
+    assert off["forward"][1] == off["backward"][1] == 0
+    # with the checks, the findings buffers: codes, rows, columns of each section and matrix
+    buffer = 3 * len(FLASH_SECTIONS) * shape.micro_batch * shape.heads * 4
+    assert on["forward"][1] == on["backward"][1] == buffer
     outputs = shape.micro_batch * shape.heads * shape.seq * shape.head_dim
     e = BYTES[dtype]
     rows = shape.micro_batch * shape.heads * shape.seq * 4
-    delta = outputs * (2 * e + 8 + 12 + 4) + rows
-    assert off["backward"][1] == pytest.approx(delta, rel=0.01)
+    delta = 2 * outputs * e + rows  # the Delta kernel reads O and dO, writes a value a row
     kernel_io = 2 * outputs * e + 4 * outputs // 2 * e + 2 * rows  # Q, dO; K, V, dK, dV; rows
     assert flash_baseline(shape)["dkdv"].bytes == pytest.approx(kernel_io + delta)
     shared = flash_shared(shape)
-    placeholders = len(FLASH_KERNELS)
-    ops = sum(on[w][0] - off[w][0] for w in on)
-    assert ops == shared["prepass"].ops + shared["odo"].ops - placeholders
-    moved = sum(on[w][1] - off[w][1] for w in on)
-    assert moved == pytest.approx(shared["prepass"].bytes + shared["odo"].bytes, rel=0.01)
-    calls = sum(len(c) for c in PREPASS.values())
-    assert shared["prepass"].ops == sum(
-        PREPASS_OPS[kind] for c in PREPASS.values() for kind, _ in c
-    ) + calls * FP16_PREPASS_OPS * (dtype == "fp16")
+    findings = 2 * FOUND_OPS  # the forward's and the backward's buffers
+    assert sum(on[w][0] - off[w][0] for w in on) == shared["prepass"].ops + findings
+    assert shared["prepass"].ops == sum(len(c) for c in PREPASS.values())
+    assert shared["odo"].bytes == rows
+    assert shared["ledger"].bytes == 2 * buffer
+    # the prepass's bytes: each operand read once, and the vectors it writes
+    monkeypatch.undo()
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    b, n, d, width = shape.micro_batch, shape.seq, shape.head_dim, 64
+    query = torch.randn(b, shape.heads, n, d).to(torch_dtype)
+    key = torch.randn(b, shape.groups, n, d).to(torch_dtype)
+    written = 0
+    for kernel, calls in PREPASS.items():
+        block = launch_tiles(kernel, torch_dtype)
+        for kinds, is_query in calls:
+            x = query if is_query else key
+            made = checksums.sums(x, block, width, "columns" in kinds, "rows" in kinds)
+            written += x.numel() * e + sum(
+                s.parts.numel() * e + s.stats.numel() * 4 for s in made if s is not None
+            )
+    assert shared["prepass"].bytes == pytest.approx(written)
 
 
-def test_a_ledger_update_launches_what_the_model_counts():
+def launch_tiles(kernel: str, dtype) -> int:
+    """The rows of the tiles ``kernel``'s checksum vectors are made for (launch.blocks)."""
+    from megatron_abft.flash.launch import blocks
+
+    tiles = blocks(kernel, 64, dtype)
+    return tiles.block_m if kernel == "dkdv" else tiles.block_n
+
+
+def test_a_ledger_update_launches_what_the_model_counts(monkeypatch):
     """RECORD_OPS follows megatron_abft.flash.ledger.record: the GPU launches of one update."""
-    from megatron_abft.flash import launch
+    from megatron_abft.flash import build, launch
     from megatron_abft.flash.ledger import FlashLedger, record
 
     ledger = FlashLedger.on(torch.device("cpu"))
     found = launch.Found.empty(6, torch.device("cpu"))
+    kernels = _NoKernels()
+    monkeypatch.setattr(build, "for_device", lambda module, device: kernels)
     with _Launches() as mode:
         record(found, *ledger.tensors)
-    assert mode.ops == RECORD_OPS
-    assert flash_shared(FLASH_SHAPE)["ledger"].ops == 2 * RECORD_OPS  # forward and backward
+    assert mode.ops + kernels.launches == RECORD_OPS
+    with _Launches() as mode:
+        launch.Found.empty(6, torch.device("cpu"))
+    assert mode.ops == FOUND_OPS
+    # forward and backward
+    assert flash_shared(FLASH_SHAPE)["ledger"].ops == 2 * (FOUND_OPS + RECORD_OPS)
 
 
 def _computed(seq: int, side: int, matrices: int) -> float:

@@ -106,9 +106,10 @@ def markdown(builds: list[aot.Build]) -> str:
     for (kernel, width, dtype), row in rows.items():
         b = row["blocks"]
         cells = [f"{row[a][0] / 1024:.0f} / {row[a][1]}" if a in row else "-" for a in aot.ARCHS]
+        tile = "-" if kernel in aot.HELPERS else f"{b.block_m}, {b.block_n}, {b.num_warps}, "
+        tile += "" if kernel in aot.HELPERS else f"{b.num_stages}"
         lines.append(
-            f"| {kernel} | {width} | {dtype} | "
-            f"{b.block_m}, {b.block_n}, {b.num_warps}, {b.num_stages} | " + " | ".join(cells) + " |"
+            f"| {kernel} | {width or '-'} | {dtype} | {tile} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
 

@@ -30,7 +30,6 @@ from megatron_abft.scaling import (
     FUSED_SECTIONS,
     IDENTITY_OPS,
     PREPASS,
-    PREPASS_OPS,
     RECORD_OPS,
     DeviceProfile,
     ModelShape,
@@ -373,13 +372,13 @@ def flash_method() -> list[str]:
         "16-wide MMA `A W` on the tensor cores (16 over the tile's side, or over head_dim, of "
         "the GEMM) and, on the CUDA cores, C's row sums (an add an element) and "
         f"{CHECK_ROW_OPS} ops a row for the reference, the bound and the comparison. On any "
-        "step that checks any flash section, every launch also makes its checksum vectors in "
-        f"torch ops ({sum(len(c) for c in PREPASS.values())} calls a layer, "
-        f"{min(PREPASS_OPS.values())} or {max(PREPASS_OPS.values())} ops each, each moving some "
-        "30 bytes an element of an fp32 padded copy of its operand), the backward the rounding "
+        "step that checks any flash section, the launches also make their checksum vectors "
+        f"({sum(len(c) for c in PREPASS.values())} Triton launches a layer, one a tensor, each "
+        "reading its operand once), the backward the rounding "
         f"of Delta, the dQ kernel its row identities ({IDENTITY_OPS} ops an element of S), and "
-        f"the ledger takes {RECORD_OPS} launches after each launch: the `shared` column, paid "
-        "once a step whichever flash sections are due. qkv and proj are checked as by "
+        f"the ledger takes {RECORD_OPS} launch after each of the forward and the backward: the "
+        "`shared` column, paid once a step whichever flash sections are due (a kernel with none "
+        "of its own sections due makes no vectors). qkv and proj are checked as by "
         "`kernels`. Every figure of the flash path is the model's count of what the code does, "
         "priced at datasheet rates."
     )
@@ -405,8 +404,8 @@ def flash_example(device: DeviceProfile) -> list[str]:
         f"takes {flash.step_seconds * 1e3:.0f} ms with the flash attention against "
         f"{unfused.step_seconds * 1e3:.0f} ms with the unfused one. The flash attention's checks "
         f"take {total * 1e3:.2f} ms a layer ({shares}), {100 * around / total:.0f}% of it in "
-        "the torch ops around the kernels (the checksum prepass, the rounding of Delta, the "
-        "ledger) rather than in the kernels; protecting every section every step costs "
+        "the launches around the attention kernels (the checksum vectors, the rounding of "
+        "Delta, the ledger) rather than in them; protecting every section every step costs "
         f"{100 * flash.step:.0f}% of the step, against {100 * unfused.step:.1f}% for the "
         "unfused attention with kernel 3."
     )

@@ -20,38 +20,46 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_abft.flash import kernels, launch
+from megatron_abft.flash import checksums, kernels, launch, ledger
 
 ARCHS: dict[int, int] = {80: 166912, 90: 232448}
 """Compute capability -> the most shared memory a block may use there, in bytes (A100: 163 KiB,
 H100: 227 KiB)."""
 VARIANTS: tuple[str, ...] = ("checked", "unchecked", "inject", "calibrate")
-"""What is compiled in: the checks (production), nothing (sections=()), the checks with fault
-injection (faults=...), the checks with calibration (tools/flash_calibrate.py)."""
-KERNEL_FUNCTIONS = {
-    "forward": "_fwd_kernel",
-    "dkdv": "_bwd_dkdv_kernel",
-    "dq": "_bwd_dq_kernel",
-}
+"""What the attention kernels compile in: the checks (production), nothing (sections=()), the
+checks with fault injection (faults=...), the checks with calibration
+(tools/flash_false_alarms.py)."""
+HELPERS: tuple[str, ...] = ("delta", "sums", "record")
+"""The kernels around them: Delta (launch.backward), the checksum vectors (checksums.sums) and
+the ledger's update (ledger.record)."""
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _FLOATS = {"qk_scale", "sm_scale", "tol", "u_out", "near_inf"}
 _CHECKSUMS = {"KC", "VR", "QC", "QR", "DOC", "DOR", "KR", "VC"}
-_DATA = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"} | _CHECKSUMS
-_FP32 = {"LSE", "DELTA", "ODO"} | {name + "S" for name in _CHECKSUMS}
-_INT32 = {"CODES", "ROWS", "COLS", "RATIO", "INJ"}
+_POINTERS = {
+    **dict.fromkeys({"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV", "X", "CP", "RP"}, "data"),
+    **dict.fromkeys(_CHECKSUMS, "data"),
+    **dict.fromkeys({"LSE", "DELTA", "ODO", "CS", "RS"} | {c + "S" for c in _CHECKSUMS}, "fp32"),
+    **dict.fromkeys({"CODES", "ROWS", "COLS", "RATIO", "INJ"}, "i32"),
+    **dict.fromkeys({"COUNTS", "LOGGED"}, "i64"),
+    **dict.fromkeys({"CLOCK", "LOG"}, "fp64"),
+}
+"""Every kernel argument that is a pointer, and what it points to (data: the input dtype)."""
 
 
 @dataclass(frozen=True)
 class Config:
-    """One kernel configuration, as launch.py launches it."""
+    """One kernel configuration, as the flash path launches it: an attention kernel
+    (launch.KERNELS) in one of VARIANTS, or a helper (HELPERS) with its constexpr options."""
 
     kernel: str
     dtype: str
     head_dim: int
-    causal: bool
-    variant: str
+    causal: bool = False
+    variant: str = "checked"
     tiles: launch.Blocks | None = None
     """The tile shape to build with; None: launch.blocks's."""
+    options: tuple[tuple[str, object], ...] = ()
+    """A helper's constexprs beyond HEAD_DIM."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -61,36 +69,81 @@ class Config:
     def blocks(self) -> launch.Blocks:
         if self.tiles is not None:
             return self.tiles
+        if self.kernel in HELPERS:  # one program a block of rows, 4 warps
+            return launch.Blocks(dict(self.options).get("BLOCK", 64), 0, 4, 1)
         return launch.blocks(self.kernel, self.head_dim, self.torch_dtype)
+
+    @property
+    def function(self):
+        return {
+            "forward": kernels._fwd_kernel,
+            "dkdv": kernels._bwd_dkdv_kernel,
+            "dq": kernels._bwd_dq_kernel,
+            "delta": kernels._delta_kernel,
+            "sums": checksums._sums_kernel,
+            "record": ledger._record_kernel,
+        }[self.kernel]
 
 
 def configurations() -> list[Config]:
-    """Every configuration launch.py can launch on a GPU."""
-    return [
-        Config(kernel, str(dtype).removeprefix("torch."), width, causal, variant)
-        for kernel in launch.KERNELS
-        for dtype in launch.GPU_DTYPES
-        for width in launch.HEAD_DIMS
-        for causal in (False, True)
-        for variant in VARIANTS
-    ]
+    """Every configuration the flash path can launch on a GPU."""
+    configs = []
+    for dtype in launch.GPU_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        for width in launch.HEAD_DIMS:
+            configs += [
+                Config(kernel, name, width, causal, variant)
+                for kernel in launch.KERNELS
+                for causal in (False, True)
+                for variant in VARIANTS
+            ]
+            configs += [
+                Config("delta", name, width, options=(("BLOCK_M", 64), ("WITH_ODO", odo)))
+                for odo in (False, True)
+            ]
+            tiled = {  # the rows of the tiles each kernel's checksum vectors are made for
+                launch.blocks("forward", width, dtype).block_n,
+                launch.blocks("dkdv", width, dtype).block_m,
+                launch.blocks("dq", width, dtype).block_n,
+            }
+            configs += [
+                Config(
+                    "sums",
+                    name,
+                    width,
+                    options=(
+                        ("BLOCK", block),
+                        ("COLUMNS", columns),
+                        ("ROWS", rows),
+                        ("HEADROOM", checksums.HEADROOM.get(dtype, 0)),
+                    ),
+                )  # fmt: skip
+                for block in sorted(tiled)
+                for columns, rows in ((True, False), (False, True), (True, True))
+            ]
+    return [*configs, Config("record", "bfloat16", 0, options=(("BLOCK", ledger.RECORD_BLOCK),))]
 
 
 def source(config: Config) -> ASTSource:
     """The kernel of ``config`` with its signature as a launch specialises it: unit last-dim
     strides, 16-byte aligned pointers, other strides multiples of 16."""
-    fn = getattr(kernels, KERNEL_FUNCTIONS[config.kernel])
-    blocks = config.blocks
-    constants = {
-        "BLOCK_M": blocks.block_m,
-        "BLOCK_N": blocks.block_n,
-        "HEAD_DIM": config.head_dim,
-        "CAUSAL": config.causal,
-        "CHECK": config.variant != "unchecked",
-        "INJECT": config.variant == "inject",
-        "CALIBRATE": config.variant == "calibrate",
-        "UPCAST": False,
-    }
+    fn = config.function
+    if config.kernel in HELPERS:
+        constants = dict(config.options)
+        if "HEAD_DIM" in fn.arg_names:
+            constants["HEAD_DIM"] = config.head_dim
+    else:
+        blocks = config.blocks
+        constants = {
+            "BLOCK_M": blocks.block_m,
+            "BLOCK_N": blocks.block_n,
+            "HEAD_DIM": config.head_dim,
+            "CAUSAL": config.causal,
+            "CHECK": config.variant != "unchecked",
+            "INJECT": config.variant == "inject",
+            "CALIBRATE": config.variant == "calibrate",
+            "UPCAST": False,
+        }
     data = _TRITON_TYPES[config.torch_dtype]
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -98,13 +151,11 @@ def source(config: Config) -> ASTSource:
             signature[name] = "constexpr"
         elif re.fullmatch(r"s\w+d", name):  # the head dim's stride: 1
             signature[name], constants[name] = "constexpr", 1
-        elif name in _DATA | _FP32 | _INT32:
-            if name in _DATA:
-                signature[name] = "*" + data
-            elif name in _FP32 or (name == "RATIO" and config.variant == "calibrate"):
-                signature[name] = "*fp32"
-            else:
-                signature[name] = "*i32"
+        elif name in _POINTERS:
+            kind = _POINTERS[name]
+            if name == "RATIO" and config.variant == "calibrate":
+                kind = "fp32"
+            signature[name] = "*" + (data if kind == "data" else kind)
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in _FLOATS:
             signature[name] = "fp32"

@@ -47,9 +47,10 @@ def _forward_op(
     near_inf: float,
 ) -> tuple[Tensor, Tensor]:
     checks = launch.Checks(due, tol, near_inf)
-    found = launch.Found.empty(q.shape[0] * q.shape[1], q.device)
+    checked = checks.has(*launch.KERNEL_SECTIONS["forward"])
+    found = _found(checked, q)
     o, lse = launch.forward(q, k, v, causal, scale, checks, found, inject)
-    if checks.compiled:
+    if checked:
         record(found, counts, clock, log, logged)
     return o, lse
 
@@ -79,9 +80,10 @@ def _backward_op(
     near_inf: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     checks = launch.Checks(due, tol, near_inf)
-    found = launch.Found.empty(q.shape[0] * q.shape[1], q.device)
+    checked = checks.has(*launch.KERNEL_SECTIONS["dkdv"], *launch.KERNEL_SECTIONS["dq"])
+    found = _found(checked, q)
     grads = launch.backward(do, q, k, v, o, lse, causal, scale, checks, found, inject)
-    if checks.compiled:
+    if checked:
         record(found, counts, clock, log, logged)
     return grads
 
@@ -89,6 +91,13 @@ def _backward_op(
 @_backward_op.register_fake
 def _(do, q, k, v, o, lse, counts, clock, log, logged, inject, causal, scale, due, tol, near_inf):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _found(checked: bool, q: Tensor) -> launch.Found:
+    """Where a call's kernels report: a zeroed buffer when they check, else placeholders."""
+    if checked:
+        return launch.Found.empty(q.shape[0] * q.shape[1], q.device)
+    return launch.Found.unchecked(q.device)
 
 
 class _FlashAttention(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""The flash kernels' checksum vectors, made in one pass over Q, K, V or dO before a launch.
+"""The flash kernels' checksum vectors, made by one Triton launch a tensor before a kernel runs.
 
 A tile check compares ``C e`` with ``A (B e)``. The kernels take ``B e`` as the second operand
 of a small MMA, ``A @ W`` with ``W [k, 16]``, so that the reference runs on the tensor cores
@@ -6,48 +6,37 @@ from operands already in place, with no fp32 copy of a tile in registers. ``B e`
 vector; W holds it split into three parts of the input dtype (columns 0 to 2, the rest zero),
 ``w = (w0 + w1 + w2) * scale``: each part takes the next ~8 (bf16) or ~11 (fp16) bits, so the
 sum keeps fp32's 24, and the product of two input-dtype values is exact in the MMA's fp32
-accumulator. ``scale`` is a power of two that keeps fp16's parts in range.
+accumulator. ``scale`` is a power of two that keeps fp16's parts in range (1 for bf16 and fp32).
 
-Two kinds of vectors, per tile of ``block`` rows of a [batch, heads, seq, dim] tensor X:
+Two kinds of vectors, per tile of ``block`` rows of a [batch, heads, seq, dim] tensor X, both
+from one read of it:
 
 - ``columns``: the tile's rows summed, ``sum_r X[r, :]`` (a [dim] vector), for a tile GEMM
-  whose other operand's rows meet X's tile as rows (S = Q K^T: K's tile summed);
+  whose other operand meets X's tile as rows (S = Q K^T: K's tile summed);
 - ``rows``: each row summed over dim, ``sum_d X[r, d]`` (a [block] vector), for a GEMM that
   reduces over X's rows (P~V: V's row sums).
 
-With each, the magnitudes the bound needs (``mass``): the L2 norm of the tile's absolute rows
-summed and its largest row norm (columns), the largest absolute row sum (rows).
+With each, the masses the bound needs: the L2 norm of the tile's absolute rows summed and its
+largest row's L2 norm (columns), its largest absolute row sum (rows).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-PARTS = 3
+from megatron_abft.flash import build
+
 WIDTH = 16
 """Columns of W: tl.dot's smallest N."""
-_HEADROOM = {torch.float16: 13}
-"""log2 of the largest scaled part, by dtype: fp16's parts stay below its 65504."""
-
-
-def split(w: Tensor, dtype: torch.dtype, scale_dims: int) -> tuple[Tensor, Tensor]:
-    """``w [..., n]`` (fp32) as ``[..., n, WIDTH]`` parts of ``dtype`` and the fp32 scale of
-    each vector of the last ``scale_dims`` dims: ``w = sum(parts) * scale``."""
-    peak = w.abs().amax(dim=tuple(range(-scale_dims, 0)), keepdim=True)
-    if dtype in _HEADROOM:
-        _, exponent = torch.frexp(peak)
-        scale = torch.ldexp(torch.ones_like(peak), exponent - _HEADROOM[dtype])
-    else:
-        scale = torch.ones_like(peak)
-    rest = w / scale
-    parts = torch.zeros(*w.shape, WIDTH, dtype=dtype, device=w.device)
-    for i in range(PARTS):
-        parts[..., i] = rest.to(dtype)
-        rest = rest - parts[..., i].float()
-    return parts, scale.reshape(scale.shape[: w.dim() - scale_dims])
+HEADROOM = {torch.float16: 13}
+"""log2 of the largest scaled part, by dtype: fp16's parts stay below its 65504 (0: no
+scaling, for bf16 and fp32, whose range is fp32's)."""
 
 
 @dataclass
@@ -63,27 +52,92 @@ class Sums:
     absolute row sum, and 0."""
 
 
-def _tiles(x: Tensor, block: int, width: int) -> Tensor:
-    """``x [b, h, n, d]`` as fp32 ``[b * h, tiles, block, width]``, zero-padded."""
+def sums(
+    x: Tensor, block: int, width: int, columns: bool, rows: bool
+) -> tuple[Sums | None, Sums | None]:
+    """The column and row sums of each ``block``-row tile of ``x [b, h, n, d]``, padded to
+    ``width`` columns (None for a kind not asked for): one launch, one read of ``x``."""
     b, h, n, d = x.shape
-    tiles = -(-n // block)
-    padded = torch.zeros(b * h, tiles * block, width, dtype=torch.float32, device=x.device)
-    padded[:, :n, :d] = x.reshape(b * h, n, d)
-    return padded.view(b * h, tiles, block, width)
+    tiles = triton.cdiv(n, block)
+    matrices = b * h
+
+    def empty(*shape, dtype=x.dtype):
+        return torch.empty(*shape, dtype=dtype, device=x.device)
+
+    made = (
+        Sums(empty(matrices, tiles, width, WIDTH), empty(matrices, tiles, 3, dtype=torch.float32))
+        if columns
+        else None,
+        Sums(empty(matrices, tiles * block, WIDTH), empty(matrices, tiles, 3, dtype=torch.float32))
+        if rows
+        else None,
+    )
+    placeholder = made[0] or made[1]
+    col, row = (s or placeholder for s in made)
+    build.for_device(sys.modules[__name__], x.device)._sums_kernel[(tiles, matrices)](
+        x, col.parts, col.stats, row.parts, row.stats, *x.stride(), h, n, d,
+        BLOCK=block, HEAD_DIM=width, COLUMNS=columns, ROWS=rows,
+        HEADROOM=HEADROOM.get(x.dtype, 0), num_warps=4, num_stages=1,
+    )  # fmt: skip
+    return made
 
 
-def columns(x: Tensor, block: int, width: int) -> Sums:
-    """Column sums of each ``block``-row tile of ``x``, padded to ``width`` columns."""
-    tiles = _tiles(x, block, width)
-    parts, scale = split(tiles.sum(2), x.dtype, 1)
-    norm = torch.linalg.vector_norm(tiles.abs().sum(2), dim=-1)
-    peak = torch.linalg.vector_norm(tiles, dim=-1).amax(-1)
-    return Sums(parts, torch.stack([scale, norm, peak], -1))
+@triton.jit
+def _scale(peak, HEADROOM: tl.constexpr):
+    """A power of two that brings ``peak`` below 2**HEADROOM (HEADROOM 0: 1)."""
+    if HEADROOM == 0:
+        return 1.0
+    exponent = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF  # frexp's exponent + 126
+    power = tl.maximum(exponent - 126 - HEADROOM, -126)
+    return ((power + 127) << 23).to(tl.float32, bitcast=True)
 
 
-def rows(x: Tensor, block: int, width: int) -> Sums:
-    """Row sums of ``x`` over dim, scaled per ``block``-row tile."""
-    tiles = _tiles(x, block, width)
-    parts, scale = split(tiles.sum(3), x.dtype, 1)
-    peak = tiles.abs().sum(3).amax(-1)
-    return Sums(parts.flatten(1, 2), torch.stack([scale, peak, torch.zeros_like(peak)], -1))
+@triton.jit
+def _split(w, WIDTH: tl.constexpr, dtype: tl.constexpr):
+    """``w [n]`` (fp32) as ``[n, WIDTH]``: three parts of ``dtype`` in columns 0 to 2, each the
+    rest of the ones before, so that they sum to ``w`` within fp32's rounding; zeros after."""
+    p0 = w.to(dtype).to(tl.float32)
+    rest = w - p0
+    p1 = rest.to(dtype).to(tl.float32)
+    p2 = (rest - p1).to(dtype).to(tl.float32)
+    column = tl.arange(0, WIDTH)[None, :]
+    parts = tl.where(column == 0, p0[:, None], tl.where(column == 1, p1[:, None], 0.0))
+    return tl.where(column == 2, p2[:, None], parts).to(dtype)
+
+
+@triton.jit
+def _sums_kernel(
+    X, CP, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
+    HEADROOM: tl.constexpr,
+):  # fmt: skip
+    """One tile of one (batch, head) of X: its column sums (CP, CS) and its row sums (RP, RS),
+    as Sums lays them out."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    tiles = tl.num_programs(0)
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    at = (bh // H).to(tl.int64) * sxb + (bh % H).to(tl.int64) * sxh
+    mask = (rows < N)[:, None] & (dims < D)[None, :]
+    x = tl.load(X + at + rows[:, None] * sxn + dims[None, :] * sxd, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    base = (bh * tiles + tile).to(tl.int64)
+    column = tl.arange(0, 16)[None, :]
+    if COLUMNS:
+        w = tl.sum(x, 0)
+        scale = _scale(tl.max(tl.abs(w), 0), HEADROOM)
+        parts = _split(w / scale, 16, CP.dtype.element_ty)
+        tl.store(CP + (base * HEAD_DIM + dims)[:, None] * 16 + column, parts)
+        absolute = tl.sum(tl.abs(x), 0)
+        tl.store(CS + base * 3, scale)
+        tl.store(CS + base * 3 + 1, tl.sqrt(tl.sum(absolute * absolute, 0)))
+        tl.store(CS + base * 3 + 2, tl.max(tl.sqrt(tl.sum(x * x, 1)), 0))
+    if ROWS:
+        r = tl.sum(x, 1)
+        scale = _scale(tl.max(tl.abs(r), 0), HEADROOM)
+        parts = _split(r / scale, 16, RP.dtype.element_ty)
+        tl.store(RP + (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column, parts)
+        tl.store(RS + base * 3, scale)
+        tl.store(RS + base * 3 + 1, tl.max(tl.sum(tl.abs(x), 1), 0))
+        tl.store(RS + base * 3 + 2, 0.0)

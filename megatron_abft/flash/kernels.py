@@ -18,7 +18,8 @@ again is uncorrectable.
 
 Outcomes go to ``CODES [sections, batch * heads]`` (int32, atomic max of
 ``outcome << 2 | kind``: outcome 1 corrected, 2 uncorrectable; kind as megatron_abft.eec.KINDS),
-and the first flagged row and column to ``ROWS``/``COLS`` (atomic min): one matrix a section, on
+and the first flagged row and column to ``ROWS``/``COLS`` (as ``NO_ROW - row``, atomic max, so
+that a zeroed buffer says none): one matrix a section, on
 the device, no host synchronisation; a program reports what its first pass flagged as
 corrected and what its second flagged as uncorrectable, which the atomic max lets win.
 
@@ -132,11 +133,11 @@ def _report(
     if kind > 0:
         at = section * BH + bh
         tl.atomic_max(CODES + at, (outcome << 2) | (kind - 1))
-        first = tl.min(tl.where(state > 0, rows, NO_ROW))
+        first = NO_ROW - tl.min(tl.where(state > 0, rows, NO_ROW))
         if TRANSPOSED:
-            tl.atomic_min(COLS + at, first)
+            tl.atomic_max(COLS + at, first)
         else:
-            tl.atomic_min(ROWS + at, first)
+            tl.atomic_max(ROWS + at, first)
     if CALIBRATE:
         tl.atomic_max(RATIO + section * BH + bh, tl.max(tl.where(state > 0, 0.0, ratio)))
     return kind > 0
@@ -528,9 +529,8 @@ def _dq_pass(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     dssum = tl.zeros([BLOCK_M], tl.float32)
-    pabs = tl.zeros([BLOCK_M], tl.float32)
-    dpmax = tl.zeros([BLOCK_M], tl.float32)
     kmax = 0.0
+    vmax = 0.0
     state_s = tl.zeros([BLOCK_M], tl.int32)
     state_p = tl.zeros([BLOCK_M], tl.int32)
     state_q = tl.zeros([BLOCK_M], tl.int32)
@@ -578,11 +578,12 @@ def _dq_pass(
             fresh = first_pass & (start_n == 0)
             part = _corrupt(part, offs_m[:, None], offs_d[None, :], bh, GRAD_Q, fresh, INJ)
         if CHECK:
-            psum += tl.sum(p, 1)
-            dssum += tl.sum(ds, 1)
-            pabs += tl.sum(p * (tl.abs(dp) + tl.abs(delta)[:, None]), 1)
-            dpmax = tl.maximum(dpmax, tl.max(tl.where(visible, tl.abs(dp), 0.0), 1))
-            kmax = tl.maximum(kmax, _stat(KCS, bhk, TILES_K, j, 2))
+            if check_s | check_p:  # the row identities' sums
+                psum += tl.sum(p, 1)
+                dssum += tl.sum(ds, 1)
+                kmax = tl.maximum(kmax, _stat(KCS, bhk, TILES_K, j, 2))
+                if check_p:
+                    vmax = tl.maximum(vmax, _stat(VCS, bhk, TILES_K, j, 2))
             if check_q:
                 ref = _row_ref(ds_lo, KR, KRS, bhk, TILES_K, j, BLOCK_N, UPCAST)
                 mass = 1.01 * tl.sum(tl.abs(ds), 1) * _stat(KRS, bhk, TILES_K, j, 1)
@@ -598,7 +599,9 @@ def _dq_pass(
         if check_s:
             state_s = tl.where(m_ok, _check(psum, 1.0, bound_p, state_s, near_inf), 0)
         if check_p:
-            bound_ds = 2.0 * u_out * odo + tol * pabs + bound_p * (dpmax + tl.abs(delta))
+            # |dP_mn| <= ||dO_m|| ||v_n||: the magnitudes of P dP and P Delta, per row
+            scale = don * vmax + tl.abs(delta)
+            bound_ds = 2.0 * u_out * odo + (tol * psum + bound_p) * scale
             state_p = tl.where(m_ok, _check(dssum, 0.0, bound_ds, state_p, near_inf), 0)
     # a row flagged upstream fails downstream too: it counts once, where it began
     state_p = tl.where(state_s > 0, 0, state_p)
@@ -678,3 +681,32 @@ def _bwd_dq_kernel(
         _lo(dq * sm_scale, DQ.dtype.element_ty, UPCAST).to(DQ.dtype.element_ty),
         mask=mask,
     )
+
+
+# --- backward: Delta ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _delta_kernel(
+    OUT, DO, DELTA, ODO, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, N_Q, D,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_ODO: tl.constexpr,
+):
+    """Delta = rowsum(dO * O) for one query block of one (batch, head), and with WITH_ODO
+    ``sum |dO| |O|`` a row, the rounding of the stored O in Delta (the dQ kernel's bound of
+    sum dS = 0); fp32, ``[batch * heads, seq]``."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < N_Q
+    mask = m_ok[:, None] & (offs_d < D)[None, :]
+    o = tl.load(OUT + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod,
+                 mask=mask, other=0.0).to(tl.float32)
+    row = bh.to(tl.int64) * N_Q + offs_m
+    tl.store(DELTA + row, tl.sum(o * do, 1), mask=m_ok)
+    if WITH_ODO:
+        tl.store(ODO + row, tl.sum(tl.abs(o) * tl.abs(do), 1), mask=m_ok)

@@ -1,27 +1,17 @@
-"""Launching the flash kernels: block sizes, grids, and the choice between Triton's compiler (CUDA
-tensors) and its interpreter (CPU tensors, the same source) with nothing for the user to set.
-
-The interpreter is a second load of megatron_abft.flash.kernels with Triton's interpret switch
-on while it is decorated: ``triton.jit`` picks compiled or interpreted functions at decoration
-time, and a kernel's helpers resolve through its module, so each build needs its own module.
-"""
+"""Launching the flash kernels: tile shapes, grids, the checksum vectors each launch needs, and
+the kernels' arguments, on CUDA tensors compiled and on CPU tensors interpreted
+(megatron_abft.flash.build)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
 import math
-import os
-import sys
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import triton
 from torch import Tensor
 
-from megatron_abft.flash import checksums, kernels
+from megatron_abft.flash import build, checksums, kernels
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 """Input dtypes the kernels take; they accumulate in fp32 whatever the input."""
@@ -87,90 +77,12 @@ def padded_head_dim(head_dim: int) -> int:
     )
 
 
-# --- compiled or interpreted -----------------------------------------------------------------
-
-
-def _patch_interpreter(interpreter: ModuleType) -> None:
-    """Two fixes to Triton 3.6's interpreter for kernels interpreted in a process that also
-    compiles, applied within each interpreted launch (its own patch scope, undone after):
-
-    - triton.language's library functions (tl.sum, tl.max, tl.cdiv...) were decorated for the
-      compiler when triton was imported: they run as interpreted functions instead;
-    - its tensors serve as ``range`` bounds under numpy >= 2.4, which refuses ``int()`` of a
-      one-element array (triton-lang/triton#9171): every scalar in the interpreter is one.
-    """
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "abft_fixes", False):
-        return
-    import triton.experimental.gluon  # noqa: F401  imported on the first launch: before the patch
-    import triton.language as tl
-    from triton.runtime.jit import JITFunction
-
-    library = [
-        (module, name, member)
-        for module in (tl, tl.standard)
-        for name, member in vars(module).items()
-        if isinstance(member, JITFunction)
-    ]
-    interpreted = {
-        id(member): interpreter.InterpretedFunction(member.fn) for _, _, member in library
-    }
-
-    def patch(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        for module, name, member in library:
-            scope.set_attr(module, name, interpreted[id(member)])
-
-    patch.abft_fixes = True
-    interpreter._patch_lang_tensor = patch
-
-
-@contextlib.contextmanager
-def _interpreting():
-    """Triton's interpret switch on, and its environment variable as it was after."""
-    before = os.environ.get("TRITON_INTERPRET")
-    triton.knobs.runtime.interpret = True
-    try:
-        yield
-    finally:
-        del triton.knobs.runtime.interpret
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-@functools.cache
-def interpreted_kernels() -> ModuleType:
-    """megatron_abft.flash.kernels loaded again, its kernels decorated for the interpreter."""
-    from triton.runtime import interpreter
-
-    _patch_interpreter(interpreter)
-    name = kernels.__name__ + "_interpreted"
-    spec = importlib.util.spec_from_file_location(name, kernels.__file__)
-    module = importlib.util.module_from_spec(spec)
-    with _interpreting():
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-def kernels_for(device: torch.device) -> ModuleType:
-    """The kernels that run on ``device``: compiled on CUDA, interpreted on CPU."""
-    if device.type == "cuda":
-        return kernels
-    if device.type == "cpu":
-        return interpreted_kernels()
-    raise ValueError(f"flash attention runs on CUDA or CPU tensors, not {device.type}")
-
-
 # --- launches --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Checks:
-    """What a launch checks and how strictly."""
+    """What a call checks and how strictly."""
 
     due: int
     """Bit i set: section FLASH_SECTIONS[i] is checked on this call."""
@@ -179,16 +91,26 @@ class Checks:
     near_inf: float
     """Residuals above this count as near-INF faults."""
 
-    @property
-    def compiled(self) -> bool:
-        return self.due != 0
+    def has(self, *sections: int) -> bool:
+        """Whether any of the kernels' ``sections`` (kernels.SCORES...) is due."""
+        return any(self.due >> int(s) & 1 for s in sections)
+
+
+KERNEL_SECTIONS = {
+    "forward": (kernels.SCORES, kernels.CONTEXT),
+    "dkdv": (kernels.BWD_SCORES, kernels.GRAD_PROBS, kernels.GRAD_V, kernels.GRAD_K),
+    "dq": (kernels.BWD_SCORES, kernels.GRAD_PROBS, kernels.GRAD_Q),
+}
+"""The sections each kernel checks: one with none of them due runs with the checks compiled
+out, and makes no checksum vectors."""
 
 
 @dataclass
 class Found:
     """What one launch's checks found, one entry a section and (batch, head) matrix, on the
-    device: ``codes`` as kernels.py describes, the first flagged row and column (int32 max:
-    none), and, in calibration runs, the largest clean residual ratio."""
+    device: ``codes``, and the first flagged row and column (as ``kernels.NO_ROW - row``, 0
+    none) as kernels.py describes them, and, in calibration runs, the largest clean residual
+    ratio."""
 
     codes: Tensor
     rows: Tensor
@@ -203,17 +125,17 @@ class Found:
 
     @classmethod
     def empty(cls, matrices: int, device: torch.device, calibrate: bool = False) -> Found:
-        shape = (len(kernels_sections()), matrices)
-        return cls(
-            torch.zeros(shape, dtype=torch.int32, device=device),
-            torch.full(shape, kernels.NO_ROW.value, dtype=torch.int32, device=device),
-            torch.full(shape, kernels.NO_ROW.value, dtype=torch.int32, device=device),
-            torch.zeros(shape, dtype=torch.float32, device=device) if calibrate else None,
-        )
+        """Nothing found yet, in one zeroed buffer (one launch)."""
+        shape = (kernels.N_SECTIONS.value, matrices)
+        codes, rows, cols = torch.zeros(3, *shape, dtype=torch.int32, device=device)
+        ratio = torch.zeros(shape, dtype=torch.float32, device=device) if calibrate else None
+        return cls(codes, rows, cols, ratio)
 
-
-def kernels_sections() -> range:
-    return range(kernels.N_SECTIONS.value)
+    @classmethod
+    def unchecked(cls, device: torch.device) -> Found:
+        """Placeholders for a call that checks nothing (no launch)."""
+        nothing = torch.empty(0, dtype=torch.int32, device=device)
+        return cls(nothing, nothing, nothing)
 
 
 def forward(
@@ -233,14 +155,17 @@ def forward(
     tiles = blocks("forward", width, q.dtype)
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
-    sums = _sums(checks, tiles.block_n, width, (checksums.columns, k), (checksums.rows, v))
+    kc, _ = _sums(k, tiles.block_n, width, checks.has(kernels.SCORES), False)
+    _, vr = _sums(v, tiles.block_n, width, False, checks.has(kernels.CONTEXT))
     # fmt: off
-    kernels_for(q.device)._fwd_kernel[(triton.cdiv(n_q, tiles.block_m), batch * heads)](
-        q, k, v, o, lse, *sums, *found.arguments, _fault(inject, q.device),
+    build.for_device(kernels, q.device)._fwd_kernel[
+        (triton.cdiv(n_q, tiles.block_m), batch * heads)
+    ](
+        q, k, v, o, lse, *kc, *vr, *found.arguments, _fault(inject, q.device),
         scale * math.log2(math.e), checks.tol, checks.near_inf, checks.due,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         heads, heads // kv_heads, n_q, n_k, dim,
-        **_constants(tiles, width, causal, checks, found, inject, q),
+        **_constants("forward", tiles, width, causal, checks, found, inject, q),
     )
     # fmt: on
     return o, lse
@@ -263,55 +188,66 @@ def backward(
     batch, heads, n_q, dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = padded_head_dim(dim)
-    o32, do32 = o.float(), do.float()
-    delta = (o32 * do32).sum(-1)
-    odo = (o32.abs() * do32.abs()).sum(-1) if checks.compiled else delta
-    del o32, do32
+    module = build.for_device(kernels, q.device)
+    delta = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
+    # the rounding of the stored O in Delta, for sum dS = 0 (grad_probs)
+    with_odo = checks.has(kernels.GRAD_PROBS)
+    odo = torch.empty_like(delta) if with_odo else delta
+    block = 64
+    # fmt: off
+    module._delta_kernel[(triton.cdiv(n_q, block), batch * heads)](
+        o, do, delta, odo, *o.stride(), *do.stride(), heads, n_q, dim,
+        BLOCK_M=block, HEAD_DIM=width, WITH_ODO=with_odo, num_warps=4, num_stages=1,
+    )
+    # fmt: on
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    module = kernels_for(q.device)
     fault = _fault(inject, q.device)
     qk_scale = scale * math.log2(math.e)
     tiles = blocks("dkdv", width, q.dtype)
-    sums = _sums(
-        checks,
-        tiles.block_m,
-        width,
-        (checksums.columns, q),
-        (checksums.rows, q),
-        (checksums.columns, do),
-        (checksums.rows, do),
+    qc, qr = _sums(
+        q, tiles.block_m, width, checks.has(kernels.BWD_SCORES), checks.has(kernels.GRAD_K)
+    )
+    doc, dor = _sums(
+        do, tiles.block_m, width, checks.has(kernels.GRAD_PROBS), checks.has(kernels.GRAD_V)
     )
     # fmt: off
     module._bwd_dkdv_kernel[(triton.cdiv(n_k, tiles.block_n), batch * kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *sums, *found.arguments, fault,
+        q, k, v, do, lse, delta, dk, dv, *qc, *qr, *doc, *dor, *found.arguments, fault,
         qk_scale, scale, checks.tol, checks.near_inf, checks.due,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         heads, heads // kv_heads, n_q, n_k, dim,
-        **_constants(tiles, width, causal, checks, found, inject, q),
+        **_constants("dkdv", tiles, width, causal, checks, found, inject, q),
     )
     # fmt: on
     tiles = blocks("dq", width, q.dtype)
-    sums = _sums(
-        checks,
-        tiles.block_n,
-        width,
-        (checksums.columns, k),
-        (checksums.rows, k),
-        (checksums.columns, v),
-    )
+    # K's column sums also bound sum P = 1 and sum dS = 0 (their largest row norm)
+    identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
+    kc, kr = _sums(k, tiles.block_n, width, identities, checks.has(kernels.GRAD_Q))
+    vc, _ = _sums(v, tiles.block_n, width, checks.has(kernels.GRAD_PROBS), False)
     # fmt: off
     module._bwd_dq_kernel[(triton.cdiv(n_q, tiles.block_m), batch * heads)](
-        q, k, v, do, lse, delta, odo, dq, *sums, *found.arguments, fault,
+        q, k, v, do, lse, delta, odo, dq, *kc, *kr, *vc, *found.arguments, fault,
         qk_scale, scale, checks.tol, unit_roundoff(o.dtype), checks.near_inf, checks.due,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         heads, heads // kv_heads, n_q, n_k, dim,
-        **_constants(tiles, width, causal, checks, found, inject, q),
+        **_constants("dq", tiles, width, causal, checks, found, inject, q),
     )
     # fmt: on
     return dq, dk, dv
 
 
+def _sums(
+    x: Tensor, block: int, width: int, columns: bool, rows: bool
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """``x``'s column and row sums (checksums.sums) as kernel arguments, parts and stats,
+    placeholders for a kind not asked for; one launch when either is."""
+    made = checksums.sums(x, block, width, columns, rows) if columns or rows else (None, None)
+    placeholder = torch.empty(0, dtype=x.dtype, device=x.device)
+    return tuple((s.parts, s.stats) if s else (placeholder, placeholder) for s in made)
+
+
 def _constants(
+    kernel: str,
     tiles: Blocks,
     width: int,
     causal: bool,
@@ -326,7 +262,7 @@ def _constants(
         "BLOCK_N": tiles.block_n,
         "HEAD_DIM": width,
         "CAUSAL": causal,
-        "CHECK": checks.compiled,
+        "CHECK": checks.has(*KERNEL_SECTIONS[kernel]),
         "INJECT": inject is not None,
         "CALIBRATE": found.ratio is not None,
         # the interpreter's bf16 tl.dot multiplies bit patterns (triton-lang/triton#11584)
@@ -338,20 +274,7 @@ def _constants(
 
 def _fault(inject: Tensor | None, device: torch.device) -> Tensor:
     """The kernels' INJ argument: the armed fault, or a placeholder (INJECT off)."""
-    return inject if inject is not None else torch.zeros(9, dtype=torch.int32, device=device)
-
-
-def _sums(checks: Checks, block: int, width: int, *wanted) -> list[Tensor]:
-    """The checksum vectors (checksums.py) of each ``(kind, tensor)`` in ``wanted``, tiled by
-    ``block`` rows and padded to ``width``, as kernel arguments (parts, stats); placeholders
-    where the checks are compiled out."""
-    if not checks.compiled:
-        return [torch.zeros(1, dtype=torch.int32, device=wanted[0][1].device)] * 2 * len(wanted)
-    arguments = []
-    for kind, x in wanted:
-        sums = kind(x, block, width)
-        arguments += [sums.parts, sums.stats]
-    return arguments
+    return inject if inject is not None else torch.empty(0, dtype=torch.int32, device=device)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

@@ -43,8 +43,8 @@ class _Sizes(TorchDispatchMode):
 
 def test_no_tensor_on_its_path_is_the_size_of_the_scores():
     """The ops' bodies, forward and backward, at 384 tokens, watched op by op: the largest
-    tensor they make is a few times q (the fp32 copies of O and dO for Delta, the checksum
-    parts), far from the 147,456 elements of one head's scores; the kernels themselves work
+    tensor they make is the size of q (the outputs; the checksum vectors and Delta are
+    smaller), far from the 147,456 elements of one head's scores; the kernels themselves work
     tile by tile in registers and shared memory."""
     seq, dim = 384, 64
     q, k, v, do = inputs(1, 1, 1, seq, dim, torch.bfloat16)
@@ -61,5 +61,5 @@ def test_no_tensor_on_its_path_is_the_size_of_the_scores():
     largest, op = max(watched.sizes)
     assert largest <= 2 * seq * dim < seq * seq, (largest, op)
     ops = {op for _, op in watched.sizes}
-    assert {"aten.mul.Tensor", "aten.sum.dim_IntList", "aten.empty_like.default"} <= ops
+    assert {"aten.empty_like.default", "aten.empty.memory_format", "aten.zeros.default"} <= ops
     assert ledger.counts.sum() == 0

@@ -1,0 +1,124 @@
+"""Triton kernels compiled for CUDA tensors and interpreted for CPU tensors, from the same
+source, with nothing for the user to set.
+
+The interpreter is a second load of a kernels module with Triton's interpret switch on while
+it is decorated: ``triton.jit`` picks compiled or interpreted functions at decoration time, and
+a kernel's helpers resolve through its module, so each build needs its own module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import torch
+import triton
+
+
+def _patch_interpreter(interpreter: ModuleType) -> None:
+    """Fixes to Triton 3.6's interpreter for kernels interpreted in a process that also
+    compiles, applied within each interpreted launch (its own patch scope, undone after):
+
+    - triton.language's library functions (tl.sum, tl.max, tl.cdiv...) were decorated for the
+      compiler when triton was imported: they run as interpreted functions instead;
+    - those functions patch triton.language.core each time they are called, in a scope the
+      interpreter never undoes, which broke the next compilation (a cast resolved to the
+      interpreter's): the launch's own scope patches core first, so that it undoes theirs;
+    - its tensors serve as ``range`` bounds under numpy >= 2.4, which refuses ``int()`` of a
+      one-element array (triton-lang/triton#9171): every scalar in the interpreter is one;
+    - a function called inside a launch (a kernel's helpers, tl.sum) skips patching the language
+      again, which the launch has done: a third of the kernels' time in the interpreter went to
+      it.
+    """
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "abft_fixes", False):
+        return
+    import triton.experimental.gluon  # noqa: F401  imported on the first launch: before the patch
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    library = [
+        (module, name, member)
+        for module in (tl, tl.standard)
+        for name, member in vars(module).items()
+        if isinstance(member, JITFunction)
+    ]
+    interpreted = {
+        id(member): interpreter.InterpretedFunction(member.fn) for _, _, member in library
+    }
+
+    def patch(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        for module, name, member in library:
+            scope.set_attr(module, name, interpreted[id(member)])
+        interpreter._patch_builtin(tl.core, interpreter.interpreter_builder, scope)
+        interpreter._patch_lang_core(tl.core, scope)
+
+    patch.abft_fixes = True
+    interpreter._patch_lang_tensor = patch
+
+    launching = interpreter.GridExecutor.__call__
+    calling = interpreter.InterpretedFunction.__call__
+    inside = [0]  # launches running: their scope holds every patch a call would make
+
+    def launch(self, *args, **kwargs):
+        inside[0] += 1
+        try:
+            return launching(self, *args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    def call(self, *args, **kwargs):
+        if not inside[0]:
+            return calling(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as error:
+            raise interpreter.InterpreterError(repr(error)) from error
+
+    interpreter.GridExecutor.__call__ = launch
+    interpreter.InterpretedFunction.__call__ = call
+
+
+@contextlib.contextmanager
+def _interpreting():
+    """Triton's interpret switch on, and its environment variable as it was after."""
+    before = os.environ.get("TRITON_INTERPRET")
+    triton.knobs.runtime.interpret = True
+    try:
+        yield
+    finally:
+        del triton.knobs.runtime.interpret
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+@functools.cache
+def interpreted(module: ModuleType) -> ModuleType:
+    """``module`` loaded again, its kernels decorated for the interpreter."""
+    from triton.runtime import interpreter
+
+    _patch_interpreter(interpreter)
+    name = module.__name__ + "_interpreted"
+    spec = importlib.util.spec_from_file_location(name, module.__file__)
+    loaded = importlib.util.module_from_spec(spec)
+    with _interpreting():
+        sys.modules[name] = loaded
+        spec.loader.exec_module(loaded)
+    return loaded
+
+
+def for_device(module: ModuleType, device: torch.device) -> ModuleType:
+    """``module``'s kernels that run on ``device``: compiled on CUDA, interpreted on CPU."""
+    if device.type == "cuda":
+        return module
+    if device.type == "cpu":
+        return interpreted(module)
+    raise ValueError(f"the flash kernels run on CUDA or CPU tensors, not {device.type}")
