@@ -13,12 +13,13 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from megatron_abft.config import FLASH_SECTIONS
+from megatron_abft.config import FLASH_SECTIONS, FORWARD_SECTIONS
 from megatron_abft.flash import launch
 from megatron_abft.flash.faults import FlashFault, kernel_args
 from megatron_abft.flash.ledger import FlashLedger, record
 
-FORWARD = frozenset({"scores", "context"})
+FORWARD = frozenset(FLASH_SECTIONS) & frozenset(FORWARD_SECTIONS)
+"""The flash sections of the forward (scores, context); the others are the backward's."""
 _DEFAULT_LEDGERS: dict[torch.device, FlashLedger] = {}
 
 

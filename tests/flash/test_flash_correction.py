@@ -129,3 +129,26 @@ def test_a_fault_in_another_head_leaves_this_one_alone():
     got, ledger = run(q, k, v, do, faults=[bad])
     assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True))
     assert ledger.section("grad_v").log[0, 2].item() == 3.0
+
+
+def test_only_the_due_sections_are_checked(case):
+    """A call checks the sections it is given: a finite fault in another lands unseen (the
+    kernel whose sections are none of them runs unchecked; the checked ones downstream take
+    its result as their input), one in a given section is corrected."""
+    q, k, v, do, clean, matrices = case
+    only = ("grad_q",)
+    wrong = [fault("scores", "value", "0d", matrices)]
+    unseen, ledger = run(q, k, v, do, sections=only, faults=wrong)
+    assert ledger.counts.sum() == 0 and not torch.equal(unseen[0], clean[0])
+    seen, ledger = run(q, k, v, do, sections=only, faults=[fault("grad_q", "inf", "0d", matrices)])
+    assert all(torch.equal(a, b) for a, b in zip(seen, clean, strict=True))
+    assert outcomes(ledger, "grad_q") == {"detected": 1, "corrected": 1, "uncorrectable": 0}
+
+
+def test_the_kernels_section_codes_follow_the_config():
+    from megatron_abft.flash import kernels
+
+    codes = [kernels.SCORES, kernels.CONTEXT, kernels.BWD_SCORES, kernels.GRAD_PROBS]
+    codes += [kernels.GRAD_V, kernels.GRAD_K, kernels.GRAD_Q]
+    assert [c.value for c in codes] == list(range(len(FLASH_SECTIONS)))
+    assert kernels.N_SECTIONS.value == len(FLASH_SECTIONS)
