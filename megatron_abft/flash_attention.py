@@ -129,7 +129,9 @@ class ProtectedFlashAttention(DotProductAttention):
             k,
             v,
             causal=mask == AttnMaskType.causal,
-            softmax_scale=self.softmax_scale,
+            # Megatron's query-key layer scaling divides the scale by a coefficient that its
+            # softmax multiplies back
+            softmax_scale=self.softmax_scale * (self.scale_mask_softmax.scale or 1.0),
             sections=due,
             threshold_scale=self.abft_config.threshold_scale,
             near_inf=self.abft_config.near_inf,

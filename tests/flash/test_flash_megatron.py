@@ -191,3 +191,32 @@ def test_an_unknown_attention_is_refused():
 
     with pytest.raises(ValueError, match="attention='flashy': choose from auto, flash, unfused"):
         get_gpt_layer_abft_spec(ABFTConfig(), attention="flashy")
+
+
+def _layer_scaling_worker():
+    """Megatron's DotProductAttention and ProtectedFlashAttention, layer 3, with query-key
+    layer scaling (the scale divided by the layer number, which the softmax multiplies back):
+    the largest difference of their outputs on the same bf16 inputs."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_abft.flash_attention import ProtectedFlashAttention
+
+    config = TransformerConfig(
+        num_layers=4, hidden_size=64, num_attention_heads=2, attention_dropout=0.0,
+        bf16=True, params_dtype=torch.bfloat16, apply_query_key_layer_scaling=True,
+        attention_softmax_in_fp32=True,
+    )  # fmt: skip
+    q, k, v = (torch.randn(24, 1, 2, 32).to(torch.bfloat16) for _ in range(3))
+    outputs = [
+        cls(config, 3, AttnMaskType.causal, "self")(q, k, v, None).float()
+        for cls in (DotProductAttention, ProtectedFlashAttention)
+    ]
+    return (outputs[0] - outputs[1]).abs().max().item(), outputs[0].abs().max().item()
+
+
+def test_query_key_layer_scaling_gives_megatrons_scale():
+    """Spawns 1 rank."""
+    difference, size = spawn(1, 1, _layer_scaling_worker)[0]
+    assert difference < 0.02 * size  # bf16 rounding, where a wrong scale moves it by tens of %
