@@ -172,6 +172,32 @@ def _norm(x, axis: tl.constexpr):
     return tl.sqrt(tl.sum(x * x, axis))
 
 
+@triton.jit
+def _scores_tile(
+    q, qn, K, V, KC, KCS, INJ, cols, offs_m, offs_d, d_ok, bh, bhk, j, skn, skd, svn, svd, N_K,
+    TILES_K, tol, near_inf, check, fresh, state, ratio, section: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """A query block's KV tile ``j`` (the forward's and dQ's): K and V loaded, S = Q K^T with its
+    row check, ``S e = Q (K^T e)``, folded into the rows' ``state`` (and ``ratio``)."""
+    n_ok = cols < N_K
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    s = _mm(q, tl.trans(k), UPCAST)
+    if INJECT:
+        s = _corrupt(s, offs_m[:, None], cols[None, :], bh, section, fresh, INJ)
+    if CHECK:
+        if check:
+            ref = _col_ref(q, KC, KCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
+            mass = qn * _stat(KCS, bhk, TILES_K, j, 1)
+            state = _check(tl.sum(s, 1), ref, tol * mass, state, near_inf)
+            if CALIBRATE:
+                ratio = _ratio(tl.sum(s, 1), ref, mass, ratio)
+    return k, v, s, n_ok, state, ratio
+
+
 # --- forward ----------------------------------------------------------------------------------
 
 
@@ -202,20 +228,11 @@ def _fwd_pass(
     for start_n in range(0, hi, BLOCK_N):
         j = start_n // BLOCK_N
         cols = start_n + offs_n
-        n_ok = cols < N_K
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        s = _mm(q, tl.trans(k), UPCAST)
-        if INJECT:
-            s = _corrupt(s, offs_m[:, None], cols[None, :], bh, SCORES, first_pass, INJ)
-        if CHECK:
-            if check_s:  # F1: S e = Q (K^T e)
-                ref = _col_ref(q, KC, KCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
-                mass = qn * _stat(KCS, bhk, TILES_K, j, 1)
-                state_s = _check(tl.sum(s, 1), ref, tol * mass, state_s, near_inf)
-                if CALIBRATE:
-                    ratio_s = _ratio(tl.sum(s, 1), ref, mass, ratio_s)
+        k, v, s, n_ok, state_s, ratio_s = _scores_tile(  # F1: S e = Q (K^T e)
+            q, qn, K, V, KC, KCS, INJ, cols, offs_m, offs_d, d_ok, bh, bhk, j, skn, skd, svn, svd,
+            N_K, TILES_K, tol, near_inf, check_s, first_pass, state_s, ratio_s, SCORES,
+            HEAD_DIM, CHECK, INJECT, CALIBRATE, UPCAST,
+        )
         s = s * qk_scale
         visible = n_ok[None, :]
         if CAUSAL:
@@ -543,20 +560,11 @@ def _dq_pass(
     for start_n in range(0, hi, BLOCK_N):
         j = start_n // BLOCK_N
         cols = start_n + offs_n
-        n_ok = cols < N_K
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        s = _mm(q, tl.trans(k), UPCAST)
-        if INJECT:
-            s = _corrupt(s, offs_m[:, None], cols[None, :], bh, BWD_SCORES, False, INJ)
-        if CHECK:
-            if check_s:
-                ref = _col_ref(q, KC, KCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
-                mass = qn * _stat(KCS, bhk, TILES_K, j, 1)
-                state_s = _check(tl.sum(s, 1), ref, tol * mass, state_s, near_inf)
-                if CALIBRATE:
-                    ratio_s = _ratio(tl.sum(s, 1), ref, mass, ratio_s)
+        k, v, s, n_ok, state_s, ratio_s = _scores_tile(
+            q, qn, K, V, KC, KCS, INJ, cols, offs_m, offs_d, d_ok, bh, bhk, j, skn, skd, svn, svd,
+            N_K, TILES_K, tol, near_inf, check_s, False, state_s, ratio_s, BWD_SCORES,
+            HEAD_DIM, CHECK, INJECT, CALIBRATE, UPCAST,
+        )
         visible = n_ok[None, :] & m_ok[:, None]
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None])
