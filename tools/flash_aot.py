@@ -3,6 +3,7 @@ uses (shared memory, registers, spills): ``megatron_abft.flash.aot``. CI runs th
 (tests/flash/test_aot.py); this writes them down for docs/benchmarks.md.
 
     python tools/flash_aot.py --json docs/figures/flash_aot.json --markdown
+    python tools/flash_aot.py --from-json docs/figures/flash_aot.json   # the tables again
 
 ``--search`` picks the tile shapes launch.TILES holds: for each kernel, head width and dtype,
 the first candidate (largest tiles first) whose every variant builds without spills for both
@@ -90,14 +91,19 @@ def search(workers: int) -> dict[tuple[str, int, str], launch.Blocks | None]:
 
 
 def markdown(builds: list[aot.Build]) -> str:
-    """A table: per kernel, head width and dtype, its tile and the most shared memory and
-    registers any of its variants (causal or not) uses on each architecture."""
+    """Two tables: per kernel, head width and dtype, its tile and the most shared memory and
+    registers any of its variants (causal or not) uses on each architecture; and per attention
+    kernel and width, the registers of the checked and the unchecked variants on sm_90."""
     rows: dict[tuple, dict] = {}
+    pair: dict[tuple, int] = {}
     for b in builds:
         c = b.config
         row = rows.setdefault((c.kernel, c.head_dim, c.dtype), {"blocks": c.blocks})
         shared, registers = row.get(b.arch, (0, 0))
         row[b.arch] = (max(shared, b.shared), max(registers, b.registers))
+        if c.variant in ("checked", "unchecked") and c.kernel in launch.KERNELS and b.arch == 90:
+            key = (c.kernel, c.head_dim, c.variant)
+            pair[key] = max(pair.get(key, 0), b.registers)
     lines = [
         "| kernel | head dim | dtype | tile (m, n, warps, stages) "
         "| sm_80 smem KiB / regs | sm_90 smem KiB / regs |",
@@ -111,7 +117,24 @@ def markdown(builds: list[aot.Build]) -> str:
         lines.append(
             f"| {kernel} | {width or '-'} | {dtype} | {tile} | " + " | ".join(cells) + " |"
         )
+    lines += ["", "| kernel | head dim | checked | checks compiled out |", "|---|---|---|---|"]
+    for kernel in launch.KERNELS:
+        for width in launch.HEAD_DIMS:
+            checked, unchecked = (pair[kernel, width, v] for v in ("checked", "unchecked"))
+            lines.append(f"| {kernel} | {width} | {checked} | {unchecked} |")
     return "\n".join(lines)
+
+
+def load(path: Path) -> list[aot.Build]:
+    """The builds a ``--json`` file holds."""
+    builds = []
+    for r in json.loads(path.read_text()):
+        c = dict(r["config"])
+        c["tiles"] = launch.Blocks(**c["tiles"]) if c["tiles"] else None
+        c["options"] = tuple(tuple(option) for option in c["options"])
+        fields = ("shared", "registers", "stack", "local", "seconds")
+        builds.append(aot.Build(aot.Config(**c), r["arch"], *(r[f] for f in fields)))
+    return builds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,11 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every build here")
     parser.add_argument("--markdown", action="store_true", help="print the table for the docs")
     parser.add_argument("--search", action="store_true", help="pick the tile shapes")
+    parser.add_argument("--from-json", type=Path, help="print the tables of a --json file")
     parser.add_argument("--workers", type=int, default=0, help="processes (0: one a CPU)")
     args = parser.parse_args(argv)
     if args.search:
         for key, blocks in search(args.workers).items():
             print(key, blocks)
+        return 0
+    if args.from_json:
+        print(markdown(load(args.from_json)))
         return 0
     start = time.perf_counter()
     configs = aot.configurations()

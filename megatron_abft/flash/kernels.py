@@ -45,6 +45,11 @@ GRAD_Q = tl.constexpr(6)
 N_SECTIONS = tl.constexpr(7)
 
 U32 = tl.constexpr(5.9604644775390625e-08)  # 2**-24: the unit roundoff of fp32 accumulation
+FLOOR = tl.constexpr(2.0**-120)
+"""Every bound's absolute floor: products that underflow to fp32's subnormals round to an
+absolute grid (2**-149), not a relative one, so that a bound relative to the data alone would
+flag their rounding (measured: fp32 rows whose P~ underflowed); no fault that matters is this
+small."""
 NO_ROW = tl.constexpr(2147483647)
 INF = tl.constexpr(float("inf"))
 
@@ -110,15 +115,17 @@ def _kind(got, ref, near_inf):
 @triton.jit
 def _check(got, ref, bound, state, near_inf):
     """Fold a row check into the rows' ``state``: 0 clean, else 1 + the worst fault kind seen.
-    Flags where ``|got - ref| <= bound`` fails, NaN included."""
-    flagged = ~(tl.abs(got - ref) <= bound)
+    Flags where ``|got - ref| <= bound + FLOOR`` fails, NaN included."""
+    flagged = ~(tl.abs(got - ref) <= bound + FLOOR)
     return tl.maximum(state, tl.where(flagged, _kind(got, ref, near_inf), 0))
 
 
 @triton.jit
 def _ratio(got, ref, mass, ratio):
-    """The rows' largest ``|got - ref| / (u * mass)`` so far (calibration runs)."""
-    return tl.maximum(ratio, tl.abs(got - ref) / (U32 * tl.maximum(mass, 1e-30)))
+    """The rows' largest ``(|got - ref| - FLOOR) / (u * mass)`` so far: the least c each bound
+    needed (calibration runs)."""
+    needed = tl.maximum(tl.abs(got - ref) - FLOOR, 0.0) / (U32 * tl.maximum(mass, 1e-30))
+    return tl.maximum(ratio, needed)
 
 
 @triton.jit

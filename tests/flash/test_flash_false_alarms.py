@@ -1,6 +1,8 @@
-"""tools/flash_false_alarms.py at a small size: clean realistic inputs (outlier rows and
-channels, an attention sink, near-one-hot softmax; causal and not) raise no alarm in any
-section, forward or backward, and the largest clean residual sits well inside its bound."""
+"""tools/flash_false_alarms.py at a small size, in fp32, bf16 and fp16: clean realistic inputs
+(outlier rows and channels, an attention sink, near-one-hot softmax; causal and not) raise no
+alarm in any section, forward or backward, and the largest clean residual sits well inside its
+bound. (fp32 rows whose P~ underflowed to subnormals raised alarms before the bounds took an
+absolute floor.)"""
 
 import importlib.util
 import json
@@ -20,7 +22,7 @@ def test_clean_realistic_inputs_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
     assert (
         _tool().main(
-            ["--tiles", "60", "--seq", "64", "--dtypes", "bf16", "fp16", "--json", str(out)]
+            ["--tiles", "60", "--seq", "64", "--json", str(out)]
         )
         == 0
     )
