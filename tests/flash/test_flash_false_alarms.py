@@ -20,12 +20,7 @@ def _tool():
 
 def test_clean_realistic_inputs_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
-    assert (
-        _tool().main(
-            ["--tiles", "60", "--seq", "64", "--json", str(out)]
-        )
-        == 0
-    )
+    assert _tool().main(["--tiles", "60", "--seq", "64", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     for result in report["results"]:
         assert min(result["tiles"].values()) >= 60
