@@ -33,6 +33,18 @@ KINDS = ("normal", "outlier_rows", "outlier_channels", "sink", "one_hot")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def inputs(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str):
     """q, k, v and an upstream gradient of one input kind (KINDS), ``shape`` [b, h, n, d]."""
     g = torch.Generator().manual_seed(seed)
@@ -129,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": " ".join(["python", "tools/flash_false_alarms.py", *sys.argv[1:]]),
         "device": (
-            torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+            torch.cuda.get_device_name()
+            if args.device.startswith("cuda")
+            else f"CPU ({cpu_name()}), Triton interpreter"
         ),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
