@@ -105,13 +105,18 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, counts, clock, log, logged, inject_fwd, inject_bwd, *options):
         o, lse = _forward_op(q, k, v, counts, clock, log, logged, inject_fwd, *options)
-        ctx.save_for_backward(q, k, v, o, lse, counts, clock, log, logged, inject_bwd)
+        ctx.save_for_backward(q, k, v, o, lse, inject_bwd)
+        # the ledger is state the backward writes into as it is then, not a saved value: a
+        # step that moves its clock, or a reset of its counters, before this backward ran (a
+        # pipeline schedule's next forward) is no error
+        ctx.ledger = (counts, clock, log, logged)
         ctx.options = options
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, counts, clock, log, logged, inject_bwd = ctx.saved_tensors
+        q, k, v, o, lse, inject_bwd = ctx.saved_tensors
+        counts, clock, log, logged = ctx.ledger
         dq, dk, dv = _backward_op(
             do, q, k, v, o, lse, counts, clock, log, logged, inject_bwd, *ctx.options
         )
