@@ -28,6 +28,7 @@ from megatron_abft.checksum import Checksums, encode_from_pass
 from megatron_abft.config import ABFTConfig
 from megatron_abft.eec import GemmOperands
 from megatron_abft.guard import SectionGuard, host_reads
+from megatron_abft.runtime import runtime_of
 
 
 def reject_unsupported(config: TransformerConfig, where: str, flash: bool = False) -> None:
@@ -96,6 +97,7 @@ class ProtectedDotProductAttention(DotProductAttention):
         self.scores_guard = SectionGuard("scores", self.abft_config, rank)
         self.context_guard = SectionGuard("context", self.abft_config, rank, ("context", "probs"))
         self.abft_guards = (self.scores_guard, self.context_guard)
+        runtime_of(self.abft_config).attach(self)
 
     def forward(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 FORWARD_SECTIONS: tuple[str, ...] = ("qkv", "scores", "context", "proj")
 """The checked forward GEMMs of one attention layer, in the order they run (DESIGN.md
@@ -87,6 +88,14 @@ class ABFTConfig:
     then raise), raise, skip_step (discard the step's gradients), rerun (hand over to Megatron's
     rerun state machine) or log (count only)."""
 
+    events_file: str | None = "abft_events.jsonl"
+    """JSON Lines file each rank appends its uncorrectable faults to as they are decided (rank,
+    layer, section, step, policy); None: printed only. A Telemetry with an events file of its
+    own writes every event there instead (megatron_abft.telemetry)."""
+
+    runtime: Any = field(default=None, init=False, repr=False, compare=False)
+    """The runtime of the layers built from this config (megatron_abft.runtime.runtime_of)."""
+
     _intervals: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +116,8 @@ class ABFTConfig:
                 raise _bad(name, value, "use a positive finite number")
             if not (math.isfinite(value) and value > 0):
                 raise _bad(name, value, "use a positive finite number")
+        if self.events_file is not None and not isinstance(self.events_file, str):
+            raise _bad("events_file", self.events_file, "use a path or None")
         if self.on_uncorrectable not in POLICIES:
             raise _bad(
                 "on_uncorrectable", self.on_uncorrectable, f"choose from {', '.join(POLICIES)}"

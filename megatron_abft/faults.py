@@ -304,9 +304,18 @@ def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
     list of landings (rank, layer, section, step, kind, position)."""
     from megatron_abft.guard import iter_guards
 
-    guards = list(iter_guards(model))
-    layers = {g.layer for g in guards}
     log: list[dict] = []
+    armed_in = arm(list(iter_guards(model)), faults, log)
+    try:
+        yield log
+    finally:
+        disarm(armed_in, log)
+
+
+def arm(guards: list, faults: list[Fault], log: list[dict]) -> list:
+    """Arm ``faults`` in the ``guards`` they name, each landing logged to ``log``; returns the
+    guards armed. Raises ValueError for a fault no guard of these can take."""
+    layers = {g.layer for g in guards}
     armed_in = []
     for fault in faults:
         if not isinstance(fault, Fault):
@@ -348,8 +357,10 @@ def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
                 continue
             guard.faults.append(ArmedFault(fault, log))
             armed_in.append(guard)
-    try:
-        yield log
-    finally:
-        for guard in armed_in:
-            guard.faults = [a for a in guard.faults if a.log is not log]
+    return armed_in
+
+
+def disarm(guards: list, log: list[dict]) -> None:
+    """Take the faults armed with ``log`` out of ``guards``, landed or not."""
+    for guard in guards:
+        guard.faults = [a for a in guard.faults if a.log is not log]

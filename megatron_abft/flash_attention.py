@@ -21,6 +21,7 @@ from megatron_abft.faults import landed
 from megatron_abft.flash import FlashFault, FlashLedger, flash_attention
 from megatron_abft.flash.attention import FORWARD
 from megatron_abft.guard import KernelGuard
+from megatron_abft.runtime import runtime_of
 
 MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 """The attention masks the kernels apply: causal (top-left) and none."""
@@ -91,6 +92,7 @@ class ProtectedFlashAttention(DotProductAttention):
         self.abft_config = abft_config if abft_config is not None else ABFTConfig()
         rank = self.tp_group.rank()
         self.abft_guards = tuple(KernelGuard(s, self.abft_config, rank) for s in FLASH_SECTIONS)
+        runtime_of(self.abft_config).attach(self)
         self.flash_ledger: FlashLedger | None = None
 
     def forward(

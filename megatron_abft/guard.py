@@ -22,7 +22,7 @@ from megatron_abft import _ext
 from megatron_abft.checksum import Checksums, encode
 from megatron_abft.config import SECTIONS, ABFTConfig
 from megatron_abft.eec import KINDS, OUTCOMES, GemmOperands, verify_and_correct
-from megatron_abft.ledger import EVENT_FIELDS, Ledger, drain, set_clocks
+from megatron_abft.ledger import EVENT_FIELDS, Ledger, drain
 from megatron_abft.plan import GENERAL, CheckPlan, signature
 from megatron_abft.sides import Check, kernel_sides
 from megatron_abft.tolerance import gemm_rounding
@@ -41,7 +41,11 @@ View = Callable[[Tensor], Tensor]
 class ABFTUncorrectableError(RuntimeError):
     """A fault that ABFT could not correct, with where it happened."""
 
-    def __init__(self, where: list[dict]):
+    def __init__(self, where: list[dict] | str):
+        if isinstance(where, str):  # autograd re-raises an error from a hook by its message
+            self.where: list[dict] = []
+            super().__init__(where)
+            return
         self.where = where
         places = "; ".join(
             f"rank {w['rank']} layer {w['layer']} section {w['section']} step {w['step']}"
@@ -343,17 +347,6 @@ def iter_guards(model: torch.nn.Module) -> Iterator[SectionGuard]:
 
     visit(model, None)
     return iter(guards)
-
-
-def set_step(model: torch.nn.Module, step: int) -> None:
-    """Tell every guard the training step, which decides what is due (check intervals) and
-    which injected faults land, and is the step their ledgers log faults at."""
-    guards = list(iter_guards(model))
-    for guard in guards:
-        guard.step = step
-        guard.pending = None
-        guard.recompute_failed = False
-    set_clocks([g.ledger for g in guards if g.ledger is not None], step)
 
 
 def reset_stats(model: torch.nn.Module) -> None:

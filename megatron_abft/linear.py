@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_abft.config import ABFTConfig
 from megatron_abft.eec import GemmOperands
 from megatron_abft.guard import SectionGuard, View
+from megatron_abft.runtime import runtime_of
 
 
 def _reject_sequence_parallel(config, where: str) -> None:
@@ -96,6 +97,7 @@ class ProtectedColumnParallelLinear(_CheckedLocalGemm, ColumnParallelLinear):
         self.fault_views = qkv_part_views(self.config, rank, self.output_size_per_partition)
         self.abft_guard = SectionGuard("qkv", self.abft_config, rank, self.fault_views)
         self.abft_guards = (self.abft_guard,)
+        runtime_of(self.abft_config).attach(self)
 
 
 class ProtectedRowParallelLinear(_CheckedLocalGemm, RowParallelLinear):
@@ -108,5 +110,6 @@ class ProtectedRowParallelLinear(_CheckedLocalGemm, RowParallelLinear):
         self.abft_config = abft_config if abft_config is not None else ABFTConfig()
         self.abft_guard = SectionGuard("proj", self.abft_config, self.tp_group.rank())
         self.abft_guards = (self.abft_guard,)
+        runtime_of(self.abft_config).attach(self)
         width = self.output_size
         self.fault_views = {"proj": lambda y: y.view(-1, width)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from megatron_abft.config import (
 from megatron_abft.eec import KINDS
 from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
 from megatron_abft.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
+from megatron_abft.runtime import runtime_of
 from megatron_abft.scaling import DEVICES, ModelShape, baseline_forward, predict
 
 __all__ = [
@@ -228,7 +230,9 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--abft-on-uncorrectable",
         choices=POLICIES,
         default="recompute",
-        help="What to do with a fault that cannot be corrected in place.",
+        help="What to do with a fault that cannot be corrected in place. It is always printed "
+        "and recorded; in Megatron-LM's own loop rerun goes through its rerun state machine, "
+        "log trains on and the others raise (docs/megatron.md).",
     )
     group.add_argument(
         "--abft-block-size",
@@ -337,7 +341,7 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="JSON Lines file with one record per fault event (default: <save>/abft_events.jsonl "
-        "when --save is set).",
+        "when --save is set, else ./abft_events.jsonl, written only when a fault is found).",
     )
     return parser
 
@@ -420,7 +424,18 @@ def abft_config_from_args(args: argparse.Namespace, enabled: bool | None = None)
         sync_free=args.abft_sync_free,
         fused_softmax=args.abft_fused_softmax,
         on_uncorrectable=args.abft_on_uncorrectable,
+        events_file=events_file(args),
     )
+
+
+def events_file(args: argparse.Namespace) -> str:
+    """Where uncorrectable faults are recorded: ``--abft-events-file``, else
+    ``<save>/abft_events.jsonl`` with ``--save``, else ``abft_events.jsonl``."""
+    if getattr(args, "abft_events_file", None):
+        return args.abft_events_file
+    if getattr(args, "save", None):
+        return os.path.join(args.save, "abft_events.jsonl")
+    return ABFTConfig.events_file
 
 
 # --- faults, step by step --------------------------------------------------------------------
@@ -541,9 +556,12 @@ def get_gpt_layer_abft_spec(config: object = None, vp_stage: int | None = None):
     )
     if not args.abft and not (args.abft_inject or args.abft_inject_every):
         return get_gpt_layer_local_spec(**layer_kwargs)
-    return spec.get_gpt_layer_abft_spec(
-        abft_config_from_args(args), attention=args.abft_attention, **layer_kwargs
-    )
+    plan = FaultPlan.from_args(args)
+    if problems := plan.problems():
+        raise ValueError("; ".join(problems))
+    config = abft_config_from_args(args)
+    runtime_of(config).fault_plan = plan  # Megatron-LM's loop injects nothing itself
+    return spec.get_gpt_layer_abft_spec(config, attention=args.abft_attention, **layer_kwargs)
 
 
 def flag_names(parser: argparse.ArgumentParser) -> Iterable[str]:

@@ -12,7 +12,11 @@ synchronisation and one tiny all-reduce decide, for all ranks together, what to 
   ``finish_step(model, retried=True)``, which raises if the fault is still there;
 - ``rerun``: call ``validate_with_rerun(model)`` in the loss function instead, so that Megatron's
   rerun state machine re-runs the step and attributes the fault (its exit codes 16/17 apply);
-- ``log``: only count.
+- ``log``: print and record only.
+
+Every uncorrectable fault is printed with rank, layer, section and step and written to the
+config's events file as it is decided. A loop that calls none of this is covered by the runtime
+(megatron_abft.runtime), which settles the faults itself.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_abft.guard import ABFTUncorrectableError, collective_device, iter_guards
+from megatron_abft.runtime import hand_to_rerun, report, runtimes, take_pending
 
 
 @dataclass(frozen=True)
@@ -51,23 +56,28 @@ def _policy(guards) -> str:
     return policies.pop() if policies else "log"
 
 
+LOOP_OUTCOMES = {
+    "recompute": "the step is recomputed",
+    "raise": "training stops",
+    "skip_step": "the step is skipped",
+    "log": "logged only: training goes on with it",
+}
+"""What happens to an uncorrectable fault that ``finish_step`` decides, by policy."""
+
+
 def finish_step(
     model: torch.nn.Module,
     group: torch.distributed.ProcessGroup | None = None,
     retried: bool = False,
 ) -> StepOutcome:
     """Decide what this step's uncorrectable faults mean, for all ranks of ``group`` (default:
-    every rank, when torch.distributed is initialised). Clears the pending faults."""
+    every rank, when torch.distributed is initialised). Clears the pending faults, and prints
+    and records this rank's (megatron_abft.runtime.report)."""
     guards = list(iter_guards(model))
     policy = _policy(guards)
-    pending = [g for g in guards if g.pending is not None]
-    flags = (
-        torch.stack([g.pending for g in pending]).cpu() if pending else torch.zeros(0, dtype=bool)
-    )
-    where = [g.where() for g, hit in zip(pending, flags.tolist(), strict=True) if hit]
-    recompute_failed = any(g.recompute_failed for g in guards)
-    for guard in guards:
-        guard.pending, guard.recompute_failed = None, False
+    for runtime in runtimes(guards):
+        runtime.loop_settles = True
+    where, recompute_failed = take_pending(guards)
     anywhere = torch.tensor([len(where), int(recompute_failed)], dtype=torch.int64)
     if torch.distributed.is_initialized():
         anywhere = anywhere.to(collective_device(group))
@@ -75,38 +85,28 @@ def finish_step(
     faults, failed_recomputes = anywhere.tolist()
     if not faults:
         return StepOutcome("none")
-    if policy == "raise" or (policy == "recompute" and (retried or failed_recomputes)):
-        if where:
-            raise ABFTUncorrectableError(where)
-        raise ABFTUncorrectableError(
-            [{"rank": "another", "tp_rank": "?", "layer": "?", "section": "?", "step": "?"}]
-        )
     if policy == "rerun":
         raise RuntimeError(
             "ABFT on_uncorrectable='rerun' is decided by validate_with_rerun(model) in the loss "
             "function, inside Megatron's rerun loop, not by finish_step"
         )
-    return StepOutcome(policy if policy != "log" else "log", where)
+    stops = policy == "raise" or (policy == "recompute" and (retried or failed_recomputes))
+    if where:
+        report(guards[0].config, where, LOOP_OUTCOMES["raise" if stops else policy])
+    if stops:
+        if where:
+            raise ABFTUncorrectableError(where)
+        raise ABFTUncorrectableError(
+            [{"rank": "another", "tp_rank": "?", "layer": "?", "section": "?", "step": "?"}]
+        )
+    return StepOutcome(policy, where)
 
 
 def validate_with_rerun(model: torch.nn.Module) -> None:
     """Hand this attempt's uncorrectable faults to Megatron's rerun state machine (policy rerun).
     Call it in the loss function of every attempt: it consumes the pending faults, so an in-place
     rerun is judged on its own; a fault that goes away on the rerun is diagnosed transient."""
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
-
     guards = list(iter_guards(model))
-    pending = [g.pending for g in guards if g.pending is not None]
-    for guard in guards:
-        guard.pending = None
-    if pending:
-        count = torch.stack(pending).sum().float()
-    else:  # nothing checked this attempt: zero, where a checked attempt's count would live
-        count = torch.zeros((), device="cuda" if torch.cuda.is_available() else "cpu")
-    get_rerun_state_machine().validate_result(
-        result=count,
-        rejection_func=lambda c: bool(c > 0),
-        message="ABFT: uncorrectable fault in a protected attention GEMM",
-        tolerance=0.0,
-        fatal=True,
-    )
+    for runtime in runtimes(guards):
+        runtime.loop_settles = True
+    hand_to_rerun(guards, guards[0].config if guards else None)

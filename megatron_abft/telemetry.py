@@ -30,6 +30,7 @@ import torch
 from megatron_abft.config import SECTIONS
 from megatron_abft.eec import KINDS, OUTCOMES
 from megatron_abft.guard import collect_events, iter_guards
+from megatron_abft.runtime import runtimes
 
 COUNTS: tuple[str, ...] = (*OUTCOMES, "recomputed")
 """What is counted per section and kind: detected, corrected, uncorrectable and, for the
@@ -184,7 +185,11 @@ class Telemetry:
         self.rank, self.world = _rank(), _world()
         self.logging_rank = self.world - 1 if logging_rank is None else logging_rank
         self.is_logging_rank = self.rank == self.logging_rank
-        layers = [g.layer for c in self.chunks for g in iter_guards(c) if g.layer is not None]
+        guards = [g for c in self.chunks for g in iter_guards(c)]
+        layers = [g.layer for g in guards if g.layer is not None]
+        if self.config.events_file:  # every event reaches this file, through the logging rank
+            for runtime in runtimes(guards):
+                runtime.telemetry_writes_events = True
         self.num_layers = num_layers or max(layers, default=1)
         self.device = torch.device(device) if device is not None else self._default_device()
         self.stream = stream or sys.stdout

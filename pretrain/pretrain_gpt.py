@@ -417,9 +417,12 @@ def train_step(args, gpt, model, optimizer, scheduler, step_func, batches: list)
                 if action == "none"
                 else f"after an uncorrectable fault that policy {action} let through"
             )
-            raise RuntimeError(
+            error = RuntimeError(
                 f"Rank {rank()}, node {socket.gethostname()}: the loss is {loss.item()}; {cause}"
             )
+            # with one pipeline stage every rank holds the loss and raises here together
+            error.on_every_rank = args.pipeline_model_parallel_size == 1
+            raise error
     save, stop, exit_code = rerun.should_checkpoint_and_exit()
     grad_norm = None
     if not skip and not stop:
@@ -539,7 +542,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
         if args.save and last_saved != iteration:
             save_checkpoint(args, iteration, gpt, optimizer, scheduler)
-    except ABFTUncorrectableError as error:
+    except (ABFTUncorrectableError, RuntimeError) as error:
         if getattr(error, "on_every_rank", False):  # the events still reach every sink
             telemetry.log(iteration)
         telemetry.close()

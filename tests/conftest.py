@@ -1,4 +1,13 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))  # the shared harness: tests/mcore.py
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    """Run each test in a directory of its own: what a run writes to its working directory (the
+    default events file, abft_events.jsonl) stays out of the repository."""
+    monkeypatch.chdir(tmp_path)

@@ -276,7 +276,7 @@ def test_a_sync_free_check_captured_in_a_cuda_graph_corrects_and_counts_on_every
     """Sync-free checks are capturable: a guard's check captured once in a CUDA graph finds,
     corrects, counts and logs a fault landed before each replay, at the step set_step gave the
     replay (the ledger lives on the device, its clock included)."""
-    from megatron_abft.guard import collect_events, set_step
+    from megatron_abft import collect_events, set_step
 
     c, refs, operands = case(torch.float32, (2, 4), 128, 96, 32, False, ("col", "row"), seed=6)
     gpu = GemmOperands(operands.a.cuda(), operands.b.cuda(), operands.alpha)

@@ -151,8 +151,9 @@ def test_a_guard_logs_the_first_faults_counts_them_all_and_warns_of_the_rest():
     """Between two collect_events a guard's log keeps LOG_CAPACITY records, in the order found,
     at the step of each; the counters count every fault, and collect_events warns of those it
     could not log, then starts a new log."""
+    from megatron_abft import collect_events, set_step
     from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard, collect_events, set_step
+    from megatron_abft.guard import SectionGuard
     from megatron_abft.ledger import LOG_CAPACITY
 
     model = torch.nn.Module()

@@ -173,6 +173,29 @@ def test_pipeline_parallel_with_skip_step_on_mock_data(tmp_path):
     assert all("policy skip_step: the step is skipped" in line for line in loud)
 
 
+def test_log_with_a_nan_loss_still_prints_and_records_the_fault(tmp_path):
+    """TP=2, policy log: a NaN in the softmax output at step 2 cannot be corrected and makes the
+    loss NaN, which stops the run; the fault is printed at once and reaches the events file."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(SCRIPT), "--config", str(TINY), "--mock-data", "--train-iters", "3",
+        "--lr-warmup-iters", "1", "--log-interval", "10", "--save", str(tmp_path),
+        "--wandb-project", "", "--abft-inject-every", "0", "--abft-on-uncorrectable", "log",
+        "--abft-inject", "section=probs,layer=1,kind=nan,step=2,tp-rank=1",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert done.returncode != 0 and "the loss is nan" in done.stderr
+    assert "Rank 1, node" in done.stderr and "iteration 2: layer 1 section context" in (
+        done.stderr
+    )
+    events = [json.loads(line) for line in (tmp_path / "abft_events.jsonl").open()]
+    assert any(
+        (e["step"], e["tp_rank"], e["layer"], e["section"], e["action"], e["policy"])
+        == (2, 1, 1, "context", "uncorrectable", "log")
+        for e in events
+    )
+
+
 # --- W&B ---------------------------------------------------------------------------------------
 
 

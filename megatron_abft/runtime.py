@@ -1,0 +1,330 @@
+"""The ABFT runtime of a model: what keeps the promise "never silent" when the training loop makes
+no ABFT call.
+
+Every protected layer built from one ``ABFTConfig`` attaches to that config's runtime
+(``runtime_of``). The runtime sees each protected forward through a forward pre-hook, and so
+knows when a new pass over the model begins (the first protected module runs again) and, with
+the step, when a new step does. There it settles what nothing consumed: every fault still
+uncorrectable is printed with rank, layer, section and step, written to the config's events
+file, and handed to the policy; a loop that calls ``set_step`` settles there instead, once a
+step. Where Megatron's train_step runs the pass (its rerun state machine is running) and the
+loop neither drives the steps nor consumes the faults (``finish_step``, ``validate_with_rerun``),
+the runtime settles earlier, at the end of the step's last backward (a gradient hook on the
+first protected module's input): still inside Megatron's forward-backward and before the
+optimizer step, where the rerun state machine can re-run the step.
+
+The step decides check intervals and scheduled faults. The loop gives it with ``set_step``;
+otherwise the runtime reads Megatron-LM's iteration or, failing that, the iteration of Megatron's
+rerun state machine while it runs a step. Where no step is known the runtime counts passes, and
+a config or a fault that needs the real step is refused at the second pass.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import weakref
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from megatron_abft.config import ABFTConfig
+from megatron_abft.faults import arm, disarm
+from megatron_abft.guard import ABFTUncorrectableError, SectionGuard, iter_guards
+from megatron_abft.ledger import set_clocks
+
+WITHOUT_LOOP = {
+    "recompute": "raised (the recompute did not help, or needs the loop's finish_step)",
+    "raise": "raised",
+    "skip_step": "raised (skipping a step needs the loop's finish_step)",
+    "rerun": "raised (found after its step, too late for Megatron's rerun)",
+    "log": "logged only: training goes on with it",
+}
+"""What the runtime does with an uncorrectable fault that the loop left to it, by policy."""
+
+
+def runtime_of(config: ABFTConfig) -> Runtime:
+    """The runtime shared by every layer built from ``config``, made at the first call."""
+    if config.runtime is None:
+        config.runtime = Runtime(config)
+    return config.runtime
+
+
+def runtimes(guards: Iterable[SectionGuard]) -> list[Runtime]:
+    """The runtimes of ``guards``' configs, each once."""
+    found: dict[int, Runtime] = {}
+    for guard in guards:
+        runtime = runtime_of(guard.config)
+        found.setdefault(id(runtime), runtime)
+    return list(found.values())
+
+
+def megatron_step() -> int | None:
+    """The training step as Megatron logs it (from 1), without a call from the loop: from
+    Megatron-LM's ``args.curr_iteration`` where its arguments are parsed, else from the
+    iteration of Megatron's rerun state machine while it runs a step (both count from 0);
+    None where neither is there."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    if getattr(args, "curr_iteration", None) is not None:
+        return int(args.curr_iteration) + 1
+    machine = running_rerun_state_machine()
+    return None if machine is None else machine.current_iteration + 1
+
+
+def running_rerun_state_machine():
+    """Megatron's rerun state machine while it runs a step's forward-backward, else None. Never
+    makes one (``get_rerun_state_machine`` would, with a warning)."""
+    module = sys.modules.get("megatron.core.rerun_state_machine")
+    machine = getattr(module, "_GLOBAL_RERUN_STATE_MACHINE", None)
+    if machine is None or machine.state.name == "NOT_RUNNING_YET":
+        return None
+    return machine
+
+
+def microbatches() -> int:
+    """Micro-batches a step, where Megatron's calculator knows it; else 1."""
+    module = sys.modules.get("megatron.core.num_microbatches_calculator")
+    calculator = getattr(module, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
+    return 1 if calculator is None else calculator.get()
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass (a recomputed forward runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def take_pending(guards: list[SectionGuard]) -> tuple[list[dict], bool]:
+    """Where ``guards`` hold an uncorrectable fault (rank, layer, section, step each), and
+    whether a recompute failed; clears both. One host read, none when nothing is pending."""
+    pending = [g for g in guards if g.pending is not None]
+    flags = torch.stack([g.pending for g in pending]).cpu().tolist() if pending else []
+    where = [g.where() for g, hit in zip(pending, flags, strict=True) if hit]
+    recompute_failed = any(g.recompute_failed for g in guards)
+    for guard in guards:
+        guard.pending, guard.recompute_failed = None, False
+    return where, recompute_failed
+
+
+def report(config: ABFTConfig, where: list[dict], outcome: str) -> None:
+    """Print each uncorrectable fault of ``where`` on this rank's stderr and append it to
+    ``config.events_file`` (a JSON line each), unless a Telemetry writes the events."""
+    if not where:
+        return
+    node = socket.gethostname()
+    for w in where:
+        print(
+            f"!!! ABFT UNCORRECTABLE FAULT !!! Rank {w['rank']}, node {node}, iteration "
+            f"{w['step']}: layer {w['layer']} section {w['section']}; policy "
+            f"{config.on_uncorrectable}: {outcome}",
+            file=sys.stderr,
+            flush=True,
+        )
+    path = config.events_file
+    if path and not runtime_of(config).telemetry_writes_events:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a") as events:
+            for w in where:
+                record = {**w, "action": "uncorrectable", "policy": config.on_uncorrectable}
+                events.write(json.dumps(record) + "\n")
+
+
+def hand_to_rerun(guards: list[SectionGuard], config: ABFTConfig) -> None:
+    """Hand this attempt's uncorrectable faults of ``guards`` to Megatron's rerun state machine,
+    which re-runs the step in place (policy rerun). Call it once in every attempt, clean or
+    not: the machine matches an attempt's validations with the first attempt's by order."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    where, _ = take_pending(guards)
+    report(config, where, "handed to Megatron's rerun state machine")
+    device = next((g.ledger.counts.device for g in guards if g.ledger is not None), None)
+    count = torch.tensor(float(len(where)), device=device)
+    get_rerun_state_machine().validate_result(
+        result=count,
+        rejection_func=lambda c: bool(c > 0),
+        message="ABFT: uncorrectable fault in a protected attention GEMM",
+        tolerance=0.0,
+        fatal=True,
+    )
+
+
+class Runtime:
+    """The protected modules of one config: their guards, the pass they run in, the step, and
+    the settling of the faults no one else consumed."""
+
+    def __init__(self, config: ABFTConfig):
+        self.config = config
+        self._modules: list[weakref.ref] = []
+        self._layer: int | None = None  # the layer of the last core attention attached
+        self._ran: weakref.WeakSet = weakref.WeakSet()  # the modules that ran in this pass
+        self.passes = 0
+        self.step: int | None = None
+        self._backward_ends = 0  # backward passes settled or counted in this step
+        self.step_from_loop = False  # set_step was called
+        self.loop_settles = False  # finish_step or validate_with_rerun was called
+        self.telemetry_writes_events = False  # a Telemetry writes the events file
+        self.fault_plan = None
+        """Faults to land by step, where the loop does not inject them (Megatron-LM's
+        ``--abft-inject``): anything with ``at(step) -> list[Fault]`` and ``active``."""
+        self.landed: list[dict] = []  # where the plan's faults landed on this rank
+        self._armed: list[SectionGuard] = []
+        atexit.register(_settle_at_exit, weakref.ref(self))
+
+    def __getstate__(self) -> dict:  # a pickled model keeps its runtime: weak refs cannot go
+        state = self.__dict__.copy()
+        state["_modules"] = [m for m in (ref() for ref in self._modules) if m is not None]
+        state["_ran"] = list(self._ran)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._modules = [weakref.ref(m) for m in state["_modules"]]
+        self._ran = weakref.WeakSet(state["_ran"])
+        atexit.register(_settle_at_exit, weakref.ref(self))
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Take ``module``'s guards (``module.abft_guards``) into the runtime and watch its
+        forward. Megatron builds a layer's core attention, then its projections: a guard of a
+        module without a ``layer_number`` takes the last one attached."""
+        layer = getattr(module, "layer_number", None)
+        if layer is not None:
+            self._layer = layer
+        for guard in module.abft_guards:
+            if guard.layer is None:
+                guard.layer = self._layer
+        self._modules.append(weakref.ref(module))
+        module.register_forward_pre_hook(self._before_forward)
+
+    def guards(self) -> Iterator[SectionGuard]:
+        """The guards of the attached modules still alive, in the order they attached."""
+        for ref in self._modules:
+            module = ref()
+            if module is not None:
+                yield from module.abft_guards
+
+    # --- passes and steps ------------------------------------------------------------------------
+
+    def _before_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        if in_backward():  # activation recomputation: the same pass
+            return
+        if not self._ran or module in self._ran:
+            self._begin_pass()
+            self._watch_backward(args)
+        self._ran.add(module)
+
+    def _begin_pass(self) -> None:
+        """A new pass over the model: where it starts a new step, settle what the last step
+        left and move to the new one. A loop that calls ``set_step`` settles there instead."""
+        self._ran.clear()
+        self.passes += 1
+        if self.step_from_loop:
+            return
+        step = megatron_step()
+        if step is None:
+            if self.passes > 1:  # the loop had one pass to call set_step
+                self._refuse_without_step()
+            step = self.passes - 1
+        if step != self.step:
+            self.settle()
+            self._set_step(step)
+
+    def _watch_backward(self, args: tuple) -> None:
+        """Settle at the end of this pass's backward, when the gradient reaches the first
+        protected module's input, where Megatron's train_step runs the pass and the loop neither
+        drives the steps nor consumes the faults. A loop of its own may call ``finish_step``
+        after backward: there the next pass settles what is left."""
+        if self.step_from_loop or self.loop_settles or not torch.is_grad_enabled():
+            return
+        if running_rerun_state_machine() is None:  # not Megatron's train_step: a loop of its own
+            return
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                arg.register_hook(self._after_backward)
+                return
+
+    def _after_backward(self, grad: torch.Tensor) -> None:
+        if self.step_from_loop or self.loop_settles:
+            return
+        self._backward_ends += 1
+        if self._backward_ends % microbatches():  # the step's last micro-batch settles
+            return
+        if self.config.on_uncorrectable == "rerun":
+            hand_to_rerun(list(self.guards()), self.config)
+        else:
+            self.settle()
+
+    def _refuse_without_step(self) -> None:
+        """Raise if something needs the training step where none is known."""
+        config = self.config
+        sparse = {s: n for s in config.sections if (n := config.interval(s)) > 1 and config.enabled}
+        scheduled = {a.fault.step for g in self.guards() for a in g.faults} - {None}
+        if self.fault_plan is not None and self.fault_plan.active:
+            scheduled.add("planned")
+        if sparse or scheduled:
+            needs = (
+                f"check intervals {sparse}" if sparse else f"faults at steps {sorted(scheduled)}"
+            )
+            raise RuntimeError(
+                f"ABFT: {needs} need the training step, and none is known: call "
+                "megatron_abft.set_step(model, iteration) at the start of every step, or train "
+                "with Megatron-LM, whose iteration the runtime reads"
+            )
+
+    def _set_step(self, step: int) -> None:
+        """Move to ``step``, and arm the faults the plan holds for it."""
+        if step == self.step:
+            return
+        self.step = step
+        self._backward_ends = 0
+        guards = list(self.guards())
+        move_to_step(guards, step)
+        if self.fault_plan is not None:
+            disarm(self._armed, self.landed)
+            layers = {g.layer for g in guards}
+            due = [f for f in self.fault_plan.at(step) if f.layer in (None, *layers)]
+            self._armed = arm(guards, due, self.landed)
+
+    def settle(self) -> None:
+        settle(list(self.guards()), self.config)
+
+
+def move_to_step(guards: list[SectionGuard], step: int) -> None:
+    """Put ``guards`` and their ledgers' clocks on training step ``step``."""
+    for guard in guards:
+        guard.step = step
+    set_clocks([g.ledger for g in guards if g.ledger is not None], step)
+
+
+def settle(guards: list[SectionGuard], config: ABFTConfig) -> None:
+    """Print, record and hand to ``config``'s policy every fault of ``guards`` still
+    uncorrectable, as far as the policy can act without the loop (WITHOUT_LOOP)."""
+    where, _ = take_pending(guards)
+    if not where:
+        return
+    report(config, where, WITHOUT_LOOP[config.on_uncorrectable])
+    if config.on_uncorrectable != "log":
+        raise ABFTUncorrectableError(where)
+
+
+def set_step(model: torch.nn.Module, step: int) -> None:
+    """Tell every guard of ``model`` the training step, which decides what is due (check
+    intervals) and which injected faults land, and is the step their ledgers log faults at.
+    First settles what the last step left unconsumed (``settle``): nothing is dropped."""
+    guards = list(iter_guards(model))
+    for runtime in runtimes(guards):
+        runtime.step_from_loop = True
+        runtime.step = step
+    if guards:
+        settle(guards, guards[0].config)
+    move_to_step(guards, step)
+
+
+def _settle_at_exit(ref: weakref.ref) -> None:
+    """Print and record what the last pass of a run left, which no next pass will settle."""
+    runtime = ref()
+    if runtime is not None:
+        where, _ = take_pending(list(runtime.guards()))
+        report(runtime.config, where, "found in the last pass: printed and recorded only")

@@ -1,0 +1,250 @@
+"""Never silent with no loop edits: a training loop that makes no ABFT call still sees every
+uncorrectable fault raised, re-run or at least printed and written to the events file
+(megatron_abft.runtime).
+
+The fault is a NaN in layer 1's softmax output on tensor-parallel rank 1 (section ``probs``):
+it sits in the context GEMM's input, so neither correction nor a recompute can remove it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mcore import Shape, build_gpt, loss_and_grads, spawn
+
+from megatron_abft import Fault
+from megatron_abft.config import POLICIES, ABFTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = Shape(heads=4, groups=2)
+PROBS_NAN = Fault("probs", "nan", layer=1, tp_rank=1, seed=2)
+LOUD = "!!! ABFT UNCORRECTABLE FAULT !!! Rank 1"
+
+
+def _plain_loop_worker(policies):
+    """Three forward/backward passes per policy, the fault in the second; the loop calls
+    nothing of megatron_abft but ``inject``, which stands in for the soft error."""
+    from megatron_abft import ABFTUncorrectableError, inject
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    out = {}
+    for policy in policies:
+        model = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable=policy)))
+        err, raised = io.StringIO(), None
+        with contextlib.redirect_stderr(err):
+            for step in range(3):
+                try:
+                    with inject(model, [PROBS_NAN] if step == 1 else []):
+                        loss_and_grads(model, SHAPE, step)
+                except ABFTUncorrectableError as error:
+                    raised = (step, str(error))
+                    break
+        events = [json.loads(line) for line in Path("abft_events.jsonl").read_text().splitlines()]
+        out[policy] = {
+            "raised": raised,
+            "stderr": err.getvalue(),
+            "events": [e for e in events if e["policy"] == policy],
+        }
+    return out
+
+
+def test_a_loop_that_makes_no_abft_call_is_never_silent():
+    """Spawns 2 ranks. Under every policy the fault is printed with rank, layer, section and
+    step and written to the default events file; every policy but ``log`` raises at the next
+    pass's first protected forward (nothing else can act for the loop: there is no step to
+    skip or re-run without it); ``log`` trains on."""
+    ranks = spawn(2, 2, _plain_loop_worker, POLICIES)
+    for rank in ranks:
+        if isinstance(rank, Exception):
+            raise rank
+    for policy in POLICIES:
+        faulty = ranks[1][policy]
+        assert (
+            f"{LOUD}, node {socket.gethostname()}, iteration 1: layer 1 section context"
+            in (faulty["stderr"])
+        ), policy
+        assert {
+            "rank": 1,
+            "tp_rank": 1,
+            "layer": 1,
+            "section": "context",
+            "step": 1,
+            "action": "uncorrectable",
+            "policy": policy,
+        } in faulty["events"]
+        if policy == "log":
+            assert faulty["raised"] is None
+        else:
+            step, message = faulty["raised"]
+            assert step == 2 and "rank 1 layer 1 section context step 1" in message, policy
+
+
+def _sparse_interval_worker():
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    model = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig(check_interval=2)))
+    layers = [
+        (layer.layer_number, guard.layer, guard.section)
+        for layer in model.decoder.layers
+        for module in layer.self_attention.modules()
+        for guard in getattr(module, "abft_guards", ())
+    ]
+    loss_and_grads(model, SHAPE)
+    try:
+        loss_and_grads(model, SHAPE)
+    except RuntimeError as error:
+        return {"layers": layers, "refused": str(error)}
+    return {"layers": layers, "refused": None}
+
+
+def test_check_intervals_without_a_known_step_are_refused():
+    """Check intervals need the training step: where the loop gives none and no Megatron-LM
+    iteration is there, the second pass refuses instead of checking by pass count. Before any
+    walk of the model, every guard knows its Megatron layer (what the runtime prints)."""
+    for rank in spawn(2, 2, _sparse_interval_worker):
+        assert rank["refused"] is not None and "need the training step" in rank["refused"]
+        assert "set_step(model, iteration)" in rank["refused"]
+        assert len(rank["layers"]) == 2 * 4  # qkv, scores, context, proj
+        assert all(number == layer for number, layer, _ in rank["layers"])
+
+
+MEGATRON_LM_LOOP = """
+import os, sys
+from functools import partial
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+from megatron_abft.cpu import enable_cpu_mode
+enable_cpu_mode()
+import torch
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.rerun_state_machine import (
+    RerunDataIterator, RerunMode, get_rerun_state_machine, initialize_rerun_state_machine,
+)
+from megatron.training.argument_utils import gpt_config_from_args
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import set_args
+from megatron.training.models.gpt import GPTModelBuilder
+from megatron_abft import ABFTUncorrectableError
+from megatron_abft.megatron_lm import add_abft_args
+
+parallel_state.initialize_model_parallel()
+tensor_parallel.model_parallel_cuda_manual_seed(1234)
+sys.argv = ["pretrain_gpt.py", *sys.argv[2:]]
+args = parse_args(extra_args_provider=add_abft_args)
+validate_args(args)
+set_args(args)
+initialize_rerun_state_machine(mode=RerunMode(args.rerun_mode))
+rerun = get_rerun_state_machine()
+
+
+def forward_step(data_iterator, model):
+    tokens = next(data_iterator)
+    output = model(tokens[:, :-1], torch.arange(32).expand(2, 32), None, labels=tokens[:, 1:])
+    return output, lambda out: (out.float().mean(), {"lm loss": out.float().mean().detach()})
+
+
+model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
+    ProcessGroupCollection.use_mpu_process_groups()
+)
+seeds = [torch.Generator().manual_seed(i) for i in range(8)]
+batches = [torch.randint(0, 128, (2, 33), generator=g) for g in seeds]
+data = RerunDataIterator(iter(batches))
+for iteration in range(1, 6):  # Megatron-LM's train(): curr_iteration counts from 0
+    args.curr_iteration = iteration - 1
+    attempts = 0
+    try:
+        while rerun.should_run_forward_backward(data):
+            attempts += 1
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data, model=[model],
+                num_microbatches=1, seq_length=32, micro_batch_size=2,
+            )
+    except ABFTUncorrectableError as error:
+        print("RAISED", iteration, error, flush=True)
+        break
+    save, stop, code = rerun.should_checkpoint_and_exit()
+    print("STEP", iteration, attempts, stop, code, flush=True)
+    if stop:
+        break
+"""
+
+
+def _megatron_lm(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "megatron_lm_loop.py"
+    script.write_text(MEGATRON_LM_LOOP)
+    model = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--train-iters", "5", "--lr", "1e-3", "--vocab-size", "128",
+        "--tokenizer-type", "NullTokenizer", "--mock-data", "--transformer-impl", "local",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+        "--no-rope-fusion", "--use-cpu-initialization", "--attention-dropout", "0",
+        "--spec", "megatron_abft.spec", "get_gpt_layer_abft_spec", "--abft",
+        "--abft-inject", "section=probs,layer=1,kind=nan,step=3,seed=2",
+    ]  # fmt: skip
+    env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(script), port, *model, *flags],
+        cwd=tmp_path, env={**__import__("os").environ, **env}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        ("rerun", ["STEP 1 1 False 0", "STEP 2 1 False 0", "STEP 3 2 True 17"]),
+        ("raise", ["STEP 1 1 False 0", "STEP 2 1 False 0", "RAISED 3"]),
+    ],
+)
+def test_megatron_lm_loop_with_the_flags_alone(tmp_path, policy, expected):
+    """1 process: Megatron-LM's flags and spec, its rerun state machine and forward-backward,
+    and a loop that makes no ABFT call. The runtime reads Megatron-LM's iteration, lands the
+    ``--abft-inject`` fault at step 3, and settles it at the end of that step's backward: under
+    ``rerun`` Megatron re-runs the step in place, the fault is gone (transient) and Megatron
+    exits with its code 17; under ``raise`` the step raises. Printed and recorded either way."""
+    done = _megatron_lm(tmp_path, "--abft-on-uncorrectable", policy, "--rerun-mode",
+                        "validate_results")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("STEP", "RAISED"))]
+    assert [line[: len(e)] for line, e in zip(lines, expected, strict=True)] == expected
+    loud = "!!! ABFT UNCORRECTABLE FAULT !!! Rank 0"
+    assert f"{loud}, node {socket.gethostname()}, iteration 3: layer 1 section context" in (
+        done.stderr
+    )
+    events = [json.loads(line) for line in (tmp_path / "abft_events.jsonl").open()]
+    assert {(e["step"], e["layer"], e["section"], e["policy"]) for e in events} >= {
+        (3, 1, "context", policy)
+    }
+
+
+def test_a_model_with_its_runtime_pickles():
+    """torch.save of a whole module pickles its config, hooks and runtime (weak references
+    inside): the copy's runtime holds the copy's guards."""
+    import copy
+    import pickle
+
+    from megatron_abft.guard import SectionGuard
+    from megatron_abft.runtime import runtime_of
+
+    config = ABFTConfig()
+    layer = torch.nn.Linear(2, 2)
+    layer.abft_guards = (SectionGuard("proj", config, 0),)
+    runtime_of(config).attach(layer)
+    for twin in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+        runtime = runtime_of(twin.abft_guards[0].config)
+        assert runtime is not runtime_of(config)
+        assert list(runtime.guards()) == list(twin.abft_guards)
