@@ -65,6 +65,11 @@ class TensorFault:
             raise ValueError(
                 f"TensorFault.value: kind='value' needs a finite value, got {self.value!r}"
             )
+        if self.bit is not None and not (isinstance(self.bit, int) and 0 <= self.bit < 32):
+            raise ValueError(
+                f"TensorFault.bit: {self.bit!r} is not a bit of a checked value; use 0..31 "
+                "(0..15 in bf16 and fp16)"
+            )
         if self.block is not None:
             shapes = {
                 "2d": ("at least 2x2", lambda h, w: min(h, w) >= 2),

@@ -77,9 +77,22 @@ FAULT_KEYS: dict[str, str] = {
 
 def _sections(text: str) -> tuple[str, ...]:
     try:
-        return ABFTConfig(sections=text).sections
+        sections = ABFTConfig(sections=text).sections
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error).replace("ABFTConfig.sections: ", "")) from None
+    if not sections:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no section; name at least one of {', '.join(SECTIONS)} (or leave "
+            "out --abft to check none)"
+        )
+    return sections
+
+
+def _block_size(text: str) -> int:
+    try:
+        return ABFTConfig(block_size=int(text)).block_size
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int between 2 and 65536") from None
 
 
 def parse_check_interval(text: str | int) -> int | dict[str, int]:
@@ -159,16 +172,6 @@ def _inject_sections(text: str) -> tuple[str, ...]:
     return chosen
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1")
-    return value
-
-
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -236,7 +239,7 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--abft-block-size",
-        type=_positive,
+        type=_block_size,
         default=ABFTConfig.block_size,
         help="Length of the checksum blocks along a checked dimension (docs/abft.md).",
     )
@@ -458,6 +461,15 @@ class FaultPlan:
     exponent_bit: int = 30
     """The bit a random bitflip flips: the top exponent bit of the data type (30 for fp32, 14
     for bf16 and fp16), so that the fault is large enough to matter."""
+    train_iters: int | None = None
+    """The run's last iteration (the first is 1); None: unknown, steps are not checked."""
+    seq_length: int | None = None
+    """With the fields below, the model's shape, to check that a fault's block fits the
+    matrix it lands in; None: unknown, blocks are checked when they land."""
+    micro_batch_size: int = 1
+    hidden_size: int = 0
+    num_heads: int = 1
+    head_dim: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FaultPlan:
@@ -471,6 +483,12 @@ class FaultPlan:
             num_query_groups=getattr(args, "num_query_groups", None),
             seed=args.abft_inject_seed if args.abft_inject_seed is not None else args.seed,
             exponent_bit=14 if (bf16 or fp16) else 30,
+            train_iters=getattr(args, "train_iters", None),
+            seq_length=getattr(args, "seq_length", None),
+            micro_batch_size=getattr(args, "micro_batch_size", 1) or 1,
+            hidden_size=getattr(args, "hidden_size", 0) or 0,
+            num_heads=getattr(args, "num_attention_heads", 1) or 1,
+            head_dim=getattr(args, "kv_channels", None),
         )
 
     @property
@@ -491,7 +509,48 @@ class FaultPlan:
                     f"--abft-inject: tp-rank={fault.tp_rank} does not exist with "
                     f"--tensor-model-parallel-size {self.tp_size}; use 0..{self.tp_size - 1}"
                 )
+            if fault.step is not None and self.train_iters is not None:
+                if not 1 <= fault.step <= self.train_iters:
+                    found.append(
+                        f"--abft-inject: step={fault.step} is outside the run; use "
+                        f"1..{self.train_iters} (--train-iters {self.train_iters})"
+                    )
+            bits = 16 if self.exponent_bit == 14 else 32
+            if fault.bit is not None and fault.bit >= bits:
+                found.append(
+                    f"--abft-inject: bit={fault.bit} is not a bit of a {bits}-bit value; use "
+                    f"0..{bits - 1}"
+                )
+            matrix = self.matrix(fault.section)
+            if fault.block is not None and matrix is not None:
+                (h, w), (m, n) = fault.block, matrix
+                if h > m or w > n:
+                    found.append(
+                        f"--abft-inject: block={h}x{w} does not fit section {fault.section}'s "
+                        f"{m}x{n} matrix on a rank"
+                    )
         return found
+
+    def matrix(self, section: str) -> tuple[int, int] | None:
+        """Rows and columns of the matrix a fault in ``section`` lands in, on one rank (per
+        head for the attention's matrices); None where the shape is unknown."""
+        if self.seq_length is None or not self.hidden_size:
+            return None
+        n, tokens = self.seq_length, self.seq_length * self.micro_batch_size
+        d = self.head_dim or self.hidden_size // self.num_heads
+        heads = max(1, self.num_heads // self.tp_size)
+        groups = max(1, (self.num_query_groups or self.num_heads) // self.tp_size)
+        square = dict.fromkeys(("scores", "probs", "bwd_scores", "grad_probs"), (n, n))
+        tall = dict.fromkeys(("context", "grad_v", "grad_k", "grad_q"), (n, d))
+        return {
+            **square,
+            **tall,
+            "qkv": (tokens, (heads + 2 * groups) * d),
+            "q": (tokens, heads * d),
+            "k": (tokens, groups * d),
+            "v": (tokens, groups * d),
+            "proj": (tokens, self.hidden_size),
+        }.get(section)
 
     def at(self, step: int) -> list[Fault]:
         """The faults due at training step ``step``."""

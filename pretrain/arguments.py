@@ -43,7 +43,16 @@ class _RaisingParser(argparse.ArgumentParser):
         raise _FlagError(message)
 
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """Prints an error once, on rank 0 of a torchrun launch, without the whole usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message}\n(--help lists the flags)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = _Parser):
     """Every flag of the script, grouped as in Megatron-LM's arguments.py."""
     parser = parser_class(
         prog="pretrain_gpt.py",

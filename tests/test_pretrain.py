@@ -350,6 +350,13 @@ BAD = [
     (["--lr-warmup-iters", "500"], "--lr-warmup-iters 500"),
     (["--data-path", "nowhere/corpus"], "nowhere/corpus.bin, nowhere/corpus.idx not found"),
     (["--wandb-exp-name", ""], "--wandb-project megatron-abft-demo needs --wandb-exp-name"),
+    (["--abft-inject", "section=context,pattern=2d,block=32x32,step=2"], "block=32x32 does not "
+     "fit section context's 64x16 matrix"),
+    (["--abft-inject", "section=scores,kind=bitflip,bit=40,step=2"], "40 is not a bit of a "
+     "checked value; use 0..31"),
+    (["--abft-block-size", "1"], "'1' is not an int between 2 and 65536"),
+    (["--abft-inject", "section=scores,step=301"], "step=301 is outside the run; use 1..300"),
+    (["--abft-sections", ""], "'' names no section"),
 ]  # fmt: skip
 
 
@@ -360,7 +367,19 @@ def test_a_bad_flag_fails_at_start_with_a_clear_message(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--config", str(TINY), *flags], world_size=2)
     assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage:" not in err and len(err.splitlines()) <= 6  # the message, not the usage
+
+
+def test_a_bad_flag_is_printed_by_rank_0_only(monkeypatch, capsys):
+    """Under torchrun every rank parses the flags; one message, not one per rank."""
+    from arguments import parse_args
+
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--config", str(TINY), "--abft-block-size", "1"], world_size=2)
+    assert exit_.value.code == 2 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(
@@ -484,7 +503,7 @@ def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path
     flags = [
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-        "--train-iters", "1", "--lr", "1e-3", "--vocab-size", "128",
+        "--train-iters", "5", "--lr", "1e-3", "--vocab-size", "128",
         "--tokenizer-type", "NullTokenizer", "--mock-data", "--transformer-impl", "local",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
