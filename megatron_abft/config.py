@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 FORWARD_SECTIONS: tuple[str, ...] = ("qkv", "scores", "context", "proj")
 """The checked forward GEMMs of one attention layer, in the order they run (DESIGN.md
 section 3): checked by the unfused and the flash attention alike."""
@@ -29,6 +31,13 @@ ATTENTIONS: tuple[str, ...] = ("auto", "flash", "unfused")
 
 POLICIES: tuple[str, ...] = ("recompute", "raise", "skip_step", "rerun", "log")
 """What to do with a fault that cannot be corrected in place."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+"""The data types a protected model runs in, by the names the tools and flags use."""
 
 
 def _bad(field_name: str, value: object, allowed: str) -> ValueError:

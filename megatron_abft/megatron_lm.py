@@ -51,7 +51,6 @@ STREAM_SECTIONS: tuple[str, ...] = ("qkv", "q", "k", "v", "scores", "context", "
 """Where ``--abft-inject-every`` lands faults by default: every fault section but ``probs``, the
 softmax output, which GEMM checksums cannot cover (docs/megatron.md)."""
 
-STREAM_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near_inf", "bitflip", "value")
 MATRIX_SECTIONS = frozenset({"scores", "probs", "context"})
 """Sections whose checked matrices are checked on both sides per head: 1D faults (a whole row or
 column) are correctable there. The linear layers' outputs take 0D faults."""
@@ -563,7 +562,7 @@ class FaultPlan:
         rng = random.Random(self.seed * 1_000_003 + step)
         sections = [s for s in self.sections if s not in ("k", "v") or self._kv_on_every_rank]
         section = rng.choice(sections)
-        kind = rng.choice(STREAM_KINDS)
+        kind = rng.choice(FAULT_KINDS)
         pattern = rng.choice(("0d", "row", "col")) if section in MATRIX_SECTIONS else "0d"
         extra: dict[str, float | int] = {}
         if kind == "value":

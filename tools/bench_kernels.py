@@ -26,12 +26,11 @@ import torch
 
 from megatron_abft import _ext
 from megatron_abft.checksum import encode
+from megatron_abft.config import DTYPES
 from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
 from megatron_abft.ledger import Ledger
 from megatron_abft.sides import Check, kernel_sides, screen
 from megatron_abft.tolerance import gemm_rounding
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args() -> argparse.Namespace:

@@ -31,10 +31,8 @@ import torch
 
 from megatron_abft import _ext, fused_softmax
 from megatron_abft.checksum import encode
-from megatron_abft.config import FORWARD_SECTIONS, ABFTConfig
+from megatron_abft.config import DTYPES, FORWARD_SECTIONS, ABFTConfig
 from megatron_abft.scaling import ADAM_BYTES_PER_PARAMETER
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -21,8 +21,8 @@ from megatron_abft import (
     report,
     verify_and_correct,
 )
+from megatron_abft.config import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATUS = {0: "clean", 1: "corrected", 2: "UNCORRECTABLE"}
 CASES = [
     ("none", "0d", None),

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 from megatron_abft import CLEAN, CORRECTED, GemmOperands, encode, verify_and_correct
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megatron_abft.config import DTYPES
 
 
 def parse_args() -> argparse.Namespace:

@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft.config import FLASH_SECTIONS
+from megatron_abft.config import DTYPES, FLASH_SECTIONS
 from megatron_abft.flash import launch
 
 KINDS = ("normal", "outlier_rows", "outlier_channels", "sink", "one_hot")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cpu_name() -> str:
