@@ -30,12 +30,11 @@ from megatron_abft.faults import (
     Fault,
     Injection,
     TensorFault,
-    inject,
     inject_,
 )
 from megatron_abft.guard import ABFTUncorrectableError, collect_events, reset_stats, stats
 from megatron_abft.policy import StepOutcome, finish_step, validate_with_rerun
-from megatron_abft.runtime import set_step
+from megatron_abft.runtime import inject, set_step
 
 __version__ = "0.1.0"
 

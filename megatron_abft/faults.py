@@ -8,9 +8,7 @@ a whole row or column (``row``, ``col``, the 1D patterns; or a segment of one, w
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -299,22 +297,6 @@ def landed(armed: ArmedFault, guard, where: Injection) -> None:
             "injection": where,
         }
     )
-
-
-@contextlib.contextmanager
-def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
-    """Arm ``faults`` in ``model``'s protected layers for the duration of the block. Each lands
-    after its GEMM and before its verification, on the named layer and tensor-parallel rank,
-    once (a persistent one, in the flash kernels, in every computation of its call). Yields the
-    list of landings (rank, layer, section, step, kind, position)."""
-    from megatron_abft.guard import iter_guards
-
-    log: list[dict] = []
-    armed_in = arm(list(iter_guards(model)), faults, log)
-    try:
-        yield log
-    finally:
-        disarm(armed_in, log)
 
 
 def arm(guards: list, faults: list[Fault], log: list[dict]) -> list:

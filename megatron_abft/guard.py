@@ -2,7 +2,7 @@
 guards (counters, step, layer numbers).
 
 A protected module owns one guard per section it computes. On each forward the guard lands any
-injected fault meant for it (megatron_abft.faults.inject), then, when the section is due
+injected fault meant for it (megatron_abft.inject), then, when the section is due
 (ABFTConfig.checks), encodes checksums from the GEMM's inputs, verifies and corrects the output
 in place and tallies the outcome into its ledger, on the device (megatron_abft.ledger). A fault
 it cannot correct is recomputed at once where that costs no host synchronisation (CPU tensors),
@@ -22,6 +22,7 @@ from megatron_abft import _ext
 from megatron_abft.checksum import Checksums, encode
 from megatron_abft.config import SECTIONS, ABFTConfig
 from megatron_abft.eec import KINDS, OUTCOMES, GemmOperands, verify_and_correct
+from megatron_abft.faults import land
 from megatron_abft.ledger import EVENT_FIELDS, Ledger, drain
 from megatron_abft.plan import GENERAL, CheckPlan, signature
 from megatron_abft.sides import Check, kernel_sides
@@ -95,7 +96,7 @@ class SectionGuard:
         self.tp_rank = tp_rank
         self.layer: int | None = None  # Megatron's 1-based layer number, set by iter_guards
         self.step = 0
-        self.faults: list = []  # model-level faults waiting to land (faults.inject)
+        self.faults: list = []  # model-level faults waiting to land (megatron_abft.inject)
         self.ledger: Ledger | None = None  # counters and fault log, on the device
         self.recomputed: Tensor | None = None  # GEMMs recomputed by the recompute policy
         self.pending: Tensor | None = None  # bool: an uncorrected fault this step
@@ -116,8 +117,6 @@ class SectionGuard:
         """Corrupt ``output`` with the waiting faults whose section is in ``views``."""
         if not self.faults:
             return
-        from megatron_abft.faults import land  # the model-level injector, imported lazily
-
         self.faults = [f for f in self.faults if not land(f, self, output, views)]
 
     def check(

@@ -1,5 +1,5 @@
-"""The ABFT command line for Megatron: flags, the config and faults they describe, and a layer spec
-for Megatron-LM's own ``pretrain_gpt.py``.
+"""The ABFT command line for Megatron: flags, the config and faults they describe, and what
+Megatron-LM's own ``pretrain_gpt.py`` builds from them.
 
 ``add_abft_args(parser)`` is an ``extra_args_provider`` in Megatron-LM's style (kebab-case flags in
 their own argument group); ``pretrain/pretrain_gpt.py`` uses the same flags. From the parsed
@@ -8,9 +8,10 @@ faults to inject, step by step. For Megatron-LM::
 
     --spec megatron_abft.spec get_gpt_layer_abft_spec
 
-Megatron-LM 0.19 calls the spec function with its model config; ``get_gpt_layer_abft_spec`` below
-reads the ABFT flags from Megatron-LM's global arguments and returns the protected local spec (or
-Megatron's own local spec without ``--abft``). Importing this module does not import Megatron.
+Megatron-LM 0.19 calls that spec function with its model config; it takes the ABFT config from
+Megatron-LM's global arguments (``abft_from_megatron_lm`` below) and returns the protected local
+spec, or Megatron's own local spec without ``--abft``. Importing this module does not import
+Megatron.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from megatron_abft.scaling import DEVICES, ModelShape, baseline_forward, predict
 __all__ = [
     "FaultPlan",
     "abft_config_from_args",
+    "abft_from_megatron_lm",
     "add_abft_args",
-    "get_gpt_layer_abft_spec",
     "parse_check_interval",
     "parse_fault",
 ]
@@ -588,16 +589,13 @@ class FaultPlan:
 # --- Megatron-LM -----------------------------------------------------------------------------
 
 
-def get_gpt_layer_abft_spec(config: object = None, vp_stage: int | None = None):
-    """The transformer-layer spec for Megatron-LM's ``--spec megatron_abft.spec
-    get_gpt_layer_abft_spec`` (which hands its call here): the local spec with protected
-    attention when ``--abft`` (or a fault injection flag) is given, Megatron's own local spec
-    otherwise. Reads the flags of ``add_abft_args`` from Megatron-LM's global arguments;
-    ``config`` (Megatron-LM's model config) and ``vp_stage`` are accepted as it passes them."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def abft_from_megatron_lm() -> tuple[ABFTConfig | None, str, dict]:
+    """What Megatron-LM's ``--spec megatron_abft.spec get_gpt_layer_abft_spec`` builds, from its
+    global arguments (the flags of ``add_abft_args``): the ABFT config (None with ``--no-abft``
+    and no fault injection: Megatron's own local spec), the core attention, and the local
+    spec's keyword arguments. The config's runtime holds the faults of ``--abft-inject``, which
+    it lands at their steps: Megatron-LM's loop injects nothing itself."""
     from megatron.training import get_args
-
-    from megatron_abft import spec
 
     args = get_args()
     if not hasattr(args, "abft"):
@@ -613,13 +611,13 @@ def get_gpt_layer_abft_spec(config: object = None, vp_stage: int | None = None):
         normalization=getattr(args, "normalization", None),
     )
     if not args.abft and not (args.abft_inject or args.abft_inject_every):
-        return get_gpt_layer_local_spec(**layer_kwargs)
+        return None, args.abft_attention, layer_kwargs
     plan = FaultPlan.from_args(args)
     if problems := plan.problems():
         raise ValueError("; ".join(problems))
     config = abft_config_from_args(args)
-    runtime_of(config).fault_plan = plan  # Megatron-LM's loop injects nothing itself
-    return spec.get_gpt_layer_abft_spec(config, attention=args.abft_attention, **layer_kwargs)
+    runtime_of(config).fault_plan = plan
+    return config, args.abft_attention, layer_kwargs
 
 
 def flag_names(parser: argparse.ArgumentParser) -> Iterable[str]:

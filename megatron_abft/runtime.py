@@ -16,12 +16,15 @@ optimizer step, where the rerun state machine can re-run the step.
 The step decides check intervals and scheduled faults. The loop gives it with ``set_step``;
 otherwise the runtime reads Megatron-LM's iteration or, failing that, the iteration of Megatron's
 rerun state machine while it runs a step. Where no step is known the runtime counts passes, and
-a config or a fault that needs the real step is refused at the second pass.
+a config or a fault that needs the real step is refused at the second pass. The runtime lands
+the faults of a plan at their steps (Megatron-LM's ``--abft-inject``); ``inject`` arms faults in
+a model for one block of the loop.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -32,7 +35,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from megatron_abft.config import ABFTConfig
-from megatron_abft.faults import arm, disarm
+from megatron_abft.faults import Fault, arm, disarm
 from megatron_abft.guard import ABFTUncorrectableError, SectionGuard, iter_guards
 from megatron_abft.ledger import set_clocks
 
@@ -328,3 +331,17 @@ def _settle_at_exit(ref: weakref.ref) -> None:
     if runtime is not None:
         where, _ = take_pending(list(runtime.guards()))
         report(runtime.config, where, "found in the last pass: printed and recorded only")
+
+
+@contextlib.contextmanager
+def inject(model: torch.nn.Module, faults: list[Fault]) -> Iterator[list[dict]]:
+    """Arm ``faults`` in ``model``'s protected layers for the duration of the block. Each lands
+    after its GEMM and before its verification, on the named layer and tensor-parallel rank,
+    once (a persistent one, in the flash kernels, in every computation of its call). Yields the
+    list of landings (rank, layer, section, step, kind, position)."""
+    log: list[dict] = []
+    armed_in = arm(list(iter_guards(model)), faults, log)
+    try:
+        yield log
+    finally:
+        disarm(armed_in, log)

@@ -92,9 +92,11 @@ def get_gpt_layer_abft_spec(
     config in place of an ABFTConfig; the ABFT config then comes from its ``--abft*`` flags
     (megatron_abft.megatron_lm.add_abft_args)."""
     if abft_config is not None and not isinstance(abft_config, ABFTConfig):
-        from megatron_abft import megatron_lm
+        from megatron_abft.megatron_lm import abft_from_megatron_lm
 
-        return megatron_lm.get_gpt_layer_abft_spec(abft_config, **kwargs)
+        abft_config, attention, kwargs = abft_from_megatron_lm()
+        if abft_config is None:
+            return get_gpt_layer_local_spec(**kwargs)
     if kwargs.get("multi_latent_attention"):
         raise ValueError(
             "ABFT does not support multi-latent attention; drop multi_latent_attention"
