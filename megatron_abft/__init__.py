@@ -3,9 +3,10 @@
 The EEC-ABFT core: reference checksums (``encode``), verification and in-place correction
 (``verify_and_correct``) and seeded fault injection (``inject_``), configured by ``ABFTConfig``.
 The protected Megatron-core layers live in ``megatron_abft.spec`` (``get_gpt_layer_abft_spec``),
-with model-wide counters (``stats``), fault injection (``inject``) and the per-step policy
-decision (``finish_step``) exported here; a loop that calls none of them is still never silent
-(``megatron_abft.runtime``). Importing this package does not import Megatron.
+with ``ABFT``, the one object a training loop holds (steps, the per-step policy, telemetry),
+model-wide counters (``stats``) and fault injection (``inject``) exported here; a loop that
+calls none of them is still never silent (``megatron_abft.runtime``). Importing this package
+does not import Megatron.
 """
 
 from megatron_abft.checksum import Checksums, encode, encode_columns, encode_rows
@@ -35,10 +36,12 @@ from megatron_abft.faults import (
 from megatron_abft.guard import ABFTUncorrectableError, collect_events, reset_stats, stats
 from megatron_abft.policy import StepOutcome, finish_step, validate_with_rerun
 from megatron_abft.runtime import inject, set_step
+from megatron_abft.session import ABFT
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ABFT",
     "ABFTUncorrectableError",
     "collect_events",
     "Fault",

@@ -75,8 +75,9 @@ def finish_step(
     and records this rank's (megatron_abft.runtime.report)."""
     guards = list(iter_guards(model))
     policy = _policy(guards)
-    for runtime in runtimes(guards):
-        runtime.loop_settles = True
+    if policy != "rerun":  # rerun is decided inside the step (validate_with_rerun, the runtime)
+        for runtime in runtimes(guards):
+            runtime.loop_settles = True
     where, recompute_failed = take_pending(guards)
     anywhere = torch.tensor([len(where), int(recompute_failed)], dtype=torch.int64)
     if torch.distributed.is_initialized():

@@ -232,14 +232,14 @@ class Runtime:
             step = self.passes - 1
         if step != self.step:
             self.settle()
-            self._set_step(step)
+            self.move_to(step)
 
     def _watch_backward(self, args: tuple) -> None:
         """Settle at the end of this pass's backward, when the gradient reaches the first
         protected module's input, where Megatron's train_step runs the pass and the loop neither
         drives the steps nor consumes the faults. A loop of its own may call ``finish_step``
         after backward: there the next pass settles what is left."""
-        if self.step_from_loop or self.loop_settles or not torch.is_grad_enabled():
+        if not self._settles_after_backward() or not torch.is_grad_enabled():
             return
         if running_rerun_state_machine() is None:  # not Megatron's train_step: a loop of its own
             return
@@ -248,8 +248,15 @@ class Runtime:
                 arg.register_hook(self._after_backward)
                 return
 
+    def _settles_after_backward(self) -> bool:
+        """Whether the end of a backward is the runtime's to settle: unless the loop consumes
+        the faults itself, or, but for policy rerun (decided inside the step), drives steps."""
+        if self.loop_settles:
+            return False
+        return self.config.on_uncorrectable == "rerun" or not self.step_from_loop
+
     def _after_backward(self, grad: torch.Tensor) -> None:
-        if self.step_from_loop or self.loop_settles:
+        if not self._settles_after_backward():
             return
         self._backward_ends += 1
         if self._backward_ends % microbatches():  # the step's last micro-batch settles
@@ -276,7 +283,7 @@ class Runtime:
                 "with Megatron-LM, whose iteration the runtime reads"
             )
 
-    def _set_step(self, step: int) -> None:
+    def move_to(self, step: int) -> None:
         """Move to ``step``, and arm the faults the plan holds for it."""
         if step == self.step:
             return
@@ -317,11 +324,11 @@ def set_step(model: torch.nn.Module, step: int) -> None:
     intervals) and which injected faults land, and is the step their ledgers log faults at.
     First settles what the last step left unconsumed (``settle``): nothing is dropped."""
     guards = list(iter_guards(model))
-    for runtime in runtimes(guards):
-        runtime.step_from_loop = True
-        runtime.step = step
     if guards:
         settle(guards, guards[0].config)
+    for runtime in runtimes(guards):
+        runtime.step_from_loop = True
+        runtime.move_to(step)  # with the faults its plan holds for the step
     move_to_step(guards, step)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -86,6 +87,58 @@ def test_a_loop_that_makes_no_abft_call_is_never_silent():
             assert step == 2 and "rank 1 layer 1 section context step 1" in message, policy
 
 
+def _abft_object_worker():
+    """A loop that holds one ABFT: the fault of step 2 is skipped by the policy, counted and
+    written to the telemetry's events file; a disabled model's object does nothing."""
+    from megatron_abft import ABFT, inject
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+    from megatron_abft.telemetry import TelemetryConfig
+
+    model = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable="skip_step")))
+    abft = ABFT(model, TelemetryConfig(events_file="events.jsonl", policy="skip_step"))
+    actions, err = [], io.StringIO()
+    with contextlib.redirect_stderr(err):
+        for step in (1, 2, 3):
+            abft.step_begin(step)
+            with inject(model, [PROBS_NAN] if step == 2 else []) as landed:
+                loss_and_grads(model, SHAPE, step)
+            abft.count_injected(len(landed))
+            actions.append(abft.step_end().action)
+        abft.log(3)
+    abft.close()
+    uncorrectable = sum(abft.stats()["context"]["uncorrectable"].values())
+    events = [json.loads(line) for line in Path("events.jsonl").read_text().splitlines()]
+    off = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig(enabled=False)))
+    disabled = ABFT(off)
+    disabled.step_begin(1)
+    loss_and_grads(off, SHAPE)
+    return {
+        "actions": actions,
+        "uncorrectable": uncorrectable,
+        "events": [(e["step"], e["layer"], e["section"], e["action"]) for e in events],
+        "stderr": err.getvalue(),
+        "disabled": (disabled.telemetry, disabled.step_end().action),
+    }
+
+
+def test_one_abft_object_drives_a_loop():
+    """Spawns 2 ranks: step_begin, step_end (every rank skips step 2), log and close."""
+    ranks = spawn(2, 2, _abft_object_worker)
+    for rank in ranks:
+        if isinstance(rank, Exception):
+            raise rank
+        assert rank["actions"] == ["none", "skip_step", "none"]
+        assert rank["disabled"] == (None, "none")
+    faulty = ranks[1]
+    assert faulty["uncorrectable"] >= 1
+    assert (
+        "iteration 2: layer 1 section context; policy skip_step: the step is skipped"
+        in (faulty["stderr"])
+    )
+    # the logging rank (the last) writes every rank's events
+    assert (2, 1, "context", "uncorrectable") in ranks[1]["events"]
+
+
 def _sparse_interval_worker():
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
@@ -133,7 +186,7 @@ from megatron.training.argument_utils import gpt_config_from_args
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_args
 from megatron.training.models.gpt import GPTModelBuilder
-from megatron_abft import ABFTUncorrectableError
+from megatron_abft import ABFT, ABFTUncorrectableError
 from megatron_abft.megatron_lm import add_abft_args
 
 parallel_state.initialize_model_parallel()
@@ -158,16 +211,21 @@ model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
 seeds = [torch.Generator().manual_seed(i) for i in range(8)]
 batches = [torch.randint(0, 128, (2, 33), generator=g) for g in seeds]
 data = RerunDataIterator(iter(batches))
+abft = ABFT(model) if os.environ.get("LOOP_CALLS") else None  # the optional loop calls
 for iteration in range(1, 6):  # Megatron-LM's train(): curr_iteration counts from 0
     args.curr_iteration = iteration - 1
     attempts = 0
     try:
+        if abft:
+            abft.step_begin(iteration)
         while rerun.should_run_forward_backward(data):
             attempts += 1
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=[model],
                 num_microbatches=1, seq_length=32, micro_batch_size=2,
             )
+        if abft:
+            assert abft.step_end().action == "none"
     except ABFTUncorrectableError as error:
         print("RAISED", iteration, error, flush=True)
         break
@@ -178,7 +236,7 @@ for iteration in range(1, 6):  # Megatron-LM's train(): curr_iteration counts fr
 """
 
 
-def _megatron_lm(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+def _megatron_lm(tmp_path: Path, *flags: str, loop_calls: bool = False):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -196,28 +254,35 @@ def _megatron_lm(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
         "--abft-inject", "section=probs,layer=1,kind=nan,step=3,seed=2",
     ]  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env["LOOP_CALLS"] = "1" if loop_calls else ""
     return subprocess.run(
         [sys.executable, str(script), port, *model, *flags],
-        cwd=tmp_path, env={**__import__("os").environ, **env}, capture_output=True, text=True,
+        cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
 
 
+RERUN = ["STEP 1 1 False 0", "STEP 2 1 False 0", "STEP 3 2 True 17"]
+
+
 @pytest.mark.parametrize(
-    "policy, expected",
+    "policy, loop_calls, expected",
     [
-        ("rerun", ["STEP 1 1 False 0", "STEP 2 1 False 0", "STEP 3 2 True 17"]),
-        ("raise", ["STEP 1 1 False 0", "STEP 2 1 False 0", "RAISED 3"]),
+        ("rerun", False, RERUN),
+        ("raise", False, ["STEP 1 1 False 0", "STEP 2 1 False 0", "RAISED 3"]),
+        ("rerun", True, RERUN),
     ],
+    ids=["rerun", "raise", "rerun-with-step-calls"],
 )
-def test_megatron_lm_loop_with_the_flags_alone(tmp_path, policy, expected):
+def test_megatron_lm_loop_with_the_flags_alone(tmp_path, policy, loop_calls, expected):
     """1 process: Megatron-LM's flags and spec, its rerun state machine and forward-backward,
     and a loop that makes no ABFT call. The runtime reads Megatron-LM's iteration, lands the
     ``--abft-inject`` fault at step 3, and settles it at the end of that step's backward: under
     ``rerun`` Megatron re-runs the step in place, the fault is gone (transient) and Megatron
-    exits with its code 17; under ``raise`` the step raises. Printed and recorded either way."""
+    exits with its code 17; under ``raise`` the step raises. Printed and recorded either way.
+    A loop that also calls ``ABFT.step_begin`` and ``step_end`` leaves rerun to the runtime."""
     done = _megatron_lm(tmp_path, "--abft-on-uncorrectable", policy, "--rerun-mode",
-                        "validate_results")  # fmt: skip
+                        "validate_results", loop_calls=loop_calls)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith(("STEP", "RAISED"))]
     assert [line[: len(e)] for line, e in zip(lines, expected, strict=True)] == expected
