@@ -9,6 +9,7 @@ calls none of them is still never silent (``megatron_abft.runtime``). Importing 
 does not import Megatron.
 """
 
+from megatron_abft import kernel_selftest  # noqa: F401  registers the kernels' known-answer test
 from megatron_abft.checksum import Checksums, encode, encode_columns, encode_rows
 from megatron_abft.config import POLICIES, SECTIONS, ABFTConfig
 from megatron_abft.eec import (

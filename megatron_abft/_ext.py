@@ -12,16 +12,23 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from megatron_abft.ledger import Ledger
+
+class Ledger(Protocol):
+    """The device tensors a tally writes (megatron_abft.ledger.Ledger)."""
+
+    counts: Tensor
+    clock: Tensor
+    log: Tensor
+    logged: Tensor
+
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _MAX_DIMS = 10  # [*batch, m, n] with at most 8 batch dims (csrc/abft.h)
@@ -119,18 +126,29 @@ def _serves_device(device: torch.device) -> bool:
 
 
 _trusted: dict[torch.device, bool] = {}
+_selftest: Callable[[torch.device], list[str]] | None = None
+
+
+def register_selftest(mismatches: Callable[[torch.device], list[str]]) -> None:
+    """Set the known-answer test ``trusted`` runs on a device before its kernels serve it (what
+    the kernels get wrong there; megatron_abft.kernel_selftest registers itself on import)."""
+    global _selftest
+    _selftest = mismatches
 
 
 def trusted(device: torch.device) -> bool:
-    """Whether the kernels passed megatron_abft.kernel_selftest on ``device`` (run on first
-    use, once per device). A device whose kernels disagree with the PyTorch path keeps that path,
-    with a warning that names what disagreed."""
+    """Whether the kernels passed the known-answer test on ``device`` (run on first use, once
+    per device). A device whose kernels disagree with the PyTorch path keeps that path, with a
+    warning that names what disagreed."""
     if device not in _trusted:
-        from megatron_abft.kernel_selftest import mismatches
-
+        if _selftest is None:
+            raise RuntimeError(
+                "no known-answer test of the kernels is registered: import "
+                "megatron_abft.kernel_selftest (importing megatron_abft does)"
+            )
         _trusted[device] = True  # while the test runs, its own calls reach the kernels
         try:
-            wrong = mismatches(device)
+            wrong = _selftest(device)
         except BaseException:
             del _trusted[device]  # not tested: the next call tries again
             raise

@@ -25,6 +25,30 @@ FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
+class GemmOperands:
+    """The inputs of ``C = alpha * a @ b + bias``, used to recompute located elements exactly."""
+
+    a: Tensor
+    b: Tensor
+    alpha: float = 1.0
+    bias: Tensor | None = None
+
+    def elements(
+        self, batch: tuple[Tensor, ...], batch_shape, rows: Tensor, cols: Tensor
+    ) -> Tensor:
+        """C[batch, rows, cols] recomputed in fp32 (fp64 for fp64 operands)."""
+        a = self.a.detach().expand(*batch_shape, *self.a.shape[-2:])
+        b = self.b.detach().expand(*batch_shape, *self.b.shape[-2:])
+        dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+        a_rows = a[(*batch, rows)].to(dtype)  # [K, k]
+        b_cols = b[(*batch, slice(None), cols)].to(dtype)  # [K, k]
+        value = self.alpha * (a_rows * b_cols).sum(-1)
+        if self.bias is not None:
+            value = value + self.bias.detach().to(dtype)[cols]
+        return value
+
+
+@dataclass(frozen=True)
 class Checksums:
     """Reference checksums of the columns of a batch of matrices, one side of a check.
 

@@ -32,6 +32,15 @@ ATTENTIONS: tuple[str, ...] = ("auto", "flash", "unfused")
 POLICIES: tuple[str, ...] = ("recompute", "raise", "skip_step", "rerun", "log")
 """What to do with a fault that cannot be corrected in place."""
 
+KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
+"""Kinds of fault, by the worst checksum difference a matrix showed."""
+
+OUTCOMES: tuple[str, ...] = ("detected", "corrected", "uncorrectable")
+"""What a check counts of a matrix it flagged."""
+
+CLEAN, CORRECTED, UNCORRECTABLE = 0, 1, 2
+"""A checked matrix's status: nothing found, corrected in place, or not."""
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,

@@ -36,50 +36,17 @@ one op of the kernels, megatron_abft.sides.screen).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from megatron_abft import _ext
-from megatron_abft.checksum import FLOATING, Checksums, broadcast_shapes, nblocks
+from megatron_abft.checksum import FLOATING, Checksums, GemmOperands, broadcast_shapes, nblocks
+from megatron_abft.config import CLEAN, CORRECTED, KINDS, OUTCOMES, UNCORRECTABLE
 from megatron_abft.correction import correct_side, crossing_flags, sum_into, vectors_to_correct
+from megatron_abft.ledger import Ledger
 from megatron_abft.sides import Check, Side, inspect_sides, kernel_sides, screen
 from megatron_abft.tolerance import gemm_rounding
-
-if TYPE_CHECKING:
-    from megatron_abft.ledger import Ledger
-
-KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
-"""Kinds of fault, by the worst checksum difference a matrix showed."""
-
-OUTCOMES: tuple[str, ...] = ("detected", "corrected", "uncorrectable")
-
-CLEAN, CORRECTED, UNCORRECTABLE = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class GemmOperands:
-    """The inputs of ``C = alpha * a @ b + bias``, used to recompute located elements exactly."""
-
-    a: Tensor
-    b: Tensor
-    alpha: float = 1.0
-    bias: Tensor | None = None
-
-    def elements(
-        self, batch: tuple[Tensor, ...], batch_shape, rows: Tensor, cols: Tensor
-    ) -> Tensor:
-        """C[batch, rows, cols] recomputed in fp32 (fp64 for fp64 operands)."""
-        a = self.a.detach().expand(*batch_shape, *self.a.shape[-2:])
-        b = self.b.detach().expand(*batch_shape, *self.b.shape[-2:])
-        dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
-        a_rows = a[(*batch, rows)].to(dtype)  # [K, k]
-        b_cols = b[(*batch, slice(None), cols)].to(dtype)  # [K, k]
-        value = self.alpha * (a_rows * b_cols).sum(-1)
-        if self.bias is not None:
-            value = value + self.bias.detach().to(dtype)[cols]
-        return value
 
 
 @dataclass(frozen=True)

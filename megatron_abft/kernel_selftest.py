@@ -1,6 +1,7 @@
 """A known-answer test of the compiled kernels on one device against the PyTorch path.
 
-megatron_abft._ext runs it once per CUDA device before its kernels serve that device: a kernel
+megatron_abft._ext runs it once per CUDA device before its kernels serve that device (this module
+registers it there on import; the package imports it): a kernel
 that got a check wrong would let a fault through unseen, so a device whose kernels disagree with
 the reference keeps the PyTorch path (with a warning) instead. On CPU the test suite covers the
 same ground; ``mismatches`` runs there too.
@@ -10,6 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from megatron_abft import _ext
+from megatron_abft.checksum import encode
+from megatron_abft.eec import KINDS, EECResult, GemmOperands, _kernel_check, verify_and_correct
+from megatron_abft.ledger import Ledger
+from megatron_abft.sides import Check, _block_sums, inspect_sides, kernel_sides, screen
+from megatron_abft.tolerance import gemm_rounding
+
 BLOCK = 32
 
 
@@ -17,11 +25,6 @@ def mismatches(device: torch.device) -> list[str]:
     """What the kernels get wrong on ``device``: encode_pair, add_bias, block_sums, screen,
     verify_correct, softmax_check and softmax_correct_tally on a small batched GEMM in fp32 and
     bf16, clean and with faults, and tally, against the PyTorch path. Empty when they agree."""
-    from megatron_abft import _ext
-    from megatron_abft.checksum import encode
-    from megatron_abft.sides import Check, _block_sums, inspect_sides, screen
-    from megatron_abft.tolerance import gemm_rounding
-
     module, reason = _ext._load()
     if module is None:
         return [reason]
@@ -81,8 +84,6 @@ def mismatches(device: torch.device) -> list[str]:
 def _softmax_mismatches(c, faulty, refs, check, v, dtype) -> list[str]:
     """softmax_check against the PyTorch path: P against a causally masked torch softmax, its
     flags against the screen, P's pass against operand_pass."""
-    from megatron_abft.sides import kernel_sides
-
     wrong = []
     sides = kernel_sides(c, refs, check)
     for name, matrix in (("clean", c), ("one fault", faulty)):
@@ -109,9 +110,6 @@ def _softmax_mismatches(c, faulty, refs, check, v, dtype) -> list[str]:
 def _softmax_correction_mismatches(a, b, c, faulty, refs, check, dtype) -> list[str]:
     """softmax_correct_tally on scores with one fault: S corrected, P (and its pass) as from
     the clean scores, one correction tallied."""
-    from megatron_abft.ledger import Ledger
-    from megatron_abft.sides import kernel_sides
-
     s, ledger = faulty.clone(), Ledger.on(c.device, 0)
     u, z = torch.ops.megatron_abft.pair_vectors(c, b.mT, BLOCK)
     p, failed, *found = torch.ops.megatron_abft.softmax_correct_tally(
@@ -147,10 +145,6 @@ def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
     tallied, by verify_correct_tally), and a 2D fault beyond a capacity of 2 put back bit for
     bit."""
     from dataclasses import replace
-
-    from megatron_abft import _ext
-    from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
-    from megatron_abft.ledger import Ledger
 
     operands = GemmOperands(a, b)
     wrong = []
@@ -195,10 +189,6 @@ def _tally_mismatches(device: torch.device) -> list[str]:
     many of them, tallied three times into a log that keeps two records."""
     from contextlib import nullcontext
 
-    from megatron_abft import _ext
-    from megatron_abft.eec import KINDS, EECResult
-    from megatron_abft.ledger import Ledger
-
     index = torch.arange(300, device=device)
     status = torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.int8, device=device).repeat(50)
     found = EECResult(status, (index % len(KINDS)).to(torch.int8), index, 3 * index, index / 7.0)
@@ -221,3 +211,6 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.shape == want.shape and torch.allclose(
         got.double(), want.double(), rtol=1e-3, atol=1e-3 * scale
     )
+
+
+_ext.register_selftest(mismatches)

@@ -12,17 +12,28 @@ between two drains and counts the rest; the counters are exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from megatron_abft import _ext
-from megatron_abft.eec import KINDS, OUTCOMES, UNCORRECTABLE, EECResult
+from megatron_abft.config import KINDS, OUTCOMES, UNCORRECTABLE
 
 EVENT_FIELDS = ("step", "status", "matrix", "kind", "row", "col", "magnitude")
 """One log record: the worst matrix of a check that found a fault, and where it went wrong."""
 LOG_CAPACITY = 64
 """Records a ledger keeps between two drains (guard.collect_events, once per log interval)."""
+
+
+class Found(Protocol):
+    """What a check found, as ``Ledger.tally`` reads it (megatron_abft.eec.EECResult)."""
+
+    counts: Tensor
+    status: Tensor
+
+    @property
+    def fields(self) -> tuple[Tensor, ...]: ...
 
 
 @dataclass
@@ -54,7 +65,7 @@ class Ledger:
     def capacity(self) -> int:
         return self.log.shape[0]
 
-    def tally(self, result: EECResult) -> Tensor:
+    def tally(self, result: Found) -> Tensor:
         """Add what a check found to the ledger; whether a matrix stayed uncorrectable (a bool
         tensor). One op of the compiled kernels, else its PyTorch twin."""
         failed = _ext.tally(result.fields, self)

@@ -6,17 +6,13 @@ from C, their differences from the references, the rounding thresholds and the f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from megatron_abft import _ext
-from megatron_abft.checksum import Checksums, as_blocks, block_weights
+from megatron_abft.checksum import Checksums, GemmOperands, as_blocks, block_weights
 from megatron_abft.tolerance import Rounding, threshold_terms, thresholds
-
-if TYPE_CHECKING:
-    from megatron_abft.eec import GemmOperands
 
 
 @dataclass(frozen=True)

@@ -1035,11 +1035,9 @@ def test_the_kernel_selftest_passes_on_the_cpu_and_catches_a_wrong_kernel(monkey
 
 @needs_ext
 def test_a_device_whose_kernels_disagree_keeps_the_pytorch_path(monkeypatch):
-    import megatron_abft.kernel_selftest as selftest
-
     calls = []
     monkeypatch.setattr(_ext, "_trusted", {})
-    monkeypatch.setattr(selftest, "mismatches", lambda device: calls.append(device) or ["screen"])
+    monkeypatch.setattr(_ext, "_selftest", lambda device: calls.append(device) or ["screen"])
     device = torch.device("cuda", 7)
     with pytest.warns(RuntimeWarning, match=r"disagree .* on cuda:7 \(screen\)"):
         assert not _ext.trusted(device)

@@ -185,9 +185,7 @@ def test_log_with_a_nan_loss_still_prints_and_records_the_fault(tmp_path):
     ]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert done.returncode != 0 and "the loss is nan" in done.stderr
-    assert "Rank 1, node" in done.stderr and "iteration 2: layer 1 section context" in (
-        done.stderr
-    )
+    assert "Rank 1, node" in done.stderr and "iteration 2: layer 1 section context" in (done.stderr)
     events = [json.loads(line) for line in (tmp_path / "abft_events.jsonl").open()]
     assert any(
         (e["step"], e["tp_rank"], e["layer"], e["section"], e["action"], e["policy"])
