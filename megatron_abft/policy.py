@@ -10,8 +10,10 @@ synchronisation and one tiny all-reduce decide, for all ranks together, what to 
   in the GEMM's inputs, or a persistent one) every rank raises here; elsewhere the outcome says
   ``recompute``: run the step's forward and backward once more, then call
   ``finish_step(model, retried=True)``, which raises if the fault is still there;
-- ``rerun``: call ``validate_with_rerun(model)`` in the loss function instead, so that Megatron's
-  rerun state machine re-runs the step and attributes the fault (its exit codes 16/17 apply);
+- ``rerun``: decided inside the step, so that Megatron's rerun state machine re-runs it and
+  attributes the fault (its exit codes 16/17 apply): where the state machine runs, the runtime
+  hands it each step's faults at the end of the backward; a loop of its own calls
+  ``validate_with_rerun(model)`` in its loss function;
 - ``log``: print and record only.
 
 Every uncorrectable fault is printed with rank, layer, section and step and written to the

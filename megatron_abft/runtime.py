@@ -270,18 +270,20 @@ class Runtime:
         """Raise if something needs the training step where none is known."""
         config = self.config
         sparse = {s: n for s in config.sections if (n := config.interval(s)) > 1 and config.enabled}
-        scheduled = {a.fault.step for g in self.guards() for a in g.faults} - {None}
-        if self.fault_plan is not None and self.fault_plan.active:
-            scheduled.add("planned")
-        if sparse or scheduled:
-            needs = (
-                f"check intervals {sparse}" if sparse else f"faults at steps {sorted(scheduled)}"
-            )
-            raise RuntimeError(
-                f"ABFT: {needs} need the training step, and none is known: call "
-                "megatron_abft.set_step(model, iteration) at the start of every step, or train "
-                "with Megatron-LM, whose iteration the runtime reads"
-            )
+        scheduled = sorted({a.fault.step for g in self.guards() for a in g.faults} - {None})
+        if sparse:
+            needs = f"check intervals {sparse}"
+        elif scheduled:
+            needs = f"faults at steps {scheduled}"
+        elif self.fault_plan is not None and self.fault_plan.active:
+            needs = "faults planned by step (--abft-inject)"
+        else:
+            return
+        raise RuntimeError(
+            f"ABFT: {needs} need the training step, and none is known: call "
+            "megatron_abft.set_step(model, iteration) at the start of every step, or train "
+            "with Megatron-LM, whose iteration the runtime reads"
+        )
 
     def move_to(self, step: int) -> None:
         """Move to ``step``, and arm the faults the plan holds for it."""

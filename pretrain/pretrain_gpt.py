@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
         if args.save and last_saved != iteration:
             save_checkpoint(args, iteration, gpt, optimizer, scheduler)
-    except (ABFTUncorrectableError, RuntimeError) as error:
+    except RuntimeError as error:  # ABFTUncorrectableError, or the stop on a NaN loss
         if getattr(error, "on_every_rank", False):  # the events still reach every sink
             telemetry.log(iteration)
         telemetry.close()

@@ -16,10 +16,24 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+MEGATRON_LM_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+    "--train-iters", "5", "--lr", "1e-3", "--vocab-size", "128",
+    "--tokenizer-type", "NullTokenizer", "--mock-data", "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+    "--no-rope-fusion", "--use-cpu-initialization",
+    "--spec", "megatron_abft.spec", "get_gpt_layer_abft_spec",
+]  # fmt: skip
+"""Megatron-LM's own flags for a tiny GPT on CPU on the protected spec (with ``--abft``), for
+the tests that run Megatron-LM's parser and model builder."""
 
 
 def _worker(rank, world, tp, port, out_dir, fn, args):
@@ -45,7 +59,7 @@ def _worker(rank, world, tp, port, out_dir, fn, args):
 def spawn(world: int, tp: int, fn, *args) -> list:
     """Each rank's return value (or the exception it raised)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, tp, _free_port(), out_dir, fn, args), nprocs=world)
+        mp.spawn(_worker, args=(world, tp, free_port(), out_dir, fn, args), nprocs=world)
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world)

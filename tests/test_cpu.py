@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from mcore import free_port
 
 SEED = 1234
 TINY = dict(layers=2, hidden=64, heads=4, seq=32, vocab=128, mbs=2)
@@ -29,15 +29,9 @@ def _hide_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(worker: Callable[..., None], nprocs: int, *args: Any) -> None:
     """Run ``worker(rank, nprocs, port, *args)`` on ``nprocs`` fresh processes."""
-    mp.spawn(worker, args=(nprocs, _free_port(), *args), nprocs=nprocs, join=True)
+    mp.spawn(worker, args=(nprocs, free_port(), *args), nprocs=nprocs, join=True)
 
 
 def _init_dist(rank: int, world: int, port: int) -> None:

@@ -491,23 +491,13 @@ def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path
     """1 process: Megatron-LM 0.19's own argument parser with add_abft_args as its
     extra_args_provider, and its GPTModelBuilder with --spec megatron_abft.megatron_lm
     get_gpt_layer_abft_spec, build the protected attention (and Megatron's with --no-abft)."""
-    import socket
+    from mcore import MEGATRON_LM_FLAGS, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     script = tmp_path / "megatron_lm.py"
     script.write_text(MEGATRON_LM)
     flags = [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-        "--train-iters", "5", "--lr", "1e-3", "--vocab-size", "128",
-        "--tokenizer-type", "NullTokenizer", "--mock-data", "--transformer-impl", "local",
-        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
-        "--no-rope-fusion", "--use-cpu-initialization",
-        "--spec", "megatron_abft.spec", "get_gpt_layer_abft_spec",
-        "--abft", "--abft-on-uncorrectable", "skip_step",
+        *MEGATRON_LM_FLAGS, "--abft", "--abft-on-uncorrectable", "skip_step",
         "--abft-inject", "section=scores,layer=1,kind=nan,step=3",
     ]  # fmt: skip
     done = subprocess.run(

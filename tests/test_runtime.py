@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mcore import Shape, build_gpt, loss_and_grads, spawn
+from mcore import MEGATRON_LM_FLAGS, Shape, build_gpt, free_port, loss_and_grads, spawn
 
 from megatron_abft import Fault
 from megatron_abft.config import POLICIES, ABFTConfig
@@ -237,20 +237,11 @@ for iteration in range(1, 6):  # Megatron-LM's train(): curr_iteration counts fr
 
 
 def _megatron_lm(tmp_path: Path, *flags: str, loop_calls: bool = False):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     script = tmp_path / "megatron_lm_loop.py"
     script.write_text(MEGATRON_LM_LOOP)
     model = [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-        "--train-iters", "5", "--lr", "1e-3", "--vocab-size", "128",
-        "--tokenizer-type", "NullTokenizer", "--mock-data", "--transformer-impl", "local",
-        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
-        "--no-rope-fusion", "--use-cpu-initialization", "--attention-dropout", "0",
-        "--spec", "megatron_abft.spec", "get_gpt_layer_abft_spec", "--abft",
+        *MEGATRON_LM_FLAGS, "--attention-dropout", "0", "--abft",
         "--abft-inject", "section=probs,layer=1,kind=nan,step=3,seed=2",
     ]  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
