@@ -13,7 +13,9 @@ PYTHON := $(shell for p in $$(ls -d $$(pyenv root 2>/dev/null)/versions/3.12*/bi
 	"$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null \
 	&& echo "$$p" && break; done)
 endif
-PYTEST_ARGS ?=
+# Two pytest workers where pytest-xdist is installed (requirements.txt pins it); each file's
+# tests stay on one worker, so a module's fixtures run once. Evaluated after the install.
+PYTEST_ARGS ?= $(shell $(PY) -c 'import xdist' 2>/dev/null && echo '-n 2 --dist loadfile')
 
 ifeq ($(strip $(VENV)),)
 PY := $(PYTHON)
