@@ -1,6 +1,6 @@
 """Build every flash kernel configuration for sm_80 and sm_90 without a GPU and report what each
 uses (shared memory, registers, spills): ``megatron_abft.flash.aot``. CI runs the same builds
-(tests/flash/test_aot.py); this writes them down for docs/benchmarks.md.
+(tests/flash/test_flash_aot.py); this writes them down for docs/benchmarks.md.
 
     python tools/flash_aot.py --json docs/figures/flash_aot.json --markdown
     python tools/flash_aot.py --from-json docs/figures/flash_aot.json   # the tables again
