@@ -129,6 +129,17 @@ def _ratio(got, ref, mass, ratio):
 
 
 @triton.jit
+def _tile_check(tile, ref, mass, tol, state, ratio, near_inf, CALIBRATE: tl.constexpr):
+    """A tile GEMM's row check: its row sums against ``ref`` under ``tol * mass``, folded into
+    the rows' ``state`` and, in calibration runs, their ``ratio``."""
+    got = tl.sum(tile, 1)
+    state = _check(got, ref, tol * mass, state, near_inf)
+    if CALIBRATE:
+        ratio = _ratio(got, ref, mass, ratio)
+    return state, ratio
+
+
+@triton.jit
 def _report(
     CODES, ROWS, COLS, RATIO, section: tl.constexpr, bh, BH, state, rows, ratio, outcome,
     TRANSPOSED: tl.constexpr, CALIBRATE: tl.constexpr,
@@ -199,9 +210,7 @@ def _scores_tile(
         if check:
             ref = _col_ref(q, KC, KCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
             mass = qn * _stat(KCS, bhk, TILES_K, j, 1)
-            state = _check(tl.sum(s, 1), ref, tol * mass, state, near_inf)
-            if CALIBRATE:
-                ratio = _ratio(tl.sum(s, 1), ref, mass, ratio)
+            state, ratio = _tile_check(s, ref, mass, tol, state, ratio, near_inf, CALIBRATE)
     return k, v, s, n_ok, state, ratio
 
 
@@ -259,9 +268,9 @@ def _fwd_pass(
             if check_c:  # F2: (P~ V) e = P~ (V e), P~ rounded as the GEMM takes it (+1%)
                 ref = _row_ref(p_lo, VR, VRS, bhk, TILES_K, j, BLOCK_N, UPCAST)
                 mass = 1.01 * psum * _stat(VRS, bhk, TILES_K, j, 1)
-                state_c = _check(tl.sum(pv, 1), ref, tol * mass, state_c, near_inf)
-                if CALIBRATE:
-                    ratio_c = _ratio(tl.sum(pv, 1), ref, mass, ratio_c)
+                state_c, ratio_c = _tile_check(
+                    pv, ref, mass, tol, state_c, ratio_c, near_inf, CALIBRATE
+                )
                 cs = cs * alpha + ref
                 cmass = cmass * alpha + mass
         acc = acc * alpha[:, None] + pv
@@ -401,9 +410,9 @@ def _dkdv_pass(
                 if check_s:
                     ref = _col_ref(k, QC, QCS, bh, TILES_Q, i, HEAD_DIM, UPCAST)
                     mass = kn * _stat(QCS, bh, TILES_Q, i, 1)
-                    state_s = _check(tl.sum(st, 1), ref, tol * mass, state_s, near_inf)
-                    if CALIBRATE:
-                        ratio_s = _ratio(tl.sum(st, 1), ref, mass, ratio_s)
+                    state_s, ratio_s = _tile_check(
+                        st, ref, mass, tol, state_s, ratio_s, near_inf, CALIBRATE
+                    )
             visible = n_ok[:, None] & m_ok[None, :]
             if CAUSAL:
                 visible = visible & (offs_m[None, :] >= offs_n[:, None])
@@ -417,9 +426,9 @@ def _dkdv_pass(
                 if check_v:
                     ref = _row_ref(pt_lo, DOR, DORS, bh, TILES_Q, i, BLOCK_M, UPCAST)
                     mass = 1.01 * tl.sum(pt, 1) * _stat(DORS, bh, TILES_Q, i, 1)
-                    state_v = _check(tl.sum(part, 1), ref, tol * mass, state_v, near_inf)
-                    if CALIBRATE:
-                        ratio_v = _ratio(tl.sum(part, 1), ref, mass, ratio_v)
+                    state_v, ratio_v = _tile_check(
+                        part, ref, mass, tol, state_v, ratio_v, near_inf, CALIBRATE
+                    )
             dv += part
             # dP^T = V dO^T: dP^T e = V (dO^T e)
             dpt = _mm(v, tl.trans(do), UPCAST)
@@ -431,9 +440,9 @@ def _dkdv_pass(
                 if check_p:
                     ref = _col_ref(v, DOC, DOCS, bh, TILES_Q, i, HEAD_DIM, UPCAST)
                     mass = vn * _stat(DOCS, bh, TILES_Q, i, 1)
-                    state_p = _check(tl.sum(dpt, 1), ref, tol * mass, state_p, near_inf)
-                    if CALIBRATE:
-                        ratio_p = _ratio(tl.sum(dpt, 1), ref, mass, ratio_p)
+                    state_p, ratio_p = _tile_check(
+                        dpt, ref, mass, tol, state_p, ratio_p, near_inf, CALIBRATE
+                    )
             dst = pt * (dpt - delta[None, :])
             dst_lo = _lo(dst, q.dtype, UPCAST)
             # dK += dS^T Q: (dS^T Q) e = dS^T (Q e)
@@ -444,9 +453,9 @@ def _dkdv_pass(
                 if check_k:
                     ref = _row_ref(dst_lo, QR, QRS, bh, TILES_Q, i, BLOCK_M, UPCAST)
                     mass = 1.01 * tl.sum(tl.abs(dst), 1) * _stat(QRS, bh, TILES_Q, i, 1)
-                    state_k = _check(tl.sum(part, 1), ref, tol * mass, state_k, near_inf)
-                    if CALIBRATE:
-                        ratio_k = _ratio(tl.sum(part, 1), ref, mass, ratio_k)
+                    state_k, ratio_k = _tile_check(
+                        part, ref, mass, tol, state_k, ratio_k, near_inf, CALIBRATE
+                    )
             dk += part
         if CHECK:
             # a key row flagged upstream fails downstream too: it counts once, where it began
@@ -583,9 +592,9 @@ def _dq_pass(
             if check_p:
                 ref = _col_ref(do, VC, VCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
                 mass = don * _stat(VCS, bhk, TILES_K, j, 1)
-                state_p = _check(tl.sum(dp, 1), ref, tol * mass, state_p, near_inf)
-                if CALIBRATE:
-                    ratio_p = _ratio(tl.sum(dp, 1), ref, mass, ratio_p)
+                state_p, ratio_p = _tile_check(
+                    dp, ref, mass, tol, state_p, ratio_p, near_inf, CALIBRATE
+                )
         ds = p * (dp - delta[:, None])
         ds_lo = _lo(ds, q.dtype, UPCAST)
         part = _mm(ds_lo, k, UPCAST)
@@ -602,9 +611,9 @@ def _dq_pass(
             if check_q:
                 ref = _row_ref(ds_lo, KR, KRS, bhk, TILES_K, j, BLOCK_N, UPCAST)
                 mass = 1.01 * tl.sum(tl.abs(ds), 1) * _stat(KRS, bhk, TILES_K, j, 1)
-                state_q = _check(tl.sum(part, 1), ref, tol * mass, state_q, near_inf)
-                if CALIBRATE:
-                    ratio_q = _ratio(tl.sum(part, 1), ref, mass, ratio_q)
+                state_q, ratio_q = _tile_check(
+                    part, ref, mass, tol, state_q, ratio_q, near_inf, CALIBRATE
+                )
         dq += part
     if CHECK:
         # B2: sum_n P = 1 within the rounding of S, lse and exp2; sum_n dS = 0 within that of
