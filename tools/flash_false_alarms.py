@@ -27,8 +27,11 @@ from pathlib import Path
 import torch
 
 from megatron_abft.config import DTYPES, FLASH_SECTIONS
+from megatron_abft.config import KINDS as ERROR_KINDS
 from megatron_abft.flash import launch
 
+OUTCOME = ("clean", "corrected", "uncorrectable")
+"""The kernels' outcome codes (megatron_abft.flash.kernels)."""
 KINDS = ("normal", "outlier_rows", "outlier_channels", "sink", "one_hot")
 
 
@@ -98,7 +101,8 @@ def sweep(dtype_name: str, target: int, seq: int, device: str) -> dict:
     ratio = torch.zeros(len(FLASH_SECTIONS), dtype=torch.float64)
     flagged = torch.zeros(len(FLASH_SECTIONS), dtype=torch.int64)
     done = {"forward": 0, "backward": 0}
-    calls, seed = [], 0
+    calls, alarms, seed = [], [], 0
+    by_inputs = {kind: torch.zeros_like(ratio) for kind in KINDS}
     checks = launch.Checks((1 << len(FLASH_SECTIONS)) - 1, launch.TILE_C * 2.0**-24, 1e10)
     while min(done.values()) < target:
         for kind in KINDS:
@@ -107,8 +111,27 @@ def sweep(dtype_name: str, target: int, seq: int, device: str) -> dict:
                 found = launch.Found.empty(shape[0] * shape[1], q.device, calibrate=True)
                 o, lse = launch.forward(q, k, v, causal, shape[-1] ** -0.5, checks, found)
                 launch.backward(do, q, k, v, o, lse, causal, shape[-1] ** -0.5, checks, found)
-                ratio = torch.maximum(ratio, found.ratio.double().amax(1).cpu())
-                flagged += (found.codes > 0).sum(1).cpu()
+                call_ratio = found.ratio.double().amax(1).cpu()
+                ratio = torch.maximum(ratio, call_ratio)
+                by_inputs[kind] = torch.maximum(by_inputs[kind], call_ratio)
+                codes = found.codes.cpu()
+                flagged += (codes > 0).sum(1)
+                if codes.any():  # where each alarm came from: the inputs and the fault kind
+                    alarms.append(
+                        {
+                            "inputs": kind,
+                            "causal": causal,
+                            "seed": seed,
+                            "sections": {
+                                section: [
+                                    f"{OUTCOME[c >> 2]} {ERROR_KINDS[c & 3]}"
+                                    for c in row[row > 0].tolist()
+                                ]
+                                for section, row in zip(FLASH_SECTIONS, codes, strict=True)
+                                if row.any()
+                            },
+                        }
+                    )
                 fwd, bwd = tiles_checked(seq, shape[1], shape[0], shape[3], dtype, causal)
                 done["forward"] += fwd
                 done["backward"] += bwd
@@ -119,7 +142,12 @@ def sweep(dtype_name: str, target: int, seq: int, device: str) -> dict:
         "tiles": done,
         "calls": len(calls),
         "false_alarms": dict(zip(FLASH_SECTIONS, flagged.tolist(), strict=True)),
+        "alarms": alarms,
         "largest_ratio": dict(zip(FLASH_SECTIONS, ratio.tolist(), strict=True)),
+        "largest_ratio_by_inputs": {
+            kind: dict(zip(FLASH_SECTIONS, r.tolist(), strict=True))
+            for kind, r in by_inputs.items()
+        },
         "margin": {
             s: (launch.TILE_C / r if r > 0 else None)
             for s, r in zip(FLASH_SECTIONS, ratio.tolist(), strict=True)

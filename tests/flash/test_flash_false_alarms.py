@@ -24,6 +24,7 @@ def test_clean_realistic_inputs_raise_no_alarm(tmp_path):
     report = json.loads(out.read_text())
     for result in report["results"]:
         assert min(result["tiles"].values()) >= 60
-        assert sum(result["false_alarms"].values()) == 0
+        assert sum(result["false_alarms"].values()) == 0 and result["alarms"] == []
+        assert set(result["largest_ratio_by_inputs"]) == set(_tool().KINDS)
         checked = [m for m in result["margin"].values() if m is not None]
         assert len(checked) == 7 and min(checked) > 4, result["margin"]
