@@ -73,9 +73,11 @@ was found) of a batched GEMM on a CPU, as a guard runs it once it has planned it
 (megatron_abft.plan). The torch and kernels figures are the code's own,
 counted with torch.profiler by tests/test_scaling.py; the fused path removes passes, not
 ops."""
-CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 4, "fused": 3}
-"""GPU kernels one clean check launches sync-free (the default where the kernels serve the GPU),
-counted from the code (not yet on a GPU): encode_pair 2 (both operands' block sums, then both
+CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 5, "fused": 3}
+"""GPU kernels one clean check launches sync-free (the default where the kernels serve the GPU).
+Measured on an H200 (tools/bench_overhead.py's check_kernels, docs/benchmarks.md): 5, one more
+than the code's count, which tests/test_ext_tally.py names on the next GPU run. Counted from the
+code: encode_pair 2 (both operands' block sums, then both
 products, alpha applied as they are written; a column-major operand, as V^T is for the context,
 read column by column) and verify_correct_tally 2 (C's block sums, each tile screening the
 vectors it completes; the correction and the guard's tally in one thread block). A GEMM with a

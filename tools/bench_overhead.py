@@ -31,7 +31,7 @@ import torch
 
 from megatron_abft import _ext, fused_softmax
 from megatron_abft.checksum import encode
-from megatron_abft.config import DTYPES, FORWARD_SECTIONS, ABFTConfig
+from megatron_abft.config import DTYPES, FORWARD_SECTIONS, SECTIONS, ABFTConfig
 from megatron_abft.scaling import ADAM_BYTES_PER_PARAMETER
 
 
@@ -47,7 +47,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
-    p.add_argument("--sections", default=",".join(FORWARD_SECTIONS), help="checked in mode 'all'")
+    p.add_argument(
+        "--attention",
+        choices=("unfused", "flash"),
+        default="unfused",
+        help="the protected core attention (get_gpt_layer_abft_spec's attention)",
+    )
+    p.add_argument(
+        "--sections",
+        default=None,
+        help="checked in mode 'all' (default: every section the attention checks)",
+    )
     p.add_argument("--check-interval", type=int, default=1)
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
@@ -120,10 +130,9 @@ def check_cost(device: torch.device, reps: int = 200) -> tuple[int, float]:
     return ops, timer.seconds(begin, timer.start()) / reps / ops
 
 
-def check_launches(device: torch.device) -> int | None:
-    """GPU kernels (and memsets) one clean sync-free check launches, the figure the overhead
-    model takes for a GPU (scaling.CHECK_KERNELS), counted by torch.profiler on a small
-    attention-scores check (alpha 1/8). None off a GPU."""
+def check_kernels(device: torch.device) -> list[str] | None:
+    """The GPU kernels (and memsets) one clean sync-free check launches, by name, as
+    torch.profiler sees them on a small attention-scores check (alpha 1/8). None off a GPU."""
     if device.type != "cuda":
         return None
     check = _small_scores_check(device, 64, 32, 0.125, sync_free=True)
@@ -132,7 +141,14 @@ def check_launches(device: torch.device) -> int | None:
     with torch.profiler.profile(activities=activities) as profile:
         check()
         torch.cuda.synchronize(device)
-    return sum(1 for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def check_launches(device: torch.device) -> int | None:
+    """How many launches one clean sync-free check makes (check_kernels), the figure the
+    overhead model takes for a GPU (scaling.CHECK_KERNELS). None off a GPU."""
+    kernels = check_kernels(device)
+    return None if kernels is None else len(kernels)
 
 
 def check_read_rate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, block: int):
@@ -347,18 +363,24 @@ def _build(args, config: ABFTConfig):
     torch.manual_seed(0)
     model = GPTModel(
         config=transformer,
-        transformer_layer_spec=get_gpt_layer_abft_spec(config),
+        transformer_layer_spec=get_gpt_layer_abft_spec(config, attention=args.attention),
         vocab_size=args.vocab,
         max_sequence_length=args.seq,
         position_embedding_type="rope",
     )
+    # every parameter in the training dtype, as Megatron's Float16Module casts them (the torch
+    # LayerNorm that stands in for Apex's keeps fp32 weights, which CUDA's layer_norm refuses
+    # beside bf16 inputs)
+    model = model.to(dtype)
     return model.cuda() if torch.cuda.is_available() else model
 
 
 def _modes(args) -> list[tuple[str, tuple[str, ...] | None]]:
     """(name, the sections checked; None: protection disabled). "idle" enables protection with
     nothing due: what the protected layers cost when they check nothing."""
-    sections = tuple(s for s in FORWARD_SECTIONS if s in args.sections.split(","))
+    checked = SECTIONS if args.attention == "flash" else FORWARD_SECTIONS
+    chosen = checked if args.sections is None else args.sections.split(",")
+    sections = tuple(s for s in checked if s in chosen)
     modes = [("off", None), ("all", sections)]
     if not args.no_per_section:
         modes += [("idle", ())] + [(s, (s,)) for s in sections]
@@ -393,7 +415,7 @@ def run(rank: int, args) -> dict | None:
         layer.self_attention.register_forward_pre_hook(before)
         layer.self_attention.register_forward_hook(after)
     # (section) -> (step, begin, end) of each timed span
-    check_time = {s: [] for s in FORWARD_SECTIONS}
+    check_time = {s: [] for s in SECTIONS}
     timing = {"on": False, "step": 0}  # on: the measured "all" steps
     time_checks(model, timer, check_time, timing)
 
@@ -450,7 +472,8 @@ def run(rank: int, args) -> dict | None:
     # kernel 3's difference to Megatron's softmax, a layer, inside steps: after the timed ones,
     # on a warm model and heap (measured before them, it came out larger)
     swap = None
-    if args.fused_softmax and "screen" in rounds[0]["softmax"]:  # kernel 3 takes these scores
+    unfused = args.attention == "unfused"
+    if unfused and args.fused_softmax and "screen" in rounds[0]["softmax"]:  # kernel 3's scores
         config.enabled, config.sections = True, ()
         swap = kernel3_swap(model, forward_backward)
     rounds.append(micro_benchmarks(args, device, softmax))
@@ -507,6 +530,8 @@ def implementation(args, device: torch.device) -> str:
     once for the softmax and both attention checks (on CUDA, where the checks are sync-free, it
     serves the context's check only: see megatron_abft.scaling), else ``kernels`` or
     ``torch``."""
+    if args.attention == "flash":
+        return "flash"
     if not _ext.available():
         return "torch"
     return "fused" if args.fused_softmax and device.type == "cpu" else "kernels"
