@@ -1,95 +1,147 @@
 #!/usr/bin/env bash
-# Everything a lent GPU machine should run, in one call: install the carried wheels, build the
-# CUDA extension, run the GPU tests, then the benchmarks, then compute-sanitizer on the kernels.
-# Logs and JSON go under $OUT (default out/gpu). On this side, first carry megatron-core:
+# Everything a lent GPU machine runs, in one device call of under ten minutes. On this side,
+# first carry megatron-core and the CUDA extension built here (it holds sm_80 and sm_90 code):
 #     python -m pip download --no-deps megatron-core==0.19.2 -d wheels
-# then run (device tool): bash tools/gpu_check.sh   with carry: ["wheels"]
-# A device call ends after 600 s: each step has a time limit of its own (in seconds), the steps
-# run most needed first, and a step cut short leaves its log and lets the next one run. The tests
-# run to the end (no -x), so that one lease shows every failure. A second call,
-#     bash tools/gpu_check.sh more
-# (the machine still warm, or it installs again) runs what did not fit: the host's time per check
-# and per step (bench_host.py), the GPT-3 350M step at micro-batch 4 (at 1 the host may bound the
-# step, and its overhead with it) and the kernels at sequence 4096. A third,
-#     bash tools/gpu_check.sh flash
-# runs the protected flash attention (Triton; no CUDA extension needed): its tests on the GPU's
-# compiled kernels, the no-false-alarm sweep on the tensor cores (the margin of each check),
-# compute-sanitizer on a few of its tests, and bench_attention.py against SDPA and the unfused
-# attention. Run it first when a session has one call: it is the unmeasured part.
+#     make install            # builds megatron_abft/_C*.so
+# then run (device tool): bash tools/gpu_check.sh
+#     with carry: ["wheels", "megatron_abft/_C.cpython-312-x86_64-linux-gnu.so"]
+# Phase 1 sets up (the carried extension, else a build for sm_90). Phase 2 runs the correctness
+# work side by side, since none of it is timed: the GPU tests of the compiled kernels and of the
+# flash kernels, compute-sanitizer (every CUDA kernel through the known-answer self-test, a few
+# tests, the flash kernels), the no-false-alarm sweeps on the tensor cores (unfused GEMMs, flash
+# tiles), and Megatron-LM's own pretrain() with --abft and injected faults, on both paths.
+# Phase 3 times, one benchmark at a time: GPT-3 350M's step on the unfused and on the flash
+# path, then the attention and kernel benchmarks. Each step has a time limit of its own
+# (seconds) and none runs past DEADLINE; a step cut short leaves its log and the next one runs.
+# SKIP="name ..." leaves steps out (a second call that reruns what failed). Logs and JSON go to
+# $OUT/gpu.tar.gz (the device tool brings back at most 8 files), the summary to
+# $OUT/summary.txt. Results of a run: docs/figures/gpu/, docs/benchmarks.md.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
+WORK=$(mktemp -d)/gpu
+mkdir -p "$WORK"
 PY=${PYTHON:-python3}
-status=0
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, go on
+export PYTHONUNBUFFERED=1
+STARTED=$SECONDS
+DEADLINE=${DEADLINE:-540}  # seconds from the start: no step runs past it
+SKIP=" ${SKIP:-} "          # names of steps not to run (a rerun of what failed), space-separated
+
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to NAME.log, go on
     local name=$1 limit=$2; shift 2
-    echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/summary.txt"
-    local begin=$SECONDS
-    if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
-        echo "   ok in $((SECONDS - begin))s" | tee -a "$OUT/summary.txt"
+    local begin=$SECONDS left=$((DEADLINE - SECONDS + STARTED))
+    if [[ $SKIP == *" $name "* ]]; then
+        note "SKIPPED $name: in SKIP"
+        return
+    fi
+    if [ "$left" -lt 15 ]; then
+        note "SKIPPED $name: the deadline (${DEADLINE}s) is near"
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    if timeout -k 5 "$limit" "$@" >"$WORK/$name.log" 2>&1; then
+        note "ok     $name in $((SECONDS - begin))s (limit $limit)"
     else
-        echo "   FAILED (exit $?) after $((SECONDS - begin))s, see $name.log" \
-            | tee -a "$OUT/summary.txt"
-        status=1
+        note "FAILED $name (exit $?) after $((SECONDS - begin))s (limit $limit): $*"
     fi
+    tail -n 3 "$WORK/$name.log" | sed 's/^/       /' | tee -a "$OUT/summary.txt"
 }
+finish() {
+    note "total $((SECONDS - STARTED))s"
+    tar -czf "$OUT/gpu.tar.gz" -C "$(dirname "$WORK")" gpu
+    exit 0
+}
+trap finish EXIT
 
-if [ "${1:-}" = flash ]; then
-    if ! "$PY" -c "import megatron, megatron_abft.flash" 2>/dev/null; then
-        step install 60 bash -c "$PY -m pip install --no-index --no-deps wheels/*.whl && \
-ABFT_BUILD=none $PY -m pip install --no-index --no-build-isolation --no-deps -e ."
-    fi
-    step environment 20 bash -c "nvidia-smi; $PY -c 'import torch, triton; \
-print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), triton.__version__)'"
-    step flash_tests 200 env ABFT_FLASH_DEVICE=cuda "$PY" -m pytest -q \
+# --- 1. set-up ------------------------------------------------------------------------------
+$PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl \
+    || note "FAILED installing the carried wheels"
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+step environment 30 bash -c "nvidia-smi; nvcc --version; command -v compute-sanitizer; \
+$PY - <<'EOF'
+import json, subprocess, torch, triton
+from megatron_abft import _ext
+driver = subprocess.run(['nvidia-smi', '--query-gpu=driver_version', '--format=csv,noheader'],
+                        capture_output=True, text=True).stdout.strip()
+env = dict(device=torch.cuda.get_device_name(), driver=driver, torch=torch.__version__,
+           cuda=torch.version.cuda, triton=triton.__version__, backend=_ext.backend())
+print(json.dumps(env))
+open('$WORK/environment.json', 'w').write(json.dumps(env, indent=1))
+EOF"
+if ! $PY -c "from megatron_abft import _ext; assert _ext.backend() == 'cuda'" 2>/dev/null; then
+    # sm_90 only (H100, H200): half the CUDA compile time of the default 8.0 and 9.0
+    step build 200 env TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $PY setup.py build_ext --inplace
+fi
+
+# --- 2. correctness, side by side -----------------------------------------------------------
+GPU_TESTS="tests/test_ext.py tests/test_ext_correct.py tests/test_ext_tally.py tests/test_eec.py
+    tests/test_checksum.py tests/test_fused_softmax.py tests/test_fused_softmax_correct.py"
+# shellcheck disable=SC2086  # the lists split into arguments
+{
+    step kernel_tests 120 $PY -m pytest -q -rf -vv -n 8 -p no:cacheprovider $GPU_TESTS \
+        -k "(cuda or gpu) and not emulat"
+    # every kernel once (the known-answer test the package runs before its kernels serve a GPU),
+    # then a few of the tests (the sanitizer makes each test many times slower)
+    for tool in memcheck racecheck; do
+        step "selftest_$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 1 $PY -c \
+            "import torch; from megatron_abft.kernel_selftest import mismatches as m; \
+print(m(torch.device('cuda'))); assert not m(torch.device('cuda'))"
+    done
+    step kernel_memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        $PY -m pytest -q -rf -p no:cacheprovider tests/test_ext_correct.py \
+        tests/test_ext_tally.py tests/test_fused_softmax_correct.py \
+        -k "(cuda or gpu) and not emulat and not launches and not equal_the_cpu"
+} &
+{
+    step flash_tests 160 env ABFT_FLASH_DEVICE=cuda $PY -m pytest -q -n 8 -p no:cacheprovider \
         tests/flash/test_flash_equality.py tests/flash/test_flash_correction.py
-    step flash_false_alarms 90 "$PY" tools/flash_false_alarms.py --device cuda --seq 2048 \
-        --tiles 200000 --dtypes bf16 fp16 --json "$OUT/flash_false_alarms.json"
-    if command -v compute-sanitizer >/dev/null; then
-        step flash_sanitizer 90 env ABFT_FLASH_DEVICE=cuda compute-sanitizer --tool memcheck \
-            --error-exitcode 1 "$PY" -m pytest -q tests/flash/test_flash_equality.py -k "seq129"
-    fi
-    step bench_attention 200 "$PY" tools/bench_attention.py --json "$OUT/bench_attention.json"
-    exit $status
-fi
+    step flash_memcheck 70 env ABFT_FLASH_DEVICE=cuda compute-sanitizer --tool memcheck \
+        --error-exitcode 1 $PY -m pytest -q -p no:cacheprovider \
+        tests/flash/test_flash_equality.py -k "seq129"
+} &
+{
+    step gemm_false_alarms 150 $PY tools/gemm_false_alarms.py --device cuda --repeats 2 \
+        --json "$WORK/gemm_false_alarms.json"
+    step flash_false_alarms 80 $PY tools/flash_false_alarms.py --device cuda --seq 2048 \
+        --tiles 100000 --dtypes bf16 fp16 --json "$WORK/flash_false_alarms.json"
+} &
+# Megatron-LM's own loop, pretrain(): a small GPT, 50 steps of mock data, faults in every
+# forward section (and, on the flash path, in the backward) at steps 10 to 40
+PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
+    --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024
+    --micro-batch-size 2 --global-batch-size 2 --train-iters 50 --lr 1e-4
+    --lr-decay-style constant --bf16 --mock-data --tokenizer-type NullTokenizer
+    --vocab-size 32000 --transformer-impl local --attention-backend auto
+    --position-embedding-type rope --no-rope-fusion --attention-dropout 0
+    --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+    --no-bias-gelu-fusion --no-bias-dropout-fusion --no-create-attention-mask-in-dataloader
+    --log-interval 10 --eval-iters 0 --eval-interval 1000 --abft --abft-on-uncorrectable log
+    --abft-inject section=qkv,layer=1,kind=inf,step=10
+    --abft-inject section=scores,layer=2,kind=nan,pattern=row,step=20
+    --abft-inject section=context,layer=3,kind=near_inf,step=30
+    --abft-inject section=proj,layer=4,kind=nan,step=40"
+# shellcheck disable=SC2086
+{
+    step pretrain_unfused 110 $PY -m torch.distributed.run --nproc-per-node 1 \
+        tools/megatron_lm_pretrain.py $PRETRAIN --abft-attention unfused \
+        --abft-events-file "$WORK/pretrain_unfused_events.jsonl"
+    step pretrain_flash 120 $PY -m torch.distributed.run --nproc-per-node 1 \
+        tools/megatron_lm_pretrain.py $PRETRAIN --abft-attention flash \
+        --abft-inject section=grad_v,layer=2,kind=inf,step=35 \
+        --abft-events-file "$WORK/pretrain_flash_events.jsonl"
+} &
+wait
 
-if [ "${1:-}" = more ]; then
-    if ! "$PY" -c "import megatron, megatron_abft._C" 2>/dev/null; then
-        # sm_90 only (H100, H200): half the CUDA compile time of the default 8.0 and 9.0
-step install 160 bash -c "$PY -m pip install --no-index --no-deps wheels/*.whl && \
-TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $PY -m pip install --no-index --no-build-isolation \
---no-deps -e ."
-    fi
-    step bench_host 45 "$PY" tools/bench_host.py --out "$OUT/bench_host.json"
-    step bench_overhead_350m_mb4 300 "$PY" tools/bench_overhead.py --layers 24 --hidden 1024 \
-        --heads 16 --seq 2048 --vocab 50304 --dtype bf16 --reps 10 --micro-batch 4 \
-        --out "$OUT/bench_gpt3_350m_mb4.json"
-    step bench_kernels_4k 120 "$PY" tools/bench_kernels.py --device cuda --dtype bf16 \
-        --seq 4096 --heads 16
-    exit $status
-fi
-
-step environment 20 bash -c "nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, \
-torch.version.cuda, torch.cuda.get_device_name(), triton.__version__)'; nvcc --version"
-# sm_90 only (H100, H200): half the CUDA compile time of the default 8.0 and 9.0
-step install 160 bash -c "$PY -m pip install --no-index --no-deps wheels/*.whl && \
-TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $PY -m pip install --no-index --no-build-isolation \
---no-deps -e ."
-step backend 20 "$PY" -c "from megatron_abft import _ext; print(_ext.backend())"
-# the GPU's tests, not their emulated twins (CPU work that every CI run already does)
-step tests 150 "$PY" -m pytest -q tests/test_ext.py tests/test_ext_correct.py \
-    tests/test_ext_tally.py tests/test_eec.py tests/test_checksum.py tests/test_fused_softmax.py \
-    tests/test_fused_softmax_correct.py -k "not emulat"
-step bench_kernels 60 "$PY" tools/bench_kernels.py --device cuda --dtype bf16 --seq 2048 \
+# --- 3. timing, one at a time ---------------------------------------------------------------
+GPT3_350M="--layers 24 --hidden 1024 --heads 16 --seq 2048 --vocab 50304 --dtype bf16"
+# shellcheck disable=SC2086
+for attention in unfused flash; do
+    step "overhead_350m_$attention" 90 $PY tools/bench_overhead.py $GPT3_350M \
+        --attention "$attention" --reps 10 --no-per-section \
+        --out "$WORK/bench_gpt3_350m_$attention.json"
+done
+step bench_attention 90 $PY tools/bench_attention.py --models "GPT-3 350M" "Llama-2 7B" --seqs 2048 8192 \
+    --json "$WORK/bench_attention.json"
+step bench_kernels 30 $PY tools/bench_kernels.py --device cuda --dtype bf16 --seq 2048 \
     --heads 16
-step bench_overhead_350m 120 "$PY" tools/bench_overhead.py --layers 24 --hidden 1024 \
-    --heads 16 --seq 2048 --vocab 50304 --dtype bf16 --reps 10 \
-    --out "$OUT/bench_gpt3_350m.json"
-if command -v compute-sanitizer >/dev/null; then
-    # the GPU tests but the two 150-example property tests, which memcheck would make too slow
-    step sanitizer 60 compute-sanitizer --tool memcheck --error-exitcode 1 \
-        "$PY" -m pytest -q tests/test_ext.py tests/test_ext_correct.py tests/test_ext_tally.py \
-        tests/test_fused_softmax.py tests/test_fused_softmax_correct.py \
-        -k "(cuda or on_the_gpu) and not fp64 and not emulat"
-fi
-exit $status
