@@ -92,7 +92,10 @@ def sweep(args, device: torch.device) -> list[dict]:
                     a, b, alpha, bias = operands(section, kind, args, g, dtype)
                     a, b = a.to(device, dtype), b.to(device, dtype)
                     bias = None if bias is None else bias.to(device, dtype)
-                    c = alpha * (a @ b) if alpha != 1.0 else a @ b
+                    if alpha != 1.0:  # in the GEMM, before rounding, as Megatron's baddbmm
+                        c = torch.baddbmm(a.new_empty(()), a, b, beta=0.0, alpha=alpha)
+                    else:
+                        c = a @ b
                     c = c if bias is None else c + bias
                     if not torch.isfinite(c).all():  # the true product is out of range: a
                         overflowed += 1  # check rightly flags it, so it is no false alarm
