@@ -24,8 +24,8 @@ the device, no host synchronisation; a program reports what its first pass flagg
 corrected and what its second flagged as uncorrectable, which the atomic max lets win.
 
 Constexpr switches compile out what production does not need: ``CHECK`` (all checks),
-``INJECT`` (fault injection, megatron_abft.flash.faults) and ``CALIBRATE`` (the largest
-``|residual| / (u * mass)`` of clean checks, for threshold calibration on a GPU). ``UPCAST``
+``INJECT`` (fault injection, megatron_abft.flash.faults) and ``CALIBRATE`` (the largest finite
+``|residual| / (u * mass)`` of the checks, for threshold calibration on a GPU). ``UPCAST``
 works around Triton's interpreter for bf16: its tl.dot on bf16 is wrong, so tl.dot takes fp32
 operands (exact: a product of two bf16 values fits fp32); its fp32 -> bf16 cast truncates, so
 the kernels round on the bits (to nearest even, as a GPU does) and keep the value in fp32.
@@ -156,8 +156,8 @@ def _report(
             tl.atomic_max(COLS + at, first)
         else:
             tl.atomic_max(ROWS + at, first)
-    if CALIBRATE:
-        tl.atomic_max(RATIO + section * BH + bh, tl.max(tl.where(state > 0, 0.0, ratio)))
+    if CALIBRATE:  # flagged rows too (an alarm shows how far it went), bar non-finite ones
+        tl.atomic_max(RATIO + section * BH + bh, tl.max(tl.where(ratio < INF, ratio, 0.0)))
     return kind > 0
 
 

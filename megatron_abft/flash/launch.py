@@ -23,10 +23,20 @@ HEAD_DIMS: tuple[int, ...] = (64, 128)
 """Head widths the kernels are built for; a narrower head is padded to the next."""
 KERNELS: tuple[str, ...] = ("forward", "dkdv", "dq")
 
-TILE_C = 64.0
-"""The tile checks' bound is ``TILE_C * threshold_scale * 2**-24 * mass`` (docs/abft.md §8):
-tools/flash_false_alarms.py measures each check's largest clean residual against it, on the
-CPU and, with ``--device cuda``, on a GPU's tensor cores."""
+TILE_C = {torch.float32: 64.0, torch.bfloat16: 64.0, torch.float16: 256.0}
+"""The tile checks' bound is ``TILE_C[dtype] * threshold_scale * 2**-24 * mass`` (docs/abft.md
+§8); tools/flash_false_alarms.py measures each check's largest clean residual against it, on
+the CPU and, with ``--device cuda``, on a GPU's tensor cores. fp16 takes 4x: a tensor core adds
+a step's 16 products aligned to the largest and truncated, and fp16's products carry 22
+significant bits, 2 short of the fp32 accumulator's 24 (bf16's 16 leave 8), so rows that mix
+large and small products lose low bits on nearly every term, up to about 17 units of 2**-23 a
+step, 136 units of 2**-24 over a 64-deep tile. Measured on an H200: fp16's clean residuals up to
+46 units, 2 of 3.0 million backward tiles above 64; bf16's at most 3.8 (docs/benchmarks.md)."""
+
+
+def tile_c(dtype: torch.dtype) -> float:
+    """The tile checks' constant for inputs of ``dtype`` (TILE_C)."""
+    return TILE_C[dtype]
 
 
 @dataclass(frozen=True)
