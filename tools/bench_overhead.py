@@ -484,7 +484,7 @@ def run(rank: int, args) -> dict | None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "impl": implementation(args, device),
+        "impl": implementation(args),
         "backend": _ext.backend(),
         "machine": median_rates(rounds),
         "machine_rounds": rounds,
@@ -525,16 +525,16 @@ def run(rank: int, args) -> dict | None:
     return result
 
 
-def implementation(args, device: torch.device) -> str:
-    """How the checks ran, as megatron_abft.scaling names it: ``fused`` where kernel 3 reads S
-    once for the softmax and both attention checks (on CUDA, where the checks are sync-free, it
-    serves the context's check only: see megatron_abft.scaling), else ``kernels`` or
+def implementation(args) -> str:
+    """How the checks ran, as megatron_abft.scaling names it: ``flash``; ``fused`` where kernel 3
+    reads S once for the softmax and both attention checks (on a CPU and on CUDA, where a
+    sync-free check of the scores corrects in the softmax's op); else ``kernels`` or
     ``torch``."""
     if args.attention == "flash":
         return "flash"
     if not _ext.available():
         return "torch"
-    return "fused" if args.fused_softmax and device.type == "cpu" else "kernels"
+    return "fused" if args.fused_softmax else "kernels"
 
 
 def time_checks(model, timer: Timer, spans: dict[str, list], timing: dict) -> None:
