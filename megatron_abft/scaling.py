@@ -18,7 +18,7 @@ the unfused attention (S and P materialised; UNFUSED) and the flash attention:
   of P go. The code on a CPU, and on CUDA: there a sync-free check of the scores takes
   softmax_correct_tally, the softmax's one kernel (where a band's column sums fit in a thread
   block) screening S, then one thread block that corrects a flagged matrix, redoes its P and P's
-  pass from the corrected S and tallies, with no host read (not yet run on a GPU).
+  pass from the corrected S and tallies, with no host read.
   Kernel 3 also replaces Megatron's softmax, forward and backward: where a device profile has
   timed both softmaxes and kernel 3's checks (SOFTMAX_PARTS, on the CPU), the difference is
   part of the cost; elsewhere both run at the bandwidth and the checks in the pass are free.
@@ -30,8 +30,7 @@ the unfused attention (S and P materialised; UNFUSED) and the flash attention:
   16-wide reference MMA a checked tile GEMM), CUDA-core ops (the output tile's row sums and the
   comparisons), and what the step runs once whenever any flash section is due: the checksum
   prepass in torch ops (bytes and launches), the backward's rounding of Delta, the dQ kernel's
-  row identities and the ledger's updates. qkv and proj are checked as by ``kernels``. A
-  prediction only: no GPU has run these kernels yet.
+  row identities and the ledger's updates. qkv and proj are checked as by ``kernels``.
 
 Every check also costs a number of small ops, each at the device's op latency: on a CPU the
 top-level tensor ops of a clean check (CHECK_OPS, counted on the code by tests/test_scaling.py;
@@ -335,6 +334,33 @@ DEVICES = {
         check_ops=CHECK_KERNELS,
         vector=0.7 * 19.5e12 / 2,
         exp=0.7 * 16 * 108 * 1.41e9,
+    ),
+    # The H200 as tools/bench_overhead.py measured it (GPT-3 350M, bf16, sequence 2048,
+    # micro-batch 1, unfused path; docs/figures/gpu/h200_bench_gpt3_350m_unfused.json, the
+    # medians of its micro-benchmarks, which tests/test_scaling.py holds these to): bf16 GEMMs at
+    # the model's size, an elementwise pass, an op's launch, a check's op with the Python around
+    # it, the kernels' read of S, the optimizer step, both softmaxes and kernel 3's checks. The
+    # flash kernels' CUDA-core and exp2 rates are the datasheet's (no benchmark measures them).
+    "H200-measured": DeviceProfile(
+        "H200 SXM, measured",
+        {"bf16": 4.25750e14},
+        2.73067e12,
+        8.93888e-6,
+        "its micro-benchmarks in a run on an H200, 2026-11-26",
+        check_op=6.32255e-5,
+        optimizer_bandwidth=5.35630e12,
+        check_ops={**CHECK_OPS, "fused": 3},
+        check_bandwidth=5.09760e11,
+        softmax={
+            "forward": 1.02715e-11,
+            "backward": 1.52469e-11,
+            "screen": 2.29516e-11,
+            "pass": 1.79520e-11,
+            "kernel3_forward": -1.49580e-12,
+            "kernel3_backward": 2.83180e-12,
+        },
+        vector=0.7 * 67e12 / 2,
+        exp=0.7 * 3.9e12,
     ),
 }
 

@@ -1009,7 +1009,8 @@ def test_gpu_profiles_price_cuda_core_ops_and_exponentials():
 def test_the_report_sets_both_attentions_side_by_side_as_predictions():
     """overhead_report: the flash table, a row a catalogue model and sequence with every
     section; the side-by-side table, both attentions on every GPU profile at every micro-batch
-    with the unfused attention's S; text that calls the flash figures predictions."""
+    with the unfused attention's S, a column pair a profile by its DEVICES name; text that
+    says which of the flash figures are datasheet rates and where one was measured."""
     from overhead_report import (
         MICRO_BATCHES,
         SEQUENCES,
@@ -1028,8 +1029,30 @@ def test_the_report_sets_both_attentions_side_by_side_as_predictions():
     assert f"**{100 * p.step:.2f}%**" in row and f"| {100 * p.shared:.2f}% |" in row
     paths = paths_table(device)
     assert len(paths) == 2 + len(CATALOGUE) * len(SEQUENCES) * len(MICRO_BATCHES)
-    assert all(f"{d.name.split()[0]} flash" in paths[0] for d in DEVICES.values())
+    assert all(f"| {key} unfused | {key} flash |" in paths[0] for key in DEVICES)
     row = next(line for line in paths if line.startswith("| GPT-3 350M | 1 | 2048 | 8 |"))
     assert "| 1.00 GiB |" in row
     text = " ".join(flash_method() + flash_example(device))
-    assert "prediction" in text and "no GPU has run" in text
+    assert "from datasheets" in text and "H200 run of GPT-3 350M" in text
+
+
+def test_the_measured_h200_profile_is_the_h200_runs_micro_benchmarks():
+    """DEVICES["H200-measured"] holds the medians of the committed H200 run's micro-benchmarks
+    (as tools/overhead_report.py's roofline reads them), the flash rates the H200 datasheet's;
+    with them the model lands within the run's tolerance of its measured step overhead."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    from overhead_report import roofline, within
+
+    path = (
+        Path(__file__).parents[1] / "docs" / "figures" / "gpu" / "h200_bench_gpt3_350m_unfused.json"
+    )
+    result = json.loads(path.read_text())
+    run, profile = roofline(result), DEVICES["H200-measured"]
+    assert profile.matmul == pytest.approx(run.matmul, rel=1e-5)
+    for rate in ("bandwidth", "launch", "check_op", "optimizer_bandwidth", "check_bandwidth"):
+        assert getattr(profile, rate) == pytest.approx(getattr(run, rate), rel=1e-5), rate
+    assert profile.check_ops == run.check_ops
+    assert profile.softmax == pytest.approx(run.softmax, rel=1e-5)
+    assert (profile.vector, profile.exp) == (DEVICES["H200"].vector, DEVICES["H200"].exp)
+    shape = next(s for s in CATALOGUE if s.name == "GPT-3 350M")
+    assert within(predict(shape, profile, result["impl"]).step, result["overhead"]["all"]["step"])

@@ -341,10 +341,11 @@ def paths_table(device: DeviceProfile) -> list[str]:
     the flash attention), every section every step, with the unfused attention's S and what
     dominates the flash path's checks on ``device``."""
     devices = list(DEVICES.values())
+    label = next((key for key, d in DEVICES.items() if d == device), device.name)
     lines = [
         "| model | TP | seq | micro-batch | S a layer, unfused | "
-        + " | ".join(f"{d.name.split()[0]} unfused | {d.name.split()[0]} flash" for d in devices)
-        + f" | flash's largest term, {device.name.split()[0]} |",
+        + " | ".join(f"{key} unfused | {key} flash" for key in DEVICES)
+        + f" | flash's largest term, {label} |",
         "|---" * (5 + 2 * len(devices) + 1) + "|",
     ]
     for shape in CATALOGUE:
@@ -617,7 +618,7 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "microseconds whatever its size. With",
             "`ABFTConfig.sync_free=False` a GPU also synchronises once per check, which the model",
             "does not count; nor does it count the host's time for each check (about 0.1 ms on",
-            "the CPU host here: its ops, and 11 to 31 µs of Python around them; 59 µs an op",
+            "the CPU host here: its ops, and 11 to 31 µs of Python around them; 60 µs an op",
             "on the H200's host; docs/benchmarks.md), which a GPU hides only while the host runs",
             "ahead of it. The calibrated profile of a GPU run prices each check op at what that",
             "run measured (`check_op`), so its validation rows count it.",
