@@ -11,8 +11,9 @@
 # tests, the flash kernels), the no-false-alarm sweeps on the tensor cores (unfused GEMMs, flash
 # tiles), and Megatron-LM's own pretrain() with --abft and injected faults, on both paths.
 # Phase 3 times, one benchmark at a time: GPT-3 350M's step on the unfused and on the flash
-# path, then the attention and kernel benchmarks. Each step has a time limit of its own
-# (seconds) and none runs past DEADLINE; a step cut short leaves its log and the next one runs.
+# path, then the attention and kernel benchmarks, then the step at micro-batch 4. Each step has
+# a time limit of its own (seconds) and none runs past DEADLINE; a step cut short leaves its log
+# and the next one runs.
 # SKIP="name ..." leaves steps out (a second call that reruns what failed). Logs and JSON go to
 # $OUT/gpu.tar.gz (the device tool brings back at most 8 files), the summary to
 # $OUT/summary.txt. Results of a run: docs/figures/gpu/, docs/benchmarks.md.
@@ -75,6 +76,8 @@ if ! $PY -c "from megatron_abft import _ext; assert _ext.backend() == 'cuda'" 2>
 fi
 
 # --- 2. correctness, side by side -----------------------------------------------------------
+SELFTEST="import torch; from megatron_abft.kernel_selftest import mismatches
+wrong = mismatches(torch.device('cuda')); print(wrong); assert not wrong"
 GPU_TESTS="tests/test_ext.py tests/test_ext_correct.py tests/test_ext_tally.py tests/test_eec.py
     tests/test_checksum.py tests/test_fused_softmax.py tests/test_fused_softmax_correct.py"
 # shellcheck disable=SC2086  # the lists split into arguments
@@ -83,16 +86,15 @@ GPU_TESTS="tests/test_ext.py tests/test_ext_correct.py tests/test_ext_tally.py t
         -k "(cuda or gpu) and not emulat"
     # every kernel once (the known-answer test the package runs before its kernels serve a GPU),
     # then a few of the tests (the sanitizer makes each test many times slower)
-    for tool in memcheck racecheck; do
-        step "selftest_$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 1 $PY -c \
-            "import torch; from megatron_abft.kernel_selftest import mismatches as m; \
-print(m(torch.device('cuda'))); assert not m(torch.device('cuda'))"
-    done
+    step selftest_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 $PY -c "$SELFTEST"
     step kernel_memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 1 \
         $PY -m pytest -q -rf -p no:cacheprovider tests/test_ext_correct.py \
         tests/test_ext_tally.py tests/test_fused_softmax_correct.py \
         -k "(cuda or gpu) and not emulat and not launches and not equal_the_cpu"
 } &
+# racecheck is the slowest tool (more than 60 s for the self-test on an H200): a branch its own
+step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 1 $PY -c \
+    "$SELFTEST" &
 {
     step flash_tests 160 env ABFT_FLASH_DEVICE=cuda $PY -m pytest -q -n 8 -p no:cacheprovider \
         tests/flash/test_flash_equality.py tests/flash/test_flash_correction.py
@@ -141,7 +143,14 @@ for attention in unfused flash; do
         --attention "$attention" --reps 10 --no-per-section \
         --out "$WORK/bench_gpt3_350m_$attention.json"
 done
-step bench_attention 90 $PY tools/bench_attention.py --models "GPT-3 350M" "Llama-2 7B" --seqs 2048 8192 \
-    --json "$WORK/bench_attention.json"
+step bench_attention 120 $PY tools/bench_attention.py --models "GPT-3 350M" "Llama-2 7B" \
+    --seqs 2048 8192 --json "$WORK/bench_attention.json"
 step bench_kernels 30 $PY tools/bench_kernels.py --device cuda --dtype bf16 --seq 2048 \
     --heads 16
+# micro-batch 4: at 1 the host bounds the step (each check's ops cost it about 60 us)
+# shellcheck disable=SC2086
+for attention in unfused flash; do
+    step "overhead_350m_mb4_$attention" 90 $PY tools/bench_overhead.py $GPT3_350M \
+        --attention "$attention" --reps 6 --no-per-section --micro-batch 4 \
+        --out "$WORK/bench_gpt3_350m_mb4_$attention.json"
+done
