@@ -23,6 +23,7 @@ import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from megatron_abft.config import (
@@ -38,6 +39,7 @@ from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
 from megatron_abft.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
 from megatron_abft.runtime import runtime_of
 from megatron_abft.scaling import DEVICES, ModelShape, baseline_forward, predict
+from megatron_abft.telemetry import Telemetry, TelemetryConfig
 
 __all__ = [
     "FaultPlan",
@@ -616,8 +618,25 @@ def abft_from_megatron_lm() -> tuple[ABFTConfig | None, str, dict]:
     if problems := plan.problems():
         raise ValueError("; ".join(problems))
     config = abft_config_from_args(args)
-    runtime_of(config).fault_plan = plan
+    runtime = runtime_of(config)
+    runtime.fault_plan = plan
+    runtime.log_at_optimizer_steps(args.log_interval, partial(megatron_lm_telemetry, args))
     return config, args.abft_attention, layer_kwargs
+
+
+def megatron_lm_telemetry(args: argparse.Namespace, modules: list) -> Telemetry:
+    """The telemetry Megatron-LM's loop gets with no edit: every ``--log-interval`` steps the
+    counters on the console of the last rank (where Megatron-LM logs) and the ``abft/*``
+    scalars to Megatron-LM's own W&B writer (``--wandb-project``). The events file stays the
+    runtime's (``--abft-events-file``: every fault not corrected in place)."""
+    from megatron.training.global_vars import get_wandb_writer
+
+    config = TelemetryConfig(
+        log_interval=args.log_interval,
+        train_iters=args.train_iters,
+        policy=args.abft_on_uncorrectable,
+    )
+    return Telemetry(modules, config, num_layers=args.num_layers, wandb_run=get_wandb_writer())
 
 
 def flag_names(parser: argparse.ArgumentParser) -> Iterable[str]:

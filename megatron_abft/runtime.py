@@ -19,6 +19,11 @@ rerun state machine while it runs a step. Where no step is known the runtime cou
 a config or a fault that needs the real step is refused at the second pass. The runtime lands
 the faults of a plan at their steps (Megatron-LM's ``--abft-inject``); ``inject`` arms faults in
 a model for one block of the loop.
+
+Where the loop makes no telemetry call either (Megatron-LM's), the runtime logs the guards'
+counters every few steps from the end of the optimizer's step (torch's global optimizer hook):
+there every rank has left the step's forward-backward, so the gather's collective cannot wait
+on a pipeline peer that waits on it.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import os
 import socket
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron_abft.config import ABFTConfig
 from megatron_abft.faults import Fault, arm, disarm
@@ -174,12 +181,20 @@ class Runtime:
         ``--abft-inject``): anything with ``at(step) -> list[Fault]`` and ``active``."""
         self.landed: list[dict] = []  # where the plan's faults landed on this rank
         self._armed: list[SectionGuard] = []
+        self.log_every: int | None = None  # steps between the runtime's own telemetry logs
+        self._make_telemetry: Callable[[list[torch.nn.Module]], Any] | None = None
+        self.telemetry: Any = None  # the runtime's own Telemetry, made at its first log
+        self.loop_logs = False  # the loop made a Telemetry of these guards: it logs
+        self._logged_step: int | None = None
+        self._optimizer_hook = None
         atexit.register(_settle_at_exit, weakref.ref(self))
 
     def __getstate__(self) -> dict:  # a pickled model keeps its runtime: weak refs cannot go
         state = self.__dict__.copy()
         state["_modules"] = [m for m in (ref() for ref in self._modules) if m is not None]
         state["_ran"] = list(self._ran)
+        # a copy logs nothing by itself: the hook and the telemetry belong to this process
+        state.update(log_every=None, _make_telemetry=None, telemetry=None, _optimizer_hook=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -301,6 +316,49 @@ class Runtime:
 
     def settle(self) -> None:
         settle(list(self.guards()), self.config)
+
+    # --- telemetry without loop calls ------------------------------------------------------------
+
+    def log_at_optimizer_steps(
+        self, every: int, make: Callable[[list[torch.nn.Module]], Any]
+    ) -> None:
+        """Log the guards' telemetry every ``every`` steps, at the end of the optimizer's step,
+        where the loop makes no telemetry call: ``make(modules)`` builds the Telemetry (of the
+        attached modules) at the first log, and each log is its collective ``log(step)``. Every
+        rank steps its optimizer every step (all skip together where Megatron skips one), so
+        every rank logs the same steps. A loop that makes a Telemetry of these guards takes over
+        (``loop_logs``)."""
+        self.log_every, self._make_telemetry = every, make
+        if self._optimizer_hook is None:
+            hook = _optimizer_stepped(weakref.ref(self))
+            self._optimizer_hook = register_optimizer_step_post_hook(hook)
+
+    def _log_step(self) -> None:
+        """After an optimizer's step: log where a log is due (once a step, however many
+        optimizers the step has)."""
+        step = self.step
+        if self.log_every is None or self.loop_logs or step is None:
+            return
+        if step % self.log_every or step == self._logged_step:
+            return
+        self._logged_step = step
+        if self.telemetry is None:
+            modules = [m for m in (ref() for ref in self._modules) if m is not None]
+            self.telemetry = self._make_telemetry(modules)
+            self.loop_logs = False  # that Telemetry is the runtime's own, not the loop's
+        self.telemetry.log(step)
+
+
+def _optimizer_stepped(ref: weakref.ref) -> Callable:
+    """torch's global optimizer post-hook for the runtime ``ref`` (a weak reference: the hook
+    must not keep a model's runtime alive)."""
+
+    def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        runtime = ref()
+        if runtime is not None:
+            runtime._log_step()
+
+    return hook
 
 
 def move_to_step(guards: list[SectionGuard], step: int) -> None:

@@ -187,8 +187,9 @@ class Telemetry:
         self.is_logging_rank = self.rank == self.logging_rank
         guards = [g for c in self.chunks for g in iter_guards(c)]
         layers = [g.layer for g in guards if g.layer is not None]
-        if self.config.events_file:  # every event reaches this file, through the logging rank
-            for runtime in runtimes(guards):
+        for runtime in runtimes(guards):
+            runtime.loop_logs = True  # this Telemetry logs: the runtime's own stands down
+            if self.config.events_file:  # every event reaches this file, via the logging rank
                 runtime.telemetry_writes_events = True
         self.num_layers = num_layers or max(layers, default=1)
         self.device = torch.device(device) if device is not None else self._default_device()

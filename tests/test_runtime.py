@@ -199,6 +199,16 @@ initialize_rerun_state_machine(mode=RerunMode(args.rerun_mode))
 rerun = get_rerun_state_machine()
 
 
+class WandbWriter:  # Megatron-LM's W&B writer (get_wandb_writer), printing what it gets
+    def log(self, scalars, step):
+        shown = {k: scalars[k] for k in ("abft/detected", "abft/corrected", "abft/uncorrectable")}
+        print("WANDB", step, shown, flush=True)
+
+
+import megatron.training.global_vars as global_vars
+global_vars._GLOBAL_WANDB_WRITER = WandbWriter()
+
+
 def forward_step(data_iterator, model):
     tokens = next(data_iterator)
     output = model(tokens[:, :-1], torch.arange(32).expand(2, 32), None, labels=tokens[:, 1:])
@@ -211,6 +221,7 @@ model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
 seeds = [torch.Generator().manual_seed(i) for i in range(8)]
 batches = [torch.randint(0, 128, (2, 33), generator=g) for g in seeds]
 data = RerunDataIterator(iter(batches))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)  # its step ends Megatron's train_step
 abft = ABFT(model) if os.environ.get("LOOP_CALLS") else None  # the optional loop calls
 for iteration in range(1, 6):  # Megatron-LM's train(): curr_iteration counts from 0
     args.curr_iteration = iteration - 1
@@ -226,6 +237,8 @@ for iteration in range(1, 6):  # Megatron-LM's train(): curr_iteration counts fr
             )
         if abft:
             assert abft.step_end().action == "none"
+        optimizer.step()
+        optimizer.zero_grad()
     except ABFTUncorrectableError as error:
         print("RAISED", iteration, error, flush=True)
         break
@@ -236,14 +249,16 @@ for iteration in range(1, 6):  # Megatron-LM's train(): curr_iteration counts fr
 """
 
 
-def _megatron_lm(tmp_path: Path, *flags: str, loop_calls: bool = False):
+def _megatron_lm(
+    tmp_path: Path,
+    *flags: str,
+    loop_calls: bool = False,
+    fault: str = "section=probs,layer=1,kind=nan,step=3,seed=2",
+):
     port = str(free_port())
     script = tmp_path / "megatron_lm_loop.py"
     script.write_text(MEGATRON_LM_LOOP)
-    model = [
-        *MEGATRON_LM_FLAGS, "--attention-dropout", "0", "--abft",
-        "--abft-inject", "section=probs,layer=1,kind=nan,step=3,seed=2",
-    ]  # fmt: skip
+    model = [*MEGATRON_LM_FLAGS, "--attention-dropout", "0", "--abft", "--abft-inject", fault]
     env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     env["LOOP_CALLS"] = "1" if loop_calls else ""
     return subprocess.run(
@@ -285,6 +300,27 @@ def test_megatron_lm_loop_with_the_flags_alone(tmp_path, policy, loop_calls, exp
     assert {(e["step"], e["layer"], e["section"], e["policy"]) for e in events} >= {
         (3, 1, "context", policy)
     }
+
+
+def test_megatron_lm_telemetry_needs_no_loop_call(tmp_path):
+    """Megatron-LM's flags alone, with ``--log-interval 2``: after the optimizer's step of every
+    second step the runtime gathers the counters, prints Megatron-LM's log line with the ABFT
+    counts and logs the ``abft/*`` scalars to Megatron-LM's W&B writer. The fault of step 3,
+    INF in a scores element, is corrected in place and counted in the line of step 4."""
+    done = _megatron_lm(tmp_path, "--log-interval", "2",
+                        fault="section=scores,layer=2,kind=inf,step=3,seed=1")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    counts = "abft injected/detected/corrected/uncorrectable"
+    logged = [line for line in done.stdout.splitlines() if counts in line]
+    assert len(logged) == 2, done.stdout[-3000:]
+    assert logged[0].startswith(" iteration        2/") and f"{counts}: 0/0/0/0" in logged[0]
+    assert logged[1].startswith(" iteration        4/") and f"{counts}: 0/1/1/0" in logged[1]
+    wandb = [line for line in done.stdout.splitlines() if line.startswith("WANDB")]
+    assert wandb == [
+        "WANDB 2 {'abft/detected': 0.0, 'abft/corrected': 0.0, 'abft/uncorrectable': 0.0}",
+        "WANDB 4 {'abft/detected': 1.0, 'abft/corrected': 1.0, 'abft/uncorrectable': 0.0}",
+    ]
+    assert "UNCORRECTABLE" not in done.stderr + done.stdout
 
 
 def test_a_model_with_its_runtime_pickles():
