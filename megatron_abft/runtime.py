@@ -335,8 +335,11 @@ class Runtime:
 
     def _log_step(self) -> None:
         """After an optimizer's step: log where a log is due (once a step, however many
-        optimizers the step has)."""
-        step = self.step
+        optimizers the step has). The step is Megatron-LM's where it is known, so that a rank
+        whose stage holds no protected layer (and sees no protected forward) logs with the
+        others: the log is a collective."""
+        step = megatron_step()
+        step = self.step if step is None else step
         if self.log_every is None or self.loop_logs or step is None:
             return
         if step % self.log_every or step == self._logged_step:
