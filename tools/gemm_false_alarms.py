@@ -147,9 +147,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=4, help="fresh inputs per case")
     parser.add_argument("--dtypes", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--no-reduced-precision-reductions",
+        dest="reduced",
+        action="store_false",
+        help="CUDA: turn off torch's fp16/bf16 reduced-precision reductions, which the thresholds "
+        "then no longer allow for (megatron_abft.tolerance.gemm_rounding): far tighter bounds",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_fp16_reduced_precision_reduction = args.reduced
+    matmul.allow_bf16_reduced_precision_reduction = args.reduced
     begin = time.perf_counter()
     rows = sweep(args, device)
     alarms = sum(r["detected"] + r["flagged_vectors"] for r in rows)
@@ -164,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "backend": _ext.backend(),
+            "reduced_precision_reductions": args.reduced,
             "kinds": list(KINDS),
             "seconds": time.perf_counter() - begin,
             "false_alarms": alarms,

@@ -107,6 +107,11 @@ step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 
         --json "$WORK/gemm_false_alarms.json"
     step flash_false_alarms 80 $PY tools/flash_false_alarms.py --device cuda --seq 2048 \
         --tiles 100000 --dtypes bf16 fp16 --json "$WORK/flash_false_alarms.json"
+    # the bf16/fp16 bounds without reduced-precision reductions are thousands of times tighter:
+    # do the tensor cores keep inside them (fp16's products lose bits to their truncation)?
+    step gemm_false_alarms_strict 150 $PY tools/gemm_false_alarms.py --device cuda --repeats 2 \
+        --dtypes bf16 fp16 --no-reduced-precision-reductions \
+        --json "$WORK/gemm_false_alarms_strict.json"
 } &
 # Megatron-LM's own loop, pretrain(): a small GPT, 50 steps of mock data, faults in every
 # forward section (and, on the flash path, in the backward) at steps 10 to 40
