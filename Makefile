@@ -57,4 +57,4 @@ lint: install
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf build *.egg-info .pytest_cache .hypothesis megatron_abft/_C*.so
+	rm -rf build *.egg-info .pytest_cache .hypothesis megatron_abft/_C*.so megatron_abft/_emulator*.so

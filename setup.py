@@ -1,4 +1,5 @@
-"""Build script: the checksum kernels in csrc/ as the torch extension ``megatron_abft._C``.
+"""Build script: the checksum kernels in csrc/ as the torch extension ``megatron_abft._C``, and
+the test-only ``megatron_abft._emulator``.
 
 ABFT_BUILD picks what is built (default ``auto``):
   auto  the CUDA extension when torch was built with CUDA (true of the CUDA build of torch even
@@ -6,9 +7,10 @@ ABFT_BUILD picks what is built (default ``auto``):
   cuda  the CUDA extension, or an error;  cpu  the C++ kernels only;  none  no extension (the
         package then runs its PyTorch path).
 TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "8.0;9.0"). On x86-64 Linux every build
-with an extension also has the CUDA kernels built for the CPU through the CUDA emulator
-(csrc/cuda_emulator.h), which the tests run where there is no GPU. Build against the torch you
-run: ``pip install --no-build-isolation --no-deps -e .``.
+with an extension also builds ``megatron_abft._emulator``, the CUDA kernels built for the CPU
+through the CUDA emulator (csrc/cuda_emulator.h), which the tests run where there is no GPU and
+nothing else imports; ABFT_EMULATOR=0 leaves it out. Build against the torch you run:
+``pip install --no-build-isolation --no-deps -e .``.
 """
 
 import os
@@ -26,8 +28,13 @@ SOURCES = [
     "csrc/abft_softmax.cpp",
     "csrc/abft_cpu.cpp",
 ]
-# The CUDA kernels (abft_cuda.cu) built by the C++ compiler, and the emulator that runs them.
-EMULATOR_SOURCES = ["csrc/abft_cuda_emulated.cpp", "csrc/cuda_emulator.cpp"]
+# The test-only extension: the CUDA kernels (abft_cuda.cu) built by the C++ compiler, and the
+# emulator that runs them.
+EMULATOR_SOURCES = [
+    "csrc/emulator_module.cpp",
+    "csrc/abft_cuda_emulated.cpp",
+    "csrc/cuda_emulator.cpp",
+]
 # OpenMP: at::parallel_for runs its tasks on torch's threads only where _OPENMP is defined (it
 # is serial otherwise). libgomp.so.1 resolves to the copy torch has already loaded.
 # -fno-trapping-math lets GCC turn the selects of a loop's body into vector blends (it changes no
@@ -67,12 +74,20 @@ def nvidia_wheel_dirs(kind: str) -> list[str]:
     return found
 
 
-def emulator() -> tuple[list[str], list[tuple[str, None]]]:
-    """The emulator's sources and macro where it is built (its fibers switch stacks in x86-64
-    assembly), else none."""
-    if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64"):
-        return EMULATOR_SOURCES, [("ABFT_WITH_EMULATOR", None)]
-    return [], []
+def emulator(cpp_extension) -> tuple[list, list[tuple[str, None]]]:
+    """The test-only emulator extension and _C's macro for running it, where it is built (its
+    fibers switch stacks in x86-64 assembly, and ABFT_EMULATOR is not 0), else none."""
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        return [], []
+    if os.environ.get("ABFT_EMULATOR", "1").strip() == "0":
+        return [], []
+    ext = cpp_extension.CppExtension(
+        "megatron_abft._emulator",
+        EMULATOR_SOURCES,
+        extra_compile_args={"cxx": CXX_FLAGS},
+        extra_link_args=LINK_FLAGS,
+    )
+    return [ext], [("ABFT_WITH_EMULATOR", None)]
 
 
 def extensions() -> tuple[list, dict]:
@@ -95,16 +110,16 @@ def extensions() -> tuple[list, dict]:
             f"ABFT_BUILD={mode} found no CUDA toolkit: set CUDA_HOME or ABFT_BUILD=cpu"
         )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
-    emulated, emulator_macros = emulator()
+    emulated, emulator_macros = emulator(cpp_extension)
     if not use_cuda:
         ext = cpp_extension.CppExtension(
             "megatron_abft._C",
-            [*SOURCES, *emulated],
+            SOURCES,
             define_macros=emulator_macros,
             extra_compile_args={"cxx": CXX_FLAGS},
             extra_link_args=LINK_FLAGS,
         )
-        return [ext], {"build_ext": build_ext}
+        return [ext, *emulated], {"build_ext": build_ext}
 
     cpp_extension.CUDA_HOME = home
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -112,13 +127,13 @@ def extensions() -> tuple[list, dict]:
     wheel_includes = [flag for d in nvidia_wheel_dirs("include") for flag in ("-idirafter", d)]
     ext = cpp_extension.CUDAExtension(
         "megatron_abft._C",
-        [*SOURCES, *emulated, "csrc/abft_cuda.cu"],
+        [*SOURCES, "csrc/abft_cuda.cu"],
         define_macros=[("ABFT_WITH_CUDA", None), *emulator_macros],
         library_dirs=nvidia_wheel_dirs("lib"),
         extra_compile_args={"cxx": CXX_FLAGS + wheel_includes, "nvcc": NVCC_FLAGS},
         extra_link_args=LINK_FLAGS,
     )
-    return [ext], {"build_ext": build_ext}
+    return [ext, *emulated], {"build_ext": build_ext}
 
 
 ext_modules, cmdclass = extensions()

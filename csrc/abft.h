@@ -449,9 +449,9 @@ constexpr int kMaxRowProducts = 16;
 
 // The CUDA kernels' launchers (abft_cuda.cu). Each launches on `stream` (a cudaStream_t) and
 // returns the launch's cudaError_t (0: success). abft_cuda.cu is built twice: by nvcc for GPUs
-// (cuda_launchers, in CUDA builds), and by the C++ compiler with cuda_emulator.h, which runs the
-// same kernels on the CPU, for tests on machines without a GPU (emulated_launchers, in builds
-// with the emulator).
+// (cuda_launchers, in CUDA builds of _C), and by the C++ compiler with cuda_emulator.h, which
+// runs the same kernels on the CPU, for tests on machines without a GPU (emulated_launchers, in
+// the test-only extension megatron_abft._emulator).
 struct Launchers {
   // With a screen whose sides are out's (C's, or C^T's where C is read transposed), each tile
   // also screens the vectors it completes, in the same launch, and writes how many failed to its
@@ -485,5 +485,15 @@ struct Launchers {
 };
 extern const Launchers cuda_launchers;
 extern const Launchers emulated_launchers;
+
+// What the test-only extension megatron_abft._emulator (emulator_module.cpp) hands _C while
+// megatron_abft._ext.emulated_cuda() is on: the CUDA kernels built for the CPU, and the
+// emulator's controls (cuda_emulator.h).
+struct Emulator {
+  const Launchers* launchers;
+  void (*forget_errors)();
+  const char* (*last_message)();
+  int64_t (*set_schedule)(int64_t schedule);
+};
 
 }  // namespace abft

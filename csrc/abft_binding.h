@@ -15,8 +15,9 @@
 
 #include "abft.h"
 
-// The CUDA kernels are in builds for GPUs (ABFT_WITH_CUDA), and, through the emulator
-// (cuda_emulator.h), in builds that have it (ABFT_WITH_EMULATOR).
+// The CUDA kernels are in builds for GPUs (ABFT_WITH_CUDA); builds that can run them on the CPU
+// through the test-only extension megatron_abft._emulator (ABFT_WITH_EMULATOR) dispatch to them
+// too.
 #if defined(ABFT_WITH_CUDA) || defined(ABFT_WITH_EMULATOR)
 #define ABFT_CUDA_KERNELS 1
 #endif
@@ -24,7 +25,7 @@
 namespace abft_binding {
 
 // Whether the ops on CPU tensors run the CUDA kernels through the emulator instead of the C++
-// kernels (megatron_abft._ext.emulated_cuda, for tests). False in builds without the emulator.
+// kernels (megatron_abft._ext.emulated_cuda, for tests). False in builds that cannot.
 bool emulating_cuda();
 
 #ifdef ABFT_CUDA_KERNELS

@@ -28,13 +28,13 @@
 
 #include "abft.h"
 #include "abft_binding.h"
-#ifdef ABFT_WITH_EMULATOR
-#include "cuda_emulator.h"
-#endif
 
 namespace abft_binding {
 
 std::atomic<bool> emulating{false};  // set by _C.emulate_cuda (below)
+#ifdef ABFT_WITH_EMULATOR
+const abft::Emulator* emulator = nullptr;  // megatron_abft._emulator's, from _C.emulate_cuda
+#endif
 
 bool emulating_cuda() { return emulating.load(); }
 
@@ -49,9 +49,9 @@ CudaLaunch::CudaLaunch(const at::Tensor& on) : device_(on.device().type()) {
   }
 #endif
 #ifdef ABFT_WITH_EMULATOR
-  if (device_ == at::kCPU && emulating_cuda()) {
-    kernels_ = &abft::emulated_launchers;
-    cuda_emulator::forget_errors();  // so that a failure below is this op's
+  if (device_ == at::kCPU && emulating_cuda() && emulator != nullptr) {
+    kernels_ = emulator->launchers;
+    emulator->forget_errors();  // so that a failure below is this op's
     return;
   }
 #endif
@@ -65,7 +65,7 @@ void CudaLaunch::check(int error, const char* op) const {
   if (device_ == at::kCUDA) C10_CUDA_CHECK(static_cast<cudaError_t>(error));
 #endif
 #ifdef ABFT_WITH_EMULATOR
-  const std::string why = cuda_emulator::last_message();
+  const std::string why = emulator != nullptr ? emulator->last_message() : "";
   TORCH_CHECK(false, op, ": the emulated CUDA kernels failed (error ", error, "): ",
               why.empty() ? "the launcher refused its arguments" : why);
 #endif
@@ -931,20 +931,30 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
 
 #ifdef ABFT_WITH_EMULATOR
 namespace {
-// _C.emulate_cuda(on, schedule) -> (on, schedule) before: whether the ops on CPU tensors run the
-// CUDA kernels through the emulator, and its schedule (cuda_emulator::set_schedule).
+// _C.emulate_cuda(on, schedule, table) -> (on, schedule) before: whether the ops on CPU tensors
+// run the CUDA kernels of `table` (megatron_abft._emulator.table()) through the emulator, and
+// its schedule (cuda_emulator::set_schedule).
 PyObject* emulate_cuda(PyObject*, PyObject* args) {
   int on = 0;
   long long schedule = 0;
-  if (!PyArg_ParseTuple(args, "pL", &on, &schedule)) return nullptr;
+  PyObject* table = nullptr;
+  if (!PyArg_ParseTuple(args, "pLO", &on, &schedule, &table)) return nullptr;
+  constexpr const char* kTable = "megatron_abft._emulator.table";
+  if (!PyCapsule_IsValid(table, kTable)) {
+    PyErr_SetString(PyExc_TypeError, "emulate_cuda: table must be megatron_abft._emulator.table()");
+    return nullptr;
+  }
+  auto* emulator = static_cast<const abft::Emulator*>(PyCapsule_GetPointer(table, kTable));
+  abft_binding::emulator = emulator;
   const bool was = abft_binding::emulating.exchange(on != 0);
-  const long long previous = cuda_emulator::set_schedule(schedule);
+  const long long previous = emulator->set_schedule(schedule);
   return Py_BuildValue("(OL)", was ? Py_True : Py_False, previous);
 }
 
 PyMethodDef methods[] = {
     {"emulate_cuda", emulate_cuda, METH_VARARGS,
-     "emulate_cuda(on, schedule) -> (on, schedule) before: run the CUDA kernels on the CPU"},
+     "emulate_cuda(on, schedule, table) -> (on, schedule) before: run the CUDA kernels on the "
+     "CPU, those of megatron_abft._emulator.table()"},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 #else
@@ -952,9 +962,9 @@ PyMethodDef* const methods = nullptr;
 #endif
 
 // Importing megatron_abft._C registers the ops above; the module says how it was built: cuda = 1
-// when the CUDA kernels are in, emulator = 1 when they are also built for the CPU through the
-// CUDA emulator (with emulate_cuda to turn it on), openmp = 1 when the CPU kernels' tasks run on
-// torch's threads (at::parallel_for is serial in code compiled without OpenMP).
+// when the CUDA kernels are in, emulator = 1 when the ops can run them on the CPU through the
+// test-only extension megatron_abft._emulator (emulate_cuda), openmp = 1 when the CPU kernels'
+// tasks run on torch's threads (at::parallel_for is serial in code compiled without OpenMP).
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {
       PyModuleDef_HEAD_INIT, "_C", "megatron-abft checksum kernels", -1, methods, nullptr,

@@ -5,7 +5,8 @@ The extension is imported on first use, so ``import megatron_abft`` works withou
 ``block_sums``, ``row_products``, ``encode_pair``, ``add_bias``, ``screen``, ``verify_correct``,
 ``tally``, ``softmax_check`` and ``pair_vectors`` return None wherever the kernels do not apply
 (no extension, a device without a kernel, meta tensors); callers then take their PyTorch path,
-which stays the reference. ``emulated_cuda()`` runs the CUDA kernels on the CPU, for tests.
+which stays the reference. ``emulated_cuda()`` runs the CUDA kernels on the CPU, for tests,
+through the test-only extension ``megatron_abft._emulator``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,30 @@ def _load() -> tuple[ModuleType | None, str]:
     return _C, ""
 
 
+@functools.cache
+def _load_emulator() -> tuple[ModuleType | None, str]:
+    """The test-only extension that holds the CUDA kernels built for the CPU (imported by
+    emulated_cuda alone), or None and why."""
+    module, reason = _load()
+    if module is None:
+        return None, reason
+    if not getattr(module, "emulator", 0):
+        return None, "megatron_abft._C was built without the emulator's dispatch (x86-64 Linux)"
+    try:
+        from megatron_abft import _emulator
+    except ImportError as error:
+        return None, (
+            f"megatron_abft._emulator is not built ({error}): setup.py builds it on x86-64 Linux "
+            "unless ABFT_EMULATOR=0"
+        )
+    return _emulator, ""
+
+
+def emulator_available() -> bool:
+    """Whether emulated_cuda() can run: the test-only emulator extension is built."""
+    return _load_emulator()[0] is not None
+
+
 def available() -> bool:
     """Whether the compiled kernels are loaded (and not disabled)."""
     return not _disabled and _load()[0] is not None
@@ -90,18 +115,16 @@ def emulated_cuda(schedule: int = 0) -> Iterator[None]:
     any other value a random order from that seed; results that depend on it show a race. Built
     on x86-64 Linux (docs/abft.md section 7)."""
     global _emulating
-    module, reason = _load()
-    if module is None or not getattr(module, "emulator", 0):
-        raise RuntimeError(
-            "megatron_abft._ext.emulated_cuda: the extension has no CUDA emulator "
-            f"({reason or 'built without it: setup.py builds it on x86-64 Linux'})"
-        )
-    before = module.emulate_cuda(True, schedule)
+    emulator, reason = _load_emulator()
+    if emulator is None:
+        raise RuntimeError(f"megatron_abft._ext.emulated_cuda: no CUDA emulator ({reason})")
+    module, table = _load()[0], emulator.table()
+    before = module.emulate_cuda(True, schedule, table)
     previous, _emulating = _emulating, True
     try:
         yield
     finally:
-        module.emulate_cuda(*before)
+        module.emulate_cuda(*before, table)
         _emulating = previous
 
 

@@ -15,8 +15,7 @@ from megatron_abft import _ext
 
 
 def emulator_built() -> bool:
-    module = _ext._load()[0]
-    return module is not None and bool(getattr(module, "emulator", 0))
+    return _ext.emulator_available()
 
 
 @dataclass(frozen=True)

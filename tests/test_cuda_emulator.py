@@ -96,8 +96,26 @@ def test_emulation_nests_and_restores_the_schedule():
             assert _ext._emulating
         assert _ext._emulating
     assert not _ext._emulating
-    module = _ext._load()[0]
-    assert module.emulate_cuda(False, 0) == (False, 0)  # off, and back at schedule 0
+    module, table = _ext._load()[0], _ext._load_emulator()[0].table()
+    assert module.emulate_cuda(False, 0, table) == (False, 0)  # off, and back at schedule 0
+
+
+@needs_emulator
+def test_the_emulator_is_an_extension_of_its_own_that_production_never_imports():
+    """The CUDA kernels built for the CPU live in megatron_abft._emulator, not in _C: a fresh
+    process that uses the kernels and the protected layers never loads it; emulated_cuda does,
+    and _C refuses a table that is not the emulator's."""
+    code = (
+        "import sys, torch; from megatron_abft import _ext, ABFTConfig; "
+        "from megatron_abft.checksum import encode; "
+        "a, b = torch.randn(2, 32, 16), torch.randn(2, 16, 24); encode(a, b, block=16); "
+        "assert _ext.available() and 'megatron_abft._emulator' not in sys.modules; "
+        "ctx = _ext.emulated_cuda(); ctx.__enter__(); "
+        "assert 'megatron_abft._emulator' in sys.modules; ctx.__exit__(None, None, None)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    with pytest.raises(TypeError, match=r"megatron_abft\._emulator\.table\(\)"):
+        _ext._load()[0].emulate_cuda(True, 0, object())
 
 
 @needs_emulator
