@@ -8,9 +8,11 @@ share of its threshold (the margin is its inverse).
 On a GPU the GEMMs run on the tensor cores (cuBLAS), so the residuals measure their rounding
 against the bounds of megatron_abft.tolerance; ``tf32`` is fp32 with TF32 matmuls allowed. The
 shapes are one micro-batch of a layer of the model (default GPT-3 350M: hidden 1024, 16 heads,
-sequence 2048). The inputs (``KINDS``): standard normal; outlier rows and outlier channels
-scaled by 100; LLM-like activations (heavy-tailed, a few massive channels, layer-normed) with
-an attention sink in the scores.
+sequence 2048). The inputs (``KINDS_OF_INPUT``): standard normal; outlier rows and outlier
+channels scaled by 100; LLM-like activations (heavy-tailed, a few massive channels, layer-normed)
+with an attention sink in the scores. fp16's Q and K are scaled by 1/4, so that the scores fit
+its range; a product that still overflows is counted apart (``overflowed_repeats``): a check
+rightly flags its infinities.
 """
 
 from __future__ import annotations
