@@ -2,25 +2,16 @@
 of every kind (outliers, heavy tails, an attention sink) raise no alarm in fp32, bf16 and fp16,
 and every residual sits inside its threshold."""
 
-import importlib.util
 import json
-from pathlib import Path
+
+from mcore import load_tool
 
 from megatron_abft.config import FORWARD_SECTIONS
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "gemm_false_alarms.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("gemm_false_alarms", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_clean_gemms_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
-    tool = _tool()
+    tool = load_tool("gemm_false_alarms")
     tool.main(
         ["--hidden", "128", "--heads", "2", "--seq", "128", "--repeats", "1", "--json", str(out)]
         + ["--dtypes", "fp32", "bf16", "fp16"]

@@ -104,7 +104,7 @@ def sweep(dtype_name: str, target: int, seq: int, device: str) -> dict:
     done = {"forward": 0, "backward": 0}
     calls, alarms, seed = [], [], 0
     by_inputs = {kind: torch.zeros_like(ratio) for kind in KINDS}
-    tile_c = launch.tile_c(dtype)
+    tile_c = launch.TILE_C[dtype]
     checks = launch.Checks((1 << len(FLASH_SECTIONS)) - 1, tile_c * 2.0**-24, 1e10)
     while min(done.values()) < target:
         for kind in KINDS:

@@ -215,7 +215,7 @@ def flash_attention(
         inject[forward], _ = kernel_args(
             fault, q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.device
         )
-    tol = launch.tile_c(q.dtype) * threshold_scale * 2.0**-24
+    tol = launch.TILE_C[q.dtype] * threshold_scale * 2.0**-24
     return _FlashAttention.apply(
         q,
         k,

@@ -34,11 +34,6 @@ step, 136 units of 2**-24 over a 64-deep tile. Measured on an H200: fp16's clean
 46 units, 2 of 3.0 million backward tiles above 64; bf16's at most 3.8 (docs/benchmarks.md)."""
 
 
-def tile_c(dtype: torch.dtype) -> float:
-    """The tile checks' constant for inputs of ``dtype`` (TILE_C)."""
-    return TILE_C[dtype]
-
-
 @dataclass(frozen=True)
 class Blocks:
     """The tile shape and launch options of one kernel."""

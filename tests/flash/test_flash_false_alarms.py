@@ -4,27 +4,21 @@ alarm in any section, forward or backward, and the largest clean residual sits w
 bound. (fp32 rows whose P~ underflowed to subnormals raised alarms before the bounds took an
 absolute floor.)"""
 
-import importlib.util
 import json
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "flash_false_alarms.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("flash_false_alarms", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from mcore import load_tool
 
 
 def test_clean_realistic_inputs_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
-    assert _tool().main(["--tiles", "60", "--seq", "64", "--json", str(out)]) == 0
+    assert (
+        load_tool("flash_false_alarms").main(["--tiles", "60", "--seq", "64", "--json", str(out)])
+        == 0
+    )
     report = json.loads(out.read_text())
     for result in report["results"]:
         assert min(result["tiles"].values()) >= 60
         assert sum(result["false_alarms"].values()) == 0 and result["alarms"] == []
-        assert set(result["largest_ratio_by_inputs"]) == set(_tool().KINDS)
+        assert set(result["largest_ratio_by_inputs"]) == set(load_tool("flash_false_alarms").KINDS)
         checked = [m for m in result["margin"].values() if m is not None]
         assert len(checked) == 7 and min(checked) > 4, result["margin"]

@@ -48,7 +48,7 @@ def test_no_tensor_on_its_path_is_the_size_of_the_scores():
     tile by tile in registers and shared memory."""
     seq, dim = 384, 64
     q, k, v, do = inputs(1, 1, 1, seq, dim, torch.bfloat16)
-    tol = launch.tile_c(q.dtype) * 2.0**-24
+    tol = launch.TILE_C[q.dtype] * 2.0**-24
     checks = launch.Checks((1 << len(FLASH_SECTIONS)) - 1, tol, 1e10)
     ledger = FlashLedger.on(q.device)
     with _Sizes() as watched:
