@@ -11,14 +11,12 @@ from mcore import load_tool
 
 def test_clean_realistic_inputs_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
-    assert (
-        load_tool("flash_false_alarms").main(["--tiles", "60", "--seq", "64", "--json", str(out)])
-        == 0
-    )
+    tool = load_tool("flash_false_alarms")
+    assert tool.main(["--tiles", "60", "--seq", "64", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     for result in report["results"]:
         assert min(result["tiles"].values()) >= 60
         assert sum(result["false_alarms"].values()) == 0 and result["alarms"] == []
-        assert set(result["largest_ratio_by_inputs"]) == set(load_tool("flash_false_alarms").KINDS)
+        assert set(result["largest_ratio_by_inputs"]) == set(tool.KINDS)
         checked = [m for m in result["margin"].values() if m is not None]
         assert len(checked) == 7 and min(checked) > 4, result["margin"]
