@@ -11,13 +11,13 @@
 // inputs), whatever the input dtype.
 //
 // row_products reads a batch of operands A [*batch, m, k] once and produces, for the checksums of
-// a GEMM that A enters (megatron_abft/checksum.py), A u_t and |A| z_t for a few vectors u_t, z_t
+// a GEMM that A enters (megatron_abft/check/checksum.py), A u_t and |A| z_t for a few vectors u_t, z_t
 // per matrix: the other operand's block sums and magnitudes. One read replaces a copy of |A| and
 // two GEMMs over A and |A|.
 //
 // screen compares both sides' block sums of C with the reference checksums carried from the
 // GEMM's inputs and counts, per matrix, the vectors whose differences exceed the rounding
-// thresholds of megatron_abft/tolerance.py. It is the clean path of a check: a matrix with no
+// thresholds of megatron_abft/check/tolerance.py. It is the clean path of a check: a matrix with no
 // flagged vector needs nothing more; any other goes to the locate-and-correct path (correct,
 // abft_correct.h).
 #pragma once
@@ -239,7 +239,7 @@ ABFT_HD inline bool screen_flags(const Screen& s, const ScreenSide& side,
 }
 
 // Locate and correct, in place, the matrices a screen flagged: the fused path of
-// megatron_abft/eec.py with the GEMM's operands (abft_correct.h has the algorithm). The
+// megatron_abft/check/eec.py with the GEMM's operands (abft_correct.h has the algorithm). The
 // screen's block sums are kept current as C is written. Per matrix: status (0 clean, 1
 // corrected, 2 unresolved: C put back bit for bit as it was), kind (index into eec.KINDS), the
 // most wrong flagged row and column (-1: none) and the largest |d1| of a flagged vector.
@@ -268,7 +268,7 @@ struct Correct {
   void* magnitude;  // in the accumulation type
 };
 
-// Tally what a check found, for a guard's ledger (megatron_abft/ledger.py), with no host read:
+// Tally what a check found, for a guard's ledger (megatron_abft/check/ledger.py), with no host read:
 // over the per-matrix results of a batch (status 0 clean / 1 corrected / 2 uncorrectable, kind an
 // index into eec.KINDS) it adds 1 to counts[outcome][kind] for outcome 0 (detected: status != 0),
 // 1 (corrected) and 2 (uncorrectable) and sets *failed to whether a matrix is uncorrectable; if
@@ -320,7 +320,7 @@ ABFT_HD inline void tally_event(const Tally& t, int64_t b) {
 }
 
 // add_bias: what a bias [n] adds to both sides' checksums of C = alpha * A @ B + bias, C with m
-// rows (megatron_abft/checksum.py, _columns and _rows), added to the sums of alpha * A @ B: per
+// rows (megatron_abft/check/checksum.py, _columns and _rows), added to the sums of alpha * A @ B: per
 // block of rows, (rows, sum of their weights) x bias_j and rows x |bias_j|; per block of
 // columns, (sum bias_j, sum w_j bias_j) and sum |bias_j|, the same for every row. All contiguous,
 // in the accumulation type (double where f64, else float), over `batch` matrices:
@@ -487,7 +487,7 @@ extern const Launchers cuda_launchers;
 extern const Launchers emulated_launchers;
 
 // What the test-only extension megatron_abft._emulator (emulator_module.cpp) hands _C while
-// megatron_abft._ext.emulated_cuda() is on: the CUDA kernels built for the CPU, and the
+// megatron_abft.ops.compiled.emulated_cuda() is on: the CUDA kernels built for the CPU, and the
 // emulator's controls (cuda_emulator.h).
 struct Emulator {
   const Launchers* launchers;

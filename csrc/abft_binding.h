@@ -25,7 +25,7 @@
 namespace abft_binding {
 
 // Whether the ops on CPU tensors run the CUDA kernels through the emulator instead of the C++
-// kernels (megatron_abft._ext.emulated_cuda, for tests). False in builds that cannot.
+// kernels (megatron_abft.ops.compiled.emulated_cuda, for tests). False in builds that cannot.
 bool emulating_cuda();
 
 #ifdef ABFT_CUDA_KERNELS
@@ -138,7 +138,7 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
                            const std::optional<at::Tensor>& bias, double near_inf,
                            int64_t capacity);
 
-// A guard's ledger (megatron_abft/ledger.py) as tally writes it: counts [3, kinds] int64, step
+// A guard's ledger (megatron_abft/check/ledger.py) as tally writes it: counts [3, kinds] int64, step
 // [1] float64, log [capacity, 7] float64 and logged [1] int64, all on the results' device.
 struct LedgerArgs {
   const at::Tensor& counts;

@@ -3,7 +3,7 @@
 // screen, verify_correct, tally, verify_correct_tally and add_bias with torch.library, on CPU
 // always and on CUDA in CUDA builds, and the CUDA kernels of block_sums_pair and
 // row_products_pair (abft_encode.cpp has them on other devices); their fake implementations for
-// torch.compile are in megatron_abft/_ext.py. The helpers other bindings share are declared in
+// torch.compile are in megatron_abft/ops/compiled.py. The helpers other bindings share are declared in
 // abft_binding.h.
 #include <Python.h>
 
@@ -56,7 +56,7 @@ CudaLaunch::CudaLaunch(const at::Tensor& on) : device_(on.device().type()) {
   }
 #endif
   TORCH_CHECK(false, "megatron_abft: the CUDA kernels run on a GPU, or emulated on the CPU (",
-              "megatron_abft._ext.emulated_cuda); got a tensor on ", on.device());
+              "megatron_abft.ops.compiled.emulated_cuda); got a tensor on ", on.device());
 }
 
 void CudaLaunch::check(int error, const char* op) const {

@@ -3,7 +3,7 @@
 // P's checksum pass for the context GEMM; and of softmax_correct_tally, the same with the flagged
 // matrices of S corrected, their P redone and the outcome tallied into a guard's ledger, with no
 // host read. Registered on CPU, and on CUDA in CUDA builds; their fake implementations for
-// torch.compile are in megatron_abft/_ext.py.
+// torch.compile are in megatron_abft/ops/compiled.py.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>

@@ -5,14 +5,12 @@ The EEC-ABFT core: reference checksums (``encode``), verification and in-place c
 The protected Megatron-core layers live in ``megatron_abft.spec`` (``get_gpt_layer_abft_spec``),
 with ``ABFT``, the one object a training loop holds (steps, the per-step policy, telemetry),
 model-wide counters (``stats``) and fault injection (``inject``) exported here; a loop that
-calls none of them is still never silent (``megatron_abft.runtime``). Importing this package
-does not import Megatron.
+calls none of them is still never silent (``megatron_abft.runtime.model_runtime``). Importing this
+package does not import Megatron.
 """
 
-from megatron_abft import kernel_selftest  # noqa: F401  registers the kernels' known-answer test
-from megatron_abft.checksum import Checksums, encode, encode_columns, encode_rows
-from megatron_abft.config import POLICIES, SECTIONS, ABFTConfig
-from megatron_abft.eec import (
+from megatron_abft.check.checksum import Checksums, encode, encode_columns, encode_rows
+from megatron_abft.check.eec import (
     CLEAN,
     CORRECTED,
     KINDS,
@@ -25,6 +23,7 @@ from megatron_abft.eec import (
     residuals,
     verify_and_correct,
 )
+from megatron_abft.config import POLICIES, SECTIONS, ABFTConfig
 from megatron_abft.faults import (
     FAULT_KINDS,
     MODEL_SECTIONS,
@@ -34,10 +33,11 @@ from megatron_abft.faults import (
     TensorFault,
     inject_,
 )
-from megatron_abft.guard import ABFTUncorrectableError, collect_events, reset_stats, stats
-from megatron_abft.policy import StepOutcome, finish_step, validate_with_rerun
-from megatron_abft.runtime import inject, set_step
-from megatron_abft.session import ABFT
+from megatron_abft.ops import selftest as kernel_selftest  # noqa: F401  registers the kernels' known-answer test
+from megatron_abft.runtime.guard import ABFTUncorrectableError, collect_events, reset_stats, stats
+from megatron_abft.runtime.model_runtime import inject, set_step
+from megatron_abft.runtime.policy import StepOutcome, finish_step, validate_with_rerun
+from megatron_abft.runtime.session import ABFT
 
 __version__ = "0.1.0"
 

@@ -90,12 +90,12 @@ class ABFTConfig:
     vectors than a pass takes) counts as uncorrectable, for ``on_uncorrectable``; without them
     the PyTorch correction path runs on every check on a GPU, fault or not: many small kernels.
     False: a GPU synchronises once per check, to hand what the kernels could not settle to the
-    PyTorch path (megatron_abft.eec), or without them to skip that path when the check is clean.
-    None (default): True where the compiled kernels serve the GPU, else False
-    (megatron_abft.guard.host_reads). On CPUs reading costs nothing and always happens."""
+    PyTorch path (megatron_abft.check.eec), or without them to skip that path when the check is
+    clean. None (default): True where the compiled kernels serve the GPU, else False
+    (megatron_abft.runtime.guard.host_reads). On CPUs reading costs nothing and always happens."""
 
     fused_softmax: bool = True
-    """Compute the attention softmax with kernel 3 (megatron_abft.fused_softmax) where the
+    """Compute the attention softmax with kernel 3 (megatron_abft.ops.fused_softmax) where the
     compiled kernels apply: the scores' check and the context's checksum pass then ride on the
     softmax's one read of the scores. Its probabilities equal Megatron's softmax to rounding (a
     few units in the last place), not bit for bit; False keeps Megatron's softmax, and a clean
@@ -109,10 +109,11 @@ class ABFTConfig:
     events_file: str | None = "abft_events.jsonl"
     """JSON Lines file each rank appends its uncorrectable faults to as they are decided (rank,
     layer, section, step, policy); None: printed only. A Telemetry with an events file of its
-    own writes every event there instead (megatron_abft.telemetry)."""
+    own writes every event there instead (megatron_abft.runtime.telemetry)."""
 
     runtime: Any = field(default=None, init=False, repr=False, compare=False)
-    """The runtime of the layers built from this config (megatron_abft.runtime.runtime_of)."""
+    """The runtime of the layers built from this config
+    (megatron_abft.runtime.model_runtime.runtime_of)."""
 
     _intervals: dict[str, int] = field(init=False, repr=False, compare=False)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from megatron_abft.check.eec import KINDS
 from megatron_abft.config import (
     ATTENTIONS,
     BACKWARD_SECTIONS,
@@ -34,12 +35,11 @@ from megatron_abft.config import (
     SECTIONS,
     ABFTConfig,
 )
-from megatron_abft.eec import KINDS
 from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
-from megatron_abft.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
-from megatron_abft.runtime import runtime_of
-from megatron_abft.scaling import DEVICES, ModelShape, baseline_forward, predict
-from megatron_abft.telemetry import Telemetry, TelemetryConfig
+from megatron_abft.runtime.model_runtime import runtime_of
+from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig
+from megatron_abft.tuning.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
+from megatron_abft.tuning.scaling import DEVICES, ModelShape, baseline_forward, predict
 
 __all__ = [
     "FaultPlan",
@@ -315,7 +315,7 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="P",
         help="Pick per-section check intervals that catch this share of harmful faults at least "
-        "cost (the check-frequency optimizer, megatron_abft.frequency); overrides "
+        "cost (the check-frequency optimizer, megatron_abft.tuning.frequency); overrides "
         "--abft-sections and --abft-check-interval. It weighs the forward sections; the flash "
         "attention's backward sections are checked every step when P > 0.",
     )
@@ -333,13 +333,13 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="FILE.json",
         help="Per-section chance that a fault of each kind makes training non-trainable "
         '({"scores": {"inf": 1.0, ...}, ...}, as tools/fault_campaign.py writes it); default: '
-        "megatron_abft.frequency.DEFAULT_VULNERABILITY in every section.",
+        "megatron_abft.tuning.frequency.DEFAULT_VULNERABILITY in every section.",
     )
     group.add_argument(
         "--abft-cost-device",
         choices=tuple(DEVICES),
         default="H100",
-        help="Device profile for the check costs the coverage optimizer weighs (scaling.py).",
+        help="Device profile of check costs for the coverage optimizer (tuning/scaling.py).",
     )
     group.add_argument(
         "--abft-events-file",
@@ -352,7 +352,7 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def parse_fault_rates(text: str) -> dict[str, float]:
-    """``inf=1e-9,nan=1e-9,...`` -> {kind: rate}; kinds as megatron_abft.eec.KINDS."""
+    """``inf=1e-9,nan=1e-9,...`` -> {kind: rate}; kinds as megatron_abft.check.eec.KINDS."""
     rates = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         kind, _, value = item.partition("=")

@@ -2,9 +2,9 @@
 
 The ABFT config reaches the protected modules through the spec's ``params``, so Megatron builds
 them with ``build_module`` as usual; nothing in Megatron is patched. The core attention is the
-protected flash attention (megatron_abft.flash_attention) or the protected unfused one
-(megatron_abft.attention): ``attention="flash"``, ``"unfused"``, or ``"auto"``, flash where the
-flash kernels compile for this machine's GPU and unfused elsewhere.
+protected flash attention (megatron_abft.layers.flash_attention) or the protected unfused one
+(megatron_abft.layers.attention): ``attention="flash"``, ``"unfused"``, or ``"auto"``, flash where
+the flash kernels compile for this machine's GPU and unfused elsewhere.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_abft.attention import ProtectedDotProductAttention
 from megatron_abft.config import ATTENTIONS, ABFTConfig
-from megatron_abft.flash_attention import ProtectedFlashAttention, kernels_compile_here
-from megatron_abft.linear import ProtectedColumnParallelLinear, ProtectedRowParallelLinear
+from megatron_abft.layers.attention import ProtectedDotProductAttention
+from megatron_abft.layers.flash_attention import ProtectedFlashAttention, kernels_compile_here
+from megatron_abft.layers.linear import ProtectedColumnParallelLinear, ProtectedRowParallelLinear
 
 _LINEARS = {
     "linear_qkv": (ColumnParallelLinear, ProtectedColumnParallelLinear),

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from megatron_abft.megatron_lm import FaultPlan, add_abft_args, flag_names
-from megatron_abft.telemetry import WANDB_MODES
+from megatron_abft.runtime.telemetry import WANDB_MODES
 
 PREFIXED_BLOCKS = ("abft", "wandb")
 """YAML blocks whose keys drop their flag prefix; ``enabled`` is the bare flag (``--abft``)."""

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import parse_args  # noqa: E402
 
 from megatron_abft import ABFTUncorrectableError, finish_step, inject, set_step  # noqa: E402
-from megatron_abft.guard import iter_guards  # noqa: E402
 from megatron_abft.megatron_lm import FaultPlan, abft_config_from_args  # noqa: E402
-from megatron_abft.telemetry import Telemetry, TelemetryConfig  # noqa: E402
+from megatron_abft.runtime.guard import iter_guards  # noqa: E402
+from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig  # noqa: E402
 
 
 def rank() -> int:

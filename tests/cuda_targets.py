@@ -1,5 +1,6 @@
 """Where the tests of the CUDA kernels run: on a GPU where there is one, and on every machine with
-the CUDA emulator (megatron_abft._ext.emulated_cuda), which runs the same kernel source on the CPU.
+the CUDA emulator (megatron_abft.ops.compiled.emulated_cuda), which runs the same kernel source on
+the CPU.
 
 A test takes ``gpu`` from ``@pytest.mark.parametrize("gpu", TARGETS)``, puts its inputs on
 ``gpu.device`` and calls the kernels inside ``with gpu.kernels():``; its references, computed
@@ -11,11 +12,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megatron_abft import _ext
+from megatron_abft.ops import compiled
 
 
 def emulator_built() -> bool:
-    return _ext.emulator_available()
+    return compiled.emulator_available()
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,15 @@ class Target:
         return torch.device("cpu" if self.emulated else "cuda")
 
     def kernels(self, schedule: int = 0) -> AbstractContextManager:
-        return _ext.emulated_cuda(schedule) if self.emulated else nullcontext()
+        return compiled.emulated_cuda(schedule) if self.emulated else nullcontext()
 
 
 ON_GPU, EMULATOR = Target(emulated=False), Target(emulated=True)
 GPU = pytest.param(
     ON_GPU,
     marks=pytest.mark.skipif(
-        not (torch.cuda.is_available() and _ext.available()), reason="needs a GPU and the extension"
+        not (torch.cuda.is_available() and compiled.available()),
+        reason="needs a GPU and the extension",
     ),
     id="gpu",
 )

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from megatron_abft import _ext
-from megatron_abft.checksum import encode, encode_columns, encode_rows, nblocks
+from megatron_abft.check.checksum import encode, encode_columns, encode_rows, nblocks
+from megatron_abft.ops import compiled
 
 
 def exact_product(a, b, alpha, bias):
@@ -88,7 +88,7 @@ def test_a_bias_adds_a_few_ops_to_the_encoding():
 
     def ops(bias):
         cpu = [torch.profiler.ProfilerActivity.CPU]
-        with _ext.disabled():
+        with compiled.disabled():
             encode(a, w.t(), bias=bias, block=16)  # makes the constants
             with torch.profiler.profile(activities=cpu, acc_events=True) as p:
                 col, row = encode(a, w.t(), bias=bias, block=16)
@@ -119,7 +119,7 @@ def test_constants_are_kept_only_where_they_hold_their_values():
     tensor of a torch.compile trace (it has no values); the next test covers CUDA graphs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_abft.checksum import _CONSTANTS, _block_counts, block_weights
+    from megatron_abft.check.checksum import _CONSTANTS, _block_counts, block_weights
 
     cpu = torch.device("cpu")
     with FakeTensorMode():
@@ -134,7 +134,7 @@ def test_constants_are_kept_only_where_they_hold_their_values():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_constants_made_while_a_cuda_graph_is_captured_are_not_kept():
-    from megatron_abft.checksum import _CONSTANTS, _block_counts
+    from megatron_abft.check.checksum import _CONSTANTS, _block_counts
 
     gpu = torch.device("cuda", torch.cuda.current_device())
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()

@@ -1,6 +1,6 @@
 """The CUDA emulator (csrc/cuda_emulator.h): what it runs and what it catches, on probe kernels
 built here with the C++ compiler; and the extension's CUDA kernels run through it
-(megatron_abft._ext.emulated_cuda)."""
+(megatron_abft.ops.compiled.emulated_cuda)."""
 
 import platform
 import re
@@ -13,7 +13,7 @@ import pytest
 import torch
 from cuda_targets import emulator_built
 
-from megatron_abft import _ext
+from megatron_abft.ops import compiled
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_emulator = pytest.mark.skipif(not emulator_built(), reason="no CUDA emulator in this build")
@@ -81,22 +81,22 @@ def test_schedules_expose_order_dependent_races_and_leave_atomics_alone(probes):
 def test_emulation_routes_the_cpu_ops_to_the_cuda_kernels():
     a, u = torch.randn(2, 40, 24), torch.randn(2, 17, 24)
     torch.ops.megatron_abft.row_products(a, u, u.abs())  # the C++ kernels take 17 vectors
-    with _ext.emulated_cuda():
-        assert _ext.backend().startswith("cuda (emulated")
+    with compiled.emulated_cuda():
+        assert compiled.backend().startswith("cuda (emulated")
         with pytest.raises(RuntimeError, match="at most 16 vectors of each kind on CUDA"):
             torch.ops.megatron_abft.row_products(a, u, u.abs())
-        assert _ext.row_products(a, u, u.abs()) is None  # so _ext leaves it to the PyTorch path
-    assert _ext.backend() == "cpu" or not torch.cuda.is_available()
+        assert compiled.row_products(a, u, u.abs()) is None  # left to the PyTorch path
+    assert compiled.backend() == "cpu" or not torch.cuda.is_available()
 
 
 @needs_emulator
 def test_emulation_nests_and_restores_the_schedule():
-    with _ext.emulated_cuda(schedule=5):
-        with _ext.emulated_cuda(schedule=1):
-            assert _ext._emulating
-        assert _ext._emulating
-    assert not _ext._emulating
-    module, table = _ext._load()[0], _ext._load_emulator()[0].table()
+    with compiled.emulated_cuda(schedule=5):
+        with compiled.emulated_cuda(schedule=1):
+            assert compiled._emulating
+        assert compiled._emulating
+    assert not compiled._emulating
+    module, table = compiled._load()[0], compiled._load_emulator()[0].table()
     assert module.emulate_cuda(False, 0, table) == (False, 0)  # off, and back at schedule 0
 
 
@@ -106,16 +106,16 @@ def test_the_emulator_is_an_extension_of_its_own_that_production_never_imports()
     process that uses the kernels and the protected layers never loads it; emulated_cuda does,
     and _C refuses a table that is not the emulator's."""
     code = (
-        "import sys, torch; from megatron_abft import _ext, ABFTConfig; "
-        "from megatron_abft.checksum import encode; "
+        "import sys, torch; from megatron_abft.ops import compiled; "
+        "from megatron_abft.check.checksum import encode; "
         "a, b = torch.randn(2, 32, 16), torch.randn(2, 16, 24); encode(a, b, block=16); "
-        "assert _ext.available() and 'megatron_abft._emulator' not in sys.modules; "
-        "ctx = _ext.emulated_cuda(); ctx.__enter__(); "
+        "assert compiled.available() and 'megatron_abft._emulator' not in sys.modules; "
+        "ctx = compiled.emulated_cuda(); ctx.__enter__(); "
         "assert 'megatron_abft._emulator' in sys.modules; ctx.__exit__(None, None, None)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     with pytest.raises(TypeError, match=r"megatron_abft\._emulator\.table\(\)"):
-        _ext._load()[0].emulate_cuda(True, 0, object())
+        compiled._load()[0].emulate_cuda(True, 0, object())
 
 
 @needs_emulator
@@ -123,9 +123,9 @@ def test_the_emulator_is_an_extension_of_its_own_that_production_never_imports()
 def test_the_emulated_cuda_kernels_pass_the_gpu_selftest(schedule):
     """The known-answer test each GPU runs before its kernels are used (every launcher, clean and
     with faults, fp32 and bf16), through the emulator in three schedules."""
-    from megatron_abft.kernel_selftest import mismatches
+    from megatron_abft.ops.selftest import mismatches
 
-    with _ext.emulated_cuda(schedule):
+    with compiled.emulated_cuda(schedule):
         assert mismatches(torch.device("cpu")) == []
 
 
@@ -135,10 +135,10 @@ def every_launcher() -> dict[str, torch.Tensor]:
     block sums, the one-block correction and tally), softmax_correct_tally (the single pass, the
     redo) and softmax_check with rows too long for the single pass (the composed kernels).
     Blocks of 64: tiles of two warps and two chunks of 32 rows, where warps can race."""
-    from megatron_abft.checksum import encode
-    from megatron_abft.ledger import Ledger
-    from megatron_abft.sides import Check, kernel_sides
-    from megatron_abft.tolerance import gemm_rounding
+    from megatron_abft.check.checksum import encode
+    from megatron_abft.check.ledger import Ledger
+    from megatron_abft.check.sides import Check, kernel_sides
+    from megatron_abft.check.tolerance import gemm_rounding
 
     g = torch.Generator().manual_seed(11)
     q = torch.randn(2, 3, 160, 24, generator=g).bfloat16()
@@ -157,7 +157,7 @@ def every_launcher() -> dict[str, torch.Tensor]:
         out[f"add_bias {i}"] = t
     ledger, fixed = Ledger.on(s.device, 3), s.clone()
     found = ops.verify_correct_tally(
-        fixed, *sides, q, k, 1.0, None, 1e10, 256, *_ext._ledger_args(ledger)
+        fixed, *sides, q, k, 1.0, None, 1e10, 256, *compiled._ledger_args(ledger)
     )
     out["corrected by verify_correct_tally"] = fixed
     out |= {f"verify_correct_tally {i}": t for i, t in enumerate(found)}
@@ -179,7 +179,7 @@ def every_launcher() -> dict[str, torch.Tensor]:
         1.0,
         1e10,
         256,
-        *_ext._ledger_args(ledger),
+        *compiled._ledger_args(ledger),
     )
     out["corrected by softmax_correct_tally"] = scores
     out |= {f"softmax_correct_tally {i}": t for i, t in enumerate(softmax)}
@@ -198,7 +198,7 @@ def test_every_launcher_writes_the_same_bits_in_every_schedule():
     a launch run in, its outputs are the same, bit for bit. A race would show here."""
     outputs = {}
     for schedule in (0, 1, 7, 20261125):
-        with _ext.emulated_cuda(schedule):
+        with compiled.emulated_cuda(schedule):
             outputs[schedule] = every_launcher()
     first = outputs[0]
     # a 0D fault and a NaN column (160 rows: capacity 256), corrected by both ops

@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from megatron_abft.checksum import encode
-from megatron_abft.eec import (
+from megatron_abft.check.checksum import encode
+from megatron_abft.check.eec import (
     CLEAN,
     CORRECTED,
     KINDS,
@@ -19,8 +19,8 @@ from megatron_abft.eec import (
     residuals,
     verify_and_correct,
 )
+from megatron_abft.check.tolerance import unit_roundoff
 from megatron_abft.faults import TensorFault, inject_
-from megatron_abft.tolerance import unit_roundoff
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 PROPERTY = settings(

@@ -1,5 +1,5 @@
-"""The compiled checksum kernels (csrc/, megatron_abft._ext) against an fp64 reference and the
-PyTorch path of eec.py: on CPU always, on CUDA where a GPU is present."""
+"""The compiled checksum kernels (csrc/, megatron_abft.ops.compiled) against an fp64 reference
+and the PyTorch path of eec.py: on CPU always, on CUDA where a GPU is present."""
 
 import os
 from contextlib import nullcontext
@@ -10,10 +10,10 @@ from cuda_targets import EMULATOR, ON_GPU, TARGETS, emulator_built
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from megatron_abft import _ext
-from megatron_abft.checksum import encode, encode_columns, encode_rows
-from megatron_abft.eec import GemmOperands, residuals, verify_and_correct
+from megatron_abft.check.checksum import encode, encode_columns, encode_rows
+from megatron_abft.check.eec import GemmOperands, residuals, verify_and_correct
 from megatron_abft.faults import TensorFault, inject_
+from megatron_abft.ops import compiled
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 BLOCKS = [0, 2, 3, 16, 64, 255, 256, 300, 1024]
@@ -24,9 +24,9 @@ PROPERTY = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-needs_ext = pytest.mark.skipif(not _ext.available(), reason=_ext.backend())
+needs_ext = pytest.mark.skipif(not compiled.available(), reason=compiled.backend())
 needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and _ext.available()), reason="needs a GPU and the extension"
+    not (torch.cuda.is_available() and compiled.available()), reason="needs a GPU and the extension"
 )
 needs_emulator = pytest.mark.skipif(not emulator_built(), reason="no CUDA emulator in this build")
 # the property tests through the CUDA emulator, about a second an example
@@ -157,17 +157,17 @@ def check_row_products(a: torch.Tensor, u: torch.Tensor, z: torch.Tensor) -> Non
 
 def test_the_extension_is_built_and_says_which_path_runs():
     if os.environ.get("ABFT_BUILD") == "none":
-        assert not _ext.available() and _ext.backend().startswith("torch (")
+        assert not compiled.available() and compiled.backend().startswith("torch (")
         return
-    assert _ext.available(), _ext.backend()
+    assert compiled.available(), compiled.backend()
     from megatron_abft import _C
 
-    assert _ext.backend() == ("cuda" if _C.cuda and torch.cuda.is_available() else "cpu")
+    assert compiled.backend() == ("cuda" if _C.cuda and torch.cuda.is_available() else "cpu")
     assert _C.openmp == 1  # else at::parallel_for runs the CPU kernels on one thread
-    with _ext.disabled():
-        assert not _ext.available() and "disabled" in _ext.backend()
-        assert _ext.block_sums(torch.ones(2, 2), 2, 2) is None
-    assert _ext.available()
+    with compiled.disabled():
+        assert not compiled.available() and "disabled" in compiled.backend()
+        assert compiled.block_sums(torch.ones(2, 2), 2, 2) is None
+    assert compiled.available()
 
 
 @needs_ext
@@ -224,7 +224,7 @@ def test_encoding_through_the_kernels_equals_the_pytorch_path(
 ):
     a, b, bias_t, _ = gemm_case(dtype, batch, m, k, n, seed, bias)
     fused = encode(a, b, alpha=0.5, bias=bias_t, block=block)
-    with _ext.disabled():
+    with compiled.disabled():
         reference_sums = encode(a, b, alpha=0.5, bias=bias_t, block=block)
     for got, want in zip(fused, reference_sums, strict=True):
         assert got.sums.dtype == want.sums.dtype and got.sums.shape == want.sums.shape
@@ -258,14 +258,14 @@ def test_without_operands_the_kernels_path_equals_the_pytorch_path(
     col, row = encode(a, b, alpha=0.5, block=block)
     fused_c, torch_c = c.clone(), c.clone()
     fused = verify_and_correct(fused_c, col, row, check_references=False)
-    with _ext.disabled():
+    with compiled.disabled():
         reference_result = verify_and_correct(torch_c, col, row, check_references=False)
     assert torch.equal(fused_c.isnan(), torch_c.isnan())
     assert torch.equal(fused_c.nan_to_num(), torch_c.nan_to_num())  # bit for bit
     assert_same_result(fused, reference_result, pattern)
     for side, ref in (("col", col), ("row", row)):
         got = residuals(fused_c, ref, side=side)
-        with _ext.disabled():
+        with compiled.disabled():
             want = residuals(fused_c, ref, side=side)
         assert torch.equal(got.flagged, want.flagged)
         torch.testing.assert_close(got.tau, want.tau, equal_nan=True)
@@ -286,13 +286,13 @@ def assert_same_result(fused, want, pattern: str) -> None:
 @needs_ext
 def test_one_call_reads_c_for_both_sides(monkeypatch):
     calls = []
-    kernel = _ext.block_sums
+    kernel = compiled.block_sums
 
     def spy(c, col_block, row_block):
         calls.append((col_block, row_block))
         return kernel(c, col_block, row_block)
 
-    monkeypatch.setattr(_ext, "block_sums", spy)
+    monkeypatch.setattr(compiled, "block_sums", spy)
     a, b, _, c = gemm_case(torch.bfloat16, (2,), 90, 8, 70, seed=0)
     col, row = encode(a, b, alpha=0.5, block=32)
     calls.clear()
@@ -327,9 +327,9 @@ def test_opcheck_schema_fake_and_autograd_registration(c, col_block, row_block):
 
 @needs_ext
 def test_tensors_the_kernels_do_not_serve_take_the_pytorch_path():
-    assert _ext.block_sums(torch.empty(4, 4, device="meta"), 2, 2) is None
-    assert _ext.block_sums(torch.ones(4, 4, dtype=torch.int32), 2, 2) is None
-    assert _ext.block_sums(torch.ones(*(1,) * 9, 4, 4), 2, 2) is None
+    assert compiled.block_sums(torch.empty(4, 4, device="meta"), 2, 2) is None
+    assert compiled.block_sums(torch.ones(4, 4, dtype=torch.int32), 2, 2) is None
+    assert compiled.block_sums(torch.ones(*(1,) * 9, 4, 4), 2, 2) is None
 
 
 @needs_ext
@@ -475,7 +475,7 @@ def test_cuda_row_products_equal_the_fp64_products(case):
 @example(case=(torch.randn(4, 1024, 1024).bfloat16(), 256, 256))
 @example(case=(torch.randn(3, 600, 2100).half(), 100, 1000))
 def test_emulated_cuda_kernels_equal_the_fp64_sums(case):
-    with _ext.emulated_cuda():
+    with compiled.emulated_cuda():
         check_block_sums(*case)
 
 
@@ -484,7 +484,7 @@ def test_emulated_cuda_kernels_equal_the_fp64_sums(case):
 @given(case=products_cases(cuda=True))
 @example(case=COLUMN_MAJOR_PRODUCTS)
 def test_emulated_cuda_row_products_equal_the_fp64_products(case):
-    with _ext.emulated_cuda():
+    with compiled.emulated_cuda():
         check_row_products(*case)
 
 
@@ -543,9 +543,9 @@ def test_cuda_checks_are_a_few_ops_whether_or_not_they_may_sync():
 
 def screen_case(dtype, batch, m, n, block, bias, sides, seed):
     """A GEMM output [*batch, m, n] with its references on the chosen sides (a dict for
-    megatron_abft.sides) and the Check of a default verify_and_correct call."""
-    from megatron_abft.sides import Check
-    from megatron_abft.tolerance import gemm_rounding
+    megatron_abft.check.sides) and the Check of a default verify_and_correct call."""
+    from megatron_abft.check.sides import Check
+    from megatron_abft.check.tolerance import gemm_rounding
 
     a, b, bias_t, c = gemm_case(dtype, batch, m, 16, n, seed, bias)
     col, row = encode(a, b, alpha=0.5, bias=bias_t, block=block)
@@ -562,10 +562,10 @@ def corrupted(c: torch.Tensor, kind: str, pattern: str, layout: str, seed: int) 
 
 
 def reference_flags(c, refs, check) -> torch.Tensor:
-    """Per matrix, the vectors the PyTorch comparison of megatron_abft.sides flags."""
-    from megatron_abft.sides import inspect_sides
+    """Per matrix, the vectors the PyTorch comparison of megatron_abft.check.sides flags."""
+    from megatron_abft.check.sides import inspect_sides
 
-    with _ext.disabled():
+    with compiled.disabled():
         sides = inspect_sides(c, refs, check)
     return sum(s.flagged.flatten(-2).sum(-1).expand(c.shape[:-2]) for s in sides.values())
 
@@ -588,7 +588,7 @@ def reference_flags(c, refs, check) -> torch.Tensor:
 def test_screen_flags_what_the_reference_comparison_flags(
     dtype, batch, m, n, block, bias, sides, layout, kind, pattern, seed
 ):
-    from megatron_abft.sides import screen
+    from megatron_abft.check.sides import screen
 
     c, refs, check = screen_case(dtype, batch, m, n, block, bias, sides, seed)
     c = corrupted(c, kind, pattern, layout, seed)
@@ -602,7 +602,7 @@ def test_screen_flags_what_the_reference_comparison_flags(
 def test_screen_flags_a_difference_just_inside_the_threshold_and_the_check_stays_clean(dtype):
     """A column whose difference sits between the screen's tightened threshold and the
     reference's: the screen sends it on, the full comparison finds it clean."""
-    from megatron_abft.sides import screen
+    from megatron_abft.check.sides import screen
 
     c = torch.zeros(1, 8, 3, dtype=dtype)
     c[0, 0, 1], c[0, 1, 1] = 1.0, -1.0  # column 1 sums to exactly 0, its weighted sum to -1
@@ -623,13 +623,13 @@ def test_a_check_is_one_op_of_the_kernels(monkeypatch):
     is the screen and a faulty one goes on to the PyTorch path."""
     calls = []
     for name in ("block_sums", "screen", "verify_correct"):
-        kernel = getattr(_ext, name)
+        kernel = getattr(compiled, name)
 
         def spy(c, *args, name=name, kernel=kernel):
             calls.append(name)
             return kernel(c, *args)
 
-        monkeypatch.setattr(_ext, name, spy)
+        monkeypatch.setattr(compiled, name, spy)
     a, b, _, c = gemm_case(torch.bfloat16, (2, 3), 64, 16, 48, seed=1)
     col, row = encode(a, b, alpha=0.5, block=32)
     operands = GemmOperands(a, b, 0.5)
@@ -649,7 +649,7 @@ def test_a_check_is_one_op_of_the_kernels(monkeypatch):
 
 def screen_args(c, refs, check):
     """The arguments of megatron_abft::screen for references ``refs`` of c."""
-    from megatron_abft.tolerance import threshold_terms
+    from megatron_abft.check.tolerance import threshold_terms
 
     args = [c]
     sides = {"col": (0, [], []), "row": (0, [], [])}
@@ -703,7 +703,7 @@ SCREEN_CASES = {
 def check_cuda_screen(gpu, dtype, block, bias, layout, kind, pattern, seed, m=300, n=290):
     """The CUDA block sums screen the vectors each tile completes (block 512: a tile two passes
     wide; column-major: C read as C^T, its sides swapped), as the C++ kernels' screen."""
-    from megatron_abft.sides import screen
+    from megatron_abft.check.sides import screen
 
     c, refs, check = screen_case(dtype, (2, 3), m, n, block, bias, ("col", "row"), seed)
     c = corrupted(c, kind, pattern, layout, seed)
@@ -774,9 +774,9 @@ ENCODE_CASES = {
 @pytest.mark.parametrize("alpha", [1.0, -0.125])
 def test_encode_pair_equals_the_pytorch_path(case, dtype, alpha):
     a, b = (t.to(dtype) for t in ENCODE_CASES[case](torch.Generator().manual_seed(0)))
-    fused = _ext.encode_pair(a, b, alpha, 64)
+    fused = compiled.encode_pair(a, b, alpha, 64)
     assert fused is not None
-    with _ext.disabled():
+    with compiled.disabled():
         col, row = encode(a, b, alpha=alpha, block=64)
     for got, want in zip(fused, (col.sums, col.magnitude, row.sums, row.magnitude), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -791,7 +791,7 @@ def test_encode_pair_reads_every_operand_with_the_kernels(case):
     it column by column."""
     a, b = (t.bfloat16() for t in ENCODE_CASES[case](torch.Generator().manual_seed(0)))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        _ext.encode_pair(a, b, 0.5, 64)
+        compiled.encode_pair(a, b, 0.5, 64)
     ops = {e.name for e in profile.events()}
     assert "megatron_abft::row_products" in ops, ops
     assert not ops & {"aten::bmm", "aten::mm", "aten::matmul", "aten::abs", "aten::_to_copy"}
@@ -800,13 +800,13 @@ def test_encode_pair_reads_every_operand_with_the_kernels(case):
 @needs_ext
 def test_encode_pair_declines_what_the_kernels_do_not_take():
     a, b = torch.randn(8, 16), torch.randn(16, 4)
-    assert _ext.encode_pair(a, b.double(), 1.0, 4) is None  # mixed dtypes
-    assert _ext.encode_pair(a.mT.contiguous().mT, b, 1.0, 4) is None  # the larger, column-major
-    assert _ext.encode_pair(torch.empty(8, 0), torch.empty(0, 4), 1.0, 4) is None
-    with _ext.disabled():
-        assert _ext.encode_pair(a, b, 1.0, 4) is None
+    assert compiled.encode_pair(a, b.double(), 1.0, 4) is None  # mixed dtypes
+    assert compiled.encode_pair(a.mT.contiguous().mT, b, 1.0, 4) is None  # the larger, column-major
+    assert compiled.encode_pair(torch.empty(8, 0), torch.empty(0, 4), 1.0, 4) is None
+    with compiled.disabled():
+        assert compiled.encode_pair(a, b, 1.0, 4) is None
     col, row = encode(a.mT.contiguous().mT, b, block=4)  # one side at a time, still right
-    with _ext.disabled():
+    with compiled.disabled():
         want = encode(a, b, block=4)
     torch.testing.assert_close(col.sums, want[0].sums)
     torch.testing.assert_close(row.sums, want[1].sums)
@@ -825,7 +825,7 @@ def test_encode_pair_split_is_encode_pair_in_two_ops(case, dtype):
     """encode_pair as a GPU runs it (both operands' block sums in one op, both products in
     another: one launch each there) gives what the CPU's composition gives."""
     a, b = (t.to(dtype) for t in ENCODE_CASES[case](torch.Generator().manual_seed(3)))
-    want = _ext.encode_pair(a, b, -0.5, 64)
+    want = compiled.encode_pair(a, b, -0.5, 64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         split = torch.ops.megatron_abft.encode_pair_split(a, b, -0.5, 64)
     for got, w in zip(split, want, strict=True):
@@ -850,8 +850,11 @@ def check_pair_ops(device, kernels=None):
     ``kernels`` (a context), against the two ops of the C++ kernels."""
     a, b, u, z, v, y = pair_case(device)
     cpu = [t.cpu() for t in (a, b, u, z, v, y)]
-    block_singles = (*_ext.block_sums(cpu[0], 16, 8), *_ext.block_sums(cpu[1], 0, 32))
-    product_singles = (*_ext.row_products(cpu[0], *cpu[2:4]), *_ext.row_products(cpu[1], *cpu[4:]))
+    block_singles = (*compiled.block_sums(cpu[0], 16, 8), *compiled.block_sums(cpu[1], 0, 32))
+    product_singles = (
+        *compiled.row_products(cpu[0], *cpu[2:4]),
+        *compiled.row_products(cpu[1], *cpu[4:]),
+    )
     with kernels or nullcontext():
         pair = torch.ops.megatron_abft.block_sums_pair(a, 16, 8, b, 0, 32)
         for got, want in zip(pair, block_singles, strict=True):
@@ -891,11 +894,11 @@ def test_cuda_pair_ops_are_one_launch_each():
 
 def _biased(a, b, bias, block):
     """add_bias on the sums without the bias, and the PyTorch path's checksums with it."""
-    with _ext.disabled():
+    with compiled.disabled():
         col, row = encode(a, b, block=block)
         sums = (col.sums, col.magnitude, row.sums, row.magnitude)
         col, row = encode(a, b, bias=bias, block=block)
-    got = _ext.add_bias(sums, bias, a.shape[-2], block)
+    got = compiled.add_bias(sums, bias, a.shape[-2], block)
     want = (col.sums, col.magnitude, row.sums, row.magnitude)
     return got, want + (col.bias_magnitude, row.bias_magnitude)
 
@@ -932,7 +935,7 @@ def test_add_bias_equals_the_pytorch_path(dtype, batch, m, n, block, strided, se
 @needs_ext
 def test_add_bias_opcheck_and_bad_inputs():
     a, b = torch.randn(2, 40, 8), torch.randn(8, 30)
-    sums = _ext.encode_pair(a, b, 1.0, 16)
+    sums = compiled.encode_pair(a, b, 1.0, 16)
     bias = torch.randn(30)
     torch.library.opcheck(torch.ops.megatron_abft.add_bias.default, (*sums, bias, 40, 16))
     op = torch.ops.megatron_abft.add_bias
@@ -970,7 +973,7 @@ def test_a_bias_is_one_op_of_a_check():
         "aten::detach",
         "aten::mT",
     }, ops  # views: no data read
-    with _ext.disabled():
+    with compiled.disabled():
         want = encode(a, b, bias=bias, block=16)
     for got, ref in zip((col, row), want, strict=True):
         for x, y in ((got.sums, ref.sums), (got.bias_magnitude, ref.bias_magnitude)):
@@ -986,11 +989,11 @@ def test_cuda_add_bias_equals_the_cpu_op(dtype, gpu):
     a, b = torch.randn(3, 300, 16, generator=g).to(dtype), torch.randn(16, 500, generator=g)
     bias = torch.randn(1000, generator=g).to(dtype)[::2]
     b = b.to(dtype)
-    cpu = _ext.add_bias(_ext.encode_pair(a, b, 1.0, 64), bias, 300, 64)
+    cpu = compiled.add_bias(compiled.encode_pair(a, b, 1.0, 64), bias, 300, 64)
     d = gpu.device
     with gpu.kernels():
-        sums = _ext.encode_pair(a.to(d), b.to(d), 1.0, 64)
-        got = _ext.add_bias(sums, bias.to(d), 300, 64)
+        sums = compiled.encode_pair(a.to(d), b.to(d), 1.0, 64)
+        got = compiled.add_bias(sums, bias.to(d), 300, 64)
         args = (*sums, bias.to(d), 300, 64)
         torch.library.opcheck(torch.ops.megatron_abft.add_bias.default, args)
     for x, want in zip(got, cpu, strict=True):
@@ -1001,20 +1004,20 @@ def test_cuda_add_bias_equals_the_cpu_op(dtype, gpu):
 @pytest.mark.parametrize("case", sorted(ENCODE_CASES))
 def test_cuda_encode_pair_equals_the_cpu_one(case, gpu):
     a, b = (t.bfloat16() for t in ENCODE_CASES[case](torch.Generator().manual_seed(2)))
-    cpu = _ext.encode_pair(a, b, 0.5, 64)
+    cpu = compiled.encode_pair(a, b, 0.5, 64)
     with gpu.kernels():
-        got = _ext.encode_pair(a.to(gpu.device), b.to(gpu.device), 0.5, 64)
+        got = compiled.encode_pair(a.to(gpu.device), b.to(gpu.device), 0.5, 64)
     for x, want in zip(got, cpu, strict=True):
         torch.testing.assert_close(x.cpu(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 @needs_ext
 def test_the_kernel_selftest_passes_on_the_cpu_and_catches_a_wrong_kernel(monkeypatch):
-    from megatron_abft.kernel_selftest import mismatches
+    from megatron_abft.ops.selftest import mismatches
 
     assert mismatches(torch.device("cpu")) == []
     monkeypatch.setattr(
-        _ext, "screen", lambda c, *args: torch.zeros(c.shape[:-2], dtype=torch.int32)
+        compiled, "screen", lambda c, *args: torch.zeros(c.shape[:-2], dtype=torch.int32)
     )
     wrong = mismatches(torch.device("cpu"))
     assert (
@@ -1036,17 +1039,17 @@ def test_the_kernel_selftest_passes_on_the_cpu_and_catches_a_wrong_kernel(monkey
 @needs_ext
 def test_a_device_whose_kernels_disagree_keeps_the_pytorch_path(monkeypatch):
     calls = []
-    monkeypatch.setattr(_ext, "_trusted", {})
-    monkeypatch.setattr(_ext, "_selftest", lambda device: calls.append(device) or ["screen"])
+    monkeypatch.setattr(compiled, "_trusted", {})
+    monkeypatch.setattr(compiled, "_selftest", lambda device: calls.append(device) or ["screen"])
     device = torch.device("cuda", 7)
     with pytest.warns(RuntimeWarning, match=r"disagree .* on cuda:7 \(screen\)"):
-        assert not _ext.trusted(device)
-    assert not _ext.trusted(device) and calls == [device]  # tested once per device
+        assert not compiled.trusted(device)
+    assert not compiled.trusted(device) and calls == [device]  # tested once per device
 
 
 @needs_cuda
 def test_the_kernels_pass_their_selftest_on_the_gpu():
-    from megatron_abft.kernel_selftest import mismatches
+    from megatron_abft.ops.selftest import mismatches
 
     device = torch.device("cuda", torch.cuda.current_device())
-    assert mismatches(device) == [] and _ext.trusted(device)
+    assert mismatches(device) == [] and compiled.trusted(device)

@@ -16,9 +16,8 @@ from test_ext import (
     needs_ext,
 )
 
-from megatron_abft import _ext
-from megatron_abft.checksum import encode
-from megatron_abft.eec import (
+from megatron_abft.check.checksum import encode
+from megatron_abft.check.eec import (
     CLEAN,
     CORRECTED,
     UNCORRECTABLE,
@@ -27,9 +26,10 @@ from megatron_abft.eec import (
     residuals,
     verify_and_correct,
 )
+from megatron_abft.check.sides import Check
+from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.faults import TensorFault, inject_
-from megatron_abft.sides import Check
-from megatron_abft.tolerance import gemm_rounding
+from megatron_abft.ops import compiled
 
 
 def case(dtype, batch, m, n, block, bias, sides, seed):
@@ -91,13 +91,13 @@ def test_verify_and_correct_with_the_kernels_equals_the_pytorch_path(
     c = corrupted(c, kind, pattern, layout, seed)
     fused_c, torch_c = c.clone(), c.clone()
     fused = verify_and_correct(fused_c, **refs, operands=operands, check_references=False)
-    with _ext.disabled():
+    with compiled.disabled():
         want = verify_and_correct(torch_c, **refs, operands=operands, check_references=False)
     assert_same_result(fused, want, pattern)
     assert torch.equal(fused_c.isnan(), torch_c.isnan())
     settled = fused.status != UNCORRECTABLE
     for side, ref in refs.items():  # what the kernels settled checks clean on the PyTorch path
-        with _ext.disabled():
+        with compiled.disabled():
             flagged = residuals(fused_c, ref, side=side).flagged.flatten(-2).any(-1)
         assert not bool((flagged & settled).any())
     if kind != "bitflip":  # flips of low bits may stay below the thresholds, and the two paths
@@ -155,7 +155,7 @@ def test_more_flagged_vectors_than_the_capacity_put_the_matrix_back():
     status, *_ = op_alone(c.clone(), refs, operands, capacity=64)
     assert status.tolist() == [CLEAN, CLEAN, CORRECTED]
     out = c.clone()
-    status, *_ = _ext.verify_correct(
+    status, *_ = compiled.verify_correct(
         out, _sides(out, refs, operands), (operands.a, operands.b, 0.5, None), 1e10, 5
     )
     assert status.tolist() == [CLEAN, CLEAN, UNCORRECTABLE] and torch.equal(bits(out), before)
@@ -166,7 +166,7 @@ def test_more_flagged_vectors_than_the_capacity_put_the_matrix_back():
 
 
 def _sides(c, refs, operands):
-    from megatron_abft.sides import kernel_sides
+    from megatron_abft.check.sides import kernel_sides
 
     return kernel_sides(c, refs, Check(gemm_rounding(c.dtype, c.device), 1.0, 1e10, 1, operands))
 
@@ -206,7 +206,7 @@ def test_a_faulty_check_is_a_few_ops_with_the_kernels():
             if path == "kernels":
                 verify_and_correct(out, **refs, operands=operands, check_references=False)
             else:
-                with _ext.disabled():
+                with compiled.disabled():
                     verify_and_correct(out, **refs, operands=operands, check_references=False)
         ops[path] = sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
         assert torch.isfinite(out).all()
@@ -274,12 +274,12 @@ def test_cuda_verify_correct_equals_the_cpu_op(dtype, layout, gpu):
 
 @needs_ext
 def test_the_kernel_selftest_checks_the_correction(monkeypatch):
-    from megatron_abft.kernel_selftest import mismatches
+    from megatron_abft.ops.selftest import mismatches
 
     assert mismatches(torch.device("cpu")) == []
 
     def settles_nothing(c, *args):
-        if not _ext.available():  # inside _ext.disabled(), as the real op
+        if not compiled.available():  # inside compiled.disabled(), as the real op
             return None
         return tuple(torch.zeros(c.shape[:-2], dtype=t) for t in (torch.int8,) * 2) + (
             torch.full(c.shape[:-2], -1),
@@ -287,7 +287,7 @@ def test_the_kernel_selftest_checks_the_correction(monkeypatch):
             torch.zeros(c.shape[:-2]),
         )
 
-    monkeypatch.setattr(_ext, "verify_correct", settles_nothing)
+    monkeypatch.setattr(compiled, "verify_correct", settles_nothing)
     wrong = mismatches(torch.device("cpu"))
     assert "verify_correct, 0D and 1D (torch.float32)" in wrong
     assert "verify_correct, put back (torch.float32)" in wrong
@@ -304,7 +304,7 @@ def test_a_difference_just_inside_the_threshold_is_clean_and_left_alone(dtype):
     col = encode(eye, c, block=8)[0]
     tau = residuals(c, col).tau[0, 0, 1]
     col.sums[0, 0, 0, 1] = tau * (1 - 2.0**-18)  # d1 just below tau, d2 = 0
-    from megatron_abft.sides import screen
+    from megatron_abft.check.sides import screen
 
     operands = GemmOperands(eye, c.clone())
     check = Check(gemm_rounding(dtype, c.device), 1.0, 1e10, 8, operands)
@@ -362,7 +362,7 @@ def test_the_attention_layouts_equal_the_pytorch_path(section, pattern):
     operands = GemmOperands(a, b, alpha)
     fused_c, torch_c = c.clone(), c.clone()
     fused = verify_and_correct(fused_c, col, row, operands=operands)
-    with _ext.disabled():
+    with compiled.disabled():
         want = verify_and_correct(torch_c, col, row, operands=operands)
     assert torch.equal(fused.status, want.status) and torch.equal(fused.counts, want.counts)
     assert int((fused.status == CORRECTED).sum()) == 1

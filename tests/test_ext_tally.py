@@ -10,10 +10,8 @@ from hypothesis import strategies as st
 from test_ext import PROPERTY, needs_cuda, needs_ext
 from test_ext_correct import _sides, bits, case, recompute_tolerance
 
-from megatron_abft import _ext
-from megatron_abft.checksum import encode
-from megatron_abft.config import ABFTConfig
-from megatron_abft.eec import (
+from megatron_abft.check.checksum import encode
+from megatron_abft.check.eec import (
     CORRECTED,
     KINDS,
     EECResult,
@@ -21,11 +19,13 @@ from megatron_abft.eec import (
     _kernel_check,
     verify_and_correct,
 )
+from megatron_abft.check.ledger import Ledger, set_clocks
+from megatron_abft.check.sides import Check
+from megatron_abft.check.tolerance import gemm_rounding
+from megatron_abft.config import ABFTConfig
 from megatron_abft.faults import TensorFault, inject_
-from megatron_abft.guard import SectionGuard
-from megatron_abft.ledger import Ledger, set_clocks
-from megatron_abft.sides import Check
-from megatron_abft.tolerance import gemm_rounding
+from megatron_abft.ops import compiled
+from megatron_abft.runtime.guard import SectionGuard
 
 
 def results(batch: tuple[int, ...], seed: int, dtype=torch.float32, statuses=3) -> EECResult:
@@ -48,7 +48,7 @@ def tallied(found: EECResult, step: int, kernels: bool, times: int = 3, capacity
         if kernels:
             failed.append(ledger.tally(found))
         else:
-            with _ext.disabled():
+            with compiled.disabled():
                 failed.append(ledger.tally(found))
     return ledger, failed
 
@@ -94,7 +94,7 @@ def test_tally_counts_by_outcome_and_kind_and_logs_the_first_worst_matrix(kernel
         found = EECResult(status[:n], kind[:n], row[:n], col[:n], magnitude[:n])
         if kernels:
             return bool(ledger.tally(found))
-        with _ext.disabled():
+        with compiled.disabled():
             return bool(ledger.tally(found))
 
     assert tally(6)
@@ -175,7 +175,7 @@ def _guard_check(c, operands, kernels: bool):
         if kernels:
             guard.check(c, operands)
         else:
-            with _ext.disabled():
+            with compiled.disabled():
                 guard.check(c, operands)
     ops = sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
     return guard, c, ops
@@ -228,7 +228,7 @@ def test_cuda_tally_equals_the_cpu_op(batch, gpu):
 @pytest.mark.parametrize("lost", [5, 7, 8], ids=["counts", "log", "logged"])
 def test_the_kernel_selftest_checks_the_tally(monkeypatch, lost):
     """A tally that writes to a copy of one of the ledger's tensors fails the self-test."""
-    from megatron_abft.kernel_selftest import mismatches
+    from megatron_abft.ops.selftest import mismatches
 
     assert mismatches(torch.device("cpu")) == []
     real = torch.ops.megatron_abft.tally
@@ -251,7 +251,7 @@ def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_what_the_model_
     sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
     from bench_overhead import check_kernels
 
-    from megatron_abft.scaling import CHECK_KERNELS
+    from megatron_abft.tuning.scaling import CHECK_KERNELS
 
     kernels = check_kernels(torch.device("cuda"))
     assert len(kernels) == CHECK_KERNELS["kernels"], f"a clean check launched {kernels}"
@@ -343,7 +343,7 @@ def test_verify_correct_tally_is_verify_correct_then_tally(dtype, kind, pattern,
     found = checked(alone, refs, operands)
     want = Ledger.on(torch.device("cpu"), step)
     want.counts += 1  # added to, not overwritten
-    want_failed = _ext.tally(found, want)
+    want_failed = compiled.tally(found, want)
     ledger = Ledger.on(torch.device("cpu"), step)
     ledger.counts += 1
     *got, failed = checked(fused, refs, operands, ledger)

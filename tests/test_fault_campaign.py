@@ -28,7 +28,7 @@ from campaign_plan import (  # noqa: E402
 )
 from campaign_report import BEGIN, optimizer_check, tables  # noqa: E402
 
-from megatron_abft import _ext  # noqa: E402
+from megatron_abft.ops import compiled  # noqa: E402
 
 TINY_MODEL = ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2"]
 
@@ -177,7 +177,7 @@ def test_a_tiny_campaign_runs_in_two_workers_resumes_and_reports(tmp_path):
     assert sorted(t["id"] for t in trials) == list(range(6))
     assert next(t for t in trials if t["id"] == 0) == earlier
     assert len(sessions) == 1 and sessions[0]["trials"] == 5
-    assert sessions[0]["kernels"] == _ext.backend() and sessions[0]["softmax"] == "kernel 3"
+    assert sessions[0]["kernels"] == compiled.backend() and sessions[0]["softmax"] == "kernel 3"
     ran = [t for t in trials if t["id"]]
     assert {t["worker"] for t in ran} == {0, 1}
     for t in ran:
@@ -196,7 +196,7 @@ def test_a_tiny_campaign_runs_in_two_workers_resumes_and_reports(tmp_path):
     assert summary["trials"] == 6 and summary["non_trainable_off"]["all"]["all"][1] == 5
     doc = (tmp_path / "doc.md").read_text()
     assert doc.count(BEGIN) == 1 and "Protection off" in doc
-    assert f"Checks ran with kernels: {_ext.backend()}, softmax: kernel 3." in doc
+    assert f"Checks ran with kernels: {compiled.backend()}, softmax: kernel 3." in doc
     vulnerability = json.loads((tmp_path / "vulnerability.json").read_text())
     assert set(vulnerability) == set(VULNERABILITY_SECTIONS)
     assert (tmp_path / "campaign.png").stat().st_size > 0

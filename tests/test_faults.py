@@ -56,26 +56,28 @@ def _difference(result, reference) -> float:
 
 def _correction_worker(cases, policy, fused_softmax=True, sync_free_scores=False, emulated=False):
     """emulated: as a GPU runs it, every check sync-free and the CUDA kernels' source, through
-    the CUDA emulator (megatron_abft._ext.emulated_cuda)."""
-    from megatron_abft import _ext, attention, inject, reset_stats, stats
+    the CUDA emulator (megatron_abft.ops.compiled.emulated_cuda)."""
+    from megatron_abft import inject, reset_stats, stats
+    from megatron_abft.layers import attention
+    from megatron_abft.ops import compiled
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     if emulated:
-        with _ext.emulated_cuda():
+        with compiled.emulated_cuda():
             return _correction_worker(cases, policy, fused_softmax, sync_free_scores, False)
 
     fused_checks = []
     if sync_free_scores:  # the attention's path on a GPU: kernel 3 corrects S, no host read
         attention.host_reads = lambda config, device: False
-        real = _ext.softmax_correct_tally
+        real = compiled.softmax_correct_tally
 
         def counted(*args):
             fused_checks.append(1)
             return real(*args)
 
-        _ext.softmax_correct_tally = counted
+        compiled.softmax_correct_tally = counted
 
-    sync_free = True if _ext._emulating else None
+    sync_free = True if compiled._emulating else None
     config = ABFTConfig(on_uncorrectable=policy, fused_softmax=fused_softmax, sync_free=sync_free)
     model = build_gpt(SHAPE, get_gpt_layer_abft_spec(config))
     reference = loss_and_grads(model, SHAPE)
@@ -91,7 +93,7 @@ def _correction_worker(cases, policy, fused_softmax=True, sync_free_scores=False
                 "difference": _difference(result, reference),
                 "stats": stats(model),
                 "fused_checks": len(fused_checks),
-                "backend": _ext.backend(),
+                "backend": compiled.backend(),
             }
         )
         fused_checks.clear()

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from megatron_abft.frequency import (
+from megatron_abft.tuning.frequency import (
     DEFAULT_VULNERABILITY,
     INTERVALS,
     brute_force,

@@ -1,4 +1,4 @@
-"""Kernel 3 (csrc/abft_softmax.cpp, megatron_abft.fused_softmax): Megatron's scale-mask-softmax
+"""Kernel 3 (csrc/abft_softmax.cpp, megatron_abft.ops.fused_softmax): Megatron's scale-mask-softmax
 with the scores' screen and the context operand's checksum pass in one read of S. Against
 Megatron's own softmax, the screen op, operand_pass and encode: on CPU always, on CUDA where a
 GPU is present."""
@@ -7,13 +7,13 @@ import pytest
 import torch
 from cuda_targets import TARGETS
 
-from megatron_abft import _ext
-from megatron_abft.checksum import encode, encode_from_pass
-from megatron_abft.eec import CLEAN, CORRECTED, GemmOperands, verify_and_correct
-from megatron_abft.sides import Check, kernel_sides
-from megatron_abft.tolerance import gemm_rounding
+from megatron_abft.check.checksum import encode, encode_from_pass
+from megatron_abft.check.eec import CLEAN, CORRECTED, GemmOperands, verify_and_correct
+from megatron_abft.check.sides import Check, kernel_sides
+from megatron_abft.check.tolerance import gemm_rounding
+from megatron_abft.ops import compiled
 
-pytestmark = pytest.mark.skipif(not _ext.available(), reason=_ext.backend())
+pytestmark = pytest.mark.skipif(not compiled.available(), reason=compiled.backend())
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -61,7 +61,7 @@ def test_probabilities_equal_megatrons_softmax(device, dtype, mask_kind, scale):
     _, _, s, sides = scores_case(batch, sq, sk, 8, dtype, device)
     mask, causal, full = masks(mask_kind, batch, sq, sk, device)
     for screen in (sides, NO_SCREEN):
-        p, flagged, *rest = _ext.softmax_check(s, screen, mask, causal, scale, 16, None)
+        p, flagged, *rest = compiled.softmax_check(s, screen, mask, causal, scale, 16, None)
         want = megatron_softmax(s, full, scale)
         assert p.dtype == dtype and p.shape == s.shape and p.is_contiguous()
         tol = {torch.float64: 1e-13, torch.float32: 3e-7}.get(dtype)
@@ -79,7 +79,7 @@ def test_a_nan_score_makes_its_row_nan_as_megatrons_softmax_does(device, dtype):
     _, _, s, _ = scores_case(batch, sq, sq, 8, dtype, device)
     s[1, 2, 5, 3] = float("nan")
     mask, causal, full = masks("causal", batch, sq, sq, device)
-    p = _ext.softmax_check(s, NO_SCREEN, mask, causal, 1.0, 16, None)[0]
+    p = compiled.softmax_check(s, NO_SCREEN, mask, causal, 1.0, 16, None)[0]
     want = megatron_softmax(s, full, 1.0)
     assert torch.equal(p.isnan(), want.isnan()) and int(p.isnan().sum()) == sq
     torch.testing.assert_close(p.nan_to_num(), want.nan_to_num())
@@ -107,8 +107,8 @@ def test_flagged_counts_equal_the_screen(device, dtype, seed):
     _, _, s, sides = scores_case((3, 2), 40, 33, 8, dtype, device, seed=seed)
     bad = faulty_scores(s, seed)
     for case in (s, bad):
-        _, flagged, *_ = _ext.softmax_check(case, sides, None, True, 1.0, 16, None)
-        assert torch.equal(flagged, _ext.screen(case, *sides))
+        _, flagged, *_ = compiled.softmax_check(case, sides, None, True, 1.0, 16, None)
+        assert torch.equal(flagged, compiled.screen(case, *sides))
     assert (flagged > 0).sum() == 4
 
 
@@ -139,8 +139,8 @@ def test_p_pass_and_context_references_equal_encode(device, dtype, rep):
     _, _, s, sides = scores_case((b, groups, rep), sq, sk, 8, dtype, device)
     g = torch.Generator().manual_seed(1)
     v = torch.randn(b, groups, 1, sk, hn, generator=g).to(dtype).to(device)
-    vectors = _ext.pair_vectors(s, v, 16)
-    p, flagged, *found = _ext.softmax_check(s, sides, None, True, 1.0, 16, vectors)
+    vectors = compiled.pair_vectors(s, v, 16)
+    p, flagged, *found = compiled.softmax_check(s, sides, None, True, 1.0, 16, vectors)
     assert not flagged.any()
     direct = torch.ops.megatron_abft.operand_pass(p, 16, *vectors, 1.0)
     for got, want in zip(found, direct, strict=True):
@@ -168,7 +168,7 @@ def test_gradient_is_megatrons(mask_kind):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
 
-    from megatron_abft import fused_softmax
+    from megatron_abft.ops import fused_softmax
 
     batch, sq = (2, 3), 24
     _, _, s, sides = scores_case(batch, sq, sq, 8, torch.float64, "cpu")
@@ -205,7 +205,7 @@ def test_gradient_is_megatrons(mask_kind):
 def test_bad_inputs_are_refused_with_what_is_wrong():
     _, _, s, sides = scores_case((2,), 20, 20, 8, torch.float32, "cpu")
     v = torch.randn(2, 20, 6)
-    u, z = _ext.pair_vectors(s, v, 16)
+    u, z = compiled.pair_vectors(s, v, 16)
     op = torch.ops.megatron_abft.softmax_check
 
     def args(s=s, sides=NO_SCREEN, mask=None, u=None, z=None):
@@ -230,7 +230,7 @@ def test_bad_inputs_are_refused_with_what_is_wrong():
 def test_opcheck_schemas_and_fakes():
     _, _, s, sides = scores_case((2,), 20, 20, 8, torch.float32, "cpu")
     v = torch.randn(2, 20, 6)
-    u, z = _ext.pair_vectors(s, v, 16)
+    u, z = compiled.pair_vectors(s, v, 16)
     op = torch.ops.megatron_abft
     mask = torch.ones(20, 20, dtype=torch.bool).triu(1)
     torch.library.opcheck(op.softmax_check.default, (s, *sides, mask, False, 0.5, 16, u, z))
@@ -238,7 +238,7 @@ def test_opcheck_schemas_and_fakes():
         op.softmax_check.default, (s, *NO_SCREEN, None, True, 1.0, 16, None, None)
     )
     torch.library.opcheck(op.pair_vectors.default, (s, v, 16))
-    p, _, *found = _ext.softmax_check(s, sides, None, True, 1.0, 16, (u, z))
+    p, _, *found = compiled.softmax_check(s, sides, None, True, 1.0, 16, (u, z))
     torch.library.opcheck(op.encode_pair_from.default, (p, v, 1.0, 16, *found[:2]))
 
 
@@ -259,14 +259,14 @@ def test_cuda_equals_cpu(sq, sk, gpu):
     def run(device):
         moved = [t.to(device) for t in (bad, v)]
         screen = (*sides[:2], *[[t.to(device) for t in side] for side in sides[2:4]], *sides[4:])
-        vectors = _ext.pair_vectors(moved[0], moved[1], 16)
+        vectors = compiled.pair_vectors(moved[0], moved[1], 16)
         causal = sq == sk  # long rows unmasked, so that P is not mostly zeros
-        return _ext.softmax_check(moved[0], screen, None, causal, 1.0, 16, vectors)
+        return compiled.softmax_check(moved[0], screen, None, causal, 1.0, 16, vectors)
 
     cpu = run("cpu")
     with gpu.kernels():
         gpu = [t.cpu() for t in run(gpu.device)]
-    u = _ext.pair_vectors(bad, v, 16)[0]
+    u = compiled.pair_vectors(bad, v, 16)[0]
     assert torch.equal(cpu[1], gpu[1]) and (cpu[1] > 0).sum() == 4
     clean = cpu[1].view(-1) == 0  # the flagged matrices' P is NaN where S is
 
@@ -286,12 +286,12 @@ def test_the_single_pass_is_one_launch(screened):
     GPU's sync-free attention asks for P's pass alone."""
     _, _, s, sides = scores_case((2, 3), 64, 64, 8, torch.bfloat16, "cuda")
     v = torch.randn(2, 3, 64, 16, device="cuda").to(torch.bfloat16)
-    vectors = _ext.pair_vectors(s, v, 16)
+    vectors = compiled.pair_vectors(s, v, 16)
     screen = sides if screened else NO_SCREEN
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
-        _, flagged, *_ = _ext.softmax_check(s, screen, None, True, 1.0, 16, vectors)
+        _, flagged, *_ = compiled.softmax_check(s, screen, None, True, 1.0, 16, vectors)
         torch.cuda.synchronize()
     kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == (2 if screened else 1), [e.name for e in kernels]
@@ -315,15 +315,15 @@ def test_the_context_references_from_the_pass_are_two_launches():
         cuda = torch.autograd.DeviceType.CUDA
         return out, [e.name for e in profile.events() if e.device_type == cuda]
 
-    vectors, first = launches(lambda: _ext.pair_vectors(s, v, 16))
-    p, _, *found = _ext.softmax_check(s, NO_SCREEN, None, True, 1.0, 16, vectors)
+    vectors, first = launches(lambda: compiled.pair_vectors(s, v, 16))
+    p, _, *found = compiled.softmax_check(s, NO_SCREEN, None, True, 1.0, 16, vectors)
     (_, row), second = launches(lambda: encode_from_pass(p, v, 16, tuple(found)))
     assert (len(first), len(second)) == (1, 1), (first, second)
     assert row.sums.data_ptr() == found[2].data_ptr()  # a view of P's pass, not a copy
 
 
 def test_the_kernel_selftest_checks_the_softmax(monkeypatch):
-    from megatron_abft.kernel_selftest import mismatches
+    from megatron_abft.ops.selftest import mismatches
 
     assert mismatches(torch.device("cpu")) == []
     real = torch.ops.megatron_abft.softmax_check

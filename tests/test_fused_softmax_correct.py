@@ -19,11 +19,11 @@ from test_fused_softmax import (
     scores_case,
 )
 
-from megatron_abft import _ext
-from megatron_abft.eec import CORRECTED, KINDS
-from megatron_abft.ledger import Ledger
+from megatron_abft.check.eec import CORRECTED, KINDS
+from megatron_abft.check.ledger import Ledger
+from megatron_abft.ops import compiled
 
-pytestmark = pytest.mark.skipif(not _ext.available(), reason=_ext.backend())
+pytestmark = pytest.mark.skipif(not compiled.available(), reason=compiled.backend())
 ALPHA = 0.25  # scores_case's
 
 
@@ -32,7 +32,7 @@ def corrected(s, sides, q, k, mask, causal, vectors, device, capacity=40):
     ledger it tallied into (from step 3)."""
     s = s.clone()
     ledger = Ledger.on(torch.device(device), 3)
-    out = _ext.softmax_correct_tally(
+    out = compiled.softmax_correct_tally(
         s, sides, mask, causal, 1.0, 16, vectors, (q, k.mT, ALPHA), 1e10, capacity, ledger
     )
     return s, out, ledger
@@ -42,10 +42,10 @@ def composed(s, sides, q, k, mask, causal, vectors, device, capacity=40):
     """What softmax_correct_tally stands for: verify_correct of S, softmax_check of the S it
     leaves, and the tally of what verify_correct found."""
     s = s.clone()
-    found = _ext.verify_correct(s, sides, (q, k.mT, ALPHA, None), 1e10, capacity)
-    out = _ext.softmax_check(s, NO_SCREEN, mask, causal, 1.0, 16, vectors)
+    found = compiled.verify_correct(s, sides, (q, k.mT, ALPHA, None), 1e10, capacity)
+    out = compiled.softmax_check(s, NO_SCREEN, mask, causal, 1.0, 16, vectors)
     ledger = Ledger.on(torch.device(device), 3)
-    failed = _ext.tally(found, ledger)
+    failed = compiled.tally(found, ledger)
     return s, (out[0], failed, *out[2:]), ledger, found
 
 
@@ -68,7 +68,7 @@ def test_it_is_verify_correct_then_the_softmax_then_tally(device, dtype, mask_ki
     q, k, s, sides = scores_case(batch, sq, sq, hn, dtype, device, seed=2)
     mask, causal, full = masks(mask_kind, batch, sq, sq, device)
     v = torch.randn(*batch, sq, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
-    vectors = _ext.pair_vectors(s, v.to(device), 16) if with_pass else None
+    vectors = compiled.pair_vectors(s, v.to(device), 16) if with_pass else None
     bad = faulty_scores(s, seed=1)
     got_s, got, ledger = corrected(bad, sides, q, k, mask, causal, vectors, device)
     want_s, want, want_ledger, found = composed(bad, sides, q, k, mask, causal, vectors, device)
@@ -95,9 +95,9 @@ def test_a_clean_s_is_left_alone_and_an_unsettled_one_fails(device):
     batch, sq = (2, 2), 36
     q, k, s, sides = scores_case(batch, sq, sq, 8, torch.float32, device, seed=4)
     v = torch.randn(*batch, sq, 16, device=device)
-    vectors = _ext.pair_vectors(s, v, 16)
+    vectors = compiled.pair_vectors(s, v, 16)
     got_s, got, ledger = corrected(s, sides, q, k, None, True, vectors, device)
-    want = _ext.softmax_check(s, sides, None, True, 1.0, 16, vectors)
+    want = compiled.softmax_check(s, sides, None, True, 1.0, 16, vectors)
     assert torch.equal(got_s, s) and not bool(got[1])
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     for g, w in zip(got[2:], want[2:], strict=True):
@@ -122,7 +122,7 @@ def test_it_needs_a_screen_and_opchecks():
     with pytest.raises(RuntimeError, match="do not produce c of shape"):
         op(s.clone(), *sides, None, True, 1.0, 16, None, None, q, k, *tail[2:])
     v = torch.randn(2, 20, 6)
-    u, z = _ext.pair_vectors(s, v, 16)
+    u, z = compiled.pair_vectors(s, v, 16)
     bad = s.clone()
     bad[1, 3, 4] += 100.0
     torch.library.opcheck(op.default, (bad, *sides, None, True, 1.0, 16, u, z, *tail))
@@ -133,12 +133,12 @@ def test_on_cuda_it_is_two_launches():
     """The single pass, then one thread block that corrects, redoes P and tallies."""
     q, k, s, sides = scores_case((2, 3), 64, 64, 8, torch.bfloat16, "cuda")
     v = torch.randn(2, 3, 64, 16, device="cuda").to(torch.bfloat16)
-    vectors = _ext.pair_vectors(s, v, 16)
+    vectors = compiled.pair_vectors(s, v, 16)
     ledger = Ledger.on(torch.device("cuda"), 3)  # made before: its zeros are launches too
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
-        _ext.softmax_correct_tally(
+        compiled.softmax_correct_tally(
             s, sides, None, True, 1.0, 16, vectors, (q, k.mT, ALPHA), 1e10, 40, ledger
         )
         torch.cuda.synchronize()
@@ -154,7 +154,7 @@ def test_the_cuda_kernels_equal_the_cpu_op(gpu):
     v = torch.randn(2, 3, 64, 16, device=gpu.device).to(torch.bfloat16)
     bad = faulty_scores(s, seed=1)
     with gpu.kernels():
-        vectors = _ext.pair_vectors(s, v, 16)
+        vectors = compiled.pair_vectors(s, v, 16)
         gpu_s, gpu, gpu_ledger = corrected(bad, sides, q, k, None, True, vectors, gpu.device, 64)
     on_cpu = [[t.cpu() for t in side] for side in sides[2:4]]
     cpu_sides = (*sides[:2], *on_cpu, *sides[4:])
@@ -174,7 +174,7 @@ def test_the_cuda_kernels_equal_the_cpu_op(gpu):
 def test_the_kernel_selftest_checks_it(monkeypatch):
     """An op that screens but corrects nothing fails the self-test, which then keeps a GPU on
     the PyTorch path."""
-    from megatron_abft.kernel_selftest import mismatches
+    from megatron_abft.ops.selftest import mismatches
 
     assert mismatches(torch.device("cpu")) == []
     check = torch.ops.megatron_abft.softmax_check

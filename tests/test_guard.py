@@ -109,8 +109,8 @@ def test_intervals_sections_and_summed_counters():
 def test_a_sync_free_guard_reads_nothing_on_the_host():
     """With sync_free a guard checks, corrects and tallies into its ledger without host reads:
     on meta tensors any item(), bool() or 0-d index would raise."""
-    from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard
+    from megatron_abft.check.eec import GemmOperands
+    from megatron_abft.runtime.guard import SectionGuard
 
     guard = SectionGuard("scores", ABFTConfig(sync_free=True, on_uncorrectable="log"), 0)
     a = torch.empty(1, 4, 2, 16, 8, device="meta")
@@ -122,26 +122,26 @@ def test_a_sync_free_guard_reads_nothing_on_the_host():
 def test_checks_are_sync_free_by_default_where_the_kernels_serve_the_device(monkeypatch):
     """ABFTConfig.sync_free=None: no host read on a device the kernels serve, one where they do
     not (to skip the correction path), always on CPU; True and False force it off the CPU."""
-    from megatron_abft import _ext
-    from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard, host_reads
+    from megatron_abft.check.eec import GemmOperands
+    from megatron_abft.ops import compiled
+    from megatron_abft.runtime.guard import SectionGuard, host_reads
 
     meta, cpu = torch.device("meta"), torch.device("cpu")
     for serves in (True, False):
-        monkeypatch.setattr(_ext, "_serves_device", lambda device, serves=serves: serves)
+        monkeypatch.setattr(compiled, "_serves_device", lambda device, serves=serves: serves)
         assert host_reads(ABFTConfig(), meta) is not serves
         assert host_reads(ABFTConfig(sync_free=True), meta) is False
         assert host_reads(ABFTConfig(sync_free=False), meta) is True
         assert all(host_reads(ABFTConfig(sync_free=f), cpu) for f in (None, True, False))
     # by default, where the kernels serve the device, a check reads nothing (meta would raise)
-    monkeypatch.setattr(_ext, "_serves_device", lambda device: True)
+    monkeypatch.setattr(compiled, "_serves_device", lambda device: True)
     guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
     a = torch.empty(1, 4, 2, 16, 8, device="meta")
     b = torch.empty(1, 4, 1, 8, 16, device="meta")
     guard.check(a @ b, GemmOperands(a, b))
     assert guard.ledger.counts.device.type == "meta"
     # where they do not, it reads whether anything was flagged: meta cannot answer that
-    monkeypatch.setattr(_ext, "_serves_device", lambda device: False)
+    monkeypatch.setattr(compiled, "_serves_device", lambda device: False)
     guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
     with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
         guard.check(a @ b, GemmOperands(a, b))
@@ -152,9 +152,9 @@ def test_a_guard_logs_the_first_faults_counts_them_all_and_warns_of_the_rest():
     at the step of each; the counters count every fault, and collect_events warns of those it
     could not log, then starts a new log."""
     from megatron_abft import collect_events, set_step
-    from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard
-    from megatron_abft.ledger import LOG_CAPACITY
+    from megatron_abft.check.eec import GemmOperands
+    from megatron_abft.check.ledger import LOG_CAPACITY
+    from megatron_abft.runtime.guard import SectionGuard
 
     model = torch.nn.Module()
     guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
@@ -188,8 +188,8 @@ def test_a_guard_logs_the_first_faults_counts_them_all_and_warns_of_the_rest():
 
 
 def test_clean_cpu_checks_record_no_event_and_faulty_ones_do():
-    from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard
+    from megatron_abft.check.eec import GemmOperands
+    from megatron_abft.runtime.guard import SectionGuard
 
     guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log"), 0)
     g = torch.Generator().manual_seed(0)
@@ -208,7 +208,7 @@ def test_clean_cpu_checks_record_no_event_and_faulty_ones_do():
 def test_iter_guards_walks_modules_in_order_and_names_the_outermost_layer():
     """The guards come in model.modules() order, a shared module's once, each with the layer
     number of its outermost enclosing module that has one (an inner one is ignored)."""
-    from megatron_abft.guard import SectionGuard, iter_guards
+    from megatron_abft.runtime.guard import SectionGuard, iter_guards
 
     class Checked(torch.nn.Module):
         def __init__(self, section, layer_number=None):

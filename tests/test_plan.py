@@ -1,5 +1,5 @@
-"""A guard's planned checks (megatron_abft.plan) against its general path: the same output, bit
-for bit, the same ledger and the same verdict, for every fault; planned afresh for any change of
+"""A guard's planned checks (megatron_abft.check.plan) against its general path: the same output,
+bit for bit, the same ledger and the same verdict, for every fault; planned afresh for any change of
 layout or setting; bad input still explained."""
 
 import pytest
@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 from test_ext import DTYPES, PROPERTY, corrupted, gemm_case, needs_ext
 from test_ext_correct import bits
 
-from megatron_abft import _ext
-from megatron_abft.checksum import encode
+from megatron_abft.check.checksum import encode
+from megatron_abft.check.eec import GemmOperands
+from megatron_abft.check.plan import GENERAL, CheckPlan, signature
 from megatron_abft.config import ABFTConfig
-from megatron_abft.eec import GemmOperands
 from megatron_abft.faults import TensorFault, inject_
-from megatron_abft.guard import MAX_PLANS, SectionGuard
-from megatron_abft.plan import GENERAL, CheckPlan, signature
+from megatron_abft.ops import compiled
+from megatron_abft.runtime.guard import MAX_PLANS, SectionGuard
 
 
 def gemm(dtype, batch, m, n, bias, seed, weight=True):
@@ -131,7 +131,7 @@ def test_a_changed_layout_or_setting_is_planned_afresh():
     assert len(guard.plans) == 2
     (old, new) = guard.plans.values()
     assert new.bounds[0][0] == 4 * old.bounds[0][0]  # the thresholds scale
-    with _ext.disabled():  # the PyTorch path: nothing to plan
+    with compiled.disabled():  # the PyTorch path: nothing to plan
         guard.check(c.clone(), operands)
     assert len(guard.plans) == 3 and list(guard.plans.values())[-1] is None
     for rows in range(3, 3 + MAX_PLANS):  # shapes that keep changing: a bounded cache

@@ -90,7 +90,7 @@ def test_recompute_reruns_the_gemm_and_a_one_shot_fault_disappears():
 
 
 def _step_recompute_worker():
-    import megatron_abft.guard as guard
+    import megatron_abft.runtime.guard as guard
     from megatron_abft import ABFTUncorrectableError, finish_step, inject
 
     guard.recompute_in_place_possible = lambda t: False  # behave as on a GPU: decide per step
@@ -224,7 +224,7 @@ def test_rerun_hands_the_fault_to_megatrons_rerun_state_machine():
 def test_finish_step_rejects_mixed_policies():
     from types import SimpleNamespace
 
-    from megatron_abft.policy import _policy
+    from megatron_abft.runtime.policy import _policy
 
     guards = [SimpleNamespace(config=ABFTConfig(on_uncorrectable=p)) for p in ("log", "raise")]
     with pytest.raises(ValueError, match="one on_uncorrectable policy"):

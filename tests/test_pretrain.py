@@ -290,8 +290,9 @@ def test_yaml_sets_flags_and_the_command_line_wins(tmp_path):
 
 
 def test_a_coverage_target_sets_the_check_intervals():
-    """The check-frequency optimizer picks the sections and intervals (megatron_abft.frequency):
-    nothing for a zero target, every section every step for full coverage, and in between the
+    """The check-frequency optimizer picks the sections and intervals
+    (megatron_abft.tuning.frequency): nothing for a zero target, every section every step for full
+    coverage, and in between the
     cheapest sections first, whose choice the launch banner logs."""
     from arguments import parse_args
 
@@ -322,7 +323,7 @@ def test_the_sync_free_flag_reaches_the_config():
         args = parse_args(["--config", str(TINY), "--mock-data", "--abft", *flags], world_size=2)
         return abft_config_from_args(args)
 
-    assert config().sync_free is None  # by device: megatron_abft.guard.host_reads
+    assert config().sync_free is None  # by device: megatron_abft.runtime.guard.host_reads
     assert config("--abft-sync-free").sync_free is True
     assert config("--abft-no-sync-free").sync_free is False
     assert config().fused_softmax and not config("--abft-no-fused-softmax").fused_softmax

@@ -1,6 +1,6 @@
 """Never silent with no loop edits: a training loop that makes no ABFT call still sees every
 uncorrectable fault raised, re-run or at least printed and written to the events file
-(megatron_abft.runtime).
+(megatron_abft.runtime.model_runtime).
 
 The fault is a NaN in layer 1's softmax output on tensor-parallel rank 1 (section ``probs``):
 it sits in the context GEMM's input, so neither correction nor a recompute can remove it."""
@@ -91,8 +91,8 @@ def _abft_object_worker():
     """A loop that holds one ABFT: the fault of step 2 is skipped by the policy, counted and
     written to the telemetry's events file; a disabled model's object does nothing."""
     from megatron_abft import ABFT, inject
+    from megatron_abft.runtime.telemetry import TelemetryConfig
     from megatron_abft.spec import get_gpt_layer_abft_spec
-    from megatron_abft.telemetry import TelemetryConfig
 
     model = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable="skip_step")))
     abft = ABFT(model, TelemetryConfig(events_file="events.jsonl", policy="skip_step"))
@@ -329,8 +329,8 @@ def test_a_model_with_its_runtime_pickles():
     import copy
     import pickle
 
-    from megatron_abft.guard import SectionGuard
-    from megatron_abft.runtime import runtime_of
+    from megatron_abft.runtime.guard import SectionGuard
+    from megatron_abft.runtime.model_runtime import runtime_of
 
     config = ABFTConfig()
     layer = torch.nn.Linear(2, 2)

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron_abft.config import BACKWARD_SECTIONS, FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
-from megatron_abft.scaling import (
+from megatron_abft.tuning.scaling import (
     BIAS_OPS,
     BYTES,
     CATALOGUE,
@@ -154,14 +154,14 @@ def test_the_benchmark_measures_what_the_model_calibrates_on():
     from bench_overhead import check_read_rate
     from overhead_report import calibrated
 
-    from megatron_abft import _ext
+    from megatron_abft.ops import compiled
 
     cpu = torch.device("cpu")
-    if _ext.available():  # a rate in bytes a second; its size is the benchmark's to report,
+    if compiled.available():  # a rate in bytes a second; its size is the benchmark's to report,
         # and a busy machine (the suite's other worker) can slow a 32 KiB read a thousandfold
         rate = check_read_rate((2, 64, 64), torch.float32, cpu, 32)
         assert 0 < rate < 1e13
-    with _ext.disabled():
+    with compiled.disabled():
         assert check_read_rate((2, 64, 64), torch.float32, cpu, 32) is None
     run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
     assert calibrated(run).check_bandwidth is None  # a run from before the rate was measured
@@ -175,17 +175,17 @@ def test_the_benchmark_prices_a_dot_product_of_the_kernels_on_a_cpu():
     multiply-adds; None without the kernels."""
     from bench_overhead import check_dot_cost, parse_args
 
-    from megatron_abft import _ext
+    from megatron_abft.ops import compiled
 
     args = parse_args(["--seq", "256", "--hidden", "256", "--heads", "4", "--block", "64"])
     cpu = torch.device("cpu")
-    if _ext.available():
+    if compiled.available():
         cost = check_dot_cost(args, cpu, matmul=1e11)
         assert 0 <= cost < 1e-6
         assert check_dot_cost(args, cpu, matmul=1e6) == 0  # all its time is multiply-adds
         args.dtype = "bf16"  # the queries in the run's dtype, the sums in fp32
         assert 0 <= check_dot_cost(args, cpu, matmul=1e11) < 1e-6
-    with _ext.disabled():
+    with compiled.disabled():
         assert check_dot_cost(args, cpu, matmul=1e11) is None
 
 
@@ -302,8 +302,8 @@ def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
     from megatron.core.transformer.utils import attention_mask_func
     from overhead_report import calibrated
 
-    from megatron_abft import _ext
     from megatron_abft.cpu import enable_cpu_mode
+    from megatron_abft.ops import compiled
 
     enable_cpu_mode()  # Megatron makes its causal mask on the GPU
     module = FusedScaleMaskSoftmax(
@@ -313,11 +313,11 @@ def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
     cpu = torch.device("cpu")
     costs = softmax_costs(module, args, cpu)
     both = {"forward", "backward"}
-    assert set(costs) == (both | {"screen", "pass"} if _ext.available() else both)
+    assert set(costs) == (both | {"screen", "pass"} if compiled.available() else both)
     assert (
         all(0 <= c < 1e-5 for c in costs.values()) and min(costs["forward"], costs["backward"]) > 0
     )
-    with _ext.disabled():
+    with compiled.disabled():
         assert set(softmax_costs(module, args, cpu)) == {"forward", "backward"}
     run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
     assert calibrated(run).softmax is None  # from before the softmax was timed
@@ -379,9 +379,9 @@ def test_the_benchmark_times_every_piece_of_a_check(fused):
     references (screen_sides) and the context's from P's pass (pair_vectors, encode_from_pass);
     nothing while it is off. A check's time is its pieces summed a step, shared over the
     layers, the median over the steps."""
-    from megatron_abft import _ext
+    from megatron_abft.ops import compiled
 
-    if fused and not _ext.available():
+    if fused and not compiled.available():
         pytest.skip("kernel 3 needs the compiled kernels")
     (found,) = spawn(1, 1, _time_checks_worker, fused)
     if isinstance(found, Exception):
@@ -404,9 +404,9 @@ def test_kernel3_swap_times_steps_with_each_softmax_in_turns():
     """Spawns 1 rank. Each pair runs one step with kernel 3 as every layer's softmax and one with
     Megatron's, in turns first; the swap is their difference a layer, and the model is left as
     it was."""
-    from megatron_abft import _ext
+    from megatron_abft.ops import compiled
 
-    if not _ext.available():
+    if not compiled.available():
         pytest.skip("kernel 3 needs the compiled kernels")
     (found,) = spawn(1, 1, _kernel3_swap_worker)
     if isinstance(found, Exception):
@@ -494,11 +494,11 @@ def test_the_op_counts_the_model_assumes_are_the_code_s(impl):
 
     from bench_overhead import check_cost
 
-    from megatron_abft import _ext
+    from megatron_abft.ops import compiled
 
-    if impl == "kernels" and not _ext.available():
-        pytest.skip(_ext.backend())
-    with _ext.disabled() if impl == "torch" else nullcontext():
+    if impl == "kernels" and not compiled.available():
+        pytest.skip(compiled.backend())
+    with compiled.disabled() if impl == "torch" else nullcontext():
         ops, seconds = check_cost(torch.device("cpu"), reps=3)
     assert ops == pytest.approx(CHECK_OPS[impl], rel=0.15)
     assert seconds > 0
@@ -513,17 +513,17 @@ def test_a_bias_adds_the_ops_the_model_counts(impl):
 
     from bench_overhead import count_ops
 
-    from megatron_abft import _ext
+    from megatron_abft.check.eec import GemmOperands
     from megatron_abft.config import ABFTConfig
-    from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard
+    from megatron_abft.ops import compiled
+    from megatron_abft.runtime.guard import SectionGuard
 
-    if impl == "kernels" and not _ext.available():
-        pytest.skip(_ext.backend())
+    if impl == "kernels" and not compiled.available():
+        pytest.skip(compiled.backend())
     x, w, bias = torch.randn(32, 64), torch.randn(192, 64), torch.randn(192)
     counted = []
     for b in (None, bias):
-        with _ext.disabled() if impl == "torch" else nullcontext():
+        with compiled.disabled() if impl == "torch" else nullcontext():
             guard, operands = SectionGuard("qkv", ABFTConfig(), 0), GemmOperands(x, w.t(), 1.0, b)
             y = x @ w.t() + (0 if b is None else b)
             for _ in range(3):  # planned after the first
@@ -629,7 +629,7 @@ def test_the_read_benchmark_times_every_matrix_cold_and_warm():
     kernels."""
     from bench_reads import attention_values, measure, parse_args
 
-    from megatron_abft import _ext
+    from megatron_abft.ops import compiled
 
     values = attention_values(seq=8, hidden=32, heads=2)
     first, *others = values.values()
@@ -637,13 +637,13 @@ def test_the_read_benchmark_times_every_matrix_cold_and_warm():
     assert all(torch.equal(first, other) for other in others)
     args = parse_args(["--seq", "64", "--hidden", "128", "--heads", "2", "--sizes", "0.25"])
     args.reps, args.block = 3, 32
-    if _ext.available():
+    if compiled.available():
         reads = measure(args)["reads"]
         assert list(reads) == ["0.25 MiB contiguous", *values]
         assert reads["0.25 MiB contiguous"]["bytes"] == 2**18
         assert reads["V contiguous"]["bytes"] == 64 * 128 * 4
         assert all(r["cold"] > 0 and r["warm"] > 0 for r in reads.values())
-    with _ext.disabled():
+    with compiled.disabled():
         assert measure(args) is None
 
 
@@ -917,8 +917,8 @@ def test_the_flash_checks_cost_less_as_head_dim_or_tile_width_grows(monkeypatch)
     reference MMA of a head_dim-wide tile and the comparisons go as 1 over the loop side), and
     so does the step's overhead; and it falls as the head dim grows (the reference of a P or dS
     tile is 16 / head_dim of its GEMM). Tiles of one side for every kernel."""
-    from megatron_abft import scaling
     from megatron_abft.flash.launch import Blocks
+    from megatron_abft.tuning import scaling
 
     device = DEVICES["H100"]
 

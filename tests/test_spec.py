@@ -88,8 +88,11 @@ def _construction_worker():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_abft.attention import ProtectedDotProductAttention
-    from megatron_abft.linear import ProtectedColumnParallelLinear, ProtectedRowParallelLinear
+    from megatron_abft.layers.attention import ProtectedDotProductAttention
+    from megatron_abft.layers.linear import (
+        ProtectedColumnParallelLinear,
+        ProtectedRowParallelLinear,
+    )
     from megatron_abft.spec import apply_abft, get_gpt_layer_abft_spec
 
     config = ABFTConfig(sections="scores,context", block_size=64)
@@ -171,7 +174,7 @@ def test_context_parallelism_is_refused_with_what_to_use():
 
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_abft.attention import reject_unsupported
+    from megatron_abft.layers.attention import reject_unsupported
 
     config = SimpleNamespace(context_parallel_size=2, attention_backend=AttnBackend.auto)
     with pytest.raises(ValueError, match="use context_parallel_size=1"):
@@ -186,7 +189,7 @@ def test_cuda_graphs_are_refused_with_what_to_use(graphs):
 
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_abft.attention import reject_unsupported
+    from megatron_abft.layers.attention import reject_unsupported
 
     config = SimpleNamespace(
         context_parallel_size=1, attention_backend=AttnBackend.local, cuda_graph_impl=graphs

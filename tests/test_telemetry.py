@@ -1,5 +1,6 @@
-"""megatron_abft.telemetry: counters and events gathered once per log interval from every rank to
-the logging rank, and written to the console, a JSONL file and a W&B run from that rank only."""
+"""megatron_abft.runtime.telemetry: counters and events gathered once per log interval from every
+rank to the logging rank, and written to the console, a JSONL file and a W&B run from that rank
+only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from mcore import Shape, build_gpt, loss_and_grads, spawn
 
 from megatron_abft import Fault
 from megatron_abft.config import ABFTConfig
-from megatron_abft.telemetry import EVENT_COLUMNS, TelemetryConfig
+from megatron_abft.runtime.telemetry import EVENT_COLUMNS, TelemetryConfig
 
 SHAPE = Shape(heads=4, groups=2)
 
@@ -32,8 +33,8 @@ def _telemetry_worker(events_file: str):
     import torch
 
     from megatron_abft import finish_step, inject, set_step
+    from megatron_abft.runtime.telemetry import Telemetry
     from megatron_abft.spec import get_gpt_layer_abft_spec
-    from megatron_abft.telemetry import Telemetry
 
     model = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable="log")))
     stream, run = io.StringIO(), FakeRun()
@@ -167,6 +168,6 @@ def test_importing_telemetry_does_not_import_wandb():
     import subprocess
     import sys
 
-    code = "import megatron_abft.telemetry, sys; print('wandb' in sys.modules)"
+    code = "import megatron_abft.runtime.telemetry, sys; print('wandb' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr

@@ -7,8 +7,8 @@ compiled out, PyTorch's SDPA backends, and Megatron-core's unfused attention, pr
                                     [--repeats N] [--warmup N] [--implementations NAME ...]
 
 For each model's attention on one tensor-parallel rank (heads, KV heads and head dim from
-megatron_abft.scaling.CATALOGUE, micro-batch from its configs/ file) and sequence length, every
-implementation's median forward and forward+backward times (CUDA events on a GPU, perf_counter
+megatron_abft.tuning.scaling.CATALOGUE, micro-batch from its configs/ file) and sequence length,
+every implementation's median forward and forward+backward times (CUDA events on a GPU, perf_counter
 on CPU), its TFLOP/s (causal: forward 4 B H N^2 D / 2, backward 2.5x that), its peak memory
 beyond the inputs, and its forward's largest error against an fp32 reference: a benchmark of a
 wrong answer is worthless. On a GPU: causal bf16 at 1k to 16k tokens; without one, one tiny
@@ -39,7 +39,7 @@ import torch
 import yaml
 from torch import Tensor
 
-from megatron_abft.scaling import CATALOGUE
+from megatron_abft.tuning.scaling import CATALOGUE
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=[m.name for m in CATALOGUE],
         default=list(CONFIGS),
         metavar="NAME",
-        help=f"GPU only: megatron_abft.scaling.CATALOGUE names (default: {', '.join(CONFIGS)})",
+        help="GPU only: names in megatron_abft.tuning.scaling.CATALOGUE "
+        f"(default: {', '.join(CONFIGS)})",
     )
     p.add_argument(
         "--seqs", nargs="+", type=int, default=list(GPU_SEQS), metavar="N", help="GPU only"
@@ -267,9 +268,9 @@ def megatron_run(case: Case, q: Tensor, k: Tensor, v: Tensor, do: Tensor, protec
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_abft.attention import ProtectedDotProductAttention
     from megatron_abft.config import ABFTConfig
-    from megatron_abft.guard import stats
+    from megatron_abft.layers.attention import ProtectedDotProductAttention
+    from megatron_abft.runtime.guard import stats
 
     config = TransformerConfig(
         num_layers=1,

@@ -16,10 +16,10 @@ import timeit
 
 import torch
 
-from megatron_abft import _ext
+from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
-from megatron_abft.eec import GemmOperands
-from megatron_abft.guard import SectionGuard
+from megatron_abft.ops import compiled
+from megatron_abft.runtime.guard import SectionGuard
 
 
 def per_call(fn, device: torch.device, number: int, repeat: int = 7) -> float:
@@ -38,7 +38,7 @@ def per_call(fn, device: torch.device, number: int, repeat: int = 7) -> float:
 def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     """A guard's clean check of a small GEMM with a bias, as the qkv projection's (32 tokens,
     hidden 64, 192 outputs: its time is all overhead), and its compiled ops called directly
-    with the arguments its plan holds (megatron_abft.plan): encode_pair, add_bias, then
+    with the arguments its plan holds (megatron_abft.check.plan): encode_pair, add_bias, then
     verify_correct and a read of the worst status (CPU), or verify_correct_tally (GPU)."""
     g = torch.Generator().manual_seed(0)
     x, w, bias = (torch.randn(*s, generator=g).to(device) for s in ((32, 64), (192, 64), (192,)))
@@ -57,7 +57,7 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
         sides = (*plan.blocks, [s[0], s[1], s[4]], [s[2], s[3], s[5]], *plan.bounds)
         tail = (x, w.t(), 1.0, bias, plan.near_inf, plan.capacity)
         if plan.sync_free:
-            ops.verify_correct_tally.default(y, *sides, *tail, *_ext._ledger_args(ledger))
+            ops.verify_correct_tally.default(y, *sides, *tail, *compiled._ledger_args(ledger))
         else:
             int(ops.verify_correct.default(y, *sides, *tail)[0].max())
 

@@ -24,13 +24,13 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_abft import _ext
-from megatron_abft.checksum import encode
+from megatron_abft.check.checksum import encode
+from megatron_abft.check.eec import GemmOperands, _kernel_check, verify_and_correct
+from megatron_abft.check.ledger import Ledger
+from megatron_abft.check.sides import Check, kernel_sides, screen
+from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.config import DTYPES
-from megatron_abft.eec import GemmOperands, _kernel_check, verify_and_correct
-from megatron_abft.ledger import Ledger
-from megatron_abft.sides import Check, kernel_sides, screen
-from megatron_abft.tolerance import gemm_rounding
+from megatron_abft.ops import compiled
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,7 +63,7 @@ def compare(fn: Callable[[], object], device: torch.device, repeat: int) -> tupl
     fused, reference = [], []
     for run in range(repeat + 1):  # the first run of each path warms up
         f = timed(fn, device)
-        with _ext.disabled():
+        with compiled.disabled():
             r = timed(fn, device)
         if run:
             fused.append(f)
@@ -87,7 +87,7 @@ def main() -> None:
     print(
         f"S = Q K^T / sqrt(d): {args.batch}x{args.heads} matrices of {args.seq}x{args.seq}, "
         f"d = {args.head_dim}, {args.dtype} on {device} ({torch.get_num_threads()} threads), "
-        f"blocks of {args.block}; extension: {_ext.backend()}"
+        f"blocks of {args.block}; extension: {compiled.backend()}"
     )
     v = torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
     probs = torch.softmax(scores.float(), -1).to(dtype)
@@ -136,7 +136,7 @@ def main() -> None:
             f"{name:<38} {fused:>11.2f} {reference:>9.2f} {reference / fused:>8.1f}x "
             f"{fused / gemms[gemm]:>7.2f} {fused / softmax:>9.2f}"
         )
-    if not _ext.available():
+    if not compiled.available():
         return
     u = torch.randn(*shape[:2], 2 * -(-args.head_dim // args.block), args.seq, device=device)
     check = Check(gemm_rounding(dtype, device), 1.0, 1e10, 0, None)
@@ -151,11 +151,11 @@ def main() -> None:
             scores.nbytes,
         ),
         "block_sums of S, both sides": (
-            lambda: _ext.block_sums(scores, args.block, args.block),
+            lambda: compiled.block_sums(scores, args.block, args.block),
             scores.nbytes,
         ),
         "encode_pair of P, V (encode)": (  # P once on a CPU, twice on a GPU; V twice
-            lambda: _ext.encode_pair(probs, v, 1.0, args.block),
+            lambda: compiled.encode_pair(probs, v, 1.0, args.block),
             (2 if device.type == "cuda" else 1) * probs.nbytes + 2 * v.nbytes,
         ),
         "encode_pair_split (a GPU's steps)": (  # two ops: both block sums, both products
@@ -163,11 +163,11 @@ def main() -> None:
             2 * probs.nbytes + 2 * v.nbytes,
         ),
         "block_sums of P, one side (encode)": (
-            lambda: _ext.block_sums(probs, args.block, 0),
+            lambda: compiled.block_sums(probs, args.block, 0),
             probs.nbytes,
         ),
         "row_products of P (encode)": (
-            lambda: _ext.row_products(probs, u, u[..., :1, :].abs()),
+            lambda: compiled.row_products(probs, u, u[..., :1, :].abs()),
             probs.nbytes,
         ),
         "operand_pass of P: both in one read": (
@@ -195,7 +195,7 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
     sq, sk = scores.shape[-2:]
     mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
     sides = kernel_sides(scores, {"col": col, "row": row}, check)
-    vectors = _ext.pair_vectors(scores, v, block)
+    vectors = compiled.pair_vectors(scores, v, block)
     none = (0, 0, [], [], [], [])
 
     def megatron():
@@ -203,7 +203,7 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
 
     def unfused():
         probs = megatron()
-        _ext.screen(scores, *sides)
+        compiled.screen(scores, *sides)
         return torch.ops.megatron_abft.operand_pass(probs, block, *vectors, 1.0)
 
     def pass_unfused():
@@ -213,7 +213,7 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
     faulty = scores.clone()
 
     def corrected(s):
-        return _ext.softmax_correct_tally(
+        return compiled.softmax_correct_tally(
             s, sides, None, True, 1.0, block, vectors, operands, 1e10, max(sq, sk), ledger
         )
 
@@ -225,16 +225,16 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
         "Megatron's softmax (causal)": megatron,
         "... + screen of S + pass over P": unfused,
         "... + pass over P (sync-free GPU)": pass_unfused,
-        "softmax_check, softmax alone": lambda: _ext.softmax_check(
+        "softmax_check, softmax alone": lambda: compiled.softmax_check(
             scores, none, None, True, 1.0, block, None
         ),
-        "softmax_check + screen of S": lambda: _ext.softmax_check(
+        "softmax_check + screen of S": lambda: compiled.softmax_check(
             scores, sides, None, True, 1.0, block, None
         ),
-        "softmax_check + screen + P's pass": lambda: _ext.softmax_check(
+        "softmax_check + screen + P's pass": lambda: compiled.softmax_check(
             scores, sides, None, True, 1.0, block, vectors
         ),
-        "softmax_check + P's pass (sync-free)": lambda: _ext.softmax_check(
+        "softmax_check + P's pass (sync-free)": lambda: compiled.softmax_check(
             scores, none, None, True, 1.0, block, vectors
         ),
         "softmax_correct_tally + pass, clean": lambda: corrected(scores),

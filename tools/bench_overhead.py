@@ -8,7 +8,7 @@ repetitions of each one's ratio to the "off" run of the same repetition, for the
 time of one check of each section inside the "all" steps. CPU timers on CPU, CUDA events on a
 GPU; on CPU, glibc malloc's thresholds are pinned first (pin_malloc). The JSON also holds
 micro-benchmarks of the machine (matmul rate, elementwise bandwidth, op latency, the kernels'
-read rate, the softmaxes' costs) that calibrate megatron_abft.scaling: taken before, halfway
+read rate, the softmaxes' costs) that calibrate megatron_abft.tuning.scaling: taken before, halfway
 through and after the timed steps, and their medians.
 
     python tools/bench_overhead.py --layers 4 --hidden 512 --heads 8 --seq 512 --dtype fp32 \
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft import _ext, fused_softmax
-from megatron_abft.checksum import encode
+from megatron_abft.check.checksum import encode
 from megatron_abft.config import DTYPES, FORWARD_SECTIONS, SECTIONS, ABFTConfig
-from megatron_abft.scaling import ADAM_BYTES_PER_PARAMETER
+from megatron_abft.ops import compiled, fused_softmax
+from megatron_abft.tuning.scaling import ADAM_BYTES_PER_PARAMETER
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,8 +102,8 @@ class Timer:
 def _small_scores_check(device: torch.device, m: int, k: int, alpha: float, sync_free: bool | None):
     """A guard's clean check of a small attention-scores GEMM (K shared by two heads), as a
     call, after the warm-up checks that allocate the guard's counters."""
-    from megatron_abft.eec import GemmOperands
-    from megatron_abft.guard import SectionGuard
+    from megatron_abft.check.eec import GemmOperands
+    from megatron_abft.runtime.guard import SectionGuard
 
     guard = SectionGuard("scores", ABFTConfig(on_uncorrectable="log", sync_free=sync_free), 0)
     a = torch.randn(1, 4, 2, m, k, device=device)
@@ -156,7 +156,7 @@ def check_read_rate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     of ``shape`` that is in no cache, as a check reads its GEMM's output inside a step: the
     overhead model's ``check_bandwidth``. None where the kernels do not serve ``device``."""
     c = torch.randn(shape, device=device).to(dtype)
-    if _ext.block_sums(c, block, block) is None:
+    if compiled.block_sums(c, block, block) is None:
         return None
     flush = torch.ones(64 * 2**20, device=device)  # 256 MiB, read between runs: more than caches
     timer = Timer(device.type == "cuda")
@@ -164,7 +164,7 @@ def check_read_rate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     for _ in range(15):
         flush.sum()
         begin = timer.start()
-        _ext.block_sums(c, block, block)
+        compiled.block_sums(c, block, block)
         times.append(timer.seconds(begin, timer.start()))
     return c.numel() * c.element_size() / statistics.median(times)
 
@@ -186,7 +186,7 @@ def check_dot_cost(args, device: torch.device, matmul: float) -> float | None:
     rows strided by the others'), on the block sums of keys as long as the sequence, warm, as
     the scores' check does after its GEMM read them. The overhead model's ``check_dot``. None
     off a CPU (a GPU's products kernels are priced by their bytes) or without the kernels."""
-    if device.type != "cpu" or not _ext.available():
+    if device.type != "cpu" or not compiled.available():
         return None
     heads, hn = args.heads // args.tp, args.hidden // args.heads
     blocks = -(-args.seq // args.block)
@@ -213,8 +213,8 @@ def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
     backward, and where kernel 3 serves the device (fused_softmax.fusable) what its screen of S
     and its pass over P add to its forward. Medians of 31. Kernel 3's own difference to
     Megatron's softmax is measured inside the steps (kernel3_swap)."""
-    from megatron_abft.eec import Check, kernel_sides
-    from megatron_abft.tolerance import gemm_rounding
+    from megatron_abft.check.eec import Check, kernel_sides
+    from megatron_abft.check.tolerance import gemm_rounding
 
     heads, groups = args.heads // args.tp, max((args.kv_groups or args.heads) // args.tp, 1)
     b, seq, hn = args.micro_batch, args.seq, args.hidden // args.heads
@@ -253,7 +253,7 @@ def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
             refs = encode(q, k, alpha=alpha, block=args.block)
         check = Check(gemm_rounding(leaf.dtype, device), 1.0, 1e10, 0, None)
         sides = kernel_sides(leaf.detach(), {"col": refs[0], "row": refs[1]}, check)
-        vectors = _ext.pair_vectors(leaf.detach(), v, args.block)
+        vectors = compiled.pair_vectors(leaf.detach(), v, args.block)
 
         def kernel3(checks=(0, 0, [], [], [], []), pass_vectors=None):
             return lambda s: fused_softmax.softmax(
@@ -485,7 +485,7 @@ def run(rank: int, args) -> dict | None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "impl": implementation(args),
-        "backend": _ext.backend(),
+        "backend": compiled.backend(),
         "machine": median_rates(rounds),
         "machine_rounds": rounds,
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
@@ -526,13 +526,13 @@ def run(rank: int, args) -> dict | None:
 
 
 def implementation(args) -> str:
-    """How the checks ran, as megatron_abft.scaling names it: ``flash``; ``fused`` where kernel 3
-    reads S once for the softmax and both attention checks (on a CPU and on CUDA, where a
+    """How the checks ran, as megatron_abft.tuning.scaling names it: ``flash``; ``fused`` where
+    kernel 3 reads S once for the softmax and both attention checks (on a CPU and on CUDA, where a
     sync-free check of the scores corrects in the softmax's op); else ``kernels`` or
     ``torch``."""
     if args.attention == "flash":
         return "flash"
-    if not _ext.available():
+    if not compiled.available():
         return "torch"
     return "fused" if args.fused_softmax else "kernels"
 
@@ -544,8 +544,8 @@ def time_checks(model, timer: Timer, spans: dict[str, list], timing: dict) -> No
     outside it, the scores' references (``screen_sides``) and the context's (``pair_vectors``
     and ``encode_from_pass`` from P's pass). Kernel 3's own screen and pass are timed apart
     (softmax_costs)."""
-    from megatron_abft import attention
-    from megatron_abft.guard import iter_guards
+    from megatron_abft.layers import attention
+    from megatron_abft.runtime.guard import iter_guards
 
     def timed(fn, section: str, guard=None):
         def run(*args, **kwargs):
@@ -562,7 +562,7 @@ def time_checks(model, timer: Timer, spans: dict[str, list], timing: dict) -> No
         guard.check = timed(guard.check, guard.section, guard)
         guard.screen_sides = timed(guard.screen_sides, guard.section, guard)
     attention.encode_from_pass = timed(attention.encode_from_pass, "context")
-    _ext.pair_vectors = timed(_ext.pair_vectors, "context")
+    compiled.pair_vectors = timed(compiled.pair_vectors, "context")
 
 
 def per_check(spans: list, timer: Timer, layers: int) -> float:

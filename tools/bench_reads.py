@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft import _ext
+from megatron_abft.ops import compiled
 
 FLUSH_BYTES = 256 * 2**20
 SIZES_MIB = (0.5, 1, 2, 4, 8, 16, 32)
@@ -41,7 +41,7 @@ def read_seconds(matrix: torch.Tensor, block: int, reps: int, flush: torch.Tenso
         flush.sum()
         for state in ("cold", "warm"):
             begin = time.perf_counter()
-            _ext.block_sums(matrix, block, block)
+            compiled.block_sums(matrix, block, block)
             times[state].append(time.perf_counter() - begin)
     return {state: statistics.median(t) for state, t in times.items()}
 
@@ -62,7 +62,7 @@ def attention_values(seq: int, hidden: int, heads: int) -> dict[str, torch.Tenso
 
 def measure(args) -> dict | None:
     """Each matrix's bytes and read times; None without the kernels."""
-    if not _ext.available():
+    if not compiled.available():
         return None
     flush = torch.ones(FLUSH_BYTES // 4)
     matrices = {

@@ -33,7 +33,7 @@ KINDS = ("inf", "-inf", "nan", "near_inf", "bitflip", "value_1e1", "value_1e4", 
 PATTERNS = ("0d", "row", "col", "2d")
 CORRECTABLE_PATTERNS = ("0d", "row", "col")
 VULNERABILITY_SECTIONS = ("qkv", "scores", "context", "proj")
-VULNERABILITY_KINDS = ("finite", "near_inf", "inf", "nan")  # megatron_abft.eec.KINDS
+VULNERABILITY_KINDS = ("finite", "near_inf", "inf", "nan")  # megatron_abft.check.eec.KINDS
 POLICIES = ("skip_step", "log")
 
 

@@ -60,7 +60,7 @@ def vulnerability(trials: list[dict]) -> tuple[dict, dict]:
     (a soft error corrupts one element of a GEMM output); q, k and v count as qkv. A class with
     no 0d trial falls back to the 0d/row/col trials, then to frequency.DEFAULT_VULNERABILITY.
     Returns (probabilities, {section: {class: (non-trainable, trials, basis)}})."""
-    from megatron_abft.frequency import DEFAULT_VULNERABILITY
+    from megatron_abft.tuning.frequency import DEFAULT_VULNERABILITY
 
     tally: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     wider: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
@@ -326,7 +326,7 @@ def tables(trials: list[dict], settings: Settings, sessions: list[dict], paths: 
     add(
         "**Vulnerability** for the check-frequency optimizer: P(non-trainable | one fault of "
         "that class in that section, protection off), from the 0d trials (q, k and v count as "
-        "qkv). Classes as `megatron_abft.eec.KINDS`: INF and -INF are `inf`; finite values "
+        "qkv). Classes as `megatron_abft.check.eec.KINDS`: INF and -INF are `inf`; finite values "
         "below 1e10 are `finite`; a bit flip is the class the checks measured for it (the worst "
         "kind detected in its section), `finite` when it was too small to detect. "
         f"Written to `{paths['vulnerability']}`."

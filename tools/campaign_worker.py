@@ -49,7 +49,7 @@ class Trainer:
 
     # protection on and off in one model: the guards share one ABFTConfig
     def protect(self, on: bool) -> None:
-        from megatron_abft.guard import iter_guards
+        from megatron_abft.runtime.guard import iter_guards
 
         self.args.abft = on  # train_step applies the ABFT policy only with --abft
         for guard in iter_guards(self.gpt):
@@ -157,7 +157,7 @@ class Trainer:
     def all_max(self, value: float) -> float:
         import torch
 
-        from megatron_abft.guard import collective_device
+        from megatron_abft.runtime.guard import collective_device
 
         t = torch.tensor([value], dtype=torch.float64, device=collective_device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -166,7 +166,7 @@ class Trainer:
     def all_sum(self, values: list[float]) -> list[float]:
         import torch
 
-        from megatron_abft.guard import collective_device
+        from megatron_abft.runtime.guard import collective_device
 
         t = torch.tensor(values, dtype=torch.float64, device=collective_device())
         torch.distributed.all_reduce(t)

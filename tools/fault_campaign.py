@@ -64,7 +64,7 @@ from campaign_plan import (  # noqa: E402
 from campaign_report import write_report  # noqa: E402
 from campaign_worker import ensure_corpus, launch_argv, run_workers, worker_main  # noqa: E402
 
-from megatron_abft import _ext  # noqa: E402
+from megatron_abft.ops import compiled  # noqa: E402
 
 
 def split_launch_flags(argv: list[str] | None) -> tuple[list[str], list[str]]:
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     "workers": args.workers,
                     "cpus": os.cpu_count(),
                     "date": time.strftime("%Y-%m-%d %H:%M"),
-                    "kernels": _ext.backend(),
+                    "kernels": compiled.backend(),
                     "softmax": "kernel 3" if launch.abft_fused_softmax else "Megatron's",
                 }
                 f.write(json.dumps({"session": session}) + "\n")

@@ -6,7 +6,7 @@ share of its threshold (the margin is its inverse).
     python tools/gemm_false_alarms.py --device cuda --json out/gemm_false_alarms.json
 
 On a GPU the GEMMs run on the tensor cores (cuBLAS), so the residuals measure their rounding
-against the bounds of megatron_abft.tolerance; ``tf32`` is fp32 with TF32 matmuls allowed. The
+against the bounds of megatron_abft.check.tolerance; ``tf32`` is fp32 with TF32 matmuls allowed. The
 shapes are one micro-batch of a layer of the model (default GPT-3 350M: hidden 1024, 16 heads,
 sequence 2048). The inputs (``KINDS_OF_INPUT``): standard normal; outlier rows and outlier
 channels scaled by 100; LLM-like activations (heavy-tailed, a few massive channels, layer-normed)
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft import _ext
-from megatron_abft.checksum import GemmOperands, encode
+from megatron_abft.check.checksum import GemmOperands, encode
+from megatron_abft.check.eec import report, residuals, verify_and_correct
 from megatron_abft.config import FORWARD_SECTIONS, KINDS
-from megatron_abft.eec import report, residuals, verify_and_correct
+from megatron_abft.ops import compiled
 
 KINDS_OF_INPUT = ("normal", "outlier_rows", "outlier_channels", "llm_like")
 PRECISIONS = {
@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         dest="reduced",
         action="store_false",
         help="CUDA: turn off torch's fp16/bf16 reduced-precision reductions, which the thresholds "
-        "then no longer allow for (megatron_abft.tolerance.gemm_rounding): far tighter bounds",
+        "then no longer allow for (megatron_abft.check.tolerance.gemm_rounding): far tighter "
+        "bounds",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
-            "backend": _ext.backend(),
+            "backend": compiled.backend(),
             "reduced_precision_reductions": args.reduced,
             "kinds": list(KINDS),
             "seconds": time.perf_counter() - begin,

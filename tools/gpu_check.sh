@@ -62,21 +62,21 @@ export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 step environment 30 bash -c "nvidia-smi; nvcc --version; command -v compute-sanitizer; \
 $PY - <<'EOF'
 import json, subprocess, torch, triton
-from megatron_abft import _ext
+from megatron_abft.ops import compiled
 driver = subprocess.run(['nvidia-smi', '--query-gpu=driver_version', '--format=csv,noheader'],
                         capture_output=True, text=True).stdout.strip()
 env = dict(device=torch.cuda.get_device_name(), driver=driver, torch=torch.__version__,
-           cuda=torch.version.cuda, triton=triton.__version__, backend=_ext.backend())
+           cuda=torch.version.cuda, triton=triton.__version__, backend=compiled.backend())
 print(json.dumps(env))
 open('$WORK/environment.json', 'w').write(json.dumps(env, indent=1))
 EOF"
-if ! $PY -c "from megatron_abft import _ext; assert _ext.backend() == 'cuda'" 2>/dev/null; then
+if ! $PY -c "from megatron_abft.ops import compiled; assert compiled.backend() == 'cuda'" 2>/dev/null; then
     # sm_90 only (H100, H200): half the CUDA compile time of the default 8.0 and 9.0
     step build 200 env TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $PY setup.py build_ext --inplace
 fi
 
 # --- 2. correctness, side by side -----------------------------------------------------------
-SELFTEST="import torch; from megatron_abft.kernel_selftest import mismatches
+SELFTEST="import torch; from megatron_abft.ops.selftest import mismatches
 wrong = mismatches(torch.device('cuda')); print(wrong); assert not wrong"
 GPU_TESTS="tests/test_ext.py tests/test_ext_correct.py tests/test_ext_tally.py tests/test_eec.py
     tests/test_checksum.py tests/test_fused_softmax.py tests/test_fused_softmax_correct.py"

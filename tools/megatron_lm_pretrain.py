@@ -36,9 +36,9 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
 
 from megatron_abft import collect_events, stats
-from megatron_abft.guard import iter_guards
 from megatron_abft.megatron_lm import add_abft_args
-from megatron_abft.runtime import runtimes
+from megatron_abft.runtime.guard import iter_guards
+from megatron_abft.runtime.model_runtime import runtimes
 from megatron_abft.spec import get_gpt_layer_abft_spec
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")

@@ -2,7 +2,7 @@
 attention's forward and backward (docs/abft.md, "The flash path").
 
 ``flash_attention(q, k, v, causal=..., softmax_scale=...)`` is the function;
-``ProtectedFlashAttention`` (megatron_abft.flash_attention) is Megatron-core's core attention
+``ProtectedFlashAttention`` (megatron_abft.layers.flash_attention) is Megatron-core's core attention
 on it. Importing this package does not import Megatron.
 """
 

@@ -17,8 +17,9 @@ every query head of its group): a transient fault is gone the second time, and w
 again is uncorrectable.
 
 Outcomes go to ``CODES [sections, batch * heads]`` (int32, atomic max of
-``outcome << 2 | kind``: outcome 1 corrected, 2 uncorrectable; kind as megatron_abft.eec.KINDS),
-and the first flagged row and column to ``ROWS``/``COLS`` (as ``NO_ROW - row``, atomic max, so
+``outcome << 2 | kind``: outcome 1 corrected, 2 uncorrectable; kind as
+megatron_abft.check.eec.KINDS), and the first flagged row and column to ``ROWS``/``COLS`` (as
+``NO_ROW - row``, atomic max, so
 that a zeroed buffer says none): one matrix a section, on
 the device, no host synchronisation; a program reports what its first pass flagged as
 corrected and what its second flagged as uncorrectable, which the atomic max lets win.
@@ -107,7 +108,7 @@ def _corrupt(x, rows, cols, bh, section: tl.constexpr, fresh, INJ):
 
 @triton.jit
 def _kind(got, ref, near_inf):
-    """Per row: 1 + the fault kind of a residual (megatron_abft.eec.KINDS)."""
+    """Per row: 1 + the fault kind of a residual (megatron_abft.check.eec.KINDS)."""
     r = tl.abs(got - ref)
     return tl.where(r != r, 4, tl.where(r == INF, 3, tl.where(r > near_inf, 2, 1)))
 

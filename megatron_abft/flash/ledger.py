@@ -1,6 +1,6 @@
 """FlashLedger: what the flash kernels found, kept on the device, in the shape of
-megatron_abft.ledger.Ledger with a leading section dim (FLASH_SECTIONS), so that each section's
-guard reads a view of it and the model-wide counters, events and policies see the flash
+megatron_abft.check.ledger.Ledger with a leading section dim (FLASH_SECTIONS), so that each
+section's guard reads a view of it and the model-wide counters, events and policies see the flash
 attention as they see the unfused one.
 """
 
@@ -14,11 +14,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megatron_abft.check.eec import KINDS, OUTCOMES
+from megatron_abft.check.ledger import EVENT_FIELDS, LOG_CAPACITY, Ledger
 from megatron_abft.config import FLASH_SECTIONS
-from megatron_abft.eec import KINDS, OUTCOMES
 from megatron_abft.flash import build
 from megatron_abft.flash.launch import Found
-from megatron_abft.ledger import EVENT_FIELDS, LOG_CAPACITY, Ledger
 
 RECORD_BLOCK = 128
 """Matrices _record_kernel reads at a time: one shape, so that one build serves every call."""

@@ -138,8 +138,8 @@ def test_a_persistent_fault_reaches_the_policy_on_every_rank():
 def _construction_worker():
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_abft.attention import ProtectedDotProductAttention
-    from megatron_abft.flash_attention import ProtectedFlashAttention
+    from megatron_abft.layers.attention import ProtectedDotProductAttention
+    from megatron_abft.layers.flash_attention import ProtectedFlashAttention
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     def core(attention):
@@ -201,7 +201,7 @@ def _layer_scaling_worker():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_abft.flash_attention import ProtectedFlashAttention
+    from megatron_abft.layers.flash_attention import ProtectedFlashAttention
 
     config = TransformerConfig(
         num_layers=4, hidden_size=64, num_attention_heads=2, attention_dropout=0.0,

@@ -1,7 +1,8 @@
 """ABFT: the one object a training loop holds for a protected model.
 
 Every call is optional: the protected layers are never silent without them
-(megatron_abft.runtime). A loop that wants more holds one ``ABFT`` and calls, each step::
+(megatron_abft.runtime.model_runtime). A loop that wants more holds one ``ABFT`` and calls, each
+step::
 
     abft = ABFT(model, TelemetryConfig(events_file="out/abft_events.jsonl"))
     for iteration in range(1, train_iters + 1):
@@ -28,10 +29,10 @@ from typing import Any
 
 import torch
 
-from megatron_abft.guard import iter_guards, stats
-from megatron_abft.policy import StepOutcome, finish_step
-from megatron_abft.runtime import set_step
-from megatron_abft.telemetry import Telemetry, TelemetryConfig
+from megatron_abft.runtime.guard import iter_guards, stats
+from megatron_abft.runtime.model_runtime import set_step
+from megatron_abft.runtime.policy import StepOutcome, finish_step
+from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig
 
 
 class ABFT:
@@ -78,7 +79,7 @@ class ABFT:
 
     def log(self, iteration: int, metrics: dict[str, float] | None = None) -> None:
         """Collective: counters and events of the interval to the console, the JSONL file and
-        W&B, beside ``metrics`` (megatron_abft.telemetry.Telemetry.log)."""
+        W&B, beside ``metrics`` (megatron_abft.runtime.telemetry.Telemetry.log)."""
         if self.telemetry is not None:
             self.telemetry.log(iteration, metrics)
 

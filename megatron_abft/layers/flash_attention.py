@@ -15,13 +15,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from megatron_abft.attention import reject_unsupported
 from megatron_abft.config import FLASH_SECTIONS, ABFTConfig
 from megatron_abft.faults import landed
 from megatron_abft.flash import FlashFault, FlashLedger, flash_attention
 from megatron_abft.flash.attention import FORWARD
-from megatron_abft.guard import KernelGuard
-from megatron_abft.runtime import runtime_of
+from megatron_abft.layers.attention import reject_unsupported
+from megatron_abft.runtime.guard import KernelGuard
+from megatron_abft.runtime.model_runtime import runtime_of
 
 MASKS = (AttnMaskType.causal, AttnMaskType.no_mask)
 """The attention masks the kernels apply: causal (top-left) and none."""

@@ -1,4 +1,4 @@
-"""One side of an EEC-ABFT check (megatron_abft.eec): the vectors of C that one set of
+"""One side of an EEC-ABFT check (megatron_abft.check.eec): the vectors of C that one set of
 reference checksums covers (C's columns, or C's rows as the columns of C^T), the sums recomputed
 from C, their differences from the references, the rounding thresholds and the flags.
 """
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_abft import _ext
-from megatron_abft.checksum import Checksums, GemmOperands, as_blocks, block_weights
-from megatron_abft.tolerance import Rounding, threshold_terms, thresholds
+from megatron_abft.check.checksum import Checksums, GemmOperands, as_blocks, block_weights
+from megatron_abft.check.tolerance import Rounding, threshold_terms, thresholds
+from megatron_abft.ops import compiled
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def screen(c: Tensor, refs: dict[str, Checksums], check: Check) -> Tensor | None
     thresholds are a hair tighter than inspect_sides' (csrc/abft.h, kScreenMargin), so a matrix
     they pass has no vector that inspect_sides would flag."""
     sides = kernel_sides(c, refs, check)
-    return None if sides is None else _ext.screen(c, *sides)
+    return None if sides is None else compiled.screen(c, *sides)
 
 
 def kernel_sides(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple | None:
@@ -120,7 +120,7 @@ def _block_sums(c: Tensor, refs: dict[str, Checksums]) -> dict[str, tuple[Tensor
     natural = torch.float64 if c.dtype == torch.float64 else torch.float32
     if all(ref.sums.dtype == natural for ref in refs.values()):
         col, row = (refs[name].block if name in refs else 0 for name in ("col", "row"))
-        fused = _ext.block_sums(c, col, row)
+        fused = compiled.block_sums(c, col, row)
         if fused is not None:
             return {name: fused[:2] if name == "col" else fused[2:] for name in refs}
     found = {}

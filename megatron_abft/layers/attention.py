@@ -23,18 +23,18 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from megatron_abft import _ext, fused_softmax
-from megatron_abft.checksum import Checksums, encode_from_pass
+from megatron_abft.check.checksum import Checksums, encode_from_pass
+from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
-from megatron_abft.eec import GemmOperands
-from megatron_abft.guard import SectionGuard, host_reads
-from megatron_abft.runtime import runtime_of
+from megatron_abft.ops import compiled, fused_softmax
+from megatron_abft.runtime.guard import SectionGuard, host_reads
+from megatron_abft.runtime.model_runtime import runtime_of
 
 
 def reject_unsupported(config: TransformerConfig, where: str, flash: bool = False) -> None:
     """Fail at construction, with what to use instead, for what the protected layers lack.
-    ``flash``: for the flash attention (megatron_abft.flash_attention), which takes Megatron's
-    flash backend where the unfused attention cannot."""
+    ``flash``: for the flash attention (megatron_abft.layers.flash_attention), which takes
+    Megatron's flash backend where the unfused attention cannot."""
     if config.context_parallel_size != 1:
         raise ValueError(
             f"{where}: context parallelism (context_parallel_size="
@@ -203,7 +203,7 @@ class ProtectedDotProductAttention(DotProductAttention):
         mask: Tensor | None,
         recompute: Callable[[], Tensor],
     ) -> tuple[Tensor, tuple[Checksums, Checksums] | None] | None:
-        """Kernel 3 (megatron_abft.fused_softmax) on the scores ``s5 [b, ng, rep, sq, sk]``: the
+        """Kernel 3 (megatron_abft.ops.fused_softmax) on the scores ``s5 [b, ng, rep, sq, sk]``: the
         probabilities ``[b, np, sq, sk]`` with the scores checked, and the context's references,
         in the softmax's one read of S. The references are None where dropout or a fault in P
         comes between P and the context GEMM. None where the kernel does not apply: the caller
@@ -222,7 +222,7 @@ class ProtectedDotProductAttention(DotProductAttention):
         probs_faults = any(f.section == "probs" for f in self.context_guard.faults)
         vectors = None
         if self.context_guard.due and not dropout and not probs_faults:
-            vectors = _ext.pair_vectors(s5, v5, config.block_size)
+            vectors = compiled.pair_vectors(s5, v5, config.block_size)
         if not screen and vectors is None:
             return None
         sides = (0, 0, [], [], [], [])
@@ -231,7 +231,7 @@ class ProtectedDotProductAttention(DotProductAttention):
             if sides is None:
                 return None
         grouped = None if mask is None else _grouped(mask, groups, rep)
-        if not _ext.softmax_check_applies(s5, grouped, vectors):
+        if not compiled.softmax_check_applies(s5, grouped, vectors):
             return None
         correction = None
         if screen:

@@ -7,13 +7,14 @@ work of each protected section, then turns work into time with a device profile
 limit of its own). Four implementations of the checks are modelled (IMPLEMENTATIONS), three of
 the unfused attention (S and P materialised; UNFUSED) and the flash attention:
 
-- ``torch``: the PyTorch path of megatron_abft.eec and .checksum, pass by pass: every fp32 copy,
+- ``torch``: the PyTorch path of megatron_abft.check.eec and .checksum, pass by pass: every fp32
+copy,
   abs and reduction over C and the operands, as the code does them;
-- ``kernels``: today's code with the compiled kernels (megatron_abft._ext): a clean check is
+- ``kernels``: today's code with the compiled kernels (megatron_abft.ops.compiled): a clean check is
   two ops of them, encode_pair (the larger operand read once for its block sums and its
   checksum products, the smaller twice) and verify_correct (C read once for both sides, with
   the differences, thresholds and flags; a clean matrix needs nothing more);
-- ``fused``: kernel 3 (megatron_abft.fused_softmax): the softmax, which reads S and writes P
+- ``fused``: kernel 3 (megatron_abft.ops.fused_softmax): the softmax, which reads S and writes P
   anyway, also verifies S and emits P's sums, so the scores' verify pass and the context's read
   of P go. The code on a CPU, and on CUDA: there a sync-free check of the scores takes
   softmax_correct_tally, the softmax's one kernel (where a band's column sums fit in a thread
@@ -69,7 +70,7 @@ IMPLEMENTATIONS = (*UNFUSED, "flash")
 CHECK_OPS = {"torch": 124, "kernels": 4, "fused": 4}
 """Top-level tensor ops of one clean check (encode both sides, verify, read whether anything
 was found) of a batched GEMM on a CPU, as a guard runs it once it has planned its shape
-(megatron_abft.plan). The torch and kernels figures are the code's own,
+(megatron_abft.check.plan). The torch and kernels figures are the code's own,
 counted with torch.profiler by tests/test_scaling.py; the fused path removes passes, not
 ops."""
 CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 5, "fused": 3}
@@ -186,7 +187,7 @@ class Work:
 
 SOFTMAX_PARTS = ("forward", "backward", "kernel3_forward", "kernel3_backward", "screen", "pass")
 """What a device profile may time of the scale-mask-softmax, per element of S: Megatron's softmax
-forward and backward; what kernel 3 (megatron_abft.fused_softmax) with no checks adds to each,
+forward and backward; what kernel 3 (megatron_abft.ops.fused_softmax) with no checks adds to each,
 inside a training step (negative where it is faster); and what each of kernel 3's checks adds
 to its forward: the screen of S (the scores' check) and the pass over P (the context's
 encoding)."""

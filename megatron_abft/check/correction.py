@@ -1,6 +1,6 @@
 """Locate and rebuild the bad elements of the flagged vectors of one side of a check, in place
-(megatron_abft.eec, steps 1 and 2), remembering every write so that an uncorrectable matrix can
-be put back exactly as the GEMM produced it.
+(megatron_abft.check.eec, steps 1 and 2), remembering every write so that an uncorrectable matrix
+can be put back exactly as the GEMM produced it.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_abft.checksum import as_blocks, block_weights
-from megatron_abft.sides import Check, Side
-from megatron_abft.tolerance import thresholds
+from megatron_abft.check.checksum import as_blocks, block_weights
+from megatron_abft.check.sides import Check, Side
+from megatron_abft.check.tolerance import thresholds
 
 
 def crossing_flags(other: Side, side: Side) -> tuple[Tensor, Tensor]:

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron_abft import _ext
-from megatron_abft.checksum import Checksums, broadcast_shapes
+from megatron_abft.check.checksum import Checksums, broadcast_shapes
+from megatron_abft.check.eec import CLEAN, UNCORRECTABLE, EECResult, GemmOperands
+from megatron_abft.check.ledger import Ledger
+from megatron_abft.check.sides import Check, side_bounds
+from megatron_abft.check.tolerance import cuda_matmul_switches, gemm_rounding
 from megatron_abft.config import ABFTConfig
-from megatron_abft.eec import CLEAN, UNCORRECTABLE, EECResult, GemmOperands
-from megatron_abft.ledger import Ledger
-from megatron_abft.sides import Check, side_bounds
-from megatron_abft.tolerance import cuda_matmul_switches, gemm_rounding
+from megatron_abft.ops import compiled
 
 GENERAL = object()
 """CheckPlan.run's answer where only the general path gives the result: a matrix the kernels
@@ -53,8 +53,8 @@ def signature(
         config.threshold_scale,
         config.near_inf,
         sync_free,
-        _ext._disabled,
-        _ext._emulating,
+        compiled._disabled,
+        compiled._emulating,
     )
     if refs is not None:
         key += tuple(
@@ -105,15 +105,15 @@ class CheckPlan:
             return None
         if batch != output.shape[:-2]:
             return None
-        if not _ext.verify_correct_applies(output, a, b, bias):
+        if not compiled.verify_correct_applies(output, a, b, bias):
             return None
         natural = torch.float64 if output.dtype == torch.float64 else torch.float32
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
         block = config.block_size
         if refs is None:  # encoded here: the shapes encode gives its Checksums
-            if not _ext.encode_pair_applies(a, b, block):
+            if not compiled.encode_pair_applies(a, b, block):
                 return None
-            if bias is not None and not _ext.add_bias_applies(bias):
+            if bias is not None and not compiled.add_bias_applies(bias):
                 return None
             if (a.dtype == torch.float64) != (natural == torch.float64):
                 return None  # the references would not be in the output's accumulation dtype
@@ -170,7 +170,7 @@ class CheckPlan:
         if self.sync_free:
             found = ops.verify_correct_tally.default(
                 output, *sides, a, b, self.alpha, bias, self.near_inf, self.capacity,
-                *_ext._ledger_args(ledger),
+                *compiled._ledger_args(ledger),
             )  # fmt: skip
             return found[5]
         found = ops.verify_correct.default(

@@ -23,7 +23,7 @@ from torch import Tensor
 
 
 class Ledger(Protocol):
-    """The device tensors a tally writes (megatron_abft.ledger.Ledger)."""
+    """The device tensors a tally writes (megatron_abft.check.ledger.Ledger)."""
 
     counts: Tensor
     clock: Tensor
@@ -86,11 +86,11 @@ def backend() -> str:
     ``"torch (<reason>)"``."""
     module, reason = _load()
     if _disabled:
-        return "torch (the extension is disabled by megatron_abft._ext.disabled())"
+        return "torch (the extension is disabled by megatron_abft.ops.compiled.disabled())"
     if module is None:
         return f"torch ({reason})"
     if _emulating:
-        return "cuda (emulated on the CPU by megatron_abft._ext.emulated_cuda())"
+        return "cuda (emulated on the CPU by megatron_abft.ops.compiled.emulated_cuda())"
     return "cuda" if module.cuda and torch.cuda.is_available() else "cpu"
 
 
@@ -117,7 +117,7 @@ def emulated_cuda(schedule: int = 0) -> Iterator[None]:
     global _emulating
     emulator, reason = _load_emulator()
     if emulator is None:
-        raise RuntimeError(f"megatron_abft._ext.emulated_cuda: no CUDA emulator ({reason})")
+        raise RuntimeError(f"megatron_abft.ops.compiled.emulated_cuda: no CUDA emulator ({reason})")
     module, table = _load()[0], emulator.table()
     before = module.emulate_cuda(True, schedule, table)
     previous, _emulating = _emulating, True
@@ -154,7 +154,7 @@ _selftest: Callable[[torch.device], list[str]] | None = None
 
 def register_selftest(mismatches: Callable[[torch.device], list[str]]) -> None:
     """Set the known-answer test ``trusted`` runs on a device before its kernels serve it (what
-    the kernels get wrong there; megatron_abft.kernel_selftest registers itself on import)."""
+    the kernels get wrong there; megatron_abft.ops.selftest registers itself on import)."""
     global _selftest
     _selftest = mismatches
 
@@ -167,7 +167,7 @@ def trusted(device: torch.device) -> bool:
         if _selftest is None:
             raise RuntimeError(
                 "no known-answer test of the kernels is registered: import "
-                "megatron_abft.kernel_selftest (importing megatron_abft does)"
+                "megatron_abft.ops.selftest (importing megatron_abft does)"
             )
         _trusted[device] = True  # while the test runs, its own calls reach the kernels
         try:
@@ -246,7 +246,7 @@ def encode_pair(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """Both sides' checksum sums of ``alpha * a @ b`` (no bias) in one op, the larger operand
     read once: column sums ``[..., nb(m), 2, n]`` and magnitudes ``[..., nb(m), n]``, row sums
-    ``[..., nb(n), 2, m]`` and magnitudes, as megatron_abft.checksum computes them. None where
+    ``[..., nb(n), 2, m]`` and magnitudes, as megatron_abft.check.checksum computes them. None where
     the kernels do not take these operands."""
     if not encode_pair_applies(a, b, block):
         return None
@@ -299,7 +299,7 @@ def verify_correct(
 ) -> tuple[Tensor, ...] | None:
     """``screen``, then the flagged matrices of ``c`` located and corrected in place from the
     GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/abft_correct.h). ``sides`` are the
-    six arguments of ``screen`` after c (megatron_abft.sides.kernel_sides). Per matrix: status
+    six arguments of ``screen`` after c (megatron_abft.check.sides.kernel_sides). Per matrix: status
     (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
     flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass
     are corrected (eec's max_corrections, per matrix). With a ``ledger``, the same op also

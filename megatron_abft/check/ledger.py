@@ -17,8 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from megatron_abft import _ext
 from megatron_abft.config import KINDS, OUTCOMES, UNCORRECTABLE
+from megatron_abft.ops import compiled
 
 EVENT_FIELDS = ("step", "status", "matrix", "kind", "row", "col", "magnitude")
 """One log record: the worst matrix of a check that found a fault, and where it went wrong."""
@@ -27,7 +27,7 @@ LOG_CAPACITY = 64
 
 
 class Found(Protocol):
-    """What a check found, as ``Ledger.tally`` reads it (megatron_abft.eec.EECResult)."""
+    """What a check found, as ``Ledger.tally`` reads it (megatron_abft.check.eec.EECResult)."""
 
     counts: Tensor
     status: Tensor
@@ -68,7 +68,7 @@ class Ledger:
     def tally(self, result: Found) -> Tensor:
         """Add what a check found to the ledger; whether a matrix stayed uncorrectable (a bool
         tensor). One op of the compiled kernels, else its PyTorch twin."""
-        failed = _ext.tally(result.fields, self)
+        failed = compiled.tally(result.fields, self)
         if failed is not None:
             return failed
         self.counts += result.counts

@@ -18,7 +18,7 @@ synchronisation and one tiny all-reduce decide, for all ranks together, what to 
 
 Every uncorrectable fault is printed with rank, layer, section and step and written to the
 config's events file as it is decided. A loop that calls none of this is covered by the runtime
-(megatron_abft.runtime), which settles the faults itself.
+(megatron_abft.runtime.model_runtime), which settles the faults itself.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_abft.guard import ABFTUncorrectableError, collective_device, iter_guards
-from megatron_abft.runtime import hand_to_rerun, report, runtimes, take_pending
+from megatron_abft.runtime.guard import ABFTUncorrectableError, collective_device, iter_guards
+from megatron_abft.runtime.model_runtime import hand_to_rerun, report, runtimes, take_pending
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def finish_step(
 ) -> StepOutcome:
     """Decide what this step's uncorrectable faults mean, for all ranks of ``group`` (default:
     every rank, when torch.distributed is initialised). Clears the pending faults, and prints
-    and records this rank's (megatron_abft.runtime.report)."""
+    and records this rank's (megatron_abft.runtime.model_runtime.report)."""
     guards = list(iter_guards(model))
     policy = _policy(guards)
     if policy != "rerun":  # rerun is decided inside the step (validate_with_rerun, the runtime)

@@ -4,10 +4,11 @@ guards (counters, step, layer numbers).
 A protected module owns one guard per section it computes. On each forward the guard lands any
 injected fault meant for it (megatron_abft.inject), then, when the section is due
 (ABFTConfig.checks), encodes checksums from the GEMM's inputs, verifies and corrects the output
-in place and tallies the outcome into its ledger, on the device (megatron_abft.ledger). A fault
-it cannot correct is recomputed at once where that costs no host synchronisation (CPU tensors),
+in place and tallies the outcome into its ledger, on the device (megatron_abft.check.ledger). A
+fault it cannot correct is recomputed at once where that costs no host synchronisation (CPU
+tensors),
 and otherwise left pending for the once-per-step policy decision
-(megatron_abft.policy.finish_step).
+(megatron_abft.runtime.policy.finish_step).
 """
 
 from __future__ import annotations
@@ -18,22 +19,22 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from megatron_abft import _ext
-from megatron_abft.checksum import Checksums, encode
+from megatron_abft.check.checksum import Checksums, encode
+from megatron_abft.check.eec import KINDS, OUTCOMES, GemmOperands, verify_and_correct
+from megatron_abft.check.ledger import EVENT_FIELDS, Ledger, drain
+from megatron_abft.check.plan import GENERAL, CheckPlan, signature
+from megatron_abft.check.sides import Check, kernel_sides
+from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.config import SECTIONS, ABFTConfig
-from megatron_abft.eec import KINDS, OUTCOMES, GemmOperands, verify_and_correct
 from megatron_abft.faults import land
-from megatron_abft.ledger import EVENT_FIELDS, Ledger, drain
-from megatron_abft.plan import GENERAL, CheckPlan, signature
-from megatron_abft.sides import Check, kernel_sides
-from megatron_abft.tolerance import gemm_rounding
+from megatron_abft.ops import compiled
 
 UNCORRECTABLE_ROW = OUTCOMES.index("uncorrectable")
 RECOMPUTED = 3
 """Event status of a fault that was uncorrectable in place and went away when recomputed."""
 ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed"}
 MAX_PLANS = 8
-"""Check plans a guard keeps (megatron_abft.plan): one a shape it checks."""
+"""Check plans a guard keeps (megatron_abft.check.plan): one a shape it checks."""
 
 View = Callable[[Tensor], Tensor]
 """Maps a GEMM output to the ``[..., rows, cols]`` matrix a fault section names."""
@@ -69,7 +70,7 @@ def host_reads(config: ABFTConfig, device: torch.device) -> bool:
     if device.type == "cpu":
         return True
     if config.sync_free is None:
-        return not _ext._serves_device(device)
+        return not compiled._serves_device(device)
     return not config.sync_free
 
 
@@ -192,7 +193,7 @@ class SectionGuard:
         """Verify and correct in place and tally. Returns whether a matrix stayed uncorrectable
         (a device bool); None when the check is known clean without a host synchronisation
         (EECResult.known_clean, which every clean check is where host_reads). The first check
-        of a signature takes the general path and plans the next ones (megatron_abft.plan)."""
+        of a signature takes the general path and plans the next ones (megatron_abft.check.plan)."""
         ledger = self.ledger_on(output.device)
         sync_free = not host_reads(self.config, output.device)
         key = signature(output, operands, refs, self.config, sync_free)
@@ -207,7 +208,7 @@ class SectionGuard:
 
     def screen_sides(self, output: Tensor, operands: GemmOperands) -> tuple | None:
         """Both sides' references of ``output``, encoded from ``operands``, as the kernels take
-        them (megatron_abft.sides.kernel_sides), for a screen elsewhere (the fused softmax's);
+        them (megatron_abft.check.sides.kernel_sides), for a screen elsewhere (the fused softmax's);
         None where the kernels do not take them. By this signature's plan after the first."""
         sync_free = not host_reads(self.config, output.device)
         key = signature(output, operands, None, self.config, sync_free)

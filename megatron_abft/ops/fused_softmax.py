@@ -24,9 +24,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import attention_mask_func
 from torch import Tensor
 
-from megatron_abft import _ext
-from megatron_abft.checksum import _constant
-from megatron_abft.ledger import Ledger
+from megatron_abft.check.checksum import _constant
+from megatron_abft.check.ledger import Ledger
+from megatron_abft.ops import compiled
 
 
 def fusable(
@@ -43,7 +43,7 @@ def fusable(
         return False
     if mask is None and causal(module, scores) and scores.shape[-2] != scores.shape[-1]:
         return False  # Megatron asserts; leave it to say so
-    return _ext.available() and _ext._serves(scores)
+    return compiled.available() and compiled._serves(scores)
 
 
 def causal(module: FusedScaleMaskSoftmax, scores: Tensor) -> bool:
@@ -83,7 +83,7 @@ class _ScaleMaskSoftmax(torch.autograd.Function):
                 scores, *sides, mask, is_causal, scale, block, u, z
             )
         else:
-            found = _ext.softmax_correct_tally(
+            found = compiled.softmax_correct_tally(
                 scores,
                 sides,
                 mask,
@@ -129,10 +129,10 @@ def softmax(
 ) -> tuple[Tensor, ...]:
     """``module``'s softmax of ``scores [..., sq, sk]`` (``fusable``; ``mask`` broadcast to
     ``scores``) by softmax_check, differentiable in ``scores``: P, the screen's flagged counts
-    per matrix, and P's checksum pass (see _ext.softmax_check). With a ``correction`` (and a
+    per matrix, and P's checksum pass (see compiled.softmax_check). With a ``correction`` (and a
     screen), softmax_correct_tally instead: the flagged matrices corrected in place and tallied,
     and whether a matrix stayed uncorrectable in place of the flagged counts. The caller has
-    checked that the kernels take these inputs (_ext.softmax_check_applies)."""
+    checked that the kernels take these inputs (compiled.softmax_check_applies)."""
     is_causal = mask is None and causal(module, scores)
     scale = 1.0 if module.scale is None else float(module.scale)
     return _ScaleMaskSoftmax.apply(

@@ -1,8 +1,8 @@
 """Verify, locate and correct one checked GEMM output in place (EEC-ABFT, DESIGN.md section 2).
 
 ``verify_and_correct(c, col, row)`` compares the reference checksums of C (from the inputs, see
-megatron_abft.checksum) with sums recomputed from C (both sides in one read of C by the compiled
-kernels of megatron_abft._ext where they are built), then for every flagged vector:
+megatron_abft.check.checksum) with sums recomputed from C (both sides in one read of C by the
+compiled kernels of megatron_abft.ops.compiled where they are built), then for every flagged vector:
 
 1. locates the bad element: from the other side's flags when exactly one crossing vector is
    flagged (exact for any 0D error), else from the weighted checksum, loc = round(d2/d1) - 1, when
@@ -19,10 +19,11 @@ kernels of megatron_abft._ext where they are built), then for every flagged vect
 3. re-verifies both sides: a matrix with any vector still inconsistent is uncorrectable, and is
    put back exactly as the GEMM produced it.
 
-One side's comparison lives in megatron_abft.sides, steps 1 and 2 in megatron_abft.correction.
+One side's comparison lives in megatron_abft.check.sides, steps 1 and 2 in
+megatron_abft.check.correction.
 
 Results are device tensors. Where the compiled kernels are built and the GEMM's operands are
-given, a check is one op (``_ext.verify_correct``, csrc/abft_correct.h): it screens C, then
+given, a check is one op (``compiled.verify_correct``, csrc/abft_correct.h): it screens C, then
 takes steps 1 to 3 on the device for each flagged matrix, and puts back bit for bit a matrix it
 cannot settle. Where reading the device costs no sync (CPU, or ``sync_free=False``) such a
 matrix goes on to the PyTorch path below, so the result is that path's; with ``sync_free`` on a
@@ -30,7 +31,7 @@ GPU it is reported uncorrectable, for the caller's policy. Without the kernels o
 by default nothing is read on the host on CUDA (``sync_free``), so the PyTorch correction path
 runs on every call there; on CPU it is skipped when nothing was flagged, which costs no sync
 there, and ``sync_free=False`` does the same on any device for one sync (the clean path is then
-one op of the kernels, megatron_abft.sides.screen).
+one op of the kernels, megatron_abft.check.sides.screen).
 """
 
 from __future__ import annotations
@@ -40,13 +41,24 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from megatron_abft import _ext
-from megatron_abft.checksum import FLOATING, Checksums, GemmOperands, broadcast_shapes, nblocks
+from megatron_abft.check.checksum import (
+    FLOATING,
+    Checksums,
+    GemmOperands,
+    broadcast_shapes,
+    nblocks,
+)
+from megatron_abft.check.correction import (
+    correct_side,
+    crossing_flags,
+    sum_into,
+    vectors_to_correct,
+)
+from megatron_abft.check.ledger import Ledger
+from megatron_abft.check.sides import Check, Side, inspect_sides, kernel_sides, screen
+from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.config import CLEAN, CORRECTED, KINDS, OUTCOMES, UNCORRECTABLE
-from megatron_abft.correction import correct_side, crossing_flags, sum_into, vectors_to_correct
-from megatron_abft.ledger import Ledger
-from megatron_abft.sides import Check, Side, inspect_sides, kernel_sides, screen
-from megatron_abft.tolerance import gemm_rounding
+from megatron_abft.ops import compiled
 
 
 @dataclass(frozen=True)
@@ -141,8 +153,8 @@ def verify_and_correct(
     one host synchronisation; the protected layers turn it off and count such matrices as
     uncorrectable instead. ``sync_free=False`` lets a device other than the CPU read whether
     anything was flagged (one host synchronisation) and skip the correction path when nothing was,
-    as the CPU always does. ``ledger`` (a guard's, megatron_abft.ledger): where the check stays
-    sync-free on a device other than the CPU and the kernels run it, they also tally its
+    as the CPU always does. ``ledger`` (a guard's, megatron_abft.check.ledger): where the check
+    stays sync-free on a device other than the CPU and the kernels run it, they also tally its
     outcomes into the ledger in the same op (one launch), and the result's ``tallied`` says so;
     elsewhere the tally is left to the caller.
     """
@@ -207,13 +219,13 @@ def _kernel_check(
 ) -> tuple[Tensor, ...] | None:
     """The compiled kernels' verify-and-correct of ``c`` in place (one op): per matrix status,
     kind, row, col and magnitude, a status of UNCORRECTABLE for a matrix they could not settle
-    and put back as it was; with a ``ledger``, then failed, tallied into it (_ext.tally). None
+    and put back as it was; with a ``ledger``, then failed, tallied into it (compiled.tally). None
     where the kernels do not apply."""
     sides = kernel_sides(c, refs, check)
     if sides is None:
         return None
     operands = check.operands  # read under no_grad: nothing to detach
-    return _ext.verify_correct(
+    return compiled.verify_correct(
         c,
         sides,
         (operands.a, operands.b, float(operands.alpha), operands.bias),

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from megatron_abft.check.ledger import set_clocks
 from megatron_abft.config import ABFTConfig
 from megatron_abft.faults import Fault, arm, disarm
-from megatron_abft.guard import ABFTUncorrectableError, SectionGuard, iter_guards
-from megatron_abft.ledger import set_clocks
+from megatron_abft.runtime.guard import ABFTUncorrectableError, SectionGuard, iter_guards
 
 WITHOUT_LOOP = {
     "recompute": "raised (the recompute did not help, or needs the loop's finish_step)",

@@ -4,9 +4,9 @@ Column checksums sum C over its rows, block by block: for each block of at most 
 and each column j, the pair (sum_i C_ij, sum_i (i+1) C_ij) with i counted from the block's start,
 obtained as ([e w]^T A) @ B. Row checksums are the column checksums of C^T = B^T A^T. Beside the
 pair each block carries the magnitude sum_i (|alpha| |A| @ |B| + |bias|)_ij that scales the
-detection threshold (megatron_abft.tolerance). Everything is accumulated in fp32 (fp64 for fp64
-inputs), whatever the inputs' dtype. The per-block sums of A come from the compiled kernels
-(megatron_abft._ext) where they are built; the PyTorch code beside them is the reference.
+detection threshold (megatron_abft.check.tolerance). Everything is accumulated in fp32 (fp64 for
+fp64 inputs), whatever the inputs' dtype. The per-block sums of A come from the compiled kernels
+(megatron_abft.ops.compiled) where they are built; the PyTorch code beside them is the reference.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_abft import _ext
+from megatron_abft.ops import compiled
 
 FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -192,7 +192,7 @@ def _project(x: Tensor, sums: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     broadcast are folded into the GEMM's columns."""
     batch = broadcast_shapes(x.shape[:-2], sums.shape[:-2])
     if x.shape[:-2] == batch:  # nothing to fold
-        products = _ext.row_products(x, sums, sizes)
+        products = compiled.row_products(x, sums, sizes)
         if products is not None:
             return products[0].mT, products[1].mT
         x = x.to(sums.dtype)
@@ -224,7 +224,7 @@ def _operand_sums(a: Tensor, block: int, dtype: torch.dtype) -> tuple[Tensor, Te
     """[e w]^T A and sum |A| over each block of rows of ``a [..., m, k]``: ``[..., nb, 2, k]`` and
     ``[..., nb, k]`` in ``dtype``, from the compiled kernels where they apply (one read of A)."""
     if (a.dtype == torch.float64) == (dtype == torch.float64):
-        fused = _ext.block_sums(a, block, 0)
+        fused = compiled.block_sums(a, block, 0)
         if fused is not None:
             return fused[0], fused[1][..., 0, :]
     ab = as_blocks(a, block, dtype)  # [..., nb, block, k]
@@ -250,7 +250,7 @@ def _both_sides_sums(
     the larger operand read once for its block sums and its products with the smaller one's
     sums, the smaller one twice; the same steps as _operand_sums and _project). None where the
     kernels cannot do that; encode then takes one side at a time."""
-    found = _ext.encode_pair(a.detach(), b.detach(), alpha, block)
+    found = compiled.encode_pair(a.detach(), b.detach(), alpha, block)
     if found is None:
         return None
     col, col_magnitude, row, row_magnitude = found
@@ -322,7 +322,7 @@ def encode(
             both = (_column_sums(a, b, alpha, block), _column_sums(b.mT, a.mT, alpha, block))
         (col, col_magnitude), (row, row_magnitude) = both
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-        biased = None if bias is None else _ext.add_bias(both[0] + both[1], bias, m, block)
+        biased = None if bias is None else compiled.add_bias(both[0] + both[1], bias, m, block)
         if biased is not None:  # one op of the compiled kernels for the bias's terms
             col, col_magnitude, row, row_magnitude, col_bias, row_bias = biased
             return (
@@ -339,11 +339,11 @@ def encode_from_pass(
     a: Tensor, b: Tensor, block: int, found: tuple[Tensor, ...]
 ) -> tuple[Checksums, Checksums]:
     """``encode(a, b, block=block)`` from a pass over ``a`` made elsewhere: ``found`` are its
-    block sums, sizes, products and magnitudes with _ext.pair_vectors(a, b, block), as
-    _ext.softmax_check gives them for the context GEMM P @ V. Needs the compiled kernels. The
+    block sums, sizes, products and magnitudes with compiled.pair_vectors(a, b, block), as
+    compiled.softmax_check gives them for the context GEMM P @ V. Needs the compiled kernels. The
     row side is views of the pass's products ``[..., m, 2 nb(n)]`` and magnitudes."""
     sums, sizes, products, magnitudes = found
-    col, col_magnitude = _ext.encode_pair_from(a, b, 1.0, block, sums, sizes)
+    col, col_magnitude = compiled.encode_pair_from(a, b, 1.0, block, sums, sizes)
     row, row_magnitude = products.mT.unflatten(-2, (-1, 2)), magnitudes.mT
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     return Checksums(col, col_magnitude, block, m, k), Checksums(row, row_magnitude, block, n, k)

@@ -1,7 +1,7 @@
 """A known-answer test of the compiled kernels on one device against the PyTorch path.
 
-megatron_abft._ext runs it once per CUDA device before its kernels serve that device (this module
-registers it there on import; the package imports it): a kernel
+megatron_abft.ops.compiled runs it once per CUDA device before its kernels serve that device (this
+module registers it there on import; the package imports it): a kernel
 that got a check wrong would let a fault through unseen, so a device whose kernels disagree with
 the reference keeps the PyTorch path (with a warning) instead. On CPU the test suite covers the
 same ground; ``mismatches`` runs there too.
@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from megatron_abft import _ext
-from megatron_abft.checksum import encode
-from megatron_abft.eec import KINDS, EECResult, GemmOperands, _kernel_check, verify_and_correct
-from megatron_abft.ledger import Ledger
-from megatron_abft.sides import Check, _block_sums, inspect_sides, kernel_sides, screen
-from megatron_abft.tolerance import gemm_rounding
+from megatron_abft.check.checksum import encode
+from megatron_abft.check.eec import (
+    KINDS,
+    EECResult,
+    GemmOperands,
+    _kernel_check,
+    verify_and_correct,
+)
+from megatron_abft.check.ledger import Ledger
+from megatron_abft.check.sides import Check, _block_sums, inspect_sides, kernel_sides, screen
+from megatron_abft.check.tolerance import gemm_rounding
+from megatron_abft.ops import compiled
 
 BLOCK = 32
 
@@ -25,7 +31,7 @@ def mismatches(device: torch.device) -> list[str]:
     """What the kernels get wrong on ``device``: encode_pair, add_bias, block_sums, screen,
     verify_correct, softmax_check and softmax_correct_tally on a small batched GEMM in fp32 and
     bf16, clean and with faults, and tally, against the PyTorch path. Empty when they agree."""
-    module, reason = _ext._load()
+    module, reason = compiled._load()
     if module is None:
         return [reason]
     wrong = []
@@ -34,7 +40,7 @@ def mismatches(device: torch.device) -> list[str]:
         a = torch.randn(2, 3, 96, 24, generator=g).to(device=device, dtype=dtype)
         b = torch.randn(2, 1, 24, 80, generator=g).to(device=device, dtype=dtype)
         c = a @ b
-        with _ext.disabled():
+        with compiled.disabled():
             col, row = encode(a, b, block=BLOCK)
         got = torch.ops.megatron_abft.encode_pair(a, b, 1.0, BLOCK)
         want = (col.sums, col.magnitude, row.sums, row.magnitude)
@@ -43,14 +49,14 @@ def mismatches(device: torch.device) -> list[str]:
         # b of every matrix its own, read as b^T column by column: on a GPU the two operands'
         # products (one by rows, one by columns) in one launch
         own = torch.randn(2, 3, 24, 80, generator=g).to(device=device, dtype=dtype)
-        with _ext.disabled():
+        with compiled.disabled():
             own_col, own_row = encode(a, own, alpha=-0.5, block=BLOCK)
         got = torch.ops.megatron_abft.encode_pair(a, own, -0.5, BLOCK)
         want_own = (own_col.sums, own_col.magnitude, own_row.sums, own_row.magnitude)
         if not all(_close(x, y) for x, y in zip(got, want_own, strict=True)):
             wrong.append(f"encode_pair, b unshared ({dtype})")
         bias = torch.randn(80, generator=g).to(device=device, dtype=dtype)
-        with _ext.disabled():
+        with compiled.disabled():
             col_b, row_b = encode(a, b, bias=bias, block=BLOCK)
         biased = torch.ops.megatron_abft.add_bias(*want, bias, 96, BLOCK)
         want_b = (col_b.sums, col_b.magnitude, row_b.sums, row_b.magnitude)
@@ -62,7 +68,7 @@ def mismatches(device: torch.device) -> list[str]:
         faulty = c.clone()
         faulty[1, 2, 5, 7] += 1e3
         for name, matrix in (("clean", c), ("one fault", faulty)):
-            with _ext.disabled():
+            with compiled.disabled():
                 sides = inspect_sides(matrix, refs, check).values()
             expected = sum(s.flagged.flatten(-2).sum(-1).expand(c.shape[:-2]) for s in sides)
             flagged = screen(matrix, refs, check)
@@ -70,7 +76,7 @@ def mismatches(device: torch.device) -> list[str]:
                 wrong.append(f"screen, {name} ({dtype})")
         wrong += _correction_mismatches(a, b, c, refs, check, dtype)
         sums = torch.ops.megatron_abft.block_sums(c, BLOCK, BLOCK)
-        with _ext.disabled():
+        with compiled.disabled():
             reference = _block_sums(c, refs)
         for side, (plain, sizes) in reference.items():
             got = sums[:2] if side == "col" else sums[2:]
@@ -155,7 +161,7 @@ def _correction_mismatches(a, b, c, refs, check, dtype) -> list[str]:
     found = _kernel_check(settled, refs, replace(check, capacity=96, operands=operands))
     ledger = Ledger.on(c.device, 5)
     both = _kernel_check(tallied, refs, replace(check, capacity=96, operands=operands), ledger)
-    with _ext.disabled():
+    with compiled.disabled():
         want = verify_and_correct(faulty, **refs, operands=operands, check_references=False)
     if found is None or not (torch.equal(found[0], want.status) and _close(settled, faulty)):
         wrong.append(f"verify_correct, 0D and 1D ({dtype})")
@@ -195,7 +201,7 @@ def _tally_mismatches(device: torch.device) -> list[str]:
     got = []
     for kernels in (True, False):
         ledger = Ledger.on(device, 5, capacity=2)
-        with nullcontext() if kernels else _ext.disabled():
+        with nullcontext() if kernels else compiled.disabled():
             failed = [bool(ledger.tally(found)) for _ in range(3)]
         got.append((failed, ledger))
     (failed, ledger), (want_failed, want) = got
@@ -213,4 +219,4 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     )
 
 
-_ext.register_selftest(mismatches)
+compiled.register_selftest(mismatches)

@@ -27,10 +27,10 @@ from typing import Any, TextIO
 
 import torch
 
+from megatron_abft.check.eec import KINDS, OUTCOMES
 from megatron_abft.config import SECTIONS
-from megatron_abft.eec import KINDS, OUTCOMES
-from megatron_abft.guard import collect_events, iter_guards
-from megatron_abft.runtime import runtimes
+from megatron_abft.runtime.guard import collect_events, iter_guards
+from megatron_abft.runtime.model_runtime import runtimes
 
 COUNTS: tuple[str, ...] = (*OUTCOMES, "recomputed")
 """What is counted per section and kind: detected, corrected, uncorrectable and, for the

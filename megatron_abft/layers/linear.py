@@ -14,10 +14,10 @@ from __future__ import annotations
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
-from megatron_abft.eec import GemmOperands
-from megatron_abft.guard import SectionGuard, View
-from megatron_abft.runtime import runtime_of
+from megatron_abft.runtime.guard import SectionGuard, View
+from megatron_abft.runtime.model_runtime import runtime_of
 
 
 def _reject_sequence_parallel(config, where: str) -> None:

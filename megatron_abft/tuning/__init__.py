@@ -1,0 +1,2 @@
+"""Choosing what protection costs: the overhead model that predicts it on GPUs (``scaling``)
+and the check-frequency optimizer (``frequency``)."""
