@@ -51,7 +51,7 @@ test: install
 # A tiny GPT on 2 CPU ranks (TP=2) learns a small text corpus while a soft error lands in its
 # attention every 3 steps; ABFT corrects them all (pretrain/demo.py, configs/tiny_cpu.yaml).
 demo: install
-	$(PY) pretrain/demo.py
+	$(PY) -m pretrain.demo
 
 lint: install
 	$(PY) -m ruff check .

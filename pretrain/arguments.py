@@ -405,7 +405,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
             require(
                 not missing,
                 f"--data-path {prefix}: {', '.join(missing)} not found; build it with "
-                "python tools/prepare_data.py --input FILES --output-prefix PREFIX",
+                "python -m tools.prepare_data --input FILES --output-prefix PREFIX",
             )
     if args.tokenizer_type == "ByteLevelTokenizer":
         args.vocab_size = 256

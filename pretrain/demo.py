@@ -8,7 +8,7 @@
 4. the same faults without ABFT, to show what they do to plain Megatron;
 5. a summary table, and where the fault events (JSONL) and the W&B offline run are.
 
-    python pretrain/demo.py [--steps 300] [--inject-every 3]
+    python -m pretrain.demo [--steps 300] [--inject-every 3]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def torchrun(name: str, flags: list[str], show: bool) -> tuple[int, Path]:
     log = OUT / f"{name}.log"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(ROOT / "pretrain" / "pretrain_gpt.py"),
+        "-m", "pretrain.pretrain_gpt",
         "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
         "--data-path", str(CORPUS), "--save", str(OUT / name), *flags,
     ]  # fmt: skip
@@ -92,7 +92,7 @@ def main() -> int:
 
     print("[1/4] corpus: data/tiny_corpus -> Megatron indexed dataset (byte-level)", flush=True)
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "prepare_data.py"), "--output-prefix", str(CORPUS),
+        [sys.executable, "-m", "tools.prepare_data", "--output-prefix", str(CORPUS),
          "--input", *map(str, sorted((ROOT / "data" / "tiny_corpus").glob("*.txt")))],
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip

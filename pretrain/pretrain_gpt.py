@@ -1,6 +1,6 @@
 """Pretrain a GPT model with Megatron-core; ``--abft`` protects its attention with ABFT.
 
-    torchrun --nproc-per-node 2 pretrain/pretrain_gpt.py --config configs/tiny_cpu.yaml
+    torchrun --nproc-per-node 2 -m pretrain.pretrain_gpt --config configs/tiny_cpu.yaml
 
 Read top to bottom: the flags (pretrain/arguments.py); torch.distributed and Megatron's parallel
 state (TP, PP, DP); GPTModel on the ABFT layer spec, or Megatron's local spec, inside Megatron's
@@ -28,13 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import parse_args  # noqa: E402
-
-from megatron_abft import ABFTUncorrectableError, finish_step, inject, set_step  # noqa: E402
-from megatron_abft.megatron_lm import FaultPlan, abft_config_from_args  # noqa: E402
-from megatron_abft.runtime.guard import iter_guards  # noqa: E402
-from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig  # noqa: E402
+from megatron_abft import ABFTUncorrectableError, finish_step, inject, set_step
+from megatron_abft.megatron_lm import FaultPlan, abft_config_from_args
+from megatron_abft.runtime.guard import iter_guards
+from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig
+from pretrain.arguments import parse_args
 
 
 def rank() -> int:

@@ -1,9 +1,4 @@
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # the shared harness: tests/mcore.py
 
 
 @pytest.fixture(autouse=True)

@@ -7,13 +7,10 @@ be pickled; one spawn should run many cases, since starting a rank costs seconds
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.multiprocessing as mp
@@ -161,12 +158,3 @@ def loss_and_grads(model, shape: Shape, step: int = 0):
         grads[f"{i}.proj"] = gathered(attention.linear_proj.weight.grad, 1)
     grads["embedding"] = gathered(model.embedding.word_embeddings.weight.grad, 0)
     return loss.detach(), grads
-
-
-def load_tool(name: str) -> ModuleType:
-    """tools/<name>.py as a module (tools/ is scripts, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -5,17 +5,14 @@ campaign end to end (2 workers of 2 gloo ranks each) that resumes from its resul
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import fault_campaign as fc  # noqa: E402
-from campaign_outcomes import OUTCOMES_OFF, classify, magnitude_class  # noqa: E402
-from campaign_plan import (  # noqa: E402
+from megatron_abft.ops import compiled
+from tools import fault_campaign as fc
+from tools.campaign_outcomes import OUTCOMES_OFF, classify, magnitude_class
+from tools.campaign_plan import (
     KINDS,
     PATTERNS,
     SECTIONS,
@@ -26,9 +23,9 @@ from campaign_plan import (  # noqa: E402
     plan,
     read_results,
 )
-from campaign_report import BEGIN, optimizer_check, tables  # noqa: E402
+from tools.campaign_report import BEGIN, optimizer_check, tables
 
-from megatron_abft.ops import compiled  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TINY_MODEL = ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2"]
 

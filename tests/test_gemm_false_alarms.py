@@ -4,14 +4,13 @@ and every residual sits inside its threshold."""
 
 import json
 
-from mcore import load_tool
-
 from megatron_abft.config import FORWARD_SECTIONS
 
 
 def test_clean_gemms_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
-    tool = load_tool("gemm_false_alarms")
+    from tools import gemm_false_alarms as tool
+
     tool.main(
         ["--hidden", "128", "--heads", "2", "--seq", "128", "--repeats", "1", "--json", str(out)]
         + ["--dtypes", "fp32", "bf16", "fp16"]

@@ -21,14 +21,11 @@ import pytest
 from megatron_abft.config import BACKWARD_SECTIONS, FORWARD_SECTIONS, SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "pretrain" / "pretrain_gpt.py"
+SCRIPT = ["-m", "pretrain.pretrain_gpt"]  # run from the repository root, as the docs do
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 STEPS = 6
 EVENT_FIELDS = ("step", "rank", "tp_rank", "layer", "section", "sample", "head", "row", "col",
                 "kind", "magnitude", "action", "policy")  # fmt: skip
-
-sys.path.insert(0, str(ROOT / "pretrain"))
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 def _env() -> dict[str, str]:
@@ -41,7 +38,7 @@ def launch(*flags: str, save: Path, nproc: int = 2) -> dict:
     """Run the script under torchrun on ``nproc`` gloo ranks; return its summary.json."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", str(SCRIPT), "--config", str(TINY),
+        f"--nproc-per-node={nproc}", *SCRIPT, "--config", str(TINY),
         "--train-iters", str(STEPS), "--lr-warmup-iters", "1", "--log-interval", "1",
         "--save", str(save), "--wandb-project", "", *flags,
     ]  # fmt: skip
@@ -65,7 +62,7 @@ def assert_same_curve(a: list[float], b: list[float], rel: float = 1e-5) -> None
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """The shipped text corpus as a Megatron indexed dataset (tools/prepare_data.py)."""
-    import prepare_data
+    from tools import prepare_data
 
     prefix = tmp_path_factory.mktemp("corpus") / "tiny_corpus"
     count = prepare_data.build(sorted((ROOT / "data" / "tiny_corpus").glob("*.txt")), str(prefix))
@@ -178,7 +175,7 @@ def test_log_with_a_nan_loss_still_prints_and_records_the_fault(tmp_path):
     loss NaN, which stops the run; the fault is printed at once and reaches the events file."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(SCRIPT), "--config", str(TINY), "--mock-data", "--train-iters", "3",
+        *SCRIPT, "--config", str(TINY), "--mock-data", "--train-iters", "3",
         "--lr-warmup-iters", "1", "--log-interval", "10", "--save", str(tmp_path),
         "--wandb-project", "", "--abft-inject-every", "0", "--abft-on-uncorrectable", "log",
         "--abft-inject", "section=probs,layer=1,kind=nan,step=2,tp-rank=1",
@@ -249,7 +246,7 @@ def test_the_wandb_offline_run_holds_abft_scalars_and_the_events_table(runs):
 
 
 def test_yaml_sets_flags_and_the_command_line_wins(tmp_path):
-    from arguments import parse_args
+    from pretrain.arguments import parse_args
 
     args = parse_args(["--config", str(TINY), "--mock-data"], world_size=2)
     assert (args.num_layers, args.hidden_size, args.tensor_model_parallel_size) == (2, 64, 2)
@@ -294,9 +291,8 @@ def test_a_coverage_target_sets_the_check_intervals():
     (megatron_abft.tuning.frequency): nothing for a zero target, every section every step for full
     coverage, and in between the
     cheapest sections first, whose choice the launch banner logs."""
-    from arguments import parse_args
-
     from megatron_abft.megatron_lm import abft_config_from_args
+    from pretrain.arguments import parse_args
 
     def config(*flags):
         args = parse_args(["--config", str(TINY), "--mock-data", "--abft", *flags], world_size=2)
@@ -315,9 +311,8 @@ def test_a_coverage_target_sets_the_check_intervals():
 
 
 def test_the_sync_free_flag_reaches_the_config():
-    from arguments import parse_args
-
     from megatron_abft.megatron_lm import abft_config_from_args
+    from pretrain.arguments import parse_args
 
     def config(*flags):
         args = parse_args(["--config", str(TINY), "--mock-data", "--abft", *flags], world_size=2)
@@ -361,7 +356,7 @@ BAD = [
 
 @pytest.mark.parametrize("flags, message", BAD, ids=[" ".join(f) for f, _ in BAD])
 def test_a_bad_flag_fails_at_start_with_a_clear_message(flags, message, capsys):
-    from arguments import parse_args
+    from pretrain.arguments import parse_args
 
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--config", str(TINY), *flags], world_size=2)
@@ -373,7 +368,7 @@ def test_a_bad_flag_fails_at_start_with_a_clear_message(flags, message, capsys):
 
 def test_a_bad_flag_is_printed_by_rank_0_only(monkeypatch, capsys):
     """Under torchrun every rank parses the flags; one message, not one per rank."""
-    from arguments import parse_args
+    from pretrain.arguments import parse_args
 
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_:
@@ -393,7 +388,7 @@ def test_a_bad_flag_is_printed_by_rank_0_only(monkeypatch, capsys):
     ],
 )  # fmt: skip
 def test_a_bad_config_value_names_the_file(content, message, tmp_path, capsys):
-    from arguments import parse_args
+    from pretrain.arguments import parse_args
 
     config = tmp_path / "bad.yaml"
     config.write_text(content)
@@ -405,7 +400,7 @@ def test_a_bad_config_value_names_the_file(content, message, tmp_path, capsys):
 def test_the_launched_script_stops_before_starting_ranks_on_a_bad_value(tmp_path):
     """Plain python, 1 process: the error comes from the flags, before torch.distributed."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--config", str(TINY), "--abft-inject-every", "-2"],
+        [sys.executable, *SCRIPT, "--config", str(TINY), "--abft-inject-every", "-2"],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2
@@ -413,7 +408,7 @@ def test_the_launched_script_stops_before_starting_ranks_on_a_bad_value(tmp_path
 
 
 def test_every_shipped_config_parses_for_its_world_size():
-    from arguments import parse_args
+    from pretrain.arguments import parse_args
 
     worlds = {"tiny_cpu": 2, "gpt3_125m": 8, "gpt3_350m": 8, "gpt3_1.3b": 8, "llama2_7b": 8}
     configs = sorted((ROOT / "configs").glob("*.yaml"))

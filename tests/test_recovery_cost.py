@@ -4,15 +4,13 @@ in-step correction, from a tiny measurement on 2 gloo ranks."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from tools import recovery_cost as rc
 
-import recovery_cost as rc  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 METHODS = [
     "(a) in-step correction (ABFT)",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mcore import Shape, spawn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -43,9 +44,6 @@ from megatron_abft.tuning.scaling import (
     step_time,
     unfused_scores_bytes,
 )
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
-from mcore import Shape, spawn  # noqa: E402
 
 SHAPES = {shape.name: shape for shape in CATALOGUE}
 
@@ -151,10 +149,9 @@ def test_the_kernels_dot_products_are_counted_and_priced_apart():
 def test_the_benchmark_measures_what_the_model_calibrates_on():
     """bench_overhead's rates: the kernels' read rate of a matrix in no cache (None without the
     kernels)."""
-    from bench_overhead import check_read_rate
-    from overhead_report import calibrated
-
     from megatron_abft.ops import compiled
+    from tools.bench_overhead import check_read_rate
+    from tools.overhead_report import calibrated
 
     cpu = torch.device("cpu")
     if compiled.available():  # a rate in bytes a second; its size is the benchmark's to report,
@@ -173,9 +170,8 @@ def test_the_benchmark_measures_what_the_model_calibrates_on():
 def test_the_benchmark_prices_a_dot_product_of_the_kernels_on_a_cpu():
     """check_dot_cost: the products kernel on queries as Megatron lays them out, less its
     multiply-adds; None without the kernels."""
-    from bench_overhead import check_dot_cost, parse_args
-
     from megatron_abft.ops import compiled
+    from tools.bench_overhead import check_dot_cost, parse_args
 
     args = parse_args(["--seq", "256", "--hidden", "256", "--heads", "4", "--block", "64"])
     cpu = torch.device("cpu")
@@ -197,9 +193,8 @@ def test_the_benchmark_reuses_one_heap_for_blocks_of_any_size():
     pinning lasts for the process."""
     script = """
 import resource, sys
-sys.path.insert(0, "tools")
 import torch
-from bench_overhead import pin_malloc
+from tools.bench_overhead import pin_malloc
 print(pin_malloc() if sys.argv[1] == "pinned" else "default")
 for _ in range(8):
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -296,14 +291,14 @@ def test_a_softmax_profile_names_its_parts():
 def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
     """bench_overhead's softmax costs, per element of S: Megatron's module both ways, and with
     the kernels what kernel 3's screen and pass add; the report's profile takes them."""
-    from bench_overhead import parse_args, softmax_costs
     from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
-    from overhead_report import calibrated
 
     from megatron_abft.cpu import enable_cpu_mode
     from megatron_abft.ops import compiled
+    from tools.bench_overhead import parse_args, softmax_costs
+    from tools.overhead_report import calibrated
 
     enable_cpu_mode()  # Megatron makes its causal mask on the GPU
     module = FusedScaleMaskSoftmax(
@@ -326,11 +321,11 @@ def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
 
 
 def _kernel3_swap_worker():
-    from bench_overhead import kernel3_swap
     from mcore import Shape, batch, build_gpt
 
     from megatron_abft.config import ABFTConfig
     from megatron_abft.spec import get_gpt_layer_abft_spec
+    from tools.bench_overhead import kernel3_swap
 
     model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(sections=())))
     tokens, positions, mask, labels = batch(Shape(), 0)
@@ -350,12 +345,12 @@ def _kernel3_swap_worker():
 
 
 def _time_checks_worker(fused: bool):
-    from bench_overhead import Timer, per_check, time_checks
     from mcore import Shape, batch, build_gpt
 
     from megatron_abft import set_step
     from megatron_abft.config import ABFTConfig
     from megatron_abft.spec import get_gpt_layer_abft_spec
+    from tools.bench_overhead import Timer, per_check, time_checks
 
     model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(fused_softmax=fused)))
     tokens, positions, mask, labels = batch(Shape(), 0)
@@ -419,7 +414,7 @@ def test_kernel3_swap_times_steps_with_each_softmax_in_turns():
 
 
 def test_the_benchmark_calibrates_on_the_median_of_its_rounds():
-    from bench_overhead import median_rates
+    from tools.bench_overhead import median_rates
 
     rounds = [
         {"matmul": 1e11, "launches": None, "softmax": {"forward": 3e-9}},
@@ -462,7 +457,7 @@ def test_a_benchmark_run_calibrates_the_baseline_on_its_unprotected_steps():
     """overhead_report's profile of a run: the baseline's forward and backward at what the run's
     "off" steps took (step less optimizer), Adam at the run's optimizer bandwidth; the
     roofline's own step is kept for its row."""
-    from overhead_report import calibrated, measured_shape, roofline, validation_rows
+    from tools.overhead_report import calibrated, measured_shape, roofline, validation_rows
 
     path = Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json"
     run = json.loads(path.read_text())
@@ -492,9 +487,8 @@ def test_the_op_counts_the_model_assumes_are_the_code_s(impl):
     (counted by torch.profiler, as tools/bench_overhead.py does), within 15%."""
     from contextlib import nullcontext
 
-    from bench_overhead import check_cost
-
     from megatron_abft.ops import compiled
+    from tools.bench_overhead import check_cost
 
     if impl == "kernels" and not compiled.available():
         pytest.skip(compiled.backend())
@@ -511,12 +505,11 @@ def test_a_bias_adds_the_ops_the_model_counts(impl):
     biases only."""
     from contextlib import nullcontext
 
-    from bench_overhead import count_ops
-
     from megatron_abft.check.eec import GemmOperands
     from megatron_abft.config import ABFTConfig
     from megatron_abft.ops import compiled
     from megatron_abft.runtime.guard import SectionGuard
+    from tools.bench_overhead import count_ops
 
     if impl == "kernels" and not compiled.available():
         pytest.skip(compiled.backend())
@@ -547,7 +540,7 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
     """tools/overhead_report.py on a committed benchmark run: each overhead row is judged by
     the tolerance (±25% or ±1 pp, the looser), each check row by ±25%, and the summary counts
     the rows that agree."""
-    from overhead_report import summary, validation_rows
+    from tools.overhead_report import summary, validation_rows
 
     run = Path(__file__).parents[1] / "docs" / "figures" / "bench_cpu_run4.json"
     rows = validation_rows([run])
@@ -575,7 +568,7 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     """The GPU profiles cost a check's kernel launches (CHECK_KERNELS), a CPU its top-level ops
     (CHECK_OPS); a benchmark run is predicted with the ops its own code launched, as counted in
     that run."""
-    from overhead_report import calibrated, measured_shape
+    from tools.overhead_report import calibrated, measured_shape
 
     assert DEVICES["H100"].ops_per_check("kernels") == CHECK_KERNELS["kernels"]
     run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
@@ -597,7 +590,7 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
 def test_the_report_explains_a_fused_section_the_model_misses():
     """summary() adds why, where kernel 3's sections disagree in a run that did not time the
     softmaxes, and says nothing of it where they agree or the run timed them."""
-    from overhead_report import summary
+    from tools.overhead_report import summary
 
     def row(config, what, predicted, measured, ok):
         return {
@@ -627,9 +620,8 @@ def test_the_read_benchmark_times_every_matrix_cold_and_warm():
     """bench_reads: each matrix's bytes and its read times in no cache and warm; V in three
     layouts holding the same values, the first a view of the qkv output; None without the
     kernels."""
-    from bench_reads import attention_values, measure, parse_args
-
     from megatron_abft.ops import compiled
+    from tools.bench_reads import attention_values, measure, parse_args
 
     values = attention_values(seq=8, hidden=32, heads=2)
     first, *others = values.values()
@@ -1011,7 +1003,7 @@ def test_the_report_sets_both_attentions_side_by_side_as_predictions():
     section; the side-by-side table, both attentions on every GPU profile at every micro-batch
     with the unfused attention's S, a column pair a profile by its DEVICES name; text that
     says which of the flash figures are datasheet rates and where one was measured."""
-    from overhead_report import (
+    from tools.overhead_report import (
         MICRO_BATCHES,
         SEQUENCES,
         flash_example,
@@ -1040,8 +1032,7 @@ def test_the_measured_h200_profile_is_the_h200_runs_micro_benchmarks():
     """DEVICES["H200-measured"] holds the medians of the committed H200 run's micro-benchmarks
     (as tools/overhead_report.py's roofline reads them), the flash rates the H200 datasheet's;
     with them the model lands within the run's tolerance of its measured step overhead."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
-    from overhead_report import roofline, within
+    from tools.overhead_report import roofline, within
 
     path = (
         Path(__file__).parents[1] / "docs" / "figures" / "gpu" / "h200_bench_gpt3_350m_unfused.json"

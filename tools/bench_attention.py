@@ -3,7 +3,7 @@
 The protected flash attention (megatron_abft.flash) against the same kernels with the checks
 compiled out, PyTorch's SDPA backends, and Megatron-core's unfused attention, protected and not.
 
-    python tools/bench_attention.py [--json PATH] [--models NAME ...] [--seqs N ...]
+    python -m tools.bench_attention [--json PATH] [--models NAME ...] [--seqs N ...]
                                     [--repeats N] [--warmup N] [--implementations NAME ...]
 
 For each model's attention on one tensor-parallel rank (heads, KV heads and head dim from
@@ -464,7 +464,7 @@ def environment(device: torch.device, argv: list[str]) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
-        "command": ["tools/bench_attention.py", *argv],
+        "command": ["python", "-m", "tools.bench_attention", *argv],
     }
 
 

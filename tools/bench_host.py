@@ -3,7 +3,7 @@
 on a GPT model. On a GPU this is the host side of a step, which the GPU hides only while the
 host runs ahead of it; the overhead model counts device time only (docs/benchmarks.md).
 
-    python tools/bench_host.py --layers 24 --out host.json
+    python -m tools.bench_host --layers 24 --out host.json
 """
 
 from __future__ import annotations
@@ -70,9 +70,8 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
 def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, float]:
     """set_step and finish_step on a GPT model of ``layers`` protected layers (small ones: the
     two walk the model's modules and its guards, whatever their size)."""
-    from bench_overhead import _build, parse_args
-
     from megatron_abft import finish_step, set_step
+    from tools.bench_overhead import _build, parse_args
 
     args = parse_args(["--layers", str(layers), "--hidden", "64", "--heads", "4", "--seq", "32"])
     model = _build(args, ABFTConfig())

@@ -1,6 +1,6 @@
 """Time the compiled checksum kernels against the PyTorch path, on the attention scores' GEMM.
 
-    python tools/bench_kernels.py [--batch 2] [--heads 8] [--seq 1024] [--head-dim 64]
+    python -m tools.bench_kernels [--batch 2] [--heads 8] [--seq 1024] [--head-dim 64]
                                   [--dtype bf16] [--block 256] [--device cpu] [--threads N]
 
 For S = Q K^T / sqrt(d) and the context P V (P = softmax(S)) it times the GEMMs themselves, the

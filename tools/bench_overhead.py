@@ -11,7 +11,7 @@ micro-benchmarks of the machine (matmul rate, elementwise bandwidth, op latency,
 read rate, the softmaxes' costs) that calibrate megatron_abft.tuning.scaling: taken before, halfway
 through and after the timed steps, and their medians.
 
-    python tools/bench_overhead.py --layers 4 --hidden 512 --heads 8 --seq 512 --dtype fp32 \
+    python -m tools.bench_overhead --layers 4 --hidden 512 --heads 8 --seq 512 --dtype fp32 \
         --out docs/figures/bench_cpu.json
 """
 

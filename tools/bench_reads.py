@@ -3,7 +3,7 @@ it is: in no cache (after a 256 MiB read) or just read (warm). The overhead mode
 byte a check reads at one rate, the scores' in no cache (``check_bandwidth``); this shows what
 that one rate leaves out (docs/benchmarks.md).
 
-    python tools/bench_reads.py --seq 512 --out docs/figures/reads_cpu.json
+    python -m tools.bench_reads --seq 512 --out docs/figures/reads_cpu.json
 """
 
 from __future__ import annotations

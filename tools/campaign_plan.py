@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "pretrain"))  # the launch script's functions (pretrain_gpt.py)
 
 CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
 CORPUS = ROOT / "out" / "fault_campaign" / "corpus" / "tiny_corpus"

@@ -10,8 +10,8 @@ import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from campaign_outcomes import OUTCOMES_OFF, OUTCOMES_ON, classify, read_number
-from campaign_plan import (
+from tools.campaign_outcomes import OUTCOMES_OFF, OUTCOMES_ON, classify, read_number
+from tools.campaign_plan import (
     CHECKED_SECTION,
     CONFIG,
     CORRECTABLE_PATTERNS,
@@ -90,9 +90,8 @@ def vulnerability(trials: list[dict]) -> tuple[dict, dict]:
 def optimizer_check(path: Path) -> dict:
     """Load the vulnerability file through the launch script's flags, as a run would, and ask
     the check-frequency optimizer for intervals (equal fault rates, 99% coverage, H100 costs)."""
-    import pretrain_gpt
-
     from megatron_abft.megatron_lm import coverage_intervals
+    from pretrain import pretrain_gpt
 
     args = pretrain_gpt.parse_args(
         ["--config", str(CONFIG), "--mock-data", "--wandb-project", "", "--save", "",

@@ -17,11 +17,20 @@ import time
 from functools import partial
 from pathlib import Path
 
-from campaign_outcomes import json_number, loss_deviation, magnitude_class, summarise
-from campaign_plan import CONFIG, LOGS, ROOT, Settings, fault_of, read_results, settings_from_json
+from tools.campaign_outcomes import json_number, loss_deviation, magnitude_class, summarise
+from tools.campaign_plan import (
+    CONFIG,
+    LOGS,
+    ROOT,
+    Settings,
+    fault_of,
+    read_results,
+    settings_from_json,
+)
 
-ENTRY = Path(__file__).resolve().with_name("fault_campaign.py")
-"""What each worker's ranks run: its main() hands --worker-plan to worker_main."""
+ENTRY = ["-m", "tools.fault_campaign"]
+"""What each worker's ranks run, from the repository root: its main() hands --worker-plan to
+worker_main."""
 
 
 # --- one pair of ranks: the launch script's training, with snapshots ------------------------
@@ -32,8 +41,9 @@ class Trainer:
     a snapshot of the training state in memory that any window can start from."""
 
     def __init__(self, argv: list[str]):
-        import pretrain_gpt as launch
         from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+
+        from pretrain import pretrain_gpt as launch
 
         self.launch = launch
         self.args = args = launch.parse_args(argv)
@@ -312,8 +322,7 @@ def launch_argv(settings: Settings, corpus: Path) -> list[str]:
 def ensure_corpus(prefix: Path) -> None:
     if Path(f"{prefix}.bin").exists() and Path(f"{prefix}.idx").exists():
         return
-    sys.path.insert(0, str(ROOT / "tools"))
-    import prepare_data
+    from tools import prepare_data
 
     prepare_data.build(sorted((ROOT / "data" / "tiny_corpus").glob("*.txt")), str(prefix))
 
@@ -339,7 +348,7 @@ def run_workers(todo: list[dict], settings: Settings, results: Path, workers: in
             logs.append(log)
             command = [
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", str(ENTRY), "--worker-plan", str(plan_file),
+                "--nproc-per-node", "2", *ENTRY, "--worker-plan", str(plan_file),
             ]  # fmt: skip
             with open(log, "w") as sink:
                 children.append(

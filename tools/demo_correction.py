@@ -3,7 +3,7 @@
 S = Q K^T / sqrt(d) for one tensor-parallel rank's heads, checked on both sides from checksums
 of Q and K; each fault lands in S after the GEMM, as a soft error would.
 
-    python tools/demo_correction.py [--seq 1024] [--heads 8] [--head-dim 64] [--dtype bf16]
+    python -m tools.demo_correction [--seq 1024] [--heads 8] [--head-dim 64] [--dtype bf16]
 """
 
 from __future__ import annotations

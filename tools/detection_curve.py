@@ -6,7 +6,7 @@ fraction detected, and the fraction corrected to within 2x torch's own error aga
 reference (FlashAttention's rule), against r. The
 detection limit is the smallest r detected in at least 99% of the trials.
 
-    python tools/detection_curve.py --out docs/figures/detection_curve.png
+    python -m tools.detection_curve --out docs/figures/detection_curve.png
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ docs/fault-campaign.md, the figure into docs/figures/campaign.png and the measur
 vulnerabilities into docs/figures/vulnerability.json, the file the check-frequency optimizer reads
 (``pretrain_gpt.py --abft-coverage-target P --abft-vulnerability FILE``).
 
-    python tools/fault_campaign.py                      # the default campaign, then the report
-    python tools/fault_campaign.py --trials 2000 --workers 2 --results out/big.jsonl
-    python tools/fault_campaign.py --report-only        # tables and figure from the results
-    python tools/fault_campaign.py --trials 40 -- --seq-length 32   # flags after -- go to the
+    python -m tools.fault_campaign                      # the default campaign, then the report
+    python -m tools.fault_campaign --trials 2000 --workers 2 --results out/big.jsonl
+    python -m tools.fault_campaign --report-only        # tables and figure from the results
+    python -m tools.fault_campaign --trials 40 -- --seq-length 32   # flags after -- go to the
                                                                     # launch script's parser
 
 This file is the command line (and what each worker's ranks run, with --worker-plan). The
@@ -42,8 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the campaign's modules
-from campaign_plan import (  # noqa: E402
+from megatron_abft.ops import compiled
+from tools.campaign_plan import (
     CORPUS,
     DEFAULT_DOC,
     DEFAULT_FIGURE,
@@ -61,10 +61,8 @@ from campaign_plan import (  # noqa: E402
     rel,
     settings_from_json,
 )
-from campaign_report import write_report  # noqa: E402
-from campaign_worker import ensure_corpus, launch_argv, run_workers, worker_main  # noqa: E402
-
-from megatron_abft.ops import compiled  # noqa: E402
+from tools.campaign_report import write_report
+from tools.campaign_worker import ensure_corpus, launch_argv, run_workers, worker_main
 
 
 def split_launch_flags(argv: list[str] | None) -> tuple[list[str], list[str]]:
@@ -193,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         ensure_corpus(args.corpus)
         argv = launch_argv(settings, args.corpus)
-        import pretrain_gpt
+        from pretrain import pretrain_gpt
 
         launch = pretrain_gpt.parse_args(argv, world_size=2)  # its errors, before any rank
         if launch.pipeline_model_parallel_size != 1:
@@ -240,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             if failed:
                 print(f"{failed} worker(s) failed; run the same command again to resume")
                 return 1
-    write_report(results, args, "python tools/fault_campaign.py" + _flags_of(settings, args))
+    write_report(results, args, "python -m tools.fault_campaign" + _flags_of(settings, args))
     return 0
 
 

@@ -2,8 +2,8 @@
 uses (shared memory, registers, spills): ``megatron_abft.flash.aot``. CI runs the same builds
 (tests/flash/test_flash_aot.py); this writes them down for docs/benchmarks.md.
 
-    python tools/flash_aot.py --json docs/figures/flash_aot.json --markdown
-    python tools/flash_aot.py --from-json docs/figures/flash_aot.json   # the tables again
+    python -m tools.flash_aot --json docs/figures/flash_aot.json --markdown
+    python -m tools.flash_aot --from-json docs/figures/flash_aot.json   # the tables again
 
 ``--search`` picks the tile shapes launch.TILES holds: for each kernel, head width and dtype,
 the first candidate (largest tiles first) whose every variant builds without spills for both

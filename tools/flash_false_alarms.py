@@ -3,7 +3,7 @@ backward on realistic inputs until every dtype has checked at least ``--tiles`` 
 way, and record what the checks found (nothing, if the bounds hold) and the largest clean
 residual of each section as a share of its bound (the margin).
 
-    python tools/flash_false_alarms.py --tiles 5000 --json docs/figures/flash_false_alarms_cpu.json
+    python -m tools.flash_false_alarms --tiles 5000 --json docs/figures/flash_false_alarms_cpu.json
 
 On CPU tensors the kernels run in Triton's interpreter (IEEE fp32 arithmetic, as the bounds
 assume); on a GPU (``--device cuda``) the same sweep measures the tensor cores' rounding, which
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = [sweep(d, args.tiles, args.seq, args.device) for d in args.dtypes]
     report = {
-        "command": " ".join(["python", "tools/flash_false_alarms.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "tools.flash_false_alarms", *sys.argv[1:]]),
         "device": (
             torch.cuda.get_device_name()
             if args.device.startswith("cuda")

@@ -3,7 +3,7 @@
 record what the checks found (nothing, if the bounds hold) and the largest clean residual as a
 share of its threshold (the margin is its inverse).
 
-    python tools/gemm_false_alarms.py --device cuda --json out/gemm_false_alarms.json
+    python -m tools.gemm_false_alarms --device cuda --json out/gemm_false_alarms.json
 
 On a GPU the GEMMs run on the tensor cores (cuBLAS), so the residuals measure their rounding
 against the bounds of megatron_abft.check.tolerance; ``tf32`` is fp32 with TF32 matmuls allowed. The

@@ -103,13 +103,13 @@ step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 
         tests/flash/test_flash_equality.py -k "seq129"
 } &
 {
-    step gemm_false_alarms 150 $PY tools/gemm_false_alarms.py --device cuda --repeats 2 \
+    step gemm_false_alarms 150 $PY -m tools.gemm_false_alarms --device cuda --repeats 2 \
         --json "$WORK/gemm_false_alarms.json"
-    step flash_false_alarms 80 $PY tools/flash_false_alarms.py --device cuda --seq 2048 \
+    step flash_false_alarms 80 $PY -m tools.flash_false_alarms --device cuda --seq 2048 \
         --tiles 100000 --dtypes bf16 fp16 --json "$WORK/flash_false_alarms.json"
     # the bf16/fp16 bounds without reduced-precision reductions are thousands of times tighter:
     # do the tensor cores keep inside them (fp16's products lose bits to their truncation)?
-    step gemm_false_alarms_strict 150 $PY tools/gemm_false_alarms.py --device cuda --repeats 2 \
+    step gemm_false_alarms_strict 150 $PY -m tools.gemm_false_alarms --device cuda --repeats 2 \
         --dtypes bf16 fp16 --no-reduced-precision-reductions \
         --json "$WORK/gemm_false_alarms_strict.json"
 } &
@@ -131,10 +131,10 @@ PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
 # shellcheck disable=SC2086
 {
     step pretrain_unfused 110 $PY -m torch.distributed.run --nproc-per-node 1 \
-        tools/megatron_lm_pretrain.py $PRETRAIN --abft-attention unfused \
+        -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention unfused \
         --abft-events-file "$WORK/pretrain_unfused_events.jsonl"
     step pretrain_flash 120 $PY -m torch.distributed.run --nproc-per-node 1 \
-        tools/megatron_lm_pretrain.py $PRETRAIN --abft-attention flash \
+        -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention flash \
         --abft-inject section=grad_v,layer=2,kind=inf,step=35 \
         --abft-events-file "$WORK/pretrain_flash_events.jsonl"
 } &
@@ -144,18 +144,18 @@ wait
 GPT3_350M="--layers 24 --hidden 1024 --heads 16 --seq 2048 --vocab 50304 --dtype bf16"
 # shellcheck disable=SC2086
 for attention in unfused flash; do
-    step "overhead_350m_$attention" 90 $PY tools/bench_overhead.py $GPT3_350M \
+    step "overhead_350m_$attention" 90 $PY -m tools.bench_overhead $GPT3_350M \
         --attention "$attention" --reps 10 --no-per-section \
         --out "$WORK/bench_gpt3_350m_$attention.json"
 done
-step bench_attention 120 $PY tools/bench_attention.py --models "GPT-3 350M" "Llama-2 7B" \
+step bench_attention 120 $PY -m tools.bench_attention --models "GPT-3 350M" "Llama-2 7B" \
     --seqs 2048 8192 --json "$WORK/bench_attention.json"
-step bench_kernels 30 $PY tools/bench_kernels.py --device cuda --dtype bf16 --seq 2048 \
+step bench_kernels 30 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
     --heads 16
 # micro-batch 4: at 1 the host bounds the step (each check's ops cost it about 60 us)
 # shellcheck disable=SC2086
 for attention in unfused flash; do
-    step "overhead_350m_mb4_$attention" 90 $PY tools/bench_overhead.py $GPT3_350M \
+    step "overhead_350m_mb4_$attention" 90 $PY -m tools.bench_overhead $GPT3_350M \
         --attention "$attention" --reps 6 --no-per-section --micro-batch 4 \
         --out "$WORK/bench_gpt3_350m_mb4_$attention.json"
 done

@@ -1,7 +1,7 @@
 """Train a GPT with Megatron-LM's own training loop (``megatron.training.pretrain``, megatron-core
 0.19) on ABFT-protected attention; print megatron_abft's counters at the end::
 
-    torchrun --nproc-per-node 1 tools/megatron_lm_pretrain.py <Megatron-LM flags> \\
+    torchrun --nproc-per-node 1 -m tools.megatron_lm_pretrain <Megatron-LM flags> \\
         --abft [--abft-attention flash|unfused] [--abft-inject SPEC ...]
 
 As Megatron-LM 0.19's ``pretrain_gpt.py`` does: its parser reads the flags (here with the

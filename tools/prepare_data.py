@@ -1,6 +1,6 @@
 """Build a Megatron indexed dataset (PREFIX.bin and PREFIX.idx) from plain text files.
 
-    python tools/prepare_data.py --input data/tiny_corpus/*.txt \
+    python -m tools.prepare_data --input data/tiny_corpus/*.txt \
         --output-prefix out/demo/corpus/tiny_corpus
 
 The tokenizer is Megatron-core's byte-level one (needs no download): each token is one byte of

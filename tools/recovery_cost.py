@@ -20,8 +20,8 @@ What being ready costs per step is measured too: the checks of a clean protected
 checkpoint save, a snapshot. The table and its ratios to (a) go into docs/fault-campaign.md,
 the numbers into docs/figures/recovery_cost.json.
 
-    python tools/recovery_cost.py
-    python tools/recovery_cost.py --reps 40 -- --seq-length 128   # flags after -- go to the
+    python -m tools.recovery_cost
+    python -m tools.recovery_cost --reps 40 -- --seq-length 128   # flags after -- go to the
                                                                   # launch script's parser
 """
 
@@ -40,11 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fault campaign's modules
-import campaign_worker  # noqa: E402
-from campaign_plan import CORPUS, DEFAULT_DOC, ROOT, Settings, rel  # noqa: E402
-from campaign_report import replace_block  # noqa: E402
-from fault_campaign import split_launch_flags  # noqa: E402
+from tools import campaign_worker
+from tools.campaign_plan import CORPUS, DEFAULT_DOC, ROOT, Settings, rel
+from tools.campaign_report import replace_block
+from tools.fault_campaign import split_launch_flags
 
 DEFAULT_JSON = ROOT / "docs" / "figures" / "recovery_cost.json"
 DEFAULT_FIGURE = ROOT / "docs" / "figures" / "recovery_cost.png"
@@ -463,7 +462,7 @@ def measure_on_ranks(args: argparse.Namespace) -> dict | None:
     """Launch the measurement on 2 ranks; rank 0's numbers (None if it failed)."""
     campaign_worker.ensure_corpus(args.corpus)
     argv_launch = launch_argv(args)
-    import pretrain_gpt
+    from pretrain import pretrain_gpt
 
     pretrain_gpt.parse_args(argv_launch, world_size=2)  # its errors, before any rank starts
     SCRATCH.mkdir(parents=True, exist_ok=True)
@@ -483,7 +482,8 @@ def measure_on_ranks(args: argparse.Namespace) -> dict | None:
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", "2", __file__, "--worker-options", str(options_file),
+            "--nproc-per-node", "2", "-m", "tools.recovery_cost",
+            "--worker-options", str(options_file),
         ]  # fmt: skip
         print("measuring on 2 ranks (TP=2) ...", flush=True)
         started = time.perf_counter()
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         result = measure_on_ranks(args)
         if result is None:
             return 1
-        intervals, command = args.intervals, "python tools/recovery_cost.py" + _flags_of(args)
+        intervals, command = args.intervals, "python -m tools.recovery_cost" + _flags_of(args)
     text, numbers = markdown(result, intervals, command)
     result.update(numbers, intervals=list(intervals), command=command)
     if args.json:

@@ -56,7 +56,7 @@ TILES: dict[tuple[str, int], Blocks] = {
 }
 """Tile shapes by kernel and head width, for bf16 and fp16 (the same for both): the first of
 tools/flash_aot.py's candidates, largest first, whose every variant builds for sm_80 and sm_90
-without spilling (``python tools/flash_aot.py --search``). For dK/dV, block_m is the query
+without spilling (``python -m tools.flash_aot --search``). For dK/dV, block_m is the query
 block it streams and block_n the key block it holds."""
 INTERPRETED = Blocks(64, 64, 4, 2)
 """fp32's tiles: it runs in the interpreter only (GPU_DTYPES), where larger tiles run faster."""

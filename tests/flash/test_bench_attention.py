@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 import triton
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+from tools import bench_attention as bench
 
-import bench_attention as bench  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cpu_run_times_every_implementation(tmp_path):
@@ -28,7 +26,7 @@ def test_cpu_run_times_every_implementation(tmp_path):
     assert env["device"] == "cpu" and env["driver"] is None
     assert env["torch"] == torch.__version__ and env["triton"] == triton.__version__
     assert env["cuda"] == torch.version.cuda
-    assert env["command"] == ["tools/bench_attention.py", *argv]
+    assert env["command"] == ["python", "-m", "tools.bench_attention", *argv]
     assert result["settings"] == {"repeats": 2, "warmup": 1}
 
     rows = {row["implementation"]: row for row in result["rows"]}

@@ -6,12 +6,11 @@ absolute floor.)"""
 
 import json
 
-from mcore import load_tool
-
 
 def test_clean_realistic_inputs_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
-    tool = load_tool("flash_false_alarms")
+    from tools import flash_false_alarms as tool
+
     assert tool.main(["--tiles", "60", "--seq", "64", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     for result in report["results"]:
