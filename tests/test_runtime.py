@@ -170,22 +170,27 @@ def test_check_intervals_without_a_known_step_are_refused():
 
 MEGATRON_LM_LOOP = """
 import os, sys
-from functools import partial
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 from megatron_abft.cpu import enable_cpu_mode
 enable_cpu_mode()
 import torch
 torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rerun_state_machine import (
-    RerunDataIterator, RerunMode, get_rerun_state_machine, initialize_rerun_state_machine,
+    RerunDataIterator, RerunMode, initialize_rerun_state_machine,
 )
+from megatron.training import global_vars
 from megatron.training.argument_utils import gpt_config_from_args
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.global_vars import set_args
 from megatron.training.models.gpt import GPTModelBuilder
+from megatron.training.training import (
+    get_megatron_ddp_config, get_megatron_optimizer_config, get_optimizer_param_scheduler,
+    train_step,
+)
 from megatron_abft import ABFT, ABFTUncorrectableError
 from megatron_abft.megatron_lm import add_abft_args
 
@@ -194,9 +199,8 @@ tensor_parallel.model_parallel_cuda_manual_seed(1234)
 sys.argv = ["pretrain_gpt.py", *sys.argv[2:]]
 args = parse_args(extra_args_provider=add_abft_args)
 validate_args(args)
-set_args(args)
+global_vars.set_global_variables(args, build_tokenizer=False)
 initialize_rerun_state_machine(mode=RerunMode(args.rerun_mode))
-rerun = get_rerun_state_machine()
 
 
 class WandbWriter:  # Megatron-LM's W&B writer (get_wandb_writer), printing what it gets
@@ -205,45 +209,48 @@ class WandbWriter:  # Megatron-LM's W&B writer (get_wandb_writer), printing what
         print("WANDB", step, shown, flush=True)
 
 
-import megatron.training.global_vars as global_vars
 global_vars._GLOBAL_WANDB_WRITER = WandbWriter()
+forwards = 0  # forward passes of the current step: 2 where Megatron re-ran it
 
 
 def forward_step(data_iterator, model):
+    global forwards
+    forwards += 1
     tokens = next(data_iterator)
     output = model(tokens[:, :-1], torch.arange(32).expand(2, 32), None, labels=tokens[:, 1:])
     return output, lambda out: (out.float().mean(), {"lm loss": out.float().mean().detach()})
 
 
-model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
+# Megatron-LM's setup_model_and_optimizer, less its moves to CUDA: the model in Megatron's DDP,
+# Megatron's optimizer and LR schedule from the flags, the config as train() completes it.
+gpt = GPTModelBuilder(gpt_config_from_args(args)).build_model(
     ProcessGroupCollection.use_mpu_process_groups()
 )
+model = DistributedDataParallel(gpt.config, get_megatron_ddp_config(args), gpt)
+optimizer_config, overrides = get_megatron_optimizer_config(args)
+optimizer = get_megatron_optimizer(optimizer_config, [model], overrides)
+scheduler = get_optimizer_param_scheduler(optimizer)
+config = gpt.config
+config.grad_scale_func = optimizer.scale_loss
+config.finalize_model_grads_func = finalize_model_grads
 seeds = [torch.Generator().manual_seed(i) for i in range(8)]
-batches = [torch.randint(0, 128, (2, 33), generator=g) for g in seeds]
-data = RerunDataIterator(iter(batches))
-optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)  # its step ends Megatron's train_step
-abft = ABFT(model) if os.environ.get("LOOP_CALLS") else None  # the optional loop calls
-for iteration in range(1, 6):  # Megatron-LM's train(): curr_iteration counts from 0
-    args.curr_iteration = iteration - 1
-    attempts = 0
+data = RerunDataIterator(iter([torch.randint(0, 128, (2, 33), generator=g) for g in seeds]))
+abft = ABFT(gpt) if os.environ.get("LOOP_CALLS") else None  # the optional loop calls
+for iteration in range(5):  # Megatron-LM's train(), iteration from 0
+    args.curr_iteration = iteration
+    forwards = 0
     try:
         if abft:
-            abft.step_begin(iteration)
-        while rerun.should_run_forward_backward(data):
-            attempts += 1
-            get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=data, model=[model],
-                num_microbatches=1, seq_length=32, micro_batch_size=2,
-            )
+            abft.step_begin(iteration + 1)
+        done = train_step(forward_step, data, [model], optimizer, scheduler, config,
+                          get_forward_backward_func(), iteration=iteration)
         if abft:
             assert abft.step_end().action == "none"
-        optimizer.step()
-        optimizer.zero_grad()
     except ABFTUncorrectableError as error:
-        print("RAISED", iteration, error, flush=True)
+        print("RAISED", iteration + 1, error, flush=True)
         break
-    save, stop, code = rerun.should_checkpoint_and_exit()
-    print("STEP", iteration, attempts, stop, code, flush=True)
+    stop, code = done[3], done[4]
+    print("STEP", iteration + 1, forwards, stop, code, flush=True)
     if stop:
         break
 """
@@ -281,8 +288,9 @@ RERUN = ["STEP 1 1 False 0", "STEP 2 1 False 0", "STEP 3 2 True 17"]
     ids=["rerun", "raise", "rerun-with-step-calls"],
 )
 def test_megatron_lm_loop_with_the_flags_alone(tmp_path, policy, loop_calls, expected):
-    """1 process: Megatron-LM's flags and spec, its rerun state machine and forward-backward,
-    and a loop that makes no ABFT call. The runtime reads Megatron-LM's iteration, lands the
+    """1 process: Megatron-LM's flags and spec, its own ``train_step`` (Megatron's DDP, optimizer
+    and LR schedule, its rerun state machine and forward-backward), and a loop around it that
+    makes no ABFT call. The runtime reads Megatron-LM's iteration, lands the
     ``--abft-inject`` fault at step 3, and settles it at the end of that step's backward: under
     ``rerun`` Megatron re-runs the step in place, the fault is gone (transient) and Megatron
     exits with its code 17; under ``raise`` the step raises. Printed and recorded either way.
