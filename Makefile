@@ -25,7 +25,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 endif
 
-SOURCES := requirements.txt pyproject.toml setup.py $(wildcard csrc/*)
+SOURCES := requirements.txt pyproject.toml setup.py $(wildcard csrc/*/*)
 
 .PHONY: install test demo lint clean
 

@@ -8,8 +8,8 @@ ABFT_BUILD picks what is built (default ``auto``):
         package then runs its PyTorch path).
 TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "8.0;9.0"). On x86-64 Linux every build
 with an extension also builds ``megatron_abft._emulator``, the CUDA kernels built for the CPU
-through the CUDA emulator (csrc/cuda_emulator.h), which the tests run where there is no GPU and
-nothing else imports; ABFT_EMULATOR=0 leaves it out. Build against the torch you run:
+through the CUDA emulator (csrc/emulator/cuda_emulator.h), which the tests run where there is no
+GPU and nothing else imports; ABFT_EMULATOR=0 leaves it out. Build against the torch you run:
 ``pip install --no-build-isolation --no-deps -e .``.
 """
 
@@ -22,18 +22,21 @@ from pathlib import Path
 from setuptools import setup
 
 MODES = ("auto", "cuda", "cpu", "none")
+# csrc/: kernels/ (torch-free: C++ and CUDA), bindings/ (torch ops), emulator/ (test-only).
+# Sources include each other from here: "kernels/abft.h".
+INCLUDE_DIRS = [str(Path(__file__).resolve().parent / "csrc")]
 SOURCES = [
-    "csrc/abft_ops.cpp",
-    "csrc/abft_encode.cpp",
-    "csrc/abft_softmax.cpp",
-    "csrc/abft_cpu.cpp",
+    "csrc/bindings/abft_ops.cpp",
+    "csrc/bindings/abft_encode.cpp",
+    "csrc/bindings/abft_softmax.cpp",
+    "csrc/kernels/abft_cpu.cpp",
 ]
 # The test-only extension: the CUDA kernels (abft_cuda.cu) built by the C++ compiler, and the
 # emulator that runs them.
 EMULATOR_SOURCES = [
-    "csrc/emulator_module.cpp",
-    "csrc/abft_cuda_emulated.cpp",
-    "csrc/cuda_emulator.cpp",
+    "csrc/emulator/emulator_module.cpp",
+    "csrc/emulator/abft_cuda_emulated.cpp",
+    "csrc/emulator/cuda_emulator.cpp",
 ]
 # OpenMP: at::parallel_for runs its tasks on torch's threads only where _OPENMP is defined (it
 # is serial otherwise). libgomp.so.1 resolves to the copy torch has already loaded.
@@ -84,6 +87,7 @@ def emulator(cpp_extension) -> tuple[list, list[tuple[str, None]]]:
     ext = cpp_extension.CppExtension(
         "megatron_abft._emulator",
         EMULATOR_SOURCES,
+        include_dirs=INCLUDE_DIRS,
         extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=LINK_FLAGS,
     )
@@ -115,6 +119,7 @@ def extensions() -> tuple[list, dict]:
         ext = cpp_extension.CppExtension(
             "megatron_abft._C",
             SOURCES,
+            include_dirs=INCLUDE_DIRS,
             define_macros=emulator_macros,
             extra_compile_args={"cxx": CXX_FLAGS},
             extra_link_args=LINK_FLAGS,
@@ -127,7 +132,8 @@ def extensions() -> tuple[list, dict]:
     wheel_includes = [flag for d in nvidia_wheel_dirs("include") for flag in ("-idirafter", d)]
     ext = cpp_extension.CUDAExtension(
         "megatron_abft._C",
-        [*SOURCES, "csrc/abft_cuda.cu"],
+        [*SOURCES, "csrc/kernels/abft_cuda.cu"],
+        include_dirs=INCLUDE_DIRS,
         define_macros=[("ABFT_WITH_CUDA", None), *emulator_macros],
         library_dirs=nvidia_wheel_dirs("lib"),
         extra_compile_args={"cxx": CXX_FLAGS + wheel_includes, "nvcc": NVCC_FLAGS},

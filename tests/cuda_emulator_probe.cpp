@@ -1,10 +1,10 @@
-// Kernels that probe the CUDA emulator (csrc/cuda_emulator.h), built and run by
+// Kernels that probe the CUDA emulator (csrc/emulator/cuda_emulator.h), built and run by
 // tests/test_cuda_emulator.py. Each probe prints one line: its name, the launch's error code, then
 // what it computed or the emulator's message.
 #include <cstdio>
 #include <vector>
 
-#include "cuda_emulator_cuda.h"
+#include "emulator/cuda_emulator_cuda.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
-"""The CUDA emulator (csrc/cuda_emulator.h): what it runs and what it catches, on probe kernels
-built here with the C++ compiler; and the extension's CUDA kernels run through it
+"""The CUDA emulator (csrc/emulator/cuda_emulator.h): what it runs and what it catches, on probe
+kernels built here with the C++ compiler; and the extension's CUDA kernels run through it
 (megatron_abft.ops.compiled.emulated_cuda)."""
 
 import platform
@@ -28,7 +28,7 @@ def probes(tmp_path_factory) -> dict[str, tuple[int, str]]:
     if compiler is None:
         pytest.skip("no C++ compiler")
     binary = tmp_path_factory.mktemp("probe") / "probe"
-    sources = [ROOT / "tests" / "cuda_emulator_probe.cpp", ROOT / "csrc" / "cuda_emulator.cpp"]
+    sources = [ROOT / "tests" / "cuda_emulator_probe.cpp", ROOT / "csrc/emulator/cuda_emulator.cpp"]
     subprocess.run(
         [compiler, "-std=c++17", "-O1", f"-I{ROOT / 'csrc'}", *map(str, sources), "-o", binary],
         check=True,

@@ -246,10 +246,10 @@ def _column_sums(a: Tensor, b: Tensor, alpha: float, block: int) -> tuple[Tensor
 def _both_sides_sums(
     a: Tensor, b: Tensor, alpha: float, block: int
 ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None:
-    """Both sides' (sums, magnitude) in one op of the compiled kernels (csrc/abft_encode.cpp:
-    the larger operand read once for its block sums and its products with the smaller one's
-    sums, the smaller one twice; the same steps as _operand_sums and _project). None where the
-    kernels cannot do that; encode then takes one side at a time."""
+    """Both sides' (sums, magnitude) in one op of the compiled kernels
+    (csrc/bindings/abft_encode.cpp: the larger operand read once for its block sums and its
+    products with the smaller one's sums, the smaller one twice; the same steps as _operand_sums
+    and _project). None where the kernels cannot do that; encode then takes one side at a time."""
     found = compiled.encode_pair(a.detach(), b.detach(), alpha, block)
     if found is None:
         return None

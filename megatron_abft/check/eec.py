@@ -23,8 +23,8 @@ One side's comparison lives in megatron_abft.check.sides, steps 1 and 2 in
 megatron_abft.check.correction.
 
 Results are device tensors. Where the compiled kernels are built and the GEMM's operands are
-given, a check is one op (``compiled.verify_correct``, csrc/abft_correct.h): it screens C, then
-takes steps 1 to 3 on the device for each flagged matrix, and puts back bit for bit a matrix it
+given, a check is one op (``compiled.verify_correct``, csrc/kernels/abft_correct.h): it screens C,
+then takes steps 1 to 3 on the device for each flagged matrix, and puts back bit for bit a matrix it
 cannot settle. Where reading the device costs no sync (CPU, or ``sync_free=False``) such a
 matrix goes on to the PyTorch path below, so the result is that path's; with ``sync_free`` on a
 GPU it is reported uncorrectable, for the caller's policy. Without the kernels or the operands,

@@ -76,8 +76,8 @@ def inspect_sides(
 def screen(c: Tensor, refs: dict[str, Checksums], check: Check) -> Tensor | None:
     """Per matrix of ``c``, how many vectors the compiled kernels flag in one op (block sums,
     differences and thresholds of both sides), or None where they do not apply. The kernels'
-    thresholds are a hair tighter than inspect_sides' (csrc/abft.h, kScreenMargin), so a matrix
-    they pass has no vector that inspect_sides would flag."""
+    thresholds are a hair tighter than inspect_sides' (csrc/kernels/abft.h, kScreenMargin), so a
+    matrix they pass has no vector that inspect_sides would flag."""
     sides = kernel_sides(c, refs, check)
     return None if sides is None else compiled.screen(c, *sides)
 

@@ -32,7 +32,7 @@ class Ledger(Protocol):
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_MAX_DIMS = 10  # [*batch, m, n] with at most 8 batch dims (csrc/abft.h)
+_MAX_DIMS = 10  # [*batch, m, n] with at most 8 batch dims (csrc/kernels/abft.h)
 _disabled = False
 _emulating = False
 
@@ -107,8 +107,9 @@ def disabled() -> Iterator[None]:
 
 @contextmanager
 def emulated_cuda(schedule: int = 0) -> Iterator[None]:
-    """Inside this block the ops on CPU tensors run the CUDA kernels' source (csrc/abft_cuda.cu),
-    built for the CPU through the CUDA emulator (csrc/cuda_emulator.h), instead of the C++
+    """Inside this block the ops on CPU tensors run the CUDA kernels' source
+    (csrc/kernels/abft_cuda.cu), built for the CPU through the CUDA emulator
+    (csrc/emulator/cuda_emulator.h), instead of the C++
     kernels: a test of the CUDA code on machines without a GPU, and slow. The emulator runs each
     GPU thread as a fiber, a block warp by warp, and raises on a divergent barrier or shuffle.
     ``schedule`` orders the warps, the lanes of a warp and the blocks: 0 in order, 1 reversed,
@@ -200,7 +201,7 @@ def block_sums(
     return torch.ops.megatron_abft.block_sums(c, col_block, row_block)
 
 
-_MAX_CUDA_PRODUCTS = 16  # vectors of each kind per row_products call on CUDA (csrc/abft.h)
+_MAX_CUDA_PRODUCTS = 16  # vectors of each kind per row_products call on CUDA (csrc/kernels/abft.h)
 
 
 def row_products(a: Tensor, u: Tensor, z: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -283,7 +284,7 @@ def screen(
     the number of vectors whose differences exceed their thresholds (int32 ``[...]``). A side
     is ``[sums, magnitude]`` or ``[sums, magnitude, bias_magnitude]`` (``[]`` with a block of 0)
     in c's accumulation dtype, broadcasting to c's batch; its bounds are (out, gemm, floor,
-    length) of csrc/abft.h's ScreenSide. None where the kernels do not apply."""
+    length) of csrc/kernels/abft.h's ScreenSide. None where the kernels do not apply."""
     if not _serves(c):
         return None
     return torch.ops.megatron_abft.screen(c, col_block, row_block, col, row, col_bounds, row_bounds)
@@ -298,8 +299,9 @@ def verify_correct(
     ledger: Ledger | None = None,
 ) -> tuple[Tensor, ...] | None:
     """``screen``, then the flagged matrices of ``c`` located and corrected in place from the
-    GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/abft_correct.h). ``sides`` are the
-    six arguments of ``screen`` after c (megatron_abft.check.sides.kernel_sides). Per matrix: status
+    GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/kernels/abft_correct.h). ``sides`` are
+    the six arguments of ``screen`` after c (megatron_abft.check.sides.kernel_sides). Per matrix:
+    status
     (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
     flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass
     are corrected (eec's max_corrections, per matrix). With a ``ledger``, the same op also

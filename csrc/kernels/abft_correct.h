@@ -28,7 +28,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "abft.h"
+#include "kernels/abft.h"
 
 namespace abft {
 

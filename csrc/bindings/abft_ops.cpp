@@ -26,8 +26,8 @@
 #include <vector>
 #include <utility>
 
-#include "abft.h"
-#include "abft_binding.h"
+#include "kernels/abft.h"
+#include "bindings/abft_binding.h"
 
 namespace abft_binding {
 

@@ -13,7 +13,7 @@
 #include <tuple>
 #include <vector>
 
-#include "abft.h"
+#include "kernels/abft.h"
 
 // The CUDA kernels are in builds for GPUs (ABFT_WITH_CUDA); builds that can run them on the CPU
 // through the test-only extension megatron_abft._emulator (ABFT_WITH_EMULATOR) dispatch to them

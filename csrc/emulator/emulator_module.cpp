@@ -4,8 +4,8 @@
 // leave it out (ABFT_EMULATOR=0): nothing but that context imports it.
 #include <Python.h>
 
-#include "abft.h"
-#include "cuda_emulator.h"
+#include "kernels/abft.h"
+#include "emulator/cuda_emulator.h"
 
 namespace {
 

@@ -17,8 +17,8 @@
 #define ABFT_LAUNCHERS cuda_launchers
 #endif
 
-#include "abft.h"
-#include "abft_correct.h"
+#include "kernels/abft.h"
+#include "kernels/abft_correct.h"
 
 namespace abft {
 namespace {

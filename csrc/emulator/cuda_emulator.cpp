@@ -1,7 +1,7 @@
 // The runtime of the CUDA emulator (cuda_emulator.h): fibers on one CPU thread, a block's warps
 // in turn, each as far as it goes. x86-64 only: a fiber switch is eight instructions here, where
 // swapcontext costs a system call (about 290 ns, so a second a kernel at the tests' shapes).
-#include "cuda_emulator.h"
+#include "emulator/cuda_emulator.h"
 
 #include <sys/mman.h>
 

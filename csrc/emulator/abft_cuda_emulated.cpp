@@ -1,5 +1,5 @@
 // The CUDA kernels of abft_cuda.cu built for the CPU through the emulator (cuda_emulator.h), as
 // abft::emulated_launchers: what the tests run where there is no GPU.
-#include "cuda_emulator_cuda.h"
+#include "emulator/cuda_emulator_cuda.h"
 
-#include "abft_cuda.cu"
+#include "kernels/abft_cuda.cu"

@@ -8,8 +8,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "abft.h"
-#include "abft_correct.h"
+#include "kernels/abft.h"
+#include "kernels/abft_correct.h"
 
 namespace abft {
 namespace {

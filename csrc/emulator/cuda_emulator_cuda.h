@@ -3,8 +3,8 @@
 // translation unit that builds the kernels for the CPU (abft_cuda_emulated.cpp).
 #pragma once
 
-#include "abft_correct.h"  // the fp16 and bf16 conversions that the C++ kernels use
-#include "cuda_emulator.h"
+#include "kernels/abft_correct.h"  // the fp16 and bf16 conversions that the C++ kernels use
+#include "emulator/cuda_emulator.h"
 
 #define ABFT_CUDA_EMULATOR 1
 

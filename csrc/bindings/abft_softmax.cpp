@@ -13,8 +13,8 @@
 #include <tuple>
 #include <vector>
 
-#include "abft.h"
-#include "abft_binding.h"
+#include "kernels/abft.h"
+#include "bindings/abft_binding.h"
 
 namespace {
 

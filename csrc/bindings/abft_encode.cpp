@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "abft_binding.h"
+#include "bindings/abft_binding.h"
 
 namespace {
 
