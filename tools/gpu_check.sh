@@ -78,8 +78,8 @@ fi
 # --- 2. correctness, side by side -----------------------------------------------------------
 SELFTEST="import torch; from megatron_abft.ops.selftest import mismatches
 wrong = mismatches(torch.device('cuda')); print(wrong); assert not wrong"
-GPU_TESTS="tests/test_ext.py tests/test_ext_correct.py tests/test_ext_tally.py tests/test_eec.py
-    tests/test_checksum.py tests/test_fused_softmax.py tests/test_fused_softmax_correct.py"
+GPU_TESTS="tests/ops/test_ext.py tests/ops/test_ext_correct.py tests/ops/test_ext_tally.py tests/check/test_eec.py
+    tests/check/test_checksum.py tests/ops/test_fused_softmax.py tests/ops/test_fused_softmax_correct.py"
 # shellcheck disable=SC2086  # the lists split into arguments
 {
     step kernel_tests 120 $PY -m pytest -q -rf -vv -n 8 -p no:cacheprovider $GPU_TESTS \
@@ -88,8 +88,8 @@ GPU_TESTS="tests/test_ext.py tests/test_ext_correct.py tests/test_ext_tally.py t
     # then a few of the tests (the sanitizer makes each test many times slower)
     step selftest_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 $PY -c "$SELFTEST"
     step kernel_memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 1 \
-        $PY -m pytest -q -rf -p no:cacheprovider tests/test_ext_correct.py \
-        tests/test_ext_tally.py tests/test_fused_softmax_correct.py \
+        $PY -m pytest -q -rf -p no:cacheprovider tests/ops/test_ext_correct.py \
+        tests/ops/test_ext_tally.py tests/ops/test_fused_softmax_correct.py \
         -k "(cuda or gpu) and not emulat and not launches and not equal_the_cpu"
 } &
 # racecheck is the slowest tool (more than 60 s for the self-test on an H200): a branch its own

@@ -10,7 +10,7 @@ intervals from a menu (or "off") that reach a target coverage at least cost.
 The greedy is Algorithm 1: sections in order of coverage per unit of cost, each checked every
 step until the target is within reach, the last one at the longest interval that still reaches
 it. It solves the continuous relaxation exactly, so its cost exceeds the true optimum by at most
-one section's cost; tests/test_frequency.py compares it with brute force.
+one section's cost; tests/tuning/test_frequency.py compares it with brute force.
 """
 
 from __future__ import annotations

@@ -34,12 +34,13 @@ copy,
   row identities and the ledger's updates. qkv and proj are checked as by ``kernels``.
 
 Every check also costs a number of small ops, each at the device's op latency: on a CPU the
-top-level tensor ops of a clean check (CHECK_OPS, counted on the code by tests/test_scaling.py;
-eager dispatch and the Python around it, which tools/bench_overhead.py measures on the check
-itself), on a GPU the kernels a clean sync-free check launches (CHECK_KERNELS). On a CPU each
-dot product of the kernels' checksum products (an operand's row against one checksum vector)
-also costs a fixed time beyond its multiply-adds (DeviceProfile.check_dot, measured by the
-benchmark): for an operand head_dim wide, as Q, K and V are, that cost is most of the products'.
+top-level tensor ops of a clean check (CHECK_OPS, counted on the code by
+tests/tuning/test_scaling.py; eager dispatch and the Python around it, which tools/bench_overhead.py
+measures on the check itself), on a GPU the kernels a clean sync-free check launches
+(CHECK_KERNELS). On a CPU each dot product of the kernels' checksum products (an operand's row
+against one checksum vector) also costs a fixed time beyond its multiply-adds
+(DeviceProfile.check_dot, measured by the benchmark): for an operand head_dim wide, as Q, K and V
+are, that cost is most of the products'.
 
 The unfused attention's backward pass is not protected: its protection costs forward work only,
 while the baseline step is forward + backward (2x the GEMM FLOPs) + optimizer. The flash path
@@ -71,12 +72,12 @@ CHECK_OPS = {"torch": 124, "kernels": 4, "fused": 4}
 """Top-level tensor ops of one clean check (encode both sides, verify, read whether anything
 was found) of a batched GEMM on a CPU, as a guard runs it once it has planned its shape
 (megatron_abft.check.plan). The torch and kernels figures are the code's own,
-counted with torch.profiler by tests/test_scaling.py; the fused path removes passes, not
+counted with torch.profiler by tests/tuning/test_scaling.py; the fused path removes passes, not
 ops."""
 CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 5, "fused": 3}
 """GPU kernels one clean check launches sync-free (the default where the kernels serve the GPU).
 Measured on an H200 (tools/bench_overhead.py's check_kernels, docs/benchmarks.md): 5, one more
-than the code's count, which tests/test_ext_tally.py names on the next GPU run. Counted from the
+than the code's count, which tests/ops/test_ext_tally.py names on the next GPU run. Counted from the
 code: encode_pair 2 (both operands' block sums, then both
 products, alpha applied as they are written; a column-major operand, as V^T is for the context,
 read column by column) and verify_correct_tally 2 (C's block sums, each tile screening the
@@ -96,7 +97,7 @@ the views of P's pass that make the row side are ops there too, of next to no co
 BIAS_OPS = {"torch": 30, "kernels": 1, "fused": 1}
 """What a bias adds to a check (GPT's qkv; ModelShape.bias), in ops on a CPU and in launches on a
 GPU: the kernels' add_bias, which adds the bias's terms to the sums in one op; the torch path's
-terms, counted with torch.profiler by tests/test_scaling.py."""
+terms, counted with torch.profiler by tests/tuning/test_scaling.py."""
 
 
 @dataclass(frozen=True)
@@ -336,12 +337,12 @@ DEVICES = {
         vector=0.7 * 19.5e12 / 2,
         exp=0.7 * 16 * 108 * 1.41e9,
     ),
-    # The H200 as tools/bench_overhead.py measured it (GPT-3 350M, bf16, sequence 2048,
-    # micro-batch 1, unfused path; docs/figures/gpu/h200_bench_gpt3_350m_unfused.json, the
-    # medians of its micro-benchmarks, which tests/test_scaling.py holds these to): bf16 GEMMs at
-    # the model's size, an elementwise pass, an op's launch, a check's op with the Python around
-    # it, the kernels' read of S, the optimizer step, both softmaxes and kernel 3's checks. The
-    # flash kernels' CUDA-core and exp2 rates are the datasheet's (no benchmark measures them).
+    # The H200 as tools/bench_overhead.py measured it (GPT-3 350M, bf16, sequence 2048, micro-batch
+    # 1, unfused path; docs/figures/gpu/h200_bench_gpt3_350m_unfused.json, the medians of its
+    # micro-benchmarks, which tests/tuning/test_scaling.py holds these to): bf16 GEMMs at the
+    # model's size, an elementwise pass, an op's launch, a check's op with the Python around it, the
+    # kernels' read of S, the optimizer step, both softmaxes and kernel 3's checks. The flash
+    # kernels' CUDA-core and exp2 rates are the datasheet's (no benchmark measures them).
     "H200-measured": DeviceProfile(
         "H200 SXM, measured",
         {"bf16": 4.25750e14},
@@ -727,7 +728,7 @@ the forward's and the backward's ops when they check anything."""
 RECORD_OPS = 1
 """GPU launches of one ledger update (megatron_abft.flash.ledger.record: one Triton launch after
 each of the forward's and the backward's ops when they checked anything), counted on the code by
-tests/test_scaling.py."""
+tests/tuning/test_scaling.py."""
 
 
 def _prepass(f: _FlashShape, kinds: tuple[str, ...], query: bool, block: int) -> Work:

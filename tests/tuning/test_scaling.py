@@ -160,7 +160,7 @@ def test_the_benchmark_measures_what_the_model_calibrates_on():
         assert 0 < rate < 1e13
     with compiled.disabled():
         assert check_read_rate((2, 64, 64), torch.float32, cpu, 32) is None
-    run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
+    run = json.loads((Path(__file__).parents[2] / "docs/figures/bench_cpu_run4.json").read_text())
     assert calibrated(run).check_bandwidth is None  # a run from before the rate was measured
     assert calibrated(run).check_dot == 0
     run["machine"].update(check_bandwidth=3e9, check_dot=4e-9)
@@ -206,7 +206,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
     for mode in ("pinned", "default"):
         out = subprocess.run(
             [sys.executable, "-c", script, mode],
-            cwd=Path(__file__).parents[1],
+            cwd=Path(__file__).parents[2],
             capture_output=True,
             text=True,
             check=True,
@@ -314,7 +314,7 @@ def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
     )
     with compiled.disabled():
         assert set(softmax_costs(module, args, cpu)) == {"forward", "backward"}
-    run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
+    run = json.loads((Path(__file__).parents[2] / "docs/figures/bench_cpu_run4.json").read_text())
     assert calibrated(run).softmax is None  # from before the softmax was timed
     run["machine"]["softmax"] = costs
     assert calibrated(run).softmax == costs
@@ -459,7 +459,7 @@ def test_a_benchmark_run_calibrates_the_baseline_on_its_unprotected_steps():
     roofline's own step is kept for its row."""
     from tools.overhead_report import calibrated, measured_shape, roofline, validation_rows
 
-    path = Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json"
+    path = Path(__file__).parents[2] / "docs/figures/bench_cpu_run4.json"
     run = json.loads(path.read_text())
     shape, off = measured_shape(run["args"]), run["median"]["off"]
     device = calibrated(run)
@@ -542,7 +542,7 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
     the rows that agree."""
     from tools.overhead_report import summary, validation_rows
 
-    run = Path(__file__).parents[1] / "docs" / "figures" / "bench_cpu_run4.json"
+    run = Path(__file__).parents[2] / "docs" / "figures" / "bench_cpu_run4.json"
     rows = validation_rows([run])
     judged = [r for r in rows if r["ok"] is not None]
     assert [r["what"] for r in judged] == [
@@ -571,7 +571,7 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     from tools.overhead_report import calibrated, measured_shape
 
     assert DEVICES["H100"].ops_per_check("kernels") == CHECK_KERNELS["kernels"]
-    run = json.loads((Path(__file__).parents[1] / "docs/figures/bench_cpu_run4.json").read_text())
+    run = json.loads((Path(__file__).parents[2] / "docs/figures/bench_cpu_run4.json").read_text())
     device = calibrated(run)
     assert device.ops_per_check("kernels") == run["machine"]["check_ops"] == 13
     assert device.ops_per_check("torch") == CHECK_OPS["torch"]
@@ -1035,7 +1035,7 @@ def test_the_measured_h200_profile_is_the_h200_runs_micro_benchmarks():
     from tools.overhead_report import roofline, within
 
     path = (
-        Path(__file__).parents[1] / "docs" / "figures" / "gpu" / "h200_bench_gpt3_350m_unfused.json"
+        Path(__file__).parents[2] / "docs" / "figures" / "gpu" / "h200_bench_gpt3_350m_unfused.json"
     )
     result = json.loads(path.read_text())
     run, profile = roofline(result), DEVICES["H200-measured"]

@@ -1,5 +1,5 @@
 // Kernels that probe the CUDA emulator (csrc/emulator/cuda_emulator.h), built and run by
-// tests/test_cuda_emulator.py. Each probe prints one line: its name, the launch's error code, then
+// tests/ops/test_cuda_emulator.py. Each probe prints one line: its name, the launch's error code, then
 // what it computed or the emulator's message.
 #include <cstdio>
 #include <vector>

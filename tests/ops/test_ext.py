@@ -251,7 +251,7 @@ def test_without_operands_the_kernels_path_equals_the_pytorch_path(
     dtype, batch, m, n, block, kind, pattern, seed
 ):
     """The screen, then the PyTorch path on the kernels' block sums, rebuilding from the
-    checksums (with the operands: tests/test_ext_correct.py)."""
+    checksums (with the operands: tests/ops/test_ext_correct.py)."""
     a, b, bias, c = gemm_case(dtype, batch, m, 16, n, seed)
     if kind != "none":
         inject_(c, TensorFault(kind, pattern, value=1e4, seed=seed))

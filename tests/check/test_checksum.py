@@ -83,7 +83,7 @@ def test_a_bias_adds_a_few_ops_to_the_encoding():
     """On the PyTorch path, the bias's terms in the checksums come from constants made once per
     shape (each block's row count and weight sum): a few elementwise ops and one small GEMM per
     side, not the constants rebuilt on every check (on a GPU every op is a kernel launch). The
-    kernels take one op (tests/test_ext.py)."""
+    kernels take one op (tests/ops/test_ext.py)."""
     a, w, bias = torch.randn(64, 32), torch.randn(96, 32), torch.randn(96)
 
     def ops(bias):

@@ -23,7 +23,7 @@ from mcore import MEGATRON_LM_FLAGS, Shape, build_gpt, free_port, loss_and_grads
 from megatron_abft import Fault
 from megatron_abft.config import POLICIES, ABFTConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = Shape(heads=4, groups=2)
 PROBS_NAN = Fault("probs", "nan", layer=1, tp_rank=1, seed=2)
 LOUD = "!!! ABFT UNCORRECTABLE FAULT !!! Rank 1"

@@ -183,7 +183,7 @@ def test_the_host_benchmark_times_a_planned_check_and_its_ops_alone(tmp_path):
         [sys.executable, "-m", "tools.bench_host", "--layers", "2", "--out", str(out)],
         check=True,
         capture_output=True,
-        cwd=Path(__file__).parents[1],  # the repository root, where the tools run from
+        cwd=Path(__file__).parents[2],  # the repository root, where the tools run from
     )
     result = json.loads(out.read_text())
     assert result["device"] == "cpu"

@@ -15,7 +15,7 @@ from cuda_targets import emulator_built
 
 from megatron_abft.ops import compiled
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 needs_emulator = pytest.mark.skipif(not emulator_built(), reason="no CUDA emulator in this build")
 
 
@@ -28,7 +28,7 @@ def probes(tmp_path_factory) -> dict[str, tuple[int, str]]:
     if compiler is None:
         pytest.skip("no C++ compiler")
     binary = tmp_path_factory.mktemp("probe") / "probe"
-    sources = [ROOT / "tests" / "cuda_emulator_probe.cpp", ROOT / "csrc/emulator/cuda_emulator.cpp"]
+    sources = [ROOT / "tests/ops/cuda_emulator_probe.cpp", ROOT / "csrc/emulator/cuda_emulator.cpp"]
     subprocess.run(
         [compiler, "-std=c++17", "-O1", f"-I{ROOT / 'csrc'}", *map(str, sources), "-o", binary],
         check=True,
