@@ -33,7 +33,7 @@ from megatron_abft.faults import (
     TensorFault,
     inject_,
 )
-from megatron_abft.ops import selftest as kernel_selftest  # noqa: F401  registers the kernels' known-answer test
+from megatron_abft.ops import selftest  # noqa: F401  registers the kernels' known-answer test
 from megatron_abft.runtime.guard import ABFTUncorrectableError, collect_events, reset_stats, stats
 from megatron_abft.runtime.model_runtime import inject, set_step
 from megatron_abft.runtime.policy import StepOutcome, finish_step, validate_with_rerun
