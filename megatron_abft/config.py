@@ -48,6 +48,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """The data types a protected model runs in, by the names the tools and flags use."""
 
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+"""DTYPES the other way round: a dtype's name in flags, reports and Triton signatures."""
+
 
 def _bad(field_name: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"ABFTConfig.{field_name}: {value!r} is not allowed; {allowed}")

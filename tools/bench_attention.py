@@ -39,6 +39,7 @@ import torch
 import yaml
 from torch import Tensor
 
+from megatron_abft.config import DTYPE_NAMES
 from megatron_abft.tuning.scaling import CATALOGUE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +70,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2**-4, torch.float16: 2**-7}
 """Largest accepted |output - fp32 reference| for unit-normal q, k, v: 2.5x the worst error of
 Megatron's unfused attention, which rounds S and P to the input dtype (0.025 in bf16 over 256
 heads of 256 queries; flash attention rounds only P and O, and errs half as much)."""
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 MEGATRON = ("megatron_unfused", "protected_unfused")
 
 

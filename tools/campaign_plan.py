@@ -10,6 +10,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_abft.config import BACKWARD_SECTIONS, FORWARD_SECTIONS
+from megatron_abft.config import KINDS as ABFT_KINDS
+from megatron_abft.faults import MODEL_SECTIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
@@ -21,8 +25,9 @@ DEFAULT_FIGURE = ROOT / "docs" / "figures" / "campaign.png"
 DEFAULT_VULNERABILITY = ROOT / "docs" / "figures" / "vulnerability.json"
 DEFAULT_SUMMARY = ROOT / "docs" / "figures" / "campaign_summary.json"
 
-SECTIONS = ("qkv", "q", "k", "v", "scores", "probs", "context", "proj")
-"""The fault sections of megatron_abft.faults.MODEL_SECTIONS, in the order the tables use."""
+SECTIONS = tuple(s for s in MODEL_SECTIONS if s not in BACKWARD_SECTIONS)
+"""The fault sections of the unfused attention (megatron_abft.faults.MODEL_SECTIONS), in the
+order the tables use."""
 PROTECTED = ("qkv", "q", "k", "v", "scores", "context", "proj")
 """Sections whose faults the checks cover; probs, the softmax output, is the blind spot."""
 CHECKED_SECTION = {s: "qkv" if s in ("q", "k", "v") else s for s in SECTIONS}
@@ -31,8 +36,8 @@ KINDS = ("inf", "-inf", "nan", "near_inf", "bitflip", "value_1e1", "value_1e4", 
 """Campaign kinds: the fault kinds of megatron_abft.faults, with finite values at 3 magnitudes."""
 PATTERNS = ("0d", "row", "col", "2d")
 CORRECTABLE_PATTERNS = ("0d", "row", "col")
-VULNERABILITY_SECTIONS = ("qkv", "scores", "context", "proj")
-VULNERABILITY_KINDS = ("finite", "near_inf", "inf", "nan")  # megatron_abft.check.eec.KINDS
+VULNERABILITY_SECTIONS = FORWARD_SECTIONS  # the sections the unfused attention checks
+VULNERABILITY_KINDS = ABFT_KINDS  # by a fault's worst checksum difference
 POLICIES = ("skip_step", "log")
 
 

@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from megatron_abft.config import DTYPE_NAMES
 from megatron_abft.flash import checksums, kernels, launch, ledger
 
 ARCHS: dict[int, int] = {80: 166912, 90: 232448}
@@ -32,7 +33,6 @@ checks with fault injection (faults=...), the checks with calibration
 HELPERS: tuple[str, ...] = ("delta", "sums", "record")
 """The kernels around them: Delta (launch.backward), the checksum vectors (checksums.sums) and
 the ledger's update (ledger.record)."""
-_TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _FLOATS = {"qk_scale", "sm_scale", "tol", "u_out", "near_inf"}
 _CHECKSUMS = {"KC", "VR", "QC", "QR", "DOC", "DOR", "KR", "VC"}
 _POINTERS = {
@@ -144,7 +144,7 @@ def source(config: Config) -> ASTSource:
             "CALIBRATE": config.variant == "calibrate",
             "UPCAST": False,
         }
-    data = _TRITON_TYPES[config.torch_dtype]
+    data = DTYPE_NAMES[config.torch_dtype]  # Triton's names for them too
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:

@@ -54,11 +54,9 @@ import math
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 
-import torch
-
-from megatron_abft.config import FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
+from megatron_abft.config import DTYPE_NAMES, FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
 from megatron_abft.flash.checksums import WIDTH
-from megatron_abft.flash.launch import blocks, padded_head_dim
+from megatron_abft.flash.launch import GPU_DTYPES, blocks, padded_head_dim
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 UNFUSED = ("torch", "kernels", "fused")
@@ -490,8 +488,8 @@ kernels: its GEMMs are 3.5x the forward's (7 tile GEMMs to 2), not FlashAttentio
 Launches, from megatron_abft.flash.launch and .attention: each kernel, and before dK/dV the
 Delta kernel (a call that checks nothing makes its placeholders without a launch)."""
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""The dtypes the flash kernels take on a GPU (launch.GPU_DTYPES)."""
+_DTYPES = {DTYPE_NAMES[dtype]: dtype for dtype in GPU_DTYPES}
+"""The dtypes the flash kernels take on a GPU, by name."""
 
 
 @dataclass(frozen=True)
