@@ -289,8 +289,7 @@ def test_yaml_sets_flags_and_the_command_line_wins(tmp_path):
 def test_a_coverage_target_sets_the_check_intervals():
     """The check-frequency optimizer picks the sections and intervals
     (megatron_abft.tuning.frequency): nothing for a zero target, every section every step for full
-    coverage, and in between the
-    cheapest sections first, whose choice the launch banner logs."""
+    coverage, and in between the cheapest sections first, whose choice the launch banner logs."""
     from megatron_abft.megatron_lm import abft_config_from_args
     from pretrain.arguments import parse_args
 

@@ -16,13 +16,12 @@ anything computes its whole block again, once (its query block, or in dK/dV its 
 every query head of its group): a transient fault is gone the second time, and what is flagged
 again is uncorrectable.
 
-Outcomes go to ``CODES [sections, batch * heads]`` (int32, atomic max of
-``outcome << 2 | kind``: outcome 1 corrected, 2 uncorrectable; kind as
-megatron_abft.check.eec.KINDS), and the first flagged row and column to ``ROWS``/``COLS`` (as
-``NO_ROW - row``, atomic max, so
-that a zeroed buffer says none): one matrix a section, on
-the device, no host synchronisation; a program reports what its first pass flagged as
-corrected and what its second flagged as uncorrectable, which the atomic max lets win.
+Outcomes go to ``CODES [sections, batch * heads]`` (int32, atomic max of ``outcome << 2 | kind``:
+outcome 1 corrected, 2 uncorrectable; kind as megatron_abft.check.eec.KINDS), and the first flagged
+row and column to ``ROWS``/``COLS`` (as ``NO_ROW - row``, atomic max, so that a zeroed buffer says
+none): one matrix a section, on the device, no host synchronisation; a program reports what its
+first pass flagged as corrected and what its second flagged as uncorrectable, which the atomic max
+lets win.
 
 Constexpr switches compile out what production does not need: ``CHECK`` (all checks),
 ``INJECT`` (fault injection, megatron_abft.flash.faults) and ``CALIBRATE`` (the largest finite

@@ -109,12 +109,11 @@ def disabled() -> Iterator[None]:
 def emulated_cuda(schedule: int = 0) -> Iterator[None]:
     """Inside this block the ops on CPU tensors run the CUDA kernels' source
     (csrc/kernels/abft_cuda.cu), built for the CPU through the CUDA emulator
-    (csrc/emulator/cuda_emulator.h), instead of the C++
-    kernels: a test of the CUDA code on machines without a GPU, and slow. The emulator runs each
-    GPU thread as a fiber, a block warp by warp, and raises on a divergent barrier or shuffle.
-    ``schedule`` orders the warps, the lanes of a warp and the blocks: 0 in order, 1 reversed,
-    any other value a random order from that seed; results that depend on it show a race. Built
-    on x86-64 Linux (docs/abft.md section 7)."""
+    (csrc/emulator/cuda_emulator.h), instead of the C++ kernels: a test of the CUDA code on machines
+    without a GPU, and slow. The emulator runs each GPU thread as a fiber, a block warp by warp, and
+    raises on a divergent barrier or shuffle. ``schedule`` orders the warps, the lanes of a warp and
+    the blocks: 0 in order, 1 reversed, any other value a random order from that seed; results that
+    depend on it show a race. Built on x86-64 Linux (docs/abft.md section 7)."""
     global _emulating
     emulator, reason = _load_emulator()
     if emulator is None:
@@ -301,12 +300,11 @@ def verify_correct(
     """``screen``, then the flagged matrices of ``c`` located and corrected in place from the
     GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/kernels/abft_correct.h). ``sides`` are
     the six arguments of ``screen`` after c (megatron_abft.check.sides.kernel_sides). Per matrix:
-    status
-    (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
-    flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass
-    are corrected (eec's max_corrections, per matrix). With a ``ledger``, the same op also
-    tallies what it found into it as ``tally`` does, on CUDA in the correction's launch, and
-    returns failed after the five. None where the kernels do not apply."""
+    status (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
+    flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass are
+    corrected (eec's max_corrections, per matrix). With a ``ledger``, the same op also tallies what
+    it found into it as ``tally`` does, on CUDA in the correction's launch, and returns failed
+    after the five. None where the kernels do not apply."""
     a, b, alpha, bias = operands
     if not verify_correct_applies(c, a, b, bias):
         return None

@@ -1,10 +1,10 @@
 """A known-answer test of the compiled kernels on one device against the PyTorch path.
 
 megatron_abft.ops.compiled runs it once per CUDA device before its kernels serve that device (this
-module registers it there on import; the package imports it): a kernel
-that got a check wrong would let a fault through unseen, so a device whose kernels disagree with
-the reference keeps the PyTorch path (with a warning) instead. On CPU the test suite covers the
-same ground; ``mismatches`` runs there too.
+module registers it there on import; the package imports it): a kernel that got a check wrong would
+let a fault through unseen, so a device whose kernels disagree with the reference keeps the PyTorch
+path (with a warning) instead. On CPU the test suite covers the same ground; ``mismatches`` runs
+there too.
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@ guards (counters, step, layer numbers).
 
 A protected module owns one guard per section it computes. On each forward the guard lands any
 injected fault meant for it (megatron_abft.inject), then, when the section is due
-(ABFTConfig.checks), encodes checksums from the GEMM's inputs, verifies and corrects the output
-in place and tallies the outcome into its ledger, on the device (megatron_abft.check.ledger). A
-fault it cannot correct is recomputed at once where that costs no host synchronisation (CPU
-tensors),
-and otherwise left pending for the once-per-step policy decision
+(ABFTConfig.checks), encodes checksums from the GEMM's inputs, verifies and corrects the output in
+place and tallies the outcome into its ledger, on the device (megatron_abft.check.ledger). A fault
+it cannot correct is recomputed at once where that costs no host synchronisation (CPU tensors), and
+otherwise left pending for the once-per-step policy decision
 (megatron_abft.runtime.policy.finish_step).
 """
 

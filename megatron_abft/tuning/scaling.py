@@ -7,9 +7,8 @@ work of each protected section, then turns work into time with a device profile
 limit of its own). Four implementations of the checks are modelled (IMPLEMENTATIONS), three of
 the unfused attention (S and P materialised; UNFUSED) and the flash attention:
 
-- ``torch``: the PyTorch path of megatron_abft.check.eec and .checksum, pass by pass: every fp32
-copy,
-  abs and reduction over C and the operands, as the code does them;
+- ``torch``: the PyTorch path of megatron_abft.check.eec and .checksum, pass by pass: every
+  fp32 copy, abs and reduction over C and the operands, as the code does them;
 - ``kernels``: today's code with the compiled kernels (megatron_abft.ops.compiled): a clean check is
   two ops of them, encode_pair (the larger operand read once for its block sums and its
   checksum products, the smaller twice) and verify_correct (C read once for both sides, with

@@ -1,7 +1,6 @@
 """The compiled verify-and-correct (megatron_abft::verify_correct, csrc/kernels/abft_correct.h)
 against the PyTorch path of eec.py: through verify_and_correct, and the op alone as a sync-free
-check on
-a GPU runs it."""
+check on a GPU runs it."""
 
 import pytest
 import torch

@@ -1,8 +1,7 @@
 """Kernel 3 (csrc/bindings/abft_softmax.cpp, megatron_abft.ops.fused_softmax): Megatron's
 scale-mask-softmax with the scores' screen and the context operand's checksum pass in one read of S.
-Against
-Megatron's own softmax, the screen op, operand_pass and encode: on CPU always, on CUDA where a
-GPU is present."""
+Against Megatron's own softmax, the screen op, operand_pass and encode: on CPU always, on CUDA
+where a GPU is present."""
 
 import pytest
 import torch
