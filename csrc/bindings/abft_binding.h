@@ -138,8 +138,8 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
                            const std::optional<at::Tensor>& bias, double near_inf,
                            int64_t capacity);
 
-// A guard's ledger (megatron_abft/check/ledger.py) as tally writes it: counts [3, kinds] int64, step
-// [1] float64, log [capacity, 7] float64 and logged [1] int64, all on the results' device.
+// A guard's ledger (megatron_abft/check/ledger.py) as tally writes it: counts [3, kinds] int64,
+// step [1] float64, log [capacity, 7] float64 and logged [1] int64, all on the results' device.
 struct LedgerArgs {
   const at::Tensor& counts;
   const at::Tensor& step;

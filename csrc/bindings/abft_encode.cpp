@@ -1,11 +1,11 @@
 // encode_pair: both sides' checksum sums of C = alpha * A @ B in one op, composed of the kernels
 // (block_sums, operand_pass, row_products, or their pairs) and BLAS. The steps are those of
-// megatron_abft/check/checksum.py (_both_sides_sums, _project), which stays the reference. On a CPU the
-// larger operand is read once for its block sums and its products with the smaller one's sums,
-// the smaller one twice; on a GPU, where a launch costs more than a read, both operands' block
-// sums are one launch and both products another (block_sums_pair, row_products_pair), the larger
-// operand read twice. Composed in C++ so that a check pays one dispatch from Python for its
-// encoding instead of some thirty, most of them views.
+// megatron_abft/check/checksum.py (_both_sides_sums, _project), which stays the reference. On a CPU
+// the larger operand is read once for its block sums and its products with the smaller one's sums,
+// the smaller one twice; on a GPU, where a launch costs more than a read, both operands' block sums
+// are one launch and both products another (block_sums_pair, row_products_pair), the larger operand
+// read twice. Composed in C++ so that a check pays one dispatch from Python for its encoding
+// instead of some thirty, most of them views.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <torch/library.h>
@@ -95,7 +95,8 @@ Four row_products_pair(const at::Tensor& a, const at::Tensor& u, const at::Tenso
 
 bool column_major(const at::Tensor& x) { return x.stride(-2) == 1 && x.stride(-1) != 1; }
 
-// As compiled._products_apply (megatron_abft/ops): on CUDA the kernels take at most 16 vectors of each kind.
+// As compiled._products_apply (megatron_abft/ops): on CUDA the kernels take at most 16 vectors of
+// each kind.
 bool products_apply(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
   if (u.dim() != a.dim() || z.dim() != a.dim()) return false;
   return !runs_cuda_kernels(a) || std::max(u.size(-2), z.size(-2)) <= abft::kMaxRowProducts;
@@ -266,8 +267,8 @@ void check_pair(const char* op, const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Both sides' (sums, magnitude) of alpha * a @ b: column side [..., nb(m), 2, n], [..., nb(m), n],
-// row side [..., nb(n), 2, m], [..., nb(n), m]. megatron_abft/ops/compiled.py's encode_pair checks that
-// the kernels take these operands before it calls this.
+// row side [..., nb(n), 2, m], [..., nb(n), m]. megatron_abft/ops/compiled.py's encode_pair checks
+// that the kernels take these operands before it calls this.
 Four encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block) {
   check_pair("megatron_abft::encode_pair", a, b);
   const auto [x_big, big] = larger(a, b);

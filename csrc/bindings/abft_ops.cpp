@@ -1,10 +1,9 @@
 // Torch binding of the checksum kernels (abft.h): checks the inputs, allocates the outputs and
 // forwards raw pointers. Registers the ops megatron_abft::block_sums, row_products, operand_pass,
 // screen, verify_correct, tally, verify_correct_tally and add_bias with torch.library, on CPU
-// always and on CUDA in CUDA builds, and the CUDA kernels of block_sums_pair and
-// row_products_pair (abft_encode.cpp has them on other devices); their fake implementations for
-// torch.compile are in megatron_abft/ops/compiled.py. The helpers other bindings share are declared in
-// abft_binding.h.
+// always and on CUDA in CUDA builds, and the CUDA kernels of block_sums_pair and row_products_pair
+// (abft_encode.cpp has them on other devices); their fake implementations for torch.compile are in
+// megatron_abft/ops/compiled.py. The helpers other bindings share are declared in abft_binding.h.
 #include <Python.h>
 
 #include <ATen/ATen.h>

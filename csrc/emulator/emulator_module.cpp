@@ -1,7 +1,7 @@
 // megatron_abft._emulator, a test-only extension: the CUDA kernels of abft_cuda.cu built for the
 // CPU through the CUDA emulator (abft_cuda_emulated.cpp, cuda_emulator.cpp), handed to _C as an
-// abft::Emulator (_C.emulate_cuda) by megatron_abft.ops.compiled.emulated_cuda(). Production builds can
-// leave it out (ABFT_EMULATOR=0): nothing but that context imports it.
+// abft::Emulator (_C.emulate_cuda) by megatron_abft.ops.compiled.emulated_cuda(). Production builds
+// can leave it out (ABFT_EMULATOR=0): nothing but that context imports it.
 #include <Python.h>
 
 #include "kernels/abft.h"

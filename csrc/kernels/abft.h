@@ -10,10 +10,10 @@
 // with w = 1, 2, ... counted from the block's start. Sums are accumulated in fp32 (fp64 for fp64
 // inputs), whatever the input dtype.
 //
-// row_products reads a batch of operands A [*batch, m, k] once and produces, for the checksums of
-// a GEMM that A enters (megatron_abft/check/checksum.py), A u_t and |A| z_t for a few vectors u_t, z_t
-// per matrix: the other operand's block sums and magnitudes. One read replaces a copy of |A| and
-// two GEMMs over A and |A|.
+// row_products reads a batch of operands A [*batch, m, k] once and produces, for the checksums of a
+// GEMM that A enters (megatron_abft/check/checksum.py), A u_t and |A| z_t for a few vectors u_t,
+// z_t per matrix: the other operand's block sums and magnitudes. One read replaces a copy of |A|
+// and two GEMMs over A and |A|.
 //
 // screen compares both sides' block sums of C with the reference checksums carried from the
 // GEMM's inputs and counts, per matrix, the vectors whose differences exceed the rounding
@@ -268,14 +268,14 @@ struct Correct {
   void* magnitude;  // in the accumulation type
 };
 
-// Tally what a check found, for a guard's ledger (megatron_abft/check/ledger.py), with no host read:
-// over the per-matrix results of a batch (status 0 clean / 1 corrected / 2 uncorrectable, kind an
-// index into eec.KINDS) it adds 1 to counts[outcome][kind] for outcome 0 (detected: status != 0),
-// 1 (corrected) and 2 (uncorrectable) and sets *failed to whether a matrix is uncorrectable; if
-// a matrix is not clean, it adds 1 to *logged and, while that stays within capacity, writes the
-// record of the worst matrix, the first of the highest status, to the log: step (read from
-// *step, so that a CUDA graph's replays read the current one), status, matrix, kind, row, col,
-// magnitude (ledger.EVENT_FIELDS). Results outside those ranges are not counted. batch >= 1.
+// Tally what a check found, for a guard's ledger (megatron_abft/check/ledger.py), with no host
+// read: over the per-matrix results of a batch (status 0 clean / 1 corrected / 2 uncorrectable,
+// kind an index into eec.KINDS) it adds 1 to counts[outcome][kind] for outcome 0 (detected: status
+// != 0), 1 (corrected) and 2 (uncorrectable) and sets *failed to whether a matrix is uncorrectable;
+// if a matrix is not clean, it adds 1 to *logged and, while that stays within capacity, writes the
+// record of the worst matrix, the first of the highest status, to the log: step (read from *step,
+// so that a CUDA graph's replays read the current one), status, matrix, kind, row, col, magnitude
+// (ledger.EVENT_FIELDS). Results outside those ranges are not counted. batch >= 1.
 struct Tally {
   const int8_t* status;
   const int8_t* kind;
@@ -320,8 +320,8 @@ ABFT_HD inline void tally_event(const Tally& t, int64_t b) {
 }
 
 // add_bias: what a bias [n] adds to both sides' checksums of C = alpha * A @ B + bias, C with m
-// rows (megatron_abft/check/checksum.py, _columns and _rows), added to the sums of alpha * A @ B: per
-// block of rows, (rows, sum of their weights) x bias_j and rows x |bias_j|; per block of
+// rows (megatron_abft/check/checksum.py, _columns and _rows), added to the sums of alpha * A @ B:
+// per block of rows, (rows, sum of their weights) x bias_j and rows x |bias_j|; per block of
 // columns, (sum bias_j, sum w_j bias_j) and sum |bias_j|, the same for every row. All contiguous,
 // in the accumulation type (double where f64, else float), over `batch` matrices:
 //   col_in, col_out [batch, ceil(m / block), 2, n], col_size_in, col_size_out [.., n]
