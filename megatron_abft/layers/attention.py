@@ -98,6 +98,23 @@ class ProtectedDotProductAttention(DotProductAttention):
         self.context_guard = SectionGuard("context", self.abft_config, rank, ("context", "probs"))
         self.abft_guards = (self.scores_guard, self.context_guard)
         runtime_of(self.abft_config).attach(self)
+        # P as the context GEMM reads it comes out of the dropout module: injected faults in P
+        # land there, from a hook, not from the forward
+        self.attention_dropout.register_forward_hook(self._land_probs_faults)
+
+    def _land_probs_faults(self, module: torch.nn.Module, args: tuple, probs: Tensor):
+        """Forward hook of the attention's dropout: the armed faults of section ``probs`` land
+        in a copy of P (the softmax keeps its own output for backward), which the context GEMM
+        then reads. None (P unchanged) where none is armed."""
+        if not self._probs_faults():
+            return None
+        probs = probs.clone()
+        self.context_guard.land_faults(probs, {"probs": lambda t: t})
+        return probs
+
+    def _probs_faults(self) -> bool:
+        """Whether faults of section ``probs`` wait to land in P."""
+        return any(f.section == "probs" for f in self.context_guard.faults)
 
     def forward(
         self,
@@ -175,10 +192,6 @@ class ProtectedDotProductAttention(DotProductAttention):
                 attention_probs = self.attention_dropout(attention_probs)
         else:
             attention_probs = self.attention_dropout(attention_probs)
-        if any(f.section == "probs" for f in self.context_guard.faults):
-            # a fault in P as the next GEMM reads it; softmax keeps its own output for backward
-            attention_probs = attention_probs.clone()
-            self.context_guard.land_faults(attention_probs, {"probs": lambda t: t})
 
         # context [b * np, sq, hn], checked
         probs3 = attention_probs.view(b * heads, sq, sk)
@@ -219,9 +232,8 @@ class ProtectedDotProductAttention(DotProductAttention):
         screen = self.scores_guard.due
         reads = host_reads(config, s5.device)
         dropout = self.training and self.attention_dropout.p > 0
-        probs_faults = any(f.section == "probs" for f in self.context_guard.faults)
         vectors = None
-        if self.context_guard.due and not dropout and not probs_faults:
+        if self.context_guard.due and not dropout and not self._probs_faults():
             vectors = compiled.pair_vectors(s5, v5, config.block_size)
         if not screen and vectors is None:
             return None
