@@ -246,17 +246,15 @@ class ProtectedDotProductAttention(DotProductAttention):
         if not compiled.softmax_check_applies(s5, grouped, vectors):
             return None
         correction = None
-        if screen:
-            self.scores_guard.land_faults(s5, {"scores": lambda t: t})
-            if not reads:
-                correction = fused_softmax.ScoresCorrection(
-                    (operands.a, operands.b, operands.alpha),
-                    config.near_inf,
-                    max(sq, sk),
-                    self.scores_guard.ledger_on(s5.device),
-                )
-        else:  # checked before the softmax reads S
+        if not screen:  # checked before the softmax reads S
             s5 = self.scores_guard.check(s5, operands, recompute=recompute)
+        elif not reads:
+            correction = fused_softmax.ScoresCorrection(
+                (operands.a, operands.b, operands.alpha),
+                config.near_inf,
+                max(sq, sk),
+                self.scores_guard.ledger_on(s5.device),
+            )
         probs, flagged, *found = fused_softmax.softmax(
             self.scale_mask_softmax, s5, grouped, sides, config.block_size, vectors, correction
         )

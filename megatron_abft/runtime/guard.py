@@ -206,9 +206,11 @@ class SectionGuard:
         return failed
 
     def screen_sides(self, output: Tensor, operands: GemmOperands) -> tuple | None:
-        """Both sides' references of ``output``, encoded from ``operands``, as the kernels take
-        them (megatron_abft.check.sides.kernel_sides), for a screen elsewhere (the fused softmax's);
-        None where the kernels do not take them. By this signature's plan after the first."""
+        """Land faults, then both sides' references of ``output``, encoded from ``operands``, as
+        the kernels take them (megatron_abft.check.sides.kernel_sides), for a screen elsewhere
+        (the fused softmax's); None where the kernels do not take them (a later ``check`` of
+        ``output`` finds the faults landed). By this signature's plan after the first."""
+        self.land_faults(output, {self.section: lambda t: t})
         sync_free = not host_reads(self.config, output.device)
         key = signature(output, operands, None, self.config, sync_free)
         plan = self.plans.get(key)
