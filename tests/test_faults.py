@@ -54,21 +54,22 @@ def _difference(result, reference) -> float:
     return worst if torch.isfinite(torch.tensor(worst)) else float("inf")
 
 
-def _correction_worker(cases, policy, fused_softmax=True, sync_free_scores=False, emulated=False):
-    """emulated: as a GPU runs it, every check sync-free and the CUDA kernels' source, through
-    the CUDA emulator (megatron_abft.ops.compiled.emulated_cuda)."""
+def _correction_worker(cases, policy, fused_softmax=True, no_host_reads=False, emulated=False):
+    """no_host_reads: every check sync-free, as on a GPU (kernel 3 corrects the scores itself);
+    emulated: that, with the CUDA kernels' source run through the CUDA emulator
+    (megatron_abft.ops.compiled.emulated_cuda)."""
     from megatron_abft import inject, reset_stats, stats
-    from megatron_abft.layers import attention
     from megatron_abft.ops import compiled
+    from megatron_abft.runtime import guard
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     if emulated:
         with compiled.emulated_cuda():
-            return _correction_worker(cases, policy, fused_softmax, sync_free_scores, False)
+            return _correction_worker(cases, policy, fused_softmax, no_host_reads, False)
 
     fused_checks = []
-    if sync_free_scores:  # the attention's path on a GPU: kernel 3 corrects S, no host read
-        attention.host_reads = lambda config, device: False
+    if no_host_reads:  # every check as on a GPU: kernel 3 corrects S, no host read
+        guard.host_reads = lambda config, device: False
         real = compiled.softmax_correct_tally
 
         def counted(*args):

@@ -16,6 +16,7 @@ import timeit
 
 import torch
 
+from megatron_abft.check.checker import CompiledChecker
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import compiled
@@ -38,7 +39,7 @@ def per_call(fn, device: torch.device, number: int, repeat: int = 7) -> float:
 def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     """A guard's clean check of a small GEMM with a bias, as the qkv projection's (32 tokens,
     hidden 64, 192 outputs: its time is all overhead), and its compiled ops called directly
-    with the arguments its plan holds (megatron_abft.check.plan): encode_pair, add_bias, then
+    with the arguments its checker holds (megatron_abft.check.checker): encode_pair, add_bias, then
     verify_correct and a read of the worst status (CPU), or verify_correct_tally (GPU)."""
     g = torch.Generator().manual_seed(0)
     x, w, bias = (torch.randn(*s, generator=g).to(device) for s in ((32, 64), (192, 64), (192,)))
@@ -46,9 +47,9 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     guard = SectionGuard("qkv", ABFTConfig(), 0)
     for _ in range(10):
         guard.check(y, operands)
-    (plan,) = guard.plans.values()
-    if plan is None:
-        raise RuntimeError("the compiled kernels do not serve this device: nothing planned")
+    (plan,) = guard.checkers.values()
+    if not isinstance(plan, CompiledChecker):
+        raise RuntimeError("the compiled kernels do not serve this device: no compiled checker")
     ops, ledger = torch.ops.megatron_abft, guard.ledger
 
     def alone():

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_abft.check.checker import NO_SCREEN
 from megatron_abft.check.checksum import encode
 from megatron_abft.check.eec import GemmOperands, _kernel_check, verify_and_correct
 from megatron_abft.check.ledger import Ledger
@@ -196,7 +197,6 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
     mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
     sides = kernel_sides(scores, {"col": col, "row": row}, check)
     vectors = compiled.pair_vectors(scores, v, block)
-    none = (0, 0, [], [], [], [])
 
     def megatron():
         return torch.softmax(scores.float().masked_fill(mask, -10000.0), -1).to(scores.dtype)
@@ -226,7 +226,7 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
         "... + screen of S + pass over P": unfused,
         "... + pass over P (sync-free GPU)": pass_unfused,
         "softmax_check, softmax alone": lambda: compiled.softmax_check(
-            scores, none, None, True, 1.0, block, None
+            scores, NO_SCREEN, None, True, 1.0, block, None
         ),
         "softmax_check + screen of S": lambda: compiled.softmax_check(
             scores, sides, None, True, 1.0, block, None
@@ -235,7 +235,7 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
             scores, sides, None, True, 1.0, block, vectors
         ),
         "softmax_check + P's pass (sync-free)": lambda: compiled.softmax_check(
-            scores, none, None, True, 1.0, block, vectors
+            scores, NO_SCREEN, None, True, 1.0, block, vectors
         ),
         "softmax_correct_tally + pass, clean": lambda: corrected(scores),
         "... one 0D fault: corrected, P redone": one_fault,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_abft.check.checker import NO_SCREEN
 from megatron_abft.check.checksum import encode
 from megatron_abft.config import DTYPES, FORWARD_SECTIONS, SECTIONS, ABFTConfig
 from megatron_abft.ops import compiled, fused_softmax
@@ -255,7 +256,7 @@ def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
         sides = kernel_sides(leaf.detach(), {"col": refs[0], "row": refs[1]}, check)
         vectors = compiled.pair_vectors(leaf.detach(), v, args.block)
 
-        def kernel3(checks=(0, 0, [], [], [], []), pass_vectors=None):
+        def kernel3(checks=NO_SCREEN, pass_vectors=None):
             return lambda s: fused_softmax.softmax(
                 module, s, None, checks, args.block, pass_vectors
             )[0]
@@ -264,6 +265,13 @@ def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
         costs["screen"] = max(timed(kernel3(sides))[0] - alone, 0.0)
         costs["pass"] = max(timed(kernel3(pass_vectors=vectors))[0] - alone, 0.0)
     return {part: seconds / leaf.numel() for part, seconds in costs.items()}
+
+
+class Kernel3Alone(fused_softmax.SoftmaxReader):
+    """Kernel 3, with no checks, where the attention would take Megatron's softmax."""
+
+    def plain(self, scores):
+        return self.read(scores, NO_SCREEN)[0], None
 
 
 def kernel3_swap(model, forward_backward, pairs: int = 100) -> tuple[float, float]:
@@ -275,32 +283,25 @@ def kernel3_swap(model, forward_backward, pairs: int = 100) -> tuple[float, floa
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
 
     def kernel3(core):
-        def softmax(s5, operands, v5, mask, recompute):
-            b, groups, rep, sq, sk = s5.shape
-            module = core.scale_mask_softmax
-            if mask is not None or not fused_softmax.fusable(
-                module, s5.view(b, -1, sq, sk), None, None
-            ):
-                return None
-            none = (0, 0, [], [], [], [])
-            p = fused_softmax.softmax(module, s5, None, none, core.abft_config.block_size, None)[0]
-            return p.view(b, groups * rep, sq, sk), None
+        def reader(scores, v5, mask):
+            made = type(core)._softmax_reader(core, scores, v5, mask)
+            return Kernel3Alone(**vars(made)) if made.kernel3 else made
 
-        return softmax
+        return reader
 
     differences = []
     for rep in range(pairs + 1):
         times = {}
         for fused in (rep % 2 == 0, rep % 2 == 1):
-            for core in cores:  # an instance attribute hides the class's _fused_softmax
+            for core in cores:  # an instance attribute hides the class's _softmax_reader
                 if fused:
-                    core._fused_softmax = kernel3(core)
+                    core._softmax_reader = kernel3(core)
                 else:
-                    core.__dict__.pop("_fused_softmax", None)
+                    core.__dict__.pop("_softmax_reader", None)
             times[fused] = forward_backward()
         differences.append([x - y for x, y in zip(times[True], times[False], strict=True)])
     for core in cores:
-        core.__dict__.pop("_fused_softmax", None)
+        core.__dict__.pop("_softmax_reader", None)
     return tuple(statistics.median(d[i] for d in differences[1:]) / len(cores) for i in (0, 1))
 
 
@@ -544,7 +545,6 @@ def time_checks(model, timer: Timer, spans: dict[str, list], timing: dict) -> No
     outside it, the scores' references (``screen_sides``) and the context's (``pair_vectors``
     and ``encode_from_pass`` from P's pass). Kernel 3's own screen and pass are timed apart
     (softmax_costs)."""
-    from megatron_abft.layers import attention
     from megatron_abft.runtime.guard import iter_guards
 
     def timed(fn, section: str, guard=None):
@@ -561,7 +561,7 @@ def time_checks(model, timer: Timer, spans: dict[str, list], timing: dict) -> No
     for guard in iter_guards(model):
         guard.check = timed(guard.check, guard.section, guard)
         guard.screen_sides = timed(guard.screen_sides, guard.section, guard)
-    attention.encode_from_pass = timed(attention.encode_from_pass, "context")
+    fused_softmax.encode_from_pass = timed(fused_softmax.encode_from_pass, "context")
     compiled.pair_vectors = timed(compiled.pair_vectors, "context")
 
 

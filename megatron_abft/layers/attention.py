@@ -12,8 +12,6 @@ Softmax and dropout are elementwise and outside the GEMM checksums: a fault in P
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -23,11 +21,10 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from megatron_abft.check.checksum import Checksums, encode_from_pass
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
-from megatron_abft.ops import compiled, fused_softmax
-from megatron_abft.runtime.guard import SectionGuard, host_reads
+from megatron_abft.ops import fused_softmax
+from megatron_abft.runtime.guard import SectionGuard
 from megatron_abft.runtime.model_runtime import runtime_of
 
 
@@ -171,20 +168,12 @@ class ProtectedDotProductAttention(DotProductAttention):
             return scores().view(b, groups, rep, sq, sk)
 
         scores_operands = GemmOperands(q5, k5.mT, alpha=self.softmax_scale)
+        # the scores, checked where the softmax reads them (kernel 3's screen, where it applies)
         matmul_result = recompute_scores()
-        fused = self._fused_softmax(
-            matmul_result, scores_operands, v5, attention_mask, recompute_scores
+        reader = self._softmax_reader(matmul_result, v5, attention_mask)
+        attention_probs, context_refs = self.scores_guard.check_read(
+            matmul_result, scores_operands, reader, recompute=recompute_scores
         )
-        if fused is None:  # S as the GEMM left it: _fused_softmax changes it only when it applies
-            matmul_result = self.scores_guard.check(
-                matmul_result, scores_operands, recompute=recompute_scores
-            )
-            attention_probs = self.scale_mask_softmax(
-                matmul_result.view(b, heads, sq, sk), attention_mask, self.softmax_offset
-            )
-            context_refs = None
-        else:
-            attention_probs, context_refs = fused
 
         # dropout, as DotProductAttention
         if not self.config.sequence_parallel:
@@ -208,73 +197,16 @@ class ProtectedDotProductAttention(DotProductAttention):
         context = context.view(b, heads, sq, hn).permute(2, 0, 1, 3).contiguous()
         return context.view(sq, b, self.hidden_size_per_partition)
 
-    def _fused_softmax(
-        self,
-        s5: Tensor,
-        operands: GemmOperands,
-        v5: Tensor,
-        mask: Tensor | None,
-        recompute: Callable[[], Tensor],
-    ) -> tuple[Tensor, tuple[Checksums, Checksums] | None] | None:
-        """Kernel 3 (megatron_abft.ops.fused_softmax) on the scores ``s5 [b, ng, rep, sq, sk]``: the
-        probabilities ``[b, np, sq, sk]`` with the scores checked, and the context's references,
-        in the softmax's one read of S. The references are None where dropout or a fault in P
-        comes between P and the context GEMM. None where the kernel does not apply: the caller
-        then takes the unfused path, which lands and checks everything itself."""
-        b, groups, rep, sq, sk = s5.shape
-        heads, config = groups * rep, self.abft_config
-        if not config.fused_softmax or not fused_softmax.fusable(
-            self.scale_mask_softmax, s5.view(b, heads, sq, sk), mask, self.softmax_offset
-        ):
-            return None
-        # where the check may read the host (free on CPU), the screen's flags are read and a
-        # flagged S takes the full path; where it may not, the softmax's op corrects it itself
-        screen = self.scores_guard.due
-        reads = host_reads(config, s5.device)
+    def _softmax_reader(
+        self, scores: Tensor, v5: Tensor, mask: Tensor | None
+    ) -> fused_softmax.SoftmaxReader:
+        """The softmax as the reader of the scores (megatron_abft.ops.fused_softmax), with P's
+        pass for the context's references where the context is due and P reaches its GEMM as
+        the softmax wrote it (no dropout, no fault to land in P)."""
         dropout = self.training and self.attention_dropout.p > 0
-        vectors = None
+        values = None
         if self.context_guard.due and not dropout and not self._probs_faults():
-            vectors = compiled.pair_vectors(s5, v5, config.block_size)
-        if not screen and vectors is None:
-            return None
-        sides = (0, 0, [], [], [], [])
-        if screen:
-            sides = self.scores_guard.screen_sides(s5, operands)
-            if sides is None:
-                return None
-        grouped = None if mask is None else _grouped(mask, groups, rep)
-        if not compiled.softmax_check_applies(s5, grouped, vectors):
-            return None
-        correction = None
-        if not screen:  # checked before the softmax reads S
-            s5 = self.scores_guard.check(s5, operands, recompute=recompute)
-        elif not reads:
-            correction = fused_softmax.ScoresCorrection(
-                (operands.a, operands.b, operands.alpha),
-                config.near_inf,
-                max(sq, sk),
-                self.scores_guard.ledger_on(s5.device),
-            )
-        probs, flagged, *found = fused_softmax.softmax(
-            self.scale_mask_softmax, s5, grouped, sides, config.block_size, vectors, correction
+            values = v5
+        return fused_softmax.SoftmaxReader.of(
+            self.scale_mask_softmax, scores, mask, self.softmax_offset, values, self.abft_config
         )
-        if correction is not None:
-            self.scores_guard.tallied(s5, failed=flagged)
-        elif screen:
-            if bool(flagged.any()):  # correct S, and take P from it unfused
-                s5 = self.scores_guard.verify(s5, operands, recompute)
-                scores = s5.view(b, heads, sq, sk)
-                return self.scale_mask_softmax(scores, mask, self.softmax_offset), None
-            self.scores_guard.passed(s5)
-        context_refs = None
-        if vectors is not None:
-            context_refs = encode_from_pass(probs, v5, config.block_size, tuple(found))
-        return probs.view(b, heads, sq, sk), context_refs
-
-
-def _grouped(mask: Tensor, groups: int, rep: int) -> Tensor:
-    """An attention mask ``[b|1, np|1, sq|1, sk]`` with its head dim split as the scores' KV
-    groups, ``[b|1, ng|1, rep|1, sq|1, sk]``."""
-    if mask.shape[1] == 1:
-        return mask.unsqueeze(2)
-    return mask.unflatten(1, (groups, rep))

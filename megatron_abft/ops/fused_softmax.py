@@ -8,11 +8,13 @@ V's checksums. Here the softmax's pass does both: it screens S against the refer
 K and gives P's checksum pass, from which the context's references follow by small GEMMs. Where
 the check may read the host (the CPU), a matrix the screen flags goes to the full path: S is
 verified and corrected from its operands as before, and P recomputed by Megatron's softmax from
-the corrected S. Where it may not (a sync-free check on a GPU), ``ScoresCorrection`` has the same
-op correct the flagged matrices of S, redo their P and P's pass, and tally the outcome into the
-guard's ledger on the device (softmax_correct_tally): no second read of S.
+the corrected S. Where it may not (a sync-free check on a GPU), a ``KernelCorrection`` has the
+same op correct the flagged matrices of S, redo their P and P's pass, and tally the outcome into
+the guard's ledger on the device (softmax_correct_tally): no second read of S.
 
-``softmax`` is the differentiable op; ``fusable`` says where it reproduces Megatron's module.
+``softmax`` is the differentiable op; ``fusable`` says where it reproduces Megatron's module;
+``SoftmaxReader`` is the attention's softmax as the scores' guard reads S through it
+(runtime.guard.SectionGuard.check_read), which makes the choices above.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import attention_mask_func
 from torch import Tensor
 
-from megatron_abft.check.checksum import _constant
-from megatron_abft.check.ledger import Ledger
+from megatron_abft.check.checker import KernelCorrection
+from megatron_abft.check.checksum import Checksums, _constant, encode_from_pass
+from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import compiled
 
 
@@ -57,18 +60,6 @@ def _causal_mask(sq: int, sk: int, device: torch.device) -> Tensor:
         ("causal", sq, sk, device),
         lambda: torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1),
     )
-
-
-@dataclass(frozen=True)
-class ScoresCorrection:
-    """What ``softmax`` needs to correct the scores it screens, with no host read: the GEMM's
-    operands (a, b, alpha: S = alpha a @ b), the check's near-INF bound and vectors per side,
-    and the ledger it tallies into."""
-
-    operands: tuple[Tensor, Tensor, float]
-    near_inf: float
-    capacity: int
-    ledger: Ledger
 
 
 class _ScaleMaskSoftmax(torch.autograd.Function):
@@ -126,7 +117,7 @@ def softmax(
     sides: tuple,
     block: int,
     vectors: tuple[Tensor, Tensor] | None,
-    correction: ScoresCorrection | None = None,
+    correction: KernelCorrection | None = None,
 ) -> tuple[Tensor, ...]:
     """``module``'s softmax of ``scores [..., sq, sk]`` (``fusable``; ``mask`` broadcast to
     ``scores``) by softmax_check, differentiable in ``scores``: P, the screen's flagged counts
@@ -139,3 +130,78 @@ def softmax(
     return _ScaleMaskSoftmax.apply(
         scores, mask, is_causal, scale, sides, block, vectors, correction
     )
+
+
+@dataclass(frozen=True)
+class SoftmaxReader:
+    """The attention's softmax of the scores S ``[b, ng, rep, sq, sk]`` (a Reader of
+    megatron_abft.check.checker): Megatron's ``module`` (``plain``), or kernel 3 where it
+    computes the same (``read``), which screens S as it reads it and, with ``values`` V
+    ``[b, ng, 1, sk, hn]``, gives the context's references from P's pass. Both return P as
+    ``[b, np, sq, sk]`` and the context's references, or None where they are left to the
+    context's own check."""
+
+    module: FusedScaleMaskSoftmax
+    mask: Tensor | None  # as the module takes it, [b|1, np|1, sq|1, sk]
+    offset: Tensor | None
+    block: int
+    kernel3: bool  # whether kernel 3 computes the module's softmax of these scores
+    grouped: Tensor | None  # the mask with its heads split as the scores' KV groups
+    values: Tensor | None  # V, where the context's references come from P's pass
+    vectors: tuple[Tensor, Tensor] | None  # V's for that pass (compiled.pair_vectors)
+
+    @classmethod
+    def of(
+        cls,
+        module: FusedScaleMaskSoftmax,
+        scores: Tensor,
+        mask: Tensor | None,
+        offset: Tensor | None,
+        values: Tensor | None,
+        config: ABFTConfig,
+    ) -> SoftmaxReader:
+        """The reader of ``scores`` ``[b, ng, rep, sq, sk]``, with P's pass for the context's
+        references where ``values`` are given."""
+        b, groups, rep, sq, sk = scores.shape
+        block, grouped, vectors = config.block_size, None, None
+        kernel3 = config.fused_softmax and fusable(
+            module, scores.view(b, groups * rep, sq, sk), mask, offset
+        )
+        if kernel3:
+            grouped = None if mask is None else _grouped(mask, groups, rep)
+            if values is not None:
+                vectors = compiled.pair_vectors(scores, values, block)
+            kernel3 = compiled.softmax_check_applies(scores, grouped, vectors)
+        values = values if vectors is not None else None
+        return cls(module, mask, offset, block, kernel3, grouped, values, vectors)
+
+    def fuses(self, screen: bool) -> bool:
+        """Whether kernel 3 reads S: where it computes the module's softmax, and has a
+        ``screen`` or P's pass to do."""
+        return self.kernel3 and (screen or self.vectors is not None)
+
+    def plain(self, scores: Tensor) -> tuple[Tensor, None]:
+        b, groups, rep, sq, sk = scores.shape
+        return self.module(scores.view(b, groups * rep, sq, sk), self.mask, self.offset), None
+
+    def read(
+        self, scores: Tensor, sides: tuple, correction: KernelCorrection | None = None
+    ) -> tuple[Tensor, Tensor, tuple[Checksums, Checksums] | None]:
+        """Kernel 3's P, the screen's finding (see ``softmax``) and the context's
+        references."""
+        b, groups, rep, sq, sk = scores.shape
+        probs, found, *passed = softmax(
+            self.module, scores, self.grouped, sides, self.block, self.vectors, correction
+        )
+        refs = None
+        if self.values is not None:
+            refs = encode_from_pass(probs, self.values, self.block, tuple(passed))
+        return probs.view(b, groups * rep, sq, sk), found, refs
+
+
+def _grouped(mask: Tensor, groups: int, rep: int) -> Tensor:
+    """An attention mask ``[b|1, np|1, sq|1, sk]`` with its head dim split as the scores' KV
+    groups, ``[b|1, ng|1, rep|1, sq|1, sk]``."""
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    return mask.unflatten(1, (groups, rep))

@@ -3,27 +3,35 @@ guards (counters, step, layer numbers).
 
 A protected module owns one guard per section it computes. On each forward the guard lands any
 injected fault meant for it (megatron_abft.inject), then, when the section is due
-(ABFTConfig.checks), encodes checksums from the GEMM's inputs, verifies and corrects the output in
-place and tallies the outcome into its ledger, on the device (megatron_abft.check.ledger). A fault
-it cannot correct is recomputed at once where that costs no host synchronisation (CPU tensors), and
-otherwise left pending for the once-per-step policy decision
-(megatron_abft.runtime.policy.finish_step).
+(ABFTConfig.checks), has the checker it chose for the GEMM's signature
+(megatron_abft.check.checker) verify and correct the output in place, or screens it inside the
+kernel that reads it next (``check_read``), and tallies the outcome into its ledger, on the
+device (megatron_abft.check.ledger). A fault it cannot correct is recomputed at once where that
+costs no host synchronisation (CPU tensors), and otherwise left pending for the once-per-step
+policy decision (megatron_abft.runtime.policy.finish_step).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from megatron_abft.check.checksum import Checksums, encode
-from megatron_abft.check.eec import KINDS, OUTCOMES, GemmOperands, verify_and_correct
+from megatron_abft.check.checker import (
+    NO_SCREEN,
+    Checker,
+    KernelCorrection,
+    Reader,
+    ReferenceChecker,
+    choose,
+    signature,
+)
+from megatron_abft.check.checksum import Checksums
+from megatron_abft.check.eec import KINDS, OUTCOMES, GemmOperands
 from megatron_abft.check.ledger import EVENT_FIELDS, Ledger, drain
-from megatron_abft.check.plan import GENERAL, CheckPlan, signature
-from megatron_abft.check.sides import Check, kernel_sides
-from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.config import SECTIONS, ABFTConfig
 from megatron_abft.faults import land
 from megatron_abft.ops import compiled
@@ -32,8 +40,8 @@ UNCORRECTABLE_ROW = OUTCOMES.index("uncorrectable")
 RECOMPUTED = 3
 """Event status of a fault that was uncorrectable in place and went away when recomputed."""
 ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed"}
-MAX_PLANS = 8
-"""Check plans a guard keeps (megatron_abft.check.plan): one a shape it checks."""
+MAX_CHECKERS = 8
+"""Checkers a guard keeps (megatron_abft.check.checker): one a signature it checks."""
 
 View = Callable[[Tensor], Tensor]
 """Maps a GEMM output to the ``[..., rows, cols]`` matrix a fault section names."""
@@ -102,7 +110,7 @@ class SectionGuard:
         self.pending: Tensor | None = None  # bool: an uncorrected fault this step
         self.recompute_failed = False  # a recomputed GEMM was still wrong this step
         self.batch_shape: tuple[int, ...] = ()  # of the checked matrices, to name heads
-        self.plans: dict[tuple, CheckPlan | None] = {}  # by signature; None: not plannable
+        self.checkers: dict[tuple, Checker] = {}  # by signature (check.checker.signature)
 
     @property
     def counts(self) -> Tensor | None:
@@ -167,18 +175,44 @@ class SectionGuard:
             self.pending = failed if self.pending is None else self.pending | failed
         return output
 
-    def passed(self, output: Tensor) -> None:
-        """Count a due check of ``output`` that a screen elsewhere found clean (the fused
-        softmax's screen of the scores): nothing to correct, nothing to record."""
+    def check_read(
+        self,
+        output: Tensor,
+        operands: GemmOperands,
+        reader: Reader,
+        recompute: Callable[[], Tensor] | None = None,
+    ) -> tuple[Tensor, Any]:
+        """Land faults, then check ``output`` where ``reader`` reads it and return what it read
+        (Reader.plain, Reader.read: for kernel 3 reading the scores, P and the context's
+        references). Where the reader's kernel reads it, the check is the kernel's screen: where
+        the host may be read, a flagged output is verified and corrected here and read again
+        without the kernel; where it may not, the kernel corrects and tallies the flagged
+        matrices itself. Elsewhere the output is checked here (``check``) and read without the
+        kernel."""
+        self.land_faults(output, {self.section: lambda t: t})
+        due = self.due
+        if not reader.fuses(due):
+            return reader.plain(self.check(output, operands, recompute=recompute))
+        if not due:
+            value, _, extra = reader.read(output, NO_SCREEN)
+            return value, extra
+        sides = self.screen_sides(output, operands)
+        if sides is None:
+            return reader.plain(self.check(output, operands, recompute=recompute))
         self.batch_shape = tuple(output.shape[:-2])
-        self.ledger_on(output.device)
-
-    def tallied(self, output: Tensor, failed: Tensor) -> None:
-        """Account for a due check of ``output`` that a kernel elsewhere corrected and tallied
-        into this guard's ledger (the fused softmax's sync-free check of the scores); ``failed``
-        says whether a matrix stayed uncorrectable."""
-        self.batch_shape = tuple(output.shape[:-2])
+        ledger = self.ledger_on(output.device)
+        if host_reads(self.config, output.device):
+            value, flagged, extra = reader.read(output, sides)
+            if bool(flagged.any()):  # corrected here, and read again from the corrected output
+                return reader.plain(self.verify(output, operands, recompute))
+            return value, extra
+        a, b = operands.a, operands.b
+        correction = KernelCorrection(
+            (a, b, operands.alpha), self.config.near_inf, max(output.shape[-2:]), ledger
+        )
+        value, failed, extra = reader.read(output, sides, correction)
         self.pending = failed if self.pending is None else self.pending | failed
+        return value, extra
 
     def ledger_on(self, device: torch.device) -> Ledger:
         """This guard's ledger, made on ``device`` at its first check."""
@@ -189,83 +223,42 @@ class SectionGuard:
     def _verify(
         self, output: Tensor, operands: GemmOperands, refs: tuple[Checksums, Checksums] | None
     ) -> Tensor | None:
-        """Verify and correct in place and tally. Returns whether a matrix stayed uncorrectable
-        (a device bool); None when the check is known clean without a host synchronisation
-        (EECResult.known_clean, which every clean check is where host_reads). The first check
-        of a signature takes the general path and plans the next ones (megatron_abft.check.plan)."""
+        """Verify and correct in place and tally, by this signature's checker (Checker.run):
+        whether a matrix stayed uncorrectable (a device bool), or None where the check is known
+        clean without a host synchronisation."""
         ledger = self.ledger_on(output.device)
-        sync_free = not host_reads(self.config, output.device)
-        key = signature(output, operands, refs, self.config, sync_free)
-        plan = self.plans.get(key)
-        if plan is not None:
-            failed = plan.run(output, operands, refs, ledger)
-            if failed is not GENERAL:
-                return failed
-        failed = self._general(output, operands, refs, ledger, sync_free)
-        self._plan(key, output, operands, refs, sync_free)
-        return failed
+        return self._with_checker(
+            output, operands, refs, lambda checker: checker.run(output, operands, refs, ledger)
+        )
 
     def screen_sides(self, output: Tensor, operands: GemmOperands) -> tuple | None:
-        """Land faults, then both sides' references of ``output``, encoded from ``operands``, as
-        the kernels take them (megatron_abft.check.sides.kernel_sides), for a screen elsewhere
-        (the fused softmax's); None where the kernels do not take them (a later ``check`` of
-        ``output`` finds the faults landed). By this signature's plan after the first."""
-        self.land_faults(output, {self.section: lambda t: t})
-        sync_free = not host_reads(self.config, output.device)
-        key = signature(output, operands, None, self.config, sync_free)
-        plan = self.plans.get(key)
-        if plan is not None:
-            return plan.sides(operands, None)
-        col, row = self._encode(operands)
-        rounding = gemm_rounding(output.dtype, output.device)
-        check = Check(rounding, self.config.threshold_scale, self.config.near_inf, 0, None)
-        sides = kernel_sides(output, {"col": col, "row": row}, check)
-        self._plan(key, output, operands, None, sync_free)
-        return sides
-
-    def _plan(
-        self,
-        key: tuple | None,
-        output: Tensor,
-        operands: GemmOperands,
-        refs: tuple[Checksums, Checksums] | None,
-        sync_free: bool,
-    ) -> None:
-        """Plan the checks of signature ``key``, after the general path took its first."""
-        if key is not None and key not in self.plans:
-            if len(self.plans) == MAX_PLANS:  # shapes that keep changing: start again
-                self.plans.clear()
-            self.plans[key] = CheckPlan.make(output, operands, refs, self.config, sync_free)
-
-    def _encode(self, operands: GemmOperands) -> tuple[Checksums, Checksums]:
-        """Both sides' references of the GEMM of ``operands``, by checksum.encode."""
-        a, b, alpha, bias = operands.a, operands.b, operands.alpha, operands.bias
-        return encode(a, b, alpha=alpha, bias=bias, block=self.config.block_size)
-
-    def _general(
-        self,
-        output: Tensor,
-        operands: GemmOperands,
-        refs: tuple[Checksums, Checksums] | None,
-        ledger: Ledger,
-        sync_free: bool,
-    ) -> Tensor | None:
-        """_verify by checksum.encode and eec.verify_and_correct."""
-        col, row = refs or self._encode(operands)
-        result = verify_and_correct(
-            output,
-            col,
-            row,
-            operands=operands,
-            threshold_scale=self.config.threshold_scale,
-            near_inf=self.config.near_inf,
-            check_references=False,
-            sync_free=sync_free,
-            ledger=ledger,
+        """Both sides' references of ``output``, encoded from ``operands``, as the kernels take
+        them, for a Reader's screen (Checker.sides)."""
+        return self._with_checker(
+            output, operands, None, lambda checker: checker.sides(output, operands)
         )
-        if result.known_clean:
-            return None
-        return result.tallied if result.tallied is not None else ledger.tally(result)
+
+    def _with_checker(
+        self,
+        output: Tensor,
+        operands: GemmOperands,
+        refs: tuple[Checksums, Checksums] | None,
+        use: Callable[[Checker], object],
+    ) -> object:
+        """``use`` this signature's checker. The first check of a signature takes the
+        reference, which says what is wrong with bad input; then the guard keeps the checker
+        ``choose`` gives for the next ones."""
+        sync_free = not host_reads(self.config, output.device)
+        key = signature(output, operands, refs, self.config, sync_free)
+        checker = self.checkers.get(key)
+        if checker is not None:
+            return use(checker)
+        found = use(ReferenceChecker(self.config, sync_free))
+        if key is not None:
+            if len(self.checkers) == MAX_CHECKERS:  # shapes that keep changing: start again
+                self.checkers.clear()
+            self.checkers[key] = choose(output, operands, refs, self.config, sync_free)
+        return found
 
     def where(self) -> dict:
         """Rank, layer, section and step of this guard, for error messages and events."""

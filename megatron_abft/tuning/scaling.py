@@ -67,8 +67,8 @@ IMPLEMENTATIONS = (*UNFUSED, "flash")
 """UNFUSED, and the flash attention's checks inside its kernels (qkv and proj as ``kernels``)."""
 CHECK_OPS = {"torch": 124, "kernels": 4, "fused": 4}
 """Top-level tensor ops of one clean check (encode both sides, verify, read whether anything
-was found) of a batched GEMM on a CPU, as a guard runs it once it has planned its shape
-(megatron_abft.check.plan). The torch and kernels figures are the code's own,
+was found) of a batched GEMM on a CPU, as a guard runs it once it has chosen the checker of its
+shape (megatron_abft.check.checker). The torch and kernels figures are the code's own,
 counted with torch.profiler by tests/tuning/test_scaling.py; the fused path removes passes, not
 ops."""
 CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 5, "fused": 3}

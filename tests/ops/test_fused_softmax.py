@@ -7,6 +7,7 @@ import pytest
 import torch
 from cuda_targets import TARGETS
 
+from megatron_abft.check.checker import NO_SCREEN
 from megatron_abft.check.checksum import encode, encode_from_pass
 from megatron_abft.check.eec import CLEAN, CORRECTED, GemmOperands, verify_and_correct
 from megatron_abft.check.sides import Check, kernel_sides
@@ -17,7 +18,6 @@ pytestmark = pytest.mark.skipif(not compiled.available(), reason=compiled.backen
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-NO_SCREEN = (0, 0, [], [], [], [])
 
 
 def megatron_softmax(s, mask, scale):
