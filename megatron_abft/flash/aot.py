@@ -1,176 +1,210 @@
-"""Ahead-of-time builds of every flash kernel configuration the code can launch, for NVIDIA GPUs,
-on any machine: Triton compiles an ``ASTSource`` for a ``GPUTarget`` without a GPU (through
-ptxas to a cubin), and the bundled cuobjdump reads the cubin's registers, stack and local
-memory. What the interpreter cannot catch shows here: a kernel that does not build for the
-target, shared memory above the device's limit, registers that spill.
+"""Ahead-of-time builds of the flash kernels exactly as the launcher runs them, for NVIDIA GPUs,
+on any machine, and what their SASS says: the static speed gate
+(tests/flash/test_flash_gate.py, ``python -m tools.flash_sass``).
+
+A ``Case`` is one call of the flash attention (shape, dtype, mask, what it checks). ``capture``
+runs the launcher on CPU tensors with every kernel launch recorded instead of run, and
+``specialize`` turns a recorded launch into the program Triton would compile for it on a GPU:
+its own binder specialises the arguments (16-byte alignment, integers divisible by 16, integers
+equal to 1 made constants, as ``GROUP`` is in multi-head attention). Triton then compiles that
+program for a ``GPUTarget`` without a GPU, ptxas reports its registers, stack and warnings, and
+the bundled cuobjdump gives the SASS that megatron_abft.flash.sass measures.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import re
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
-from megatron_abft.config import DTYPE_NAMES
-from megatron_abft.flash import checksums, kernels, launch, ledger
+from megatron_abft.config import FLASH_SECTIONS
+from megatron_abft.flash import build as kernel_build
+from megatron_abft.flash import launch, sass
 
 ARCHS: dict[int, int] = {80: 166912, 90: 232448}
 """Compute capability -> the most shared memory a block may use there, in bytes (A100: 163 KiB,
 H100: 227 KiB)."""
 VARIANTS: tuple[str, ...] = ("checked", "unchecked", "inject", "calibrate")
-"""What the attention kernels compile in: the checks (production), nothing (sections=()), the
+"""What the attention kernels compile in: every check (production), nothing (sections=()), the
 checks with fault injection (faults=...), the checks with calibration
-(tools/flash_false_alarms.py)."""
-HELPERS: tuple[str, ...] = ("delta", "sums", "record")
-"""The kernels around them: Delta (launch.backward), the checksum vectors (checksums.sums) and
-the ledger's update (ledger.record)."""
-_FLOATS = {"qk_scale", "sm_scale", "tol", "u_out", "near_inf"}
-_CHECKSUMS = {"KC", "VR", "QC", "QR", "DOC", "DOR", "KR", "VC"}
-_POINTERS = {
-    **dict.fromkeys({"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV", "X", "CP", "RP"}, "data"),
-    **dict.fromkeys(_CHECKSUMS, "data"),
-    **dict.fromkeys({"LSE", "DELTA", "ODO", "CS", "RS"} | {c + "S" for c in _CHECKSUMS}, "fp32"),
-    **dict.fromkeys({"CODES", "ROWS", "COLS", "RATIO", "INJ"}, "i32"),
-    **dict.fromkeys({"COUNTS", "LOGGED"}, "i64"),
-    **dict.fromkeys({"CLOCK", "LOG"}, "fp64"),
-}
-"""Every kernel argument that is a pointer, and what it points to (data: the input dtype)."""
+(tools/flash_false_alarms.py). Only the first two are held to the gate's budgets; the others
+must build."""
+ATTENTION = {"_fwd_kernel": "forward", "_bwd_dkdv_kernel": "dkdv", "_bwd_dq_kernel": "dq"}
+"""The attention kernels' functions and launch.KERNELS names; every other launch is a helper
+(Delta, the checksum vectors, the ledger's update)."""
 
 
 @dataclass(frozen=True)
-class Config:
-    """One kernel configuration, as the flash path launches it: an attention kernel
-    (launch.KERNELS) in one of VARIANTS, or a helper (HELPERS) with its constexpr options."""
+class Case:
+    """One call of the flash attention, forward and backward, whose launches are built."""
 
-    kernel: str
     dtype: str
+    """bfloat16 or float16 (launch.GPU_DTYPES)."""
     head_dim: int
-    causal: bool = False
+    causal: bool
     variant: str = "checked"
-    tiles: launch.Blocks | None = None
-    """The tile shape to build with; None: launch.blocks's."""
-    options: tuple[tuple[str, object], ...] = ()
-    """A helper's constexprs beyond HEAD_DIM."""
+    seq: int = 2048
+    heads: int = 16
+    kv_heads: int = 16
+    batch: int = 2
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    @property
-    def blocks(self) -> launch.Blocks:
-        if self.tiles is not None:
-            return self.tiles
-        if self.kernel in HELPERS:  # one program a block of rows, 4 warps
-            return launch.Blocks(dict(self.options).get("BLOCK", 64), 0, 4, 1)
-        return launch.blocks(self.kernel, self.head_dim, self.torch_dtype)
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel launch as Triton compiles it: the function (by module and name) and its
+    specialised signature, constants, attributes and options; picklable."""
+
+    module: str
+    name: str
+    signature: tuple[tuple[str, str], ...]
+    constants: tuple[tuple[object, object], ...]
+    attrs: tuple[tuple[object, object], ...]
+    options: tuple[tuple[str, object], ...]
+    named: tuple[tuple[str, object], ...]
+    """The launch's constexprs and options by name (BLOCK_M, num_warps...)."""
 
     @property
-    def function(self):
-        return {
-            "forward": kernels._fwd_kernel,
-            "dkdv": kernels._bwd_dkdv_kernel,
-            "dq": kernels._bwd_dq_kernel,
-            "delta": kernels._delta_kernel,
-            "sums": checksums._sums_kernel,
-            "record": ledger._record_kernel,
-        }[self.kernel]
+    def kernel(self) -> str:
+        """launch.KERNELS's name of an attention kernel, else the function's."""
+        return ATTENTION.get(self.name, self.name.strip("_").removesuffix("_kernel"))
+
+    def get(self, name: str, default: object = None) -> object:
+        return dict(self.named).get(name, default)
+
+    @property
+    def key(self) -> tuple:
+        return (self.module, self.name, self.signature, self.constants, self.attrs, self.options)
 
 
-def configurations() -> list[Config]:
-    """Every configuration the flash path can launch on a GPU."""
-    configs = []
-    for dtype in launch.GPU_DTYPES:
-        name = str(dtype).removeprefix("torch.")
-        for width in launch.HEAD_DIMS:
-            configs += [
-                Config(kernel, name, width, causal, variant)
-                for kernel in launch.KERNELS
-                for causal in (False, True)
-                for variant in VARIANTS
-            ]
-            configs += [
-                Config("delta", name, width, options=(("BLOCK_M", 64), ("WITH_ODO", odo)))
-                for odo in (False, True)
-            ]
-            tiled = {  # the rows of the tiles each kernel's checksum vectors are made for
-                launch.blocks("forward", width, dtype).block_n,
-                launch.blocks("dkdv", width, dtype).block_m,
-                launch.blocks("dq", width, dtype).block_n,
-            }
-            configs += [
-                Config(
-                    "sums",
-                    name,
-                    width,
-                    options=(
-                        ("BLOCK", block),
-                        ("COLUMNS", columns),
-                        ("ROWS", rows),
-                        ("HEADROOM", checksums.HEADROOM.get(dtype, 0)),
-                    ),
-                )  # fmt: skip
-                for block in sorted(tiled)
-                for columns, rows in ((True, False), (False, True), (True, True))
-            ]
-    return [*configs, Config("record", "bfloat16", 0, options=(("BLOCK", ledger.RECORD_BLOCK),))]
+class _Recorder:
+    """Stands in for a kernels module: a launch of any of its kernels is recorded, not run."""
+
+    def __init__(self, module, launches: list) -> None:
+        self._module, self._launches = module, launches
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._module, name)
+        launches = self._launches
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def record(*args, **kwargs):
+                    launches.append((fn, args, kwargs))
+
+                return record
+
+        return _Grid()
 
 
-def source(config: Config) -> ASTSource:
-    """The kernel of ``config`` with its signature as a launch specialises it: unit last-dim
-    strides, 16-byte aligned pointers, other strides multiples of 16."""
-    fn = config.function
-    if config.kernel in HELPERS:
-        constants = dict(config.options)
-        if "HEAD_DIM" in fn.arg_names:
-            constants["HEAD_DIM"] = config.head_dim
-    else:
-        blocks = config.blocks
-        constants = {
-            "BLOCK_M": blocks.block_m,
-            "BLOCK_N": blocks.block_n,
-            "HEAD_DIM": config.head_dim,
-            "CAUSAL": config.causal,
-            "CHECK": config.variant != "unchecked",
-            "INJECT": config.variant == "inject",
-            "CALIBRATE": config.variant == "calibrate",
-            "UPCAST": False,
-        }
-    data = DTYPE_NAMES[config.torch_dtype]  # Triton's names for them too
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif re.fullmatch(r"s\w+d", name):  # the head dim's stride: 1
-            signature[name], constants[name] = "constexpr", 1
-        elif name in _POINTERS:
-            kind = _POINTERS[name]
-            if name == "RATIO" and config.variant == "calibrate":
-                kind = "fp32"
-            signature[name] = "*" + (data if kind == "data" else kind)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in _FLOATS:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if re.fullmatch(r"s\w+", name):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn, signature, constants, attrs)
+@contextlib.contextmanager
+def _recording(launches: list) -> Iterator[None]:
+    original = kernel_build.for_device
+    kernel_build.for_device = lambda module, device: _Recorder(module, launches)
+    try:
+        yield
+    finally:
+        kernel_build.for_device = original
+
+
+def capture(case: Case) -> list[tuple]:
+    """The launches (function, args, kwargs) of one forward and backward of ``case``, with the
+    inputs in Megatron's [seq, batch, heads, dim] layout; nothing runs."""
+    from megatron_abft.faults import TensorFault
+    from megatron_abft.flash import FlashFault, FlashLedger, flash_attention
+    from megatron_abft.flash.launch import Checks, Found
+
+    dtype = case.torch_dtype
+
+    def tensor(heads: int) -> torch.Tensor:
+        x = torch.empty(case.seq, case.batch, heads, case.head_dim, dtype=dtype)
+        return x.permute(1, 2, 0, 3)
+
+    q, k, v = tensor(case.heads), tensor(case.kv_heads), tensor(case.kv_heads)
+    do = tensor(case.heads)
+    launches: list = []
+    with _recording(launches):
+        if case.variant == "calibrate":
+            checks = Checks((1 << len(FLASH_SECTIONS)) - 1, 2.0**-24, 1e10)
+            found = Found.empty(case.batch * case.heads, q.device, calibrate=True)
+            o, lse = launch.forward(q, k, v, case.causal, 0.125, checks, found)
+            launch.backward(do, q, k, v, o, lse, case.causal, 0.125, checks, found)
+            return launches
+        options: dict = {"causal": case.causal, "ledger": FlashLedger.on(q.device)}
+        if case.variant == "unchecked":
+            options["sections"] = ()
+        elif case.variant == "inject":
+            fault = TensorFault("nan", position=(0, 0), batch_index=0)
+            options["faults"] = [FlashFault("scores", fault), FlashFault("grad_q", fault)]
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        flash_attention(*leaves, **options).backward(do)
+    return launches
+
+
+def specialize(fn, args: tuple, kwargs: dict, arch: int = 90) -> Launch:
+    """A recorded launch as Triton's launcher specialises it for ``sm_<arch>``."""
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constants, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    named = {name: kwargs[name] for name in kwargs if name in fn.arg_names}
+    named.update(num_warps=options.num_warps, num_stages=options.num_stages)
+    for (i,), value in constants.items():  # the launcher's constants: GROUP == 1, strides 1
+        named.setdefault(fn.arg_names[i], value)
+    return Launch(
+        fn.fn.__module__,
+        fn.fn.__name__,
+        tuple(signature.items()),
+        tuple(sorted(constants.items(), key=str)),
+        tuple(sorted(((k, tuple(map(tuple, v))) for k, v in attrs.items()), key=str)),
+        tuple(sorted((k, _hashable(v)) for k, v in options.__dict__.items())),
+        tuple(sorted(named.items(), key=str)),
+    )
+
+
+def _hashable(value):
+    if isinstance(value, list | tuple):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+def launches(cases: list[Case], arch: int = 90) -> list[tuple[Case, Launch]]:
+    """Every distinct launch of ``cases`` (the first case that makes one names it)."""
+    seen: dict[tuple, tuple[Case, Launch]] = {}
+    for case in cases:
+        for fn, args, kwargs in capture(case):
+            made = specialize(fn, args, kwargs, arch)
+            seen.setdefault(made.key, (case, made))
+    return list(seen.values())
 
 
 @dataclass(frozen=True)
 class Build:
-    """What one configuration's build for one architecture uses."""
+    """One launch built for one architecture: what it uses, and, for an attention kernel on
+    sm_90, its main loop."""
 
-    config: Config
+    case: Case
+    launch: Launch
     arch: int
     shared: int
     """Shared memory, bytes."""
@@ -178,69 +212,124 @@ class Build:
     """Per thread."""
     stack: int
     """Per-thread stack frame, bytes: spilled registers live there."""
-    local: int
+    spills: int
+    """Bytes of spill stores."""
+    warnings: tuple[str, ...]
+    """ptxas's warnings (C7510, C7515...)."""
+    ctas_per_sm: int
     seconds: float
+    loop: sass.LoopMetrics | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kernel(self) -> str:
+        return self.launch.kernel
 
     @property
     def problems(self) -> list[str]:
+        """What fails the gate for any build: shared memory over the limit, spills."""
         found = []
         if self.shared > ARCHS[self.arch]:
             found.append(f"shared memory {self.shared} B > {ARCHS[self.arch]} B")
-        if self.stack or self.local:
-            found.append(f"spills: stack {self.stack} B, local {self.local} B")
+        if self.stack or self.spills:
+            found.append(f"spills: stack {self.stack} B, spill stores {self.spills} B")
         return found
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "problems": self.problems}
+        made = asdict(self)
+        made["launch"] = {"kernel": self.kernel, **dict(self.launch.named)}
+        made["problems"] = self.problems
+        return made
 
 
-def _cuobjdump() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def build(config: Config, arch: int) -> Build:
-    """Compile ``config`` for ``sm_<arch>`` and read what it uses."""
+def compile_launch(case: Case, made: Launch, arch: int) -> Build:
+    """Build ``made`` for ``sm_<arch>`` and read what it uses."""
     start = time.perf_counter()
-    blocks = config.blocks
+    fn = getattr(importlib.import_module(made.module), made.name)
     compiled = triton.compile(
-        source(config),
+        ASTSource(fn, dict(made.signature), dict(made.constants), dict(made.attrs)),
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": blocks.num_warps, "num_stages": blocks.num_stages},
+        options=dict(made.options),
     )
-    seconds = time.perf_counter() - start
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run(
-            [_cuobjdump(), "--dump-resource-usage", cubin.name],
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        log = subprocess.run(
+            [_tool("ptxas"), "-lineinfo", "-v", f"--gpu-name={gpu}", ptx.name, "-o", os.devnull],
             capture_output=True,
             text=True,
             check=True,
-        ).stdout
-    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage))
+        ).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    stack = int(re.search(r"(\d+) bytes stack frame", log).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    warnings = tuple(sorted(set(re.findall(r"\b(C75\d\d)\b", log))))
+    warps = made.get("num_warps")
+    shared = compiled.metadata.shared
+    loop = None
+    if made.kernel in launch.KERNELS and arch == 90:
+        found = sass.main_loop(sass.disassemble(compiled.asm["cubin"], _tool("cuobjdump")))
+        if found is not None:
+            loop = sass.LoopMetrics.of(found, 32 * warps, made.get("BLOCK_M") * made.get("BLOCK_N"))
     return Build(
-        config,
+        case,
+        made,
         arch,
-        compiled.metadata.shared,
-        int(fields["REG"]),
-        int(fields["STACK"]),
-        int(fields["LOCAL"]),
-        seconds,
+        shared,
+        registers,
+        stack,
+        spills,
+        warnings,
+        sass.ctas_per_sm(registers, shared, warps, arch),
+        round(time.perf_counter() - start, 2),
+        loop,
     )
 
 
-def _build(job: tuple[Config, int]) -> Build:
-    return build(*job)
+def _compile(job: tuple[Case, Launch, int]) -> Build:
+    return compile_launch(*job)
 
 
-def build_all(
-    configs: list[Config] | None = None, archs: tuple[int, ...] = tuple(ARCHS), workers: int = 0
-) -> list[Build]:
-    """Build every configuration for every architecture, ``workers`` processes at once
-    (0: one a CPU)."""
-    jobs = [(c, a) for c in (configs if configs is not None else configurations()) for a in archs]
+def build_all(jobs: list[tuple[Case, Launch, int]], workers: int = 0) -> list[Build]:
+    """Build every (case, launch, arch), ``workers`` processes at once (0: one a CPU)."""
     workers = workers or os.cpu_count() or 1
     if workers == 1:
-        return [_build(job) for job in jobs]
+        return [_compile(job) for job in jobs]
     with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(_build, jobs))
+        return list(pool.map(_compile, jobs))
+
+
+def production_cases(**shape) -> list[Case]:
+    """The calls the gate holds to its budgets: every GPU dtype, head width and mask, checked
+    and unchecked."""
+    return [
+        Case(str(dtype).removeprefix("torch."), width, causal, variant, **shape)
+        for dtype in launch.GPU_DTYPES
+        for width in launch.HEAD_DIMS
+        for causal in (False, True)
+        for variant in ("checked", "unchecked")
+    ]
+
+
+def other_cases() -> list[Case]:
+    """Calls that must build (no spill budget for injection and calibration): fault injection
+    and calibration, grouped-query attention, ragged lengths and a padded head dim."""
+    cases = [
+        Case(str(dtype).removeprefix("torch."), width, causal, variant)
+        for dtype in launch.GPU_DTYPES
+        for width in launch.HEAD_DIMS
+        for causal in (False, True)
+        for variant in ("inject", "calibrate")
+    ]
+    cases += [
+        Case("bfloat16", width, True, variant, seq=1000, kv_heads=4)
+        for width in launch.HEAD_DIMS
+        for variant in ("checked", "unchecked")
+    ]
+    cases += [Case("bfloat16", 80, True, "checked", seq=513)]
+    return cases

@@ -102,7 +102,8 @@ def _interpreting():
 
 @functools.cache
 def interpreted(module: ModuleType) -> ModuleType:
-    """``module`` loaded again, its kernels decorated for the interpreter."""
+    """``module`` loaded again, its kernels decorated for the interpreter, and its
+    ``INTERPRETER`` constexpr, where it has one, True."""
     from triton.runtime import interpreter
 
     _patch_interpreter(interpreter)
@@ -112,6 +113,10 @@ def interpreted(module: ModuleType) -> ModuleType:
     with _interpreting():
         sys.modules[name] = loaded
         spec.loader.exec_module(loaded)
+    if hasattr(loaded, "INTERPRETER"):  # the kernels' switch for the interpreter's differences
+        import triton.language as tl
+
+        loaded.INTERPRETER = tl.constexpr(True)
     return loaded
 
 

@@ -14,10 +14,12 @@ from one read of it:
 - ``columns``: the tile's rows summed, ``sum_r X[r, :]`` (a [dim] vector), for a tile GEMM
   whose other operand meets X's tile as rows (S = Q K^T: K's tile summed);
 - ``rows``: each row summed over dim, ``sum_d X[r, d]`` (a [block] vector), for a GEMM that
-  reduces over X's rows (P~V: V's row sums).
+  reduces over X's rows (P~V: V's row sums); beside them, in columns 3 to 5, the rows' absolute
+  sums ``sum_d |X[r, d]|``, so that where the GEMM's other operand is non-negative (P~) the same
+  MMA gives the bound's mass ``|A| (|X| e)``.
 
-With each, the masses the bound needs: the L2 norm of the tile's absolute rows summed and its
-largest row's L2 norm (columns), its largest absolute row sum (rows).
+With each, the masses the bound needs: the L2 norm of the tile's absolute rows summed
+(columns) or its largest absolute row sum (rows), and its largest row's L2 norm.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Sums:
     stats: Tensor
     """``[batch * heads, tiles, 3]`` fp32: the scale, then the masses. Column sums: the L2 norm
     of the tile's absolute rows summed, the largest row's L2 norm. Row sums: the largest
-    absolute row sum, and 0."""
+    absolute row sum, the largest row's L2 norm."""
 
 
 def sums(
@@ -93,16 +95,17 @@ def _scale(peak, HEADROOM: tl.constexpr):
 
 
 @triton.jit
-def _split(w, WIDTH: tl.constexpr, dtype: tl.constexpr):
-    """``w [n]`` (fp32) as ``[n, WIDTH]``: three parts of ``dtype`` in columns 0 to 2, each the
-    rest of the ones before, so that they sum to ``w`` within fp32's rounding; zeros after."""
+def _split(w, first: tl.constexpr, dtype: tl.constexpr):
+    """``w [n]`` (fp32) as ``[n, 16]`` fp32: three parts of ``dtype`` in columns ``first`` to
+    ``first + 2``, each the rest of the ones before, so that they sum to ``w`` within fp32's
+    rounding; zeros elsewhere."""
     p0 = w.to(dtype).to(tl.float32)
     rest = w - p0
     p1 = rest.to(dtype).to(tl.float32)
     p2 = (rest - p1).to(dtype).to(tl.float32)
-    column = tl.arange(0, WIDTH)[None, :]
+    column = tl.arange(0, 16)[None, :] - first
     parts = tl.where(column == 0, p0[:, None], tl.where(column == 1, p1[:, None], 0.0))
-    return tl.where(column == 2, p2[:, None], parts).to(dtype)
+    return tl.where(column == 2, p2[:, None], parts)
 
 
 @triton.jit
@@ -124,20 +127,27 @@ def _sums_kernel(
     x = x.to(tl.float32)
     base = (bh * tiles + tile).to(tl.int64)
     column = tl.arange(0, 16)[None, :]
+    largest_row = tl.max(tl.sqrt(tl.sum(x * x, 1)), 0)
     if COLUMNS:
         w = tl.sum(x, 0)
         scale = _scale(tl.max(tl.abs(w), 0), HEADROOM)
-        parts = _split(w / scale, 16, CP.dtype.element_ty)
+        parts = _split(w / scale, 0, CP.dtype.element_ty).to(CP.dtype.element_ty)
         tl.store(CP + (base * HEAD_DIM + dims)[:, None] * 16 + column, parts)
         absolute = tl.sum(tl.abs(x), 0)
         tl.store(CS + base * 3, scale)
         tl.store(CS + base * 3 + 1, tl.sqrt(tl.sum(absolute * absolute, 0)))
-        tl.store(CS + base * 3 + 2, tl.max(tl.sqrt(tl.sum(x * x, 1)), 0))
+        tl.store(CS + base * 3 + 2, largest_row)
     if ROWS:
         r = tl.sum(x, 1)
-        scale = _scale(tl.max(tl.abs(r), 0), HEADROOM)
-        parts = _split(r / scale, 16, RP.dtype.element_ty)
-        tl.store(RP + (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column, parts)
+        a = tl.sum(tl.abs(x), 1)
+        scale = _scale(tl.max(a, 0), HEADROOM)
+        parts = _split(r / scale, 0, RP.dtype.element_ty) + _split(
+            a / scale, 3, RP.dtype.element_ty
+        )
+        tl.store(
+            RP + (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column,
+            parts.to(RP.dtype.element_ty),
+        )
         tl.store(RS + base * 3, scale)
-        tl.store(RS + base * 3 + 1, tl.max(tl.sum(tl.abs(x), 1), 0))
-        tl.store(RS + base * 3 + 2, 0.0)
+        tl.store(RS + base * 3 + 1, tl.max(a, 0))
+        tl.store(RS + base * 3 + 2, largest_row)

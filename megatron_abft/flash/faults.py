@@ -19,6 +19,7 @@ computation, the kernels' recomputations included.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.faults import Injection, TensorFault, fill_value, flip_mask, locate
+from megatron_abft.flash.launch import blocks, padded_head_dim
 
 
 @dataclass(frozen=True)
@@ -84,3 +86,53 @@ def kernel_args(
         int(fault.persistent),
     ]
     return torch.tensor(args, dtype=torch.int32, device=device), where
+
+
+def first_computations(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, causal: bool = True, scale: float | None = None
+) -> dict[str, Tensor]:
+    """Each section's matrix of matrix 0 as its first computation in the kernels makes it, in
+    float64 (q, k, v, do [batch, heads, seq, dim], one KV head per query head): S and dP whole;
+    the context and dQ as the first KV block's product; dV and dK, per key, as the first query
+    block's. A fault of kind "value" sets an element of these: one at ``x`` plus an error."""
+    dtype = q.dtype
+    q, k, v, do = (t[0, 0].double().cpu() for t in (q, k, v, do))
+    n_q, dim = q.shape
+    n_k = k.shape[0]
+    scale = dim**-0.5 if scale is None else scale
+    visible = torch.ones(n_q, n_k, dtype=torch.bool)
+    if causal:
+        visible = visible.tril()
+    s = q @ k.T
+    probs = torch.softmax((s * scale).masked_fill(~visible, -math.inf), -1)
+    dp = do @ v.T
+    ds = probs * (dp - (do * (probs @ v)).sum(-1, keepdim=True))
+    width = padded_head_dim(dim)
+    fwd, dkdv, dq = (blocks(kernel, width, dtype) for kernel in ("forward", "dkdv", "dq"))
+    first = slice(0, fwd.block_n)
+    s0 = (s[:, first] * scale).masked_fill(~visible[:, first], -math.inf)
+    p0 = torch.exp(s0 - s0.amax(-1, keepdim=True)).to(dtype).double()
+    keys = torch.arange(n_k)
+    lo = torch.zeros_like(keys)
+    if causal:  # a key block's first query block: the diagonal's
+        lo = (keys // dkdv.block_n * dkdv.block_n) // dkdv.block_m * dkdv.block_m
+    rows = lo[:, None] + torch.arange(dkdv.block_m)[None, :]
+    taken = rows < n_q
+    if causal:
+        taken &= rows >= keys[:, None]
+    rows = rows.clamp(max=n_q - 1)
+
+    def per_key(grid: Tensor, operand: Tensor) -> Tensor:
+        part = torch.where(taken, grid.T.gather(1, rows), 0.0).to(dtype).double()
+        return torch.einsum("nm,nmd->nd", part, operand[rows])
+
+    dq_first = slice(0, dq.block_n)
+    return {
+        "scores": s,
+        "bwd_scores": s,
+        "grad_probs": dp,
+        "context": p0 @ v[first],
+        "grad_q": ds[:, dq_first].to(dtype).double() @ k[dq_first],
+        "grad_v": per_key(probs, do),
+        "grad_k": per_key(ds, q),
+    }

@@ -1,40 +1,54 @@
 """Triton kernels of the protected flash attention: the forward, and the backward as two kernels
 (dK/dV, a program per key block; dQ, a program per query block), FA2-style.
 
-Every tile GEMM is checked against a row checksum taken from its inputs (docs/abft.md, "The
-flash path"): for ``C = A B`` the kernel compares ``C e`` with ``A (B e)``, the reference a
-16-wide MMA of A against ``B e`` split into input-dtype parts (megatron_abft.flash.checksums,
-made before the launch), under the bound ``tol * mass``; the mass, a Cauchy-Schwarz or max-norm
-bound of ``|A| (|B| e)``, comes from the operands only, so that a corrupted output never widens
-its own threshold, and the comparison is written so that NaN flags. Identities over whole rows
-cover what the tile checks cannot see: a running checksum of the output and
-``1 <= l <= #keys`` in the forward, ``sum P = 1`` and ``sum dS = 0`` in the dQ kernel.
+Loops. Each program runs its interior tiles, where every key is visible and every row in range,
+without masks, and only the tiles on the causal diagonal or at a ragged end with them
+(``MASKED``); with ``EVEN`` (lengths and head dim multiples of the tiles) no load is masked.
+Tile pointers are a base that moves a tile a step and offsets made once.
 
-The hot loop only accumulates per-row flags, with no branch and no reduction across warps, so
-that it pipelines as the unchecked loop does and keeps its registers. A program that flagged
-anything computes its whole block again, once (its query block, or in dK/dV its key block over
-every query head of its group): a transient fault is gone the second time, and what is flagged
-again is uncorrectable.
+Checks (docs/abft.md, "The flash path"). For ``C = A B`` a check compares ``C e`` with
+``A (B e)``, the reference an MMA of A against a checksum tile ``W [k, 16]`` that holds ``B e``
+split into input-dtype parts (megatron_abft.flash.checksums, made before the launch), under
+``tol * mass + FLOOR``; the mass bounds ``|A| (|B| e)`` from the operands only, so a corrupted
+output never widens its own bound, and the comparison is written so that NaN flags.
+
+- Tile GEMMs (S, S^T, dP^T): each tile's row sums against a 16-wide reference MMA, folded into
+  the rows' largest excess over the bound.
+- Accumulating GEMMs (the context P~V, dV, dK, dQ): the reference accumulates beside the output
+  (an MMA of the same A against each tile's W, rescaled with the output in the forward) and the
+  output's row sums are compared once, after the loop, under the summed masses grown by
+  ``sqrt(tiles / 16)``. Where A is non-negative (P~ for the context, P for dV) W's columns 3 to 5
+  hold ``|B| e`` and the same MMA gives the mass exactly.
+- Identities over whole rows: ``1 <= l <= #keys`` in the forward, ``sum P = 1`` and
+  ``sum dS = 0`` in the dQ kernel, which checks its S and dP through them (a fault there moves
+  P or dS, or does not matter to dQ), and its dS K through the accumulated reference.
+
+The loops only fold per-row excesses, with no branch and no reduction across warps. A program
+that flagged anything computes its whole block again, once, after its loop (its query block, or
+in dK/dV its key block over every query head of its group): a transient fault is gone the
+second time, and what is flagged again is uncorrectable.
 
 Outcomes go to ``CODES [sections, batch * heads]`` (int32, atomic max of ``outcome << 2 | kind``:
-outcome 1 corrected, 2 uncorrectable; kind as megatron_abft.check.eec.KINDS), and the first flagged
+outcome 1 corrected, 2 uncorrectable; kind as megatron_abft.config.KINDS), and the first flagged
 row and column to ``ROWS``/``COLS`` (as ``NO_ROW - row``, atomic max, so that a zeroed buffer says
-none): one matrix a section, on the device, no host synchronisation; a program reports what its
-first pass flagged as corrected and what its second flagged as uncorrectable, which the atomic max
-lets win.
+none): one matrix a section, on the device, no host synchronisation.
 
-Constexpr switches compile out what production does not need: ``CHECK`` (all checks),
-``INJECT`` (fault injection, megatron_abft.flash.faults) and ``CALIBRATE`` (the largest finite
-``|residual| / (u * mass)`` of the checks, for threshold calibration on a GPU). ``UPCAST``
-works around Triton's interpreter for bf16: its tl.dot on bf16 is wrong, so tl.dot takes fp32
-operands (exact: a product of two bf16 values fits fp32); its fp32 -> bf16 cast truncates, so
-the kernels round on the bits (to nearest even, as a GPU does) and keep the value in fp32.
+Constexpr switches compile out what a launch does not need: ``DUE`` (the sections checked, bit
+i as FLASH_SECTIONS[i]; 0 compiles every check out), ``INJECT`` (fault injection,
+megatron_abft.flash.faults), ``CALIBRATE`` (the largest finite ``|residual| / (u * mass)`` of
+the checks, for threshold calibration on a GPU) and ``SCALED`` (checksum parts carry a scale,
+fp16). ``INTERPRETER`` is True in the copy that Triton's interpreter runs
+(megatron_abft.flash.build): its tl.dot on bf16 is wrong, so tl.dot takes fp32 operands there
+(exact: a product of two bf16 values fits fp32), and its fp32 -> bf16 cast truncates, so
+``_lo`` rounds on the bits (to nearest even, as a GPU does) and keeps the value in fp32.
 """
 
 import triton
 import triton.language as tl
 
-# Section codes: rows of CODES, bits of ``due``. Order as megatron_abft.config.FLASH_SECTIONS.
+INTERPRETER = tl.constexpr(False)
+
+# Section codes: rows of CODES, bits of DUE. Order as megatron_abft.config.FLASH_SECTIONS.
 SCORES = tl.constexpr(0)
 CONTEXT = tl.constexpr(1)
 BWD_SCORES = tl.constexpr(2)
@@ -52,6 +66,9 @@ flag their rounding (measured: fp32 rows whose P~ underflowed); no fault that ma
 small."""
 NO_ROW = tl.constexpr(2147483647)
 INF = tl.constexpr(float("inf"))
+W = tl.constexpr(16)
+"""Columns of a checksum tile (checksums.WIDTH): parts of ``B e`` in 0 to 2, of ``|B| e`` in 3
+to 5 (row sums only)."""
 
 # Injection parameters, one int32 each in INJ (megatron_abft.flash.faults.kernel_args).
 I_SECTION = tl.constexpr(0)
@@ -69,21 +86,22 @@ I_PERSISTENT = tl.constexpr(8)
 
 
 @triton.jit
-def _mm(a, b, UPCAST: tl.constexpr):
-    """a @ b accumulated in fp32 (fp32 operands: in the interpreter only, IEEE there)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
+def _mma(a, b, acc):
+    """``acc + a @ b`` accumulated in fp32 (``acc`` None: ``a @ b``)."""
+    if INTERPRETER:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _lo(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
-    """``x`` (fp32) rounded to ``dtype``, to nearest even: in ``dtype``, or under UPCAST
-    (bf16 in the interpreter) as the fp32 value of that bf16."""
-    if UPCAST:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+def _lo(x, dtype: tl.constexpr):
+    """``x`` (fp32) rounded to ``dtype``, to nearest even (in the interpreter, bf16 as the fp32
+    value of that bf16)."""
+    if INTERPRETER:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
 
 
@@ -106,47 +124,35 @@ def _corrupt(x, rows, cols, bh, section: tl.constexpr, fresh, INJ):
 
 
 @triton.jit
-def _kind(got, ref, near_inf):
-    """Per row: 1 + the fault kind of a residual (megatron_abft.check.eec.KINDS)."""
-    r = tl.abs(got - ref)
-    return tl.where(r != r, 4, tl.where(r == INF, 3, tl.where(r > near_inf, 2, 1)))
-
-
-@triton.jit
-def _check(got, ref, bound, state, near_inf):
-    """Fold a row check into the rows' ``state``: 0 clean, else 1 + the worst fault kind seen.
-    Flags where ``|got - ref| <= bound + FLOOR`` fails, NaN included."""
-    flagged = ~(tl.abs(got - ref) <= bound + FLOOR)
-    return tl.maximum(state, tl.where(flagged, _kind(got, ref, near_inf), 0))
-
-
-@triton.jit
-def _ratio(got, ref, mass, ratio):
-    """The rows' largest ``(|got - ref| - FLOOR) / (u * mass)`` so far: the least c each bound
-    needed (calibration runs)."""
-    needed = tl.maximum(tl.abs(got - ref) - FLOOR, 0.0) / (U32 * tl.maximum(mass, 1e-30))
-    return tl.maximum(ratio, needed)
-
-
-@triton.jit
-def _tile_check(tile, ref, mass, tol, state, ratio, near_inf, CALIBRATE: tl.constexpr):
-    """A tile GEMM's row check: its row sums against ``ref`` under ``tol * mass``, folded into
-    the rows' ``state`` and, in calibration runs, their ``ratio``."""
-    got = tl.sum(tile, 1)
-    state = _check(got, ref, tol * mass, state, near_inf)
+def _fold(got, ref, mass, tol, worst, ratio, CALIBRATE: tl.constexpr):
+    """Fold a row check into the rows' ``worst`` excess ``|got - ref| - (tol * mass + FLOOR)``
+    (NaN kept: a row is flagged where its worst is not <= 0) and, in calibration runs, into
+    their ``ratio``: the largest ``(|got - ref| - FLOOR) / (u * mass)``, the least c each bound
+    needed."""
+    residual = tl.abs(got - ref)
+    worst = tl.maximum(worst, residual - (tol * mass + FLOOR), propagate_nan=tl.PropagateNan.ALL)
     if CALIBRATE:
-        ratio = _ratio(got, ref, mass, ratio)
-    return state, ratio
+        needed = tl.maximum(residual - FLOOR, 0.0) / (U32 * tl.maximum(mass, 1e-30))
+        ratio = tl.maximum(ratio, needed)
+    return worst, ratio
+
+
+@triton.jit
+def _kinds(worst, near_inf):
+    """Per row: 0 clean, else 1 + the fault kind (megatron_abft.config.KINDS) of its worst
+    excess."""
+    kind = tl.where(worst > near_inf, 2, tl.where(worst > 0, 1, 0))
+    return tl.where(worst != worst, 4, tl.where(worst == INF, 3, kind))
 
 
 @triton.jit
 def _report(
-    CODES, ROWS, COLS, RATIO, section: tl.constexpr, bh, BH, state, rows, ratio, outcome,
+    CODES, ROWS, COLS, RATIO, section: tl.constexpr, bh, BH, state, rows, ratio, valid, outcome,
     TRANSPOSED: tl.constexpr, CALIBRATE: tl.constexpr,
 ):
     """Publish one pass's outcome for one section of matrix ``bh``: ``state`` per row (tile
-    rows ``rows``, logical columns when TRANSPOSED), as ``outcome`` (1 corrected, 2
-    uncorrectable). Returns whether anything was flagged."""
+    rows ``rows``, logical columns when TRANSPOSED; ``valid``: those in the matrix), as
+    ``outcome`` (1 corrected, 2 uncorrectable). Returns whether anything was flagged."""
     kind = tl.max(state)
     if kind > 0:
         at = section * BH + bh
@@ -157,32 +163,55 @@ def _report(
         else:
             tl.atomic_max(ROWS + at, first)
     if CALIBRATE:  # flagged rows too (an alarm shows how far it went), bar non-finite ones
-        tl.atomic_max(RATIO + section * BH + bh, tl.max(tl.where(ratio < INF, ratio, 0.0)))
+        ratio = tl.where(valid & (ratio < INF), ratio, 0.0)
+        tl.atomic_max(RATIO + section * BH + bh, tl.max(ratio))
     return kind > 0
 
 
 @triton.jit
-def _col_ref(a, W, ST, bhx, tiles, j, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
-    """``a [R, HEAD_DIM]`` times tile ``j``'s column sums (checksums.columns): ``A (B e)`` of a
-    GEMM whose B is that tile, transposed."""
-    base = (bhx * tiles + j).to(tl.int64)
-    at = (base * HEAD_DIM + tl.arange(0, HEAD_DIM))[:, None] * 16 + tl.arange(0, 16)[None, :]
-    return tl.sum(_mm(a, tl.load(W + at), UPCAST), 1) * tl.load(ST + base * 3)
+def _column_ref(a, W_tile, ST_tile, SCALED: tl.constexpr):
+    """``A (B e)`` of a tile GEMM ``A B`` whose B is a tile of X transposed: ``a [R, HEAD_DIM]``
+    times the tile's column sums (checksums, ``W_tile [HEAD_DIM, 16]``)."""
+    ref = tl.sum(_mma(a, W_tile, None), 1)
+    if SCALED:
+        ref = ref * tl.load(ST_tile)
+    return ref
 
 
 @triton.jit
-def _row_ref(a, W, ST, bhx, tiles, j, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-    """``a [R, BLOCK]`` times the row sums of tile ``j`` (checksums.rows): ``A (B e)`` of a GEMM
-    whose B is that tile."""
-    base = (bhx * tiles + j).to(tl.int64)
-    at = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + tl.arange(0, 16)[None, :]
-    return tl.sum(_mm(a, tl.load(W + at), UPCAST), 1) * tl.load(ST + base * 3)
+def _accumulate_ref(ref, a, W_tile, ST_tile, SCALED: tl.constexpr):
+    """``ref + A W``: the accumulated reference (and masses) of an accumulating GEMM whose B is
+    a tile of X, ``W_tile [rows, 16]`` the tile's row sums (checksums)."""
+    if SCALED:
+        return ref + _mma(a, W_tile, None) * tl.load(ST_tile)
+    return _mma(a, W_tile, ref)
 
 
 @triton.jit
-def _stat(ST, bhx, tiles, j, which: tl.constexpr):
-    """Mass ``which`` (1 or 2) of tile ``j`` (checksums.Sums.stats)."""
-    return tl.load(ST + (bhx * tiles + j).to(tl.int64) * 3 + which)
+def _deferred_check(out, ref, mass, tiles, tol, ratio, CALIBRATE: tl.constexpr):
+    """An accumulating GEMM's check after its loop: the row sums of ``out`` against the
+    reference in ``ref``'s columns 0 to 2, under the rows' summed ``mass`` (None: ``ref``'s
+    columns 3 to 5) grown by ``sqrt(tiles / 16)`` for the accumulation's own rounding. Returns
+    the rows' excess and ratio."""
+    column = tl.arange(0, W)[None, :]
+    want = tl.sum(tl.where(column < 3, ref, 0.0), 1)
+    if mass is None:
+        mass = tl.sum(tl.where((column >= 3) & (column < 6), ref, 0.0), 1)
+    growth = tl.maximum(1.0, tl.sqrt(tiles / 16.0))
+    worst = tl.full(want.shape, -INF, tl.float32)
+    return _fold(tl.sum(out, 1), want, mass * growth, tol, worst, ratio, CALIBRATE)
+
+
+@triton.jit
+def _stat_max(ST, first, count, which: tl.constexpr):
+    """The largest stat ``which`` (checksums.Sums.stats) of tiles ``[first, first + count)``,
+    read before a loop: a load in the loop would hold registers through its pipeline."""
+    best = 0.0
+    for start in range(0, count, 64):
+        at = start + tl.arange(0, 64)
+        stat = tl.load(ST + (first + at) * 3 + which, mask=at < count, other=0.0)
+        best = tl.maximum(best, tl.max(stat, 0))
+    return best
 
 
 @triton.jit
@@ -190,292 +219,427 @@ def _norm(x, axis: tl.constexpr):
     return tl.sqrt(tl.sum(x * x, axis))
 
 
-@triton.jit
-def _scores_tile(
-    q, qn, K, V, KC, KCS, INJ, cols, offs_m, offs_d, d_ok, bh, bhk, j, skn, skd, svn, svd, N_K,
-    TILES_K, tol, near_inf, check, fresh, state, ratio, section: tl.constexpr,
-    HEAD_DIM: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """A query block's KV tile ``j`` (the forward's and dQ's): K and V loaded, S = Q K^T with its
-    row check, ``S e = Q (K^T e)``, folded into the rows' ``state`` (and ``ratio``)."""
-    n_ok = cols < N_K
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-    v = tl.load(V + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-    s = _mm(q, tl.trans(k), UPCAST)
-    if INJECT:
-        s = _corrupt(s, offs_m[:, None], cols[None, :], bh, section, fresh, INJ)
-    if CHECK:
-        if check:
-            ref = _col_ref(q, KC, KCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
-            mass = qn * _stat(KCS, bhk, TILES_K, j, 1)
-            state, ratio = _tile_check(s, ref, mass, tol, state, ratio, near_inf, CALIBRATE)
-    return k, v, s, n_ok, state, ratio
-
-
 # --- forward ----------------------------------------------------------------------------------
 
 
 @triton.jit
-def _fwd_pass(
-    q, qn, offs_m, m_ok, bh, bhk, K, V, KC, KCS, VR, VRS, INJ, qk_scale, tol, near_inf, due,
-    first_pass, skn, skd, svn, svd, N_K, D, TILES_K, hi, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, UPCAST: tl.constexpr,
+def _fwd_tiles(
+    acc, m_i, l_i, cref, worst_s, ratio_s, q, s_mass, offs_m, K, V, KC, KCS, VR, VRS, INJ, k_offs,
+    v_offs, wk_offs, wv_offs, d_ok, skn, svn, qk_scale, tol, bh, N_K, lo, hi, first_pass,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_C: tl.constexpr, SCALED: tl.constexpr,
+    INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
 ):
-    """One pass of a query block over its keys: the online softmax and P~V, the rows' states
-    of the checks of S (F1, and 1 <= l <= #keys) and of the context (F2, and F3: the running
-    checksum ``cs`` of the output against its row sums), and, calibrating, their ratios."""
+    """The query block's key tiles ``[lo, hi)``: the online softmax and P~V (FA2), S checked per
+    tile (``s_mass``: the rows' masses, for every tile), the context's reference accumulated
+    beside it."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    d_ok = offs_d < D
+    k_tile = K + tl.cast(lo, tl.int64) * skn
+    v_tile = V + tl.cast(lo, tl.int64) * svn
+    first = lo // BLOCK_N  # loads in the loop only through pointers that step a tile a time
+    kc_tile, kcs_tile = KC + first * (HEAD_DIM * W), KCS + first * 3
+    vr_tile, vrs_tile = VR + first * (BLOCK_N * W), VRS + first * 3
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        if EVEN:
+            k = tl.load(k_tile + k_offs)
+            v = tl.load(v_tile + v_offs)
+        else:  # padded head dims read as zeros, and keys past the end
+            kv_mask = d_ok[None, :]
+            if MASKED:
+                kv_mask = kv_mask & (cols < N_K)[:, None]
+            k = tl.load(k_tile + k_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_tile + v_offs, mask=kv_mask, other=0.0)
+        s = _mma(q, tl.trans(k), None)
+        if INJECT:
+            s = _corrupt(s, offs_m[:, None], cols[None, :], bh, SCORES, first_pass, INJ)
+        if CHECK_S:  # S e = Q (K_j^T e)
+            ref = _column_ref(q, tl.load(kc_tile + wk_offs), kcs_tile, SCALED)
+            worst_s, ratio_s = _fold(tl.sum(s, 1), ref, s_mass, tol, worst_s, ratio_s, CALIBRATE)
+        if MASKED:
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(visible, s * qk_scale, -INF)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:  # qk_scale > 0: the scaled row max is the row max scaled
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_lo = _lo(p, q.dtype)
+        acc = _mma(p_lo, v, acc * alpha[:, None])
+        if INJECT:  # the first tile's P~V: the accumulator holds it alone
+            fresh = first_pass & (start_n == 0)
+            offs_d = tl.arange(0, HEAD_DIM)
+            acc = _corrupt(acc, offs_m[:, None], offs_d[None, :], bh, CONTEXT, fresh, INJ)
+        if CHECK_C:  # (P~ V) e = P~ (V e), and the mass P~ (|V| e)
+            w = tl.load(vr_tile + wv_offs)
+            cref = _accumulate_ref(cref * alpha[:, None], p_lo, w, vrs_tile, SCALED)
+        m_i = m_new
+        k_tile += BLOCK_N * skn
+        v_tile += BLOCK_N * svn
+        kc_tile += HEAD_DIM * W
+        kcs_tile += 3
+        vr_tile += BLOCK_N * W
+        vrs_tile += 3
+    return acc, m_i, l_i, cref, worst_s, ratio_s
+
+
+@triton.jit
+def _fwd_pass(
+    q, s_mass, offs_m, m_ok, K, V, KC, KCS, VR, VRS, INJ, k_offs, v_offs, wk_offs, wv_offs, d_ok,
+    skn, svn, qk_scale, tol, near_inf, bh, N_K, first_pass, interior, hi, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
+    CHECK_S: tl.constexpr, CHECK_C: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
+    CALIBRATE: tl.constexpr,
+):
+    """One pass of a query block over its keys: the interior tiles, then the masked ones; the
+    rows' fault kinds in S (tiles, and 1 <= l <= #keys) and in the context, and their ratios."""
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     m_i = tl.full([BLOCK_M], -INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    cs = tl.zeros([BLOCK_M], tl.float32)
-    cmass = tl.zeros([BLOCK_M], tl.float32)
+    cref = tl.zeros([BLOCK_M, W], tl.float32)
+    worst_s = tl.full([BLOCK_M], -INF, tl.float32)
+    ratio_s = tl.zeros([BLOCK_M], tl.float32)
+    acc, m_i, l_i, cref, worst_s, ratio_s = _fwd_tiles(
+        acc, m_i, l_i, cref, worst_s, ratio_s, q, s_mass, offs_m, K, V, KC, KCS, VR, VRS, INJ,
+        k_offs, v_offs, wk_offs, wv_offs, d_ok, skn, svn, qk_scale, tol, bh, N_K, 0, interior,
+        first_pass, BLOCK_N, HEAD_DIM, False, CAUSAL, EVEN, CHECK_S, CHECK_C, SCALED, INJECT,
+        CALIBRATE,
+    )
+    acc, m_i, l_i, cref, worst_s, ratio_s = _fwd_tiles(
+        acc, m_i, l_i, cref, worst_s, ratio_s, q, s_mass, offs_m, K, V, KC, KCS, VR, VRS, INJ,
+        k_offs, v_offs, wk_offs, wv_offs, d_ok, skn, svn, qk_scale, tol, bh, N_K, interior, hi,
+        first_pass, BLOCK_N, HEAD_DIM, True, CAUSAL, EVEN, CHECK_S, CHECK_C, SCALED, INJECT,
+        CALIBRATE,
+    )
     state_s = tl.zeros([BLOCK_M], tl.int32)
     state_c = tl.zeros([BLOCK_M], tl.int32)
-    ratio_s = tl.zeros([BLOCK_M], tl.float32)
     ratio_c = tl.zeros([BLOCK_M], tl.float32)
-    check_s = ((due >> SCORES) & 1) != 0
-    check_c = ((due >> CONTEXT) & 1) != 0
-    for start_n in range(0, hi, BLOCK_N):
-        j = start_n // BLOCK_N
-        cols = start_n + offs_n
-        k, v, s, n_ok, state_s, ratio_s = _scores_tile(  # F1: S e = Q (K^T e)
-            q, qn, K, V, KC, KCS, INJ, cols, offs_m, offs_d, d_ok, bh, bhk, j, skn, skd, svn, svd,
-            N_K, TILES_K, tol, near_inf, check_s, first_pass, state_s, ratio_s, SCORES,
-            HEAD_DIM, CHECK, INJECT, CALIBRATE, UPCAST,
-        )
-        s = s * qk_scale
-        visible = n_ok[None, :]
+    if CHECK_S:  # 1 <= l <= #keys: the row's largest term is exp2(0) = 1
+        keys = tl.full([BLOCK_M], N_K, tl.int32)
         if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None])
-        s = tl.where(visible, s, -INF)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        psum = tl.sum(p, 1)
-        l_i = l_i * alpha + psum
-        p_lo = _lo(p, q.dtype, UPCAST)
-        pv = _mm(p_lo, v, UPCAST)
-        if INJECT:
-            fresh = first_pass & (start_n == 0)
-            pv = _corrupt(pv, offs_m[:, None], offs_d[None, :], bh, CONTEXT, fresh, INJ)
-        if CHECK:
-            if check_c:  # F2: (P~ V) e = P~ (V e), P~ rounded as the GEMM takes it (+1%)
-                ref = _row_ref(p_lo, VR, VRS, bhk, TILES_K, j, BLOCK_N, UPCAST)
-                mass = 1.01 * psum * _stat(VRS, bhk, TILES_K, j, 1)
-                state_c, ratio_c = _tile_check(
-                    pv, ref, mass, tol, state_c, ratio_c, near_inf, CALIBRATE
-                )
-                cs = cs * alpha + ref
-                cmass = cmass * alpha + mass
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    if CHECK:
-        if check_c:  # F3, its bound grown with the tiles summed
-            tiles = tl.cdiv(hi, BLOCK_N).to(tl.float32)
-            bound = tol * tl.maximum(1.0, tl.sqrt(tiles / 16.0)) * cmass
-            state_c = tl.where(m_ok, _check(tl.sum(acc, 1), cs, bound, state_c, near_inf), 0)
-        if check_s:  # 1 <= l <= #keys: the row's largest term is exp2(0) = 1
-            keys = tl.full([BLOCK_M], N_K, tl.int32)
-            if CAUSAL:
-                keys = tl.minimum(keys, offs_m + 1)
-            inside = tl.minimum(tl.maximum(l_i, 1.0 - 1e-3), keys * (1.0 + 1e-3))
-            state_s = tl.where(m_ok, _check(l_i, inside, 0.0, state_s, near_inf), 0)
-    # a row flagged in S fails downstream too: it counts once, in S
-    return acc, m_i, l_i, state_s, tl.where(state_s > 0, 0, state_c), ratio_s, ratio_c
+            keys = tl.minimum(keys, offs_m + 1)
+        excess = tl.maximum(1.0 - 1e-3 - l_i, l_i - keys * (1.0 + 1e-3))
+        worst_s = tl.maximum(worst_s, excess, propagate_nan=tl.PropagateNan.ALL)
+        state_s = tl.where(m_ok, _kinds(worst_s, near_inf), 0)
+    if CHECK_C:  # every tile's P~V, the rescales and the sum, at once
+        tiles = tl.cdiv(hi, BLOCK_N).to(tl.float32)
+        worst_c, ratio_c = _deferred_check(acc, cref, None, tiles, tol, ratio_c, CALIBRATE)
+        # a row flagged in S fails downstream too: it counts once, in S
+        state_c = tl.where(m_ok & (state_s == 0), _kinds(worst_c, near_inf), 0)
+    return acc, m_i, l_i, state_s, state_c, ratio_s, ratio_c
+
+
+@triton.jit
+def _fwd_block(
+    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol, near_inf,
+    sqm, sqd, skn, skd, svn, svd, som, sod, bh, BH, N_Q, N_K, D, start, interior, hi,
+    outcome: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_C: tl.constexpr,
+    SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
+):
+    """One pass of the query block from row ``start``: Q read, its keys, the checks' outcomes
+    reported as ``outcome`` (1: the first pass's, 2: the second's), O and LSE written. Returns
+    whether a check flagged."""
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start + rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < N_Q
+    d_ok = offs_d < D
+    q_ptrs = Q + tl.cast(start, tl.int64) * sqm + (rows[:, None] * sqm + offs_d[None, :] * sqd)
+    if EVEN:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    k_offs = offs_n[:, None] * skn + offs_d[None, :] * skd
+    v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
+    columns = tl.arange(0, W)[None, :]
+    wk_offs = offs_d[:, None] * W + columns
+    wv_offs = offs_n[:, None] * W + columns
+    s_mass = tl.zeros([BLOCK_M], tl.float32)
+    if CHECK_S:  # Cauchy-Schwarz: ||q_m|| times the largest ||sum_n |k_n| || of a tile
+        s_mass = _norm(q.to(tl.float32), 1) * _stat_max(KCS, 0, tl.cdiv(hi, BLOCK_N), 1)
+    acc, m_i, l_i, state_s, state_c, ratio_s, ratio_c = _fwd_pass(
+        q, s_mass, offs_m, m_ok, K, V, KC, KCS, VR, VRS, INJ, k_offs, v_offs, wk_offs, wv_offs,
+        d_ok, skn, svn, qk_scale, tol, near_inf, bh, N_K, outcome == 1, interior, hi, BLOCK_M,
+        BLOCK_N, HEAD_DIM, CAUSAL, EVEN, CHECK_S, CHECK_C, SCALED, INJECT, CALIBRATE,
+    )
+    flagged = N_Q < 0  # False, as a scalar
+    if CHECK_S:
+        flagged |= _report(
+            CODES, ROWS, COLS, RATIO, SCORES, bh, BH, state_s, offs_m, ratio_s, m_ok, outcome,
+            False, CALIBRATE,
+        )
+    if CHECK_C:
+        flagged |= _report(
+            CODES, ROWS, COLS, RATIO, CONTEXT, bh, BH, state_c, offs_m, ratio_c, m_ok, outcome,
+            False, CALIBRATE,
+        )
+    o = _lo(acc / l_i[:, None], OUT.dtype.element_ty).to(OUT.dtype.element_ty)
+    o_ptrs = OUT + tl.cast(start, tl.int64) * som + (rows[:, None] * som + offs_d[None, :] * sod)
+    lse_ptrs = LSE + bh.to(tl.int64) * N_Q + offs_m
+    if EVEN:
+        tl.store(o_ptrs, o)
+        tl.store(lse_ptrs, m_i + tl.log2(l_i))
+    else:
+        tl.store(o_ptrs, o, mask=m_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=m_ok)
+    return flagged
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol, near_inf,
-    due, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, H, GROUP,
-    N_Q, N_K, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN, qk_scale, tol,
+    near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, H,
+    GROUP, N_Q, N_K, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
+    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
 ):
     """O = softmax(scale Q K^T) V for one query block of one (batch, head); LSE in log2 units.
-    KC/KCS: K's column sums, VR/VRS: V's row sums, tiled by BLOCK_N (checksums.py)."""
+    KC/KCS: K's column sums, VR/VRS: V's row sums, tiled by BLOCK_N (checksums.py). A checked
+    launch sets ``AGAIN[program]`` where a check flagged; the RETRY launch computes those
+    blocks again, whole, and reports what they flag as uncorrectable."""
+    CHECK_S: tl.constexpr = (tl.constexpr(DUE) >> SCORES) & 1 != 0
+    CHECK_C: tl.constexpr = (tl.constexpr(DUE) >> CONTEXT) & 1 != 0
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     BH = tl.num_programs(1)
-    b = (bh // H).to(tl.int64)
+    program = bh * tl.num_programs(0) + pid_m
+    if RETRY:
+        if tl.load(AGAIN + program) == 0:
+            return
+    b = bh // H
     h = bh % H
     hk = h // GROUP
     bhk = b * (H // GROUP) + hk
-    hk = hk.to(tl.int64)
-    h = h.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_ok = offs_m < N_Q
-    mask = m_ok[:, None] & (offs_d < D)[None, :]
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=mask, other=0.0
-    )
-    K += b * skb + hk * skh
-    V += b * svb + hk * svh
-    qn = _norm(q.to(tl.float32), 1)
+    Q += b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    OUT += b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    K += b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    V += b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     TILES_K = tl.cdiv(N_K, BLOCK_N)
+    KC += bhk.to(tl.int64) * TILES_K * (HEAD_DIM * W)
+    KCS += bhk.to(tl.int64) * TILES_K * 3
+    VR += bhk.to(tl.int64) * TILES_K * (BLOCK_N * W)
+    VRS += bhk.to(tl.int64) * TILES_K * 3
     hi = N_K
+    interior = (N_K // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_i = tl.zeros([BLOCK_M], tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    again = N_Q >= 0
-    for attempt in range(0, 1 + CHECK):  # the second: the block again, if the first flagged
-        if again:
-            acc, m_i, l_i, state_s, state_c, ratio_s, ratio_c = _fwd_pass(
-                q, qn, offs_m, m_ok, bh, bhk, K, V, KC, KCS, VR, VRS, INJ, qk_scale, tol, near_inf,
-                due, attempt == 0, skn, skd, svn, svd, N_K, D, TILES_K, hi, BLOCK_M, BLOCK_N,
-                HEAD_DIM, CAUSAL, CHECK, INJECT, CALIBRATE, UPCAST,
-            )
-            if CHECK:
-                again = _report(
-                    CODES, ROWS, COLS, RATIO, SCORES, bh, BH, state_s, offs_m, ratio_s, 1 + attempt,
-                    False, CALIBRATE,
-                )
-                again |= _report(
-                    CODES, ROWS, COLS, RATIO, CONTEXT, bh, BH, state_c, offs_m, ratio_c,
-                    1 + attempt, False, CALIBRATE,
-                )
-    o = acc / l_i[:, None]
-    tl.store(
-        OUT + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-        _lo(o, OUT.dtype.element_ty, UPCAST).to(OUT.dtype.element_ty),
-        mask=mask,
+        interior = tl.minimum(interior, pid_m * BLOCK_M)
+    again = _fwd_block(
+        Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol,
+        near_inf, sqm, sqd, skn, skd, svn, svd, som, sod, bh, BH, N_Q, N_K, D, pid_m * BLOCK_M,
+        interior, hi, 1 + RETRY, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, EVEN, CHECK_S, CHECK_C,
+        SCALED, INJECT, CALIBRATE,
     )
-    tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, m_i + tl.log2(l_i), mask=m_ok)
+    if (CHECK_S or CHECK_C) and not RETRY:
+        tl.store(AGAIN + program, again.to(tl.int32))
 
 
 # --- backward: dK and dV ------------------------------------------------------------------------
 
 
 @triton.jit
-def _dkdv_pass(
-    k, v, kn, vn, offs_n, n_ok, b, hk, Q, DO, LSE, DELTA, QC, QCS, QR, QRS, DOC, DOCS, DOR, DORS,
-    CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol, near_inf, due, first_pass, outcome, BH, sqb, sqh,
-    sqm, sqd, sdob, sdoh, sdom, sdod, H, GROUP, N_Q, D, TILES_Q, lo, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, UPCAST: tl.constexpr,
+def _dkdv_tiles(
+    dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p, k, v, s_mass, p_mass, offs_n, Q,
+    DO, LSE, DELTA, QC, QCS, QR, QRS, DOC, DOCS, DOR, DORS, INJ, q_offs, do_offs, wc_offs, wr_offs,
+    d_ok, sqm, sdom, qk_scale, tol, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_V: tl.constexpr,
+    CHECK_K: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
 ):
-    """One pass of a key block over the queries of every head of its group: dK, dV, each
-    tile checked; each head's states are reported as ``outcome``. Returns dK (unscaled), dV
-    and whether anything was flagged."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    """The key block's query tiles ``[lo, hi)`` of one head: S^T = K Q^T and dP^T = V dO^T
+    checked per tile (``s_mass``, ``p_mass``: the rows' masses, for every tile), dV += P^T dO
+    and dK += dS^T Q with their references accumulated beside them, and ``sum |dS^T|`` a row
+    for dK's mass. ``first``: the head's first query tile, whose products a transient fault in
+    dV or dK hits."""
     offs_mb = tl.arange(0, BLOCK_M)
-    d_ok = offs_d < D
-    b64 = b.to(tl.int64)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    flagged = N_Q < 0  # False, as a scalar the loop can carry
-    check_s = ((due >> BWD_SCORES) & 1) != 0
-    check_p = ((due >> GRAD_PROBS) & 1) != 0
-    check_v = ((due >> GRAD_V) & 1) != 0
-    check_k = ((due >> GRAD_K) & 1) != 0
-    for g in range(0, GROUP):
-        h = hk * GROUP + g
-        bh = b * H + h.to(tl.int32)
-        Qh = Q + b64 * sqb + h * sqh
-        DOh = DO + b64 * sdob + h * sdoh
-        state_s = tl.zeros([BLOCK_N], tl.int32)
-        state_p = tl.zeros([BLOCK_N], tl.int32)
-        state_v = tl.zeros([BLOCK_N], tl.int32)
-        state_k = tl.zeros([BLOCK_N], tl.int32)
-        ratio_s = tl.zeros([BLOCK_N], tl.float32)
-        ratio_p = tl.zeros([BLOCK_N], tl.float32)
-        ratio_v = tl.zeros([BLOCK_N], tl.float32)
-        ratio_k = tl.zeros([BLOCK_N], tl.float32)
-        for start_m in range(lo, N_Q, BLOCK_M):
-            i = start_m // BLOCK_M
-            offs_m = start_m + offs_mb
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_tile = Q + tl.cast(lo, tl.int64) * sqm
+    do_tile = DO + tl.cast(lo, tl.int64) * sdom
+    i = lo // BLOCK_M  # loads in the loop only through pointers that step a tile a time
+    qc_tile, qcs_tile = QC + i * (HEAD_DIM * W), QCS + i * 3
+    qr_tile, qrs_tile = QR + i * (BLOCK_M * W), QRS + i * 3
+    doc_tile, docs_tile = DOC + i * (HEAD_DIM * W), DOCS + i * 3
+    dor_tile, dors_tile = DOR + i * (BLOCK_M * W), DORS + i * 3
+    lse_tile = LSE + lo
+    delta_tile = DELTA + lo
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_mb
+        if EVEN:
+            q = tl.load(q_tile + q_offs)
+            do = tl.load(do_tile + do_offs)
+            lse = tl.load(lse_tile + offs_mb)
+            delta = tl.load(delta_tile + offs_mb)
+        else:  # padded head dims read as zeros, and queries past the end
             m_ok = offs_m < N_Q
-            q_mask = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(Qh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
-            do = tl.load(
-                DOh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=q_mask, other=0.0
-            )
-            lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=0.0)
-            delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=m_ok, other=0.0)
-            fresh = first_pass & (start_m == lo)
-            # S^T = K Q^T: S^T e = K (Q^T e)
-            st = _mm(k, tl.trans(q), UPCAST)
-            if INJECT:
-                st = _corrupt(st, offs_m[None, :], offs_n[:, None], bh, BWD_SCORES, first_pass, INJ)
-            if CHECK:
-                if check_s:
-                    ref = _col_ref(k, QC, QCS, bh, TILES_Q, i, HEAD_DIM, UPCAST)
-                    mass = kn * _stat(QCS, bh, TILES_Q, i, 1)
-                    state_s, ratio_s = _tile_check(
-                        st, ref, mass, tol, state_s, ratio_s, near_inf, CALIBRATE
-                    )
-            visible = n_ok[:, None] & m_ok[None, :]
+            q_mask = d_ok[None, :] & m_ok[:, None]
+            q = tl.load(q_tile + q_offs, mask=q_mask, other=0.0)
+            do = tl.load(do_tile + do_offs, mask=q_mask, other=0.0)
+            lse = tl.load(LSE + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+        st = _mma(k, tl.trans(q), None)
+        if INJECT:
+            st = _corrupt(st, offs_m[None, :], offs_n[:, None], bh, BWD_SCORES, first_pass, INJ)
+        if CHECK_S:  # S^T e = K (Q_i^T e)
+            ref = _column_ref(k, tl.load(qc_tile + wc_offs), qcs_tile, SCALED)
+            worst_s, ratio_s = _fold(tl.sum(st, 1), ref, s_mass, tol, worst_s, ratio_s, CALIBRATE)
+        pt = tl.exp2(st * qk_scale - lse[None, :])
+        if MASKED:
+            visible = offs_m[None, :] < N_Q
             if CAUSAL:
                 visible = visible & (offs_m[None, :] >= offs_n[:, None])
-            pt = tl.where(visible, tl.exp2(st * qk_scale - lse[None, :]), 0.0)
-            pt_lo = _lo(pt, q.dtype, UPCAST)
-            # dV += P^T dO: (P^T dO) e = P^T (dO e)
-            part = _mm(pt_lo, do, UPCAST)
-            if INJECT:
-                part = _corrupt(part, offs_n[:, None], offs_d[None, :], bh, GRAD_V, fresh, INJ)
-            if CHECK:
-                if check_v:
-                    ref = _row_ref(pt_lo, DOR, DORS, bh, TILES_Q, i, BLOCK_M, UPCAST)
-                    mass = 1.01 * tl.sum(pt, 1) * _stat(DORS, bh, TILES_Q, i, 1)
-                    state_v, ratio_v = _tile_check(
-                        part, ref, mass, tol, state_v, ratio_v, near_inf, CALIBRATE
-                    )
-            dv += part
-            # dP^T = V dO^T: dP^T e = V (dO^T e)
-            dpt = _mm(v, tl.trans(do), UPCAST)
-            if INJECT:
-                dpt = _corrupt(
-                    dpt, offs_m[None, :], offs_n[:, None], bh, GRAD_PROBS, first_pass, INJ
-                )
-            if CHECK:
-                if check_p:
-                    ref = _col_ref(v, DOC, DOCS, bh, TILES_Q, i, HEAD_DIM, UPCAST)
-                    mass = vn * _stat(DOCS, bh, TILES_Q, i, 1)
-                    state_p, ratio_p = _tile_check(
-                        dpt, ref, mass, tol, state_p, ratio_p, near_inf, CALIBRATE
-                    )
-            dst = pt * (dpt - delta[None, :])
-            dst_lo = _lo(dst, q.dtype, UPCAST)
-            # dK += dS^T Q: (dS^T Q) e = dS^T (Q e)
-            part = _mm(dst_lo, q, UPCAST)
-            if INJECT:
-                part = _corrupt(part, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
-            if CHECK:
-                if check_k:
-                    ref = _row_ref(dst_lo, QR, QRS, bh, TILES_Q, i, BLOCK_M, UPCAST)
-                    mass = 1.01 * tl.sum(tl.abs(dst), 1) * _stat(QRS, bh, TILES_Q, i, 1)
-                    state_k, ratio_k = _tile_check(
-                        part, ref, mass, tol, state_k, ratio_k, near_inf, CALIBRATE
-                    )
-            dk += part
-        if CHECK:
-            # a key row flagged upstream fails downstream too: it counts once, where it began
-            state_v = tl.where(state_s > 0, 0, state_v)
-            state_k = tl.where((state_s > 0) | (state_p > 0), 0, state_k)
-            flagged |= _report(
-                CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_n, ratio_s, outcome,
-                True, CALIBRATE,
+            pt = tl.where(visible, pt, 0.0)
+        pt_lo = _lo(pt, q.dtype)
+        dv = _mma(pt_lo, do, dv)
+        fresh = first_pass & (start_m == first)
+        if INJECT:
+            dv = _corrupt(dv, offs_n[:, None], offs_d[None, :], bh, GRAD_V, fresh, INJ)
+        if CHECK_V:  # (P^T dO) e = P^T (dO e), and the mass P^T (|dO| e)
+            w = tl.load(dor_tile + wr_offs)
+            vref = _accumulate_ref(vref, pt_lo, w, dors_tile, SCALED)
+        dpt = _mma(v, tl.trans(do), None)
+        if INJECT:
+            dpt = _corrupt(dpt, offs_m[None, :], offs_n[:, None], bh, GRAD_PROBS, first_pass, INJ)
+        if CHECK_P:  # dP^T e = V (dO_i^T e)
+            ref = _column_ref(v, tl.load(doc_tile + wc_offs), docs_tile, SCALED)
+            worst_p, ratio_p = _fold(tl.sum(dpt, 1), ref, p_mass, tol, worst_p, ratio_p, CALIBRATE)
+        dst = pt * (dpt - delta[None, :])
+        dst_lo = _lo(dst, q.dtype)
+        dk = _mma(dst_lo, q, dk)
+        if INJECT:
+            dk = _corrupt(dk, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
+        if CHECK_K:  # (dS^T Q) e = dS^T (Q e)
+            w = tl.load(qr_tile + wr_offs)
+            kref = _accumulate_ref(kref, dst_lo, w, qrs_tile, SCALED)
+            kabs += tl.sum(tl.abs(dst), 1)
+        q_tile += BLOCK_M * sqm
+        do_tile += BLOCK_M * sdom
+        lse_tile += BLOCK_M
+        delta_tile += BLOCK_M
+        qc_tile += HEAD_DIM * W
+        qcs_tile += 3
+        qr_tile += BLOCK_M * W
+        qrs_tile += 3
+        doc_tile += HEAD_DIM * W
+        docs_tile += 3
+        dor_tile += BLOCK_M * W
+        dors_tile += 3
+    return dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p
+
+
+@triton.jit
+def _dkdv_pass(
+    k, v, kn, vn, offs_n, n_ok, b, hk, Q, DO, LSE, DELTA, QC, QCS, QR, QRS, DOC, DOCS, DOR, DORS,
+    CODES, ROWS, COLS, RATIO, INJ, q_offs, do_offs, wc_offs, wr_offs, d_ok, qk_scale, tol, near_inf,
+    first_pass, outcome, BH, sqb, sqh, sqm, sdob, sdoh, sdom, H, GROUP, N_Q, TILES_Q, lo, diagonal,
+    interior, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr,
+    CHECK_V: tl.constexpr, CHECK_K: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
+    CALIBRATE: tl.constexpr,
+):
+    """One pass of a key block over the queries of every head of its group: the causal
+    diagonal's tiles ``[lo, diagonal)``, the interior ``[diagonal, interior)``, a ragged end
+    ``[interior, N_Q)``. Each head's S^T and dP^T are reported after its tiles, and dV and dK so
+    far (their references run over the heads) where an earlier head did not flag them, as
+    ``outcome``. Returns dK (unscaled), dV and whether anything was flagged."""
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    vref = tl.zeros([BLOCK_N, W], tl.float32)
+    kref = tl.zeros([BLOCK_N, W], tl.float32)
+    kmass = tl.zeros([BLOCK_N], tl.float32)
+    seen_v = offs_n < 0
+    seen_k = offs_n < 0
+    flagged = N_Q < 0  # False, as a scalar the loop can carry
+    per_head = tl.cdiv(N_Q - lo, BLOCK_M)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        Qh = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        DOh = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+        LSEh = LSE + bh.to(tl.int64) * N_Q
+        DELTAh = DELTA + bh.to(tl.int64) * N_Q
+        sums = bh.to(tl.int64) * TILES_Q
+        QCh, QCSh, QRh, QRSh = QC + sums * (HEAD_DIM * W), QCS + sums * 3, QR, QRS + sums * 3
+        QRh += sums * (BLOCK_M * W)
+        DOCh, DOCSh = DOC + sums * (HEAD_DIM * W), DOCS + sums * 3
+        DORh, DORSh = DOR + sums * (BLOCK_M * W), DORS + sums * 3
+        worst_s = tl.full([BLOCK_N], -INF, tl.float32)
+        worst_p = tl.full([BLOCK_N], -INF, tl.float32)
+        ratio_s = tl.zeros([BLOCK_N], tl.float32)
+        ratio_p = tl.zeros([BLOCK_N], tl.float32)
+        kabs = tl.zeros([BLOCK_N], tl.float32)
+        # the masses, Cauchy-Schwarz for S^T and dP^T, each with its tiles' largest stat
+        s_mass = tl.zeros([BLOCK_N], tl.float32)
+        p_mass = tl.zeros([BLOCK_N], tl.float32)
+        if CHECK_S:
+            s_mass = kn * _stat_max(QCSh, lo // BLOCK_M, per_head, 1)
+        if CHECK_P:
+            p_mass = vn * _stat_max(DOCSh, lo // BLOCK_M, per_head, 1)
+        dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p = _dkdv_tiles(
+            dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p, k, v, s_mass, p_mass,
+            offs_n, Qh, DOh, LSEh, DELTAh, QCh, QCSh, QRh, QRSh, DOCh, DOCSh, DORh, DORSh, INJ,
+            q_offs, do_offs, wc_offs, wr_offs, d_ok, sqm, sdom, qk_scale, tol, bh, N_Q, lo,
+            diagonal, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, EVEN, CHECK_S,
+            CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, CALIBRATE,
+        )
+        dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p = _dkdv_tiles(
+            dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p, k, v, s_mass, p_mass,
+            offs_n, Qh, DOh, LSEh, DELTAh, QCh, QCSh, QRh, QRSh, DOCh, DOCSh, DORh, DORSh, INJ,
+            q_offs, do_offs, wc_offs, wr_offs, d_ok, sqm, sdom, qk_scale, tol, bh, N_Q, diagonal,
+            interior, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, EVEN, CHECK_S,
+            CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, CALIBRATE,
+        )
+        if not EVEN:
+            dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p = _dkdv_tiles(
+                dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p, k, v, s_mass, p_mass,
+                offs_n, Qh, DOh, LSEh, DELTAh, QCh, QCSh, QRh, QRSh, DOCh, DOCSh, DORh, DORSh, INJ,
+                q_offs, do_offs, wc_offs, wr_offs, d_ok, sqm, sdom, qk_scale, tol, bh, N_Q,
+                interior, N_Q, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, EVEN,
+                CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, CALIBRATE,
             )
+        tiles = ((g + 1) * per_head).to(tl.float32)
+        state_s = tl.zeros([BLOCK_N], tl.int32)
+        state_p = tl.zeros([BLOCK_N], tl.int32)
+        if CHECK_S:
+            state_s = tl.where(n_ok, _kinds(worst_s, near_inf), 0)
             flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_n, ratio_p, outcome,
-                True, CALIBRATE,
+                CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_n, ratio_s, n_ok,
+                outcome, True, CALIBRATE,
             )
+        if CHECK_P:
+            state_p = tl.where(n_ok, _kinds(worst_p, near_inf), 0)
             flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_V, bh, BH, state_v, offs_n, ratio_v, outcome, False,
-                CALIBRATE,
+                CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_n, ratio_p, n_ok,
+                outcome, True, CALIBRATE,
             )
+        # a key row flagged upstream fails downstream too: it counts once, where it began
+        if CHECK_V:
+            ratio_v = tl.zeros([BLOCK_N], tl.float32)
+            worst_v, ratio_v = _deferred_check(dv, vref, None, tiles, tol, ratio_v, CALIBRATE)
+            kind_v = tl.where(n_ok, _kinds(worst_v, near_inf), 0)
+            state_v = tl.where(seen_v | (state_s > 0), 0, kind_v)
+            seen_v |= kind_v > 0
             flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_K, bh, BH, state_k, offs_n, ratio_k, outcome, False,
-                CALIBRATE,
+                CODES, ROWS, COLS, RATIO, GRAD_V, bh, BH, state_v, offs_n, ratio_v, n_ok, outcome,
+                False, CALIBRATE,
+            )
+        if CHECK_K:  # the mass sum |dS^T| max |Q| e, 1% for dS^T's rounding
+            kmass += 1.01 * kabs * _stat_max(QRSh, lo // BLOCK_M, per_head, 1)
+            ratio_k = tl.zeros([BLOCK_N], tl.float32)
+            worst_k, ratio_k = _deferred_check(dk, kref, kmass, tiles, tol, ratio_k, CALIBRATE)
+            kind_k = tl.where(n_ok, _kinds(worst_k, near_inf), 0)
+            state_k = tl.where(seen_k | (state_s > 0) | (state_p > 0), 0, kind_k)
+            seen_k |= kind_k > 0
+            flagged |= _report(
+                CODES, ROWS, COLS, RATIO, GRAD_K, bh, BH, state_k, offs_n, ratio_k, n_ok, outcome,
+                False, CALIBRATE,
             )
     return dk, dv, flagged
 
@@ -483,228 +647,312 @@ def _dkdv_pass(
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, QC, QCS, QR, QRS, DOC, DOCS, DOR, DORS, CODES, ROWS, COLS,
-    RATIO, INJ, qk_scale, sm_scale, tol, near_inf, due, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb,
-    svh, svn, svd, sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, H, GROUP,
-    N_Q, N_K, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    RATIO, INJ, AGAIN, qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, H,
+    GROUP, N_Q, N_K, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
+    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
 ):
-    """dK and dV of one key block of one (batch, KV head), over the query heads of its group:
-    S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q, each tile checked. QC/QR and
-    DOC/DOR: the column and row sums of Q and dO, tiled by BLOCK_M (checksums.py)."""
+    """dK and dV of one key block of one (batch, KV head), over the query heads of its group.
+    QC/QR and DOC/DOR: the column and row sums of Q and dO, tiled by BLOCK_M (checksums.py).
+    AGAIN and RETRY as in _fwd_kernel: the second launch computes a flagged key block again over
+    every head of its group."""
+    CHECK_S: tl.constexpr = (tl.constexpr(DUE) >> BWD_SCORES) & 1 != 0
+    CHECK_P: tl.constexpr = (tl.constexpr(DUE) >> GRAD_PROBS) & 1 != 0
+    CHECK_V: tl.constexpr = (tl.constexpr(DUE) >> GRAD_V) & 1 != 0
+    CHECK_K: tl.constexpr = (tl.constexpr(DUE) >> GRAD_K) & 1 != 0
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
+    program = bhk * tl.num_programs(0) + pid_n
+    if RETRY:
+        if tl.load(AGAIN + program) == 0:
+            return
     HKV = H // GROUP
     BH = tl.num_programs(1) * GROUP
     b = bhk // HKV
-    hk = (bhk % HKV).to(tl.int64)
-    b64 = b.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    hk = bhk % HKV
+    keys = tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + keys
     offs_d = tl.arange(0, HEAD_DIM)
     n_ok = offs_n < N_K
-    kv_mask = n_ok[:, None] & (offs_d < D)[None, :]
-    k = tl.load(
-        K + b64 * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-        mask=kv_mask,
-        other=0.0,
-    )
-    v = tl.load(
-        V + b64 * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd,
-        mask=kv_mask,
-        other=0.0,
-    )
-    kn = _norm(k.to(tl.float32), 1)
-    vn = _norm(v.to(tl.float32), 1)
+    d_ok = offs_d < D
+    start = (pid_n * BLOCK_N).to(tl.int64)
+    k_ptrs = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + start * skn
+    k_ptrs += keys[:, None] * skn + offs_d[None, :] * skd
+    v_ptrs = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + start * svn
+    v_ptrs += keys[:, None] * svn + offs_d[None, :] * svd
+    if EVEN:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    kn = tl.zeros([BLOCK_N], tl.float32)
+    vn = tl.zeros([BLOCK_N], tl.float32)
+    if CHECK_S:
+        kn = _norm(k.to(tl.float32), 1)
+    if CHECK_P:
+        vn = _norm(v.to(tl.float32), 1)
+    offs_mb = tl.arange(0, BLOCK_M)
+    q_offs = offs_mb[:, None] * sqm + offs_d[None, :] * sqd
+    do_offs = offs_mb[:, None] * sdom + offs_d[None, :] * sdod
+    columns = tl.arange(0, W)[None, :]
+    wc_offs = offs_d[:, None] * W + columns
+    wr_offs = offs_mb[:, None] * W + columns
     TILES_Q = tl.cdiv(N_Q, BLOCK_M)
     lo = 0
-    if CAUSAL:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    again = N_Q >= 0
-    for attempt in range(0, 1 + CHECK):  # the second: the block again, if the first flagged
-        if again:
-            dk, dv, again = _dkdv_pass(
-                k, v, kn, vn, offs_n, n_ok, b, hk, Q, DO, LSE, DELTA, QC, QCS, QR, QRS, DOC, DOCS,
-                DOR, DORS, CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol, near_inf, due,
-                attempt == 0, 1 + attempt, BH, sqb, sqh, sqm, sqd, sdob, sdoh, sdom, sdod, H, GROUP,
-                N_Q, D, TILES_Q, lo, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, CHECK, INJECT, CALIBRATE,
-                UPCAST,
-            )
-    tl.store(
-        DK + b64 * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :] * sdkd,
-        _lo(dk * sm_scale, DK.dtype.element_ty, UPCAST).to(DK.dtype.element_ty),
-        mask=kv_mask,
+    diagonal = 0
+    interior = (N_Q // BLOCK_M) * BLOCK_M
+    if CAUSAL:  # queries before the block see none of it; the block's own rows, some
+        lo = tl.minimum(pid_n * BLOCK_N, interior)
+        diagonal = tl.minimum((pid_n + 1) * BLOCK_N, interior)
+    dk, dv, again = _dkdv_pass(
+        k, v, kn, vn, offs_n, n_ok, b, hk, Q, DO, LSE, DELTA, QC, QCS, QR, QRS, DOC, DOCS, DOR,
+        DORS, CODES, ROWS, COLS, RATIO, INJ, q_offs, do_offs, wc_offs, wr_offs, d_ok, qk_scale, tol,
+        near_inf, not RETRY, 1 + RETRY, BH, sqb, sqh, sqm, sdob, sdoh, sdom, H, GROUP, N_Q, TILES_Q,
+        lo, diagonal, interior, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, EVEN, CHECK_S, CHECK_P,
+        CHECK_V, CHECK_K, SCALED, INJECT, CALIBRATE,
     )
-    tl.store(
-        DV + b64 * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :] * sdvd,
-        _lo(dv, DV.dtype.element_ty, UPCAST).to(DV.dtype.element_ty),
-        mask=kv_mask,
-    )
+    if (CHECK_S or CHECK_P or CHECK_V or CHECK_K) and not RETRY:
+        tl.store(AGAIN + program, again.to(tl.int32))
+    dk = _lo(dk * sm_scale, DK.dtype.element_ty).to(DK.dtype.element_ty)
+    dv = _lo(dv, DV.dtype.element_ty).to(DV.dtype.element_ty)
+    dk_ptrs = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + start * sdkn
+    dk_ptrs += keys[:, None] * sdkn + offs_d[None, :] * sdkd
+    dv_ptrs = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + start * sdvn
+    dv_ptrs += keys[:, None] * sdvn + offs_d[None, :] * sdvd
+    if EVEN:
+        tl.store(dk_ptrs, dk)
+        tl.store(dv_ptrs, dv)
+    else:
+        tl.store(dk_ptrs, dk, mask=n_ok[:, None] & d_ok[None, :])
+        tl.store(dv_ptrs, dv, mask=n_ok[:, None] & d_ok[None, :])
 
 
 # --- backward: dQ -------------------------------------------------------------------------------
 
 
 @triton.jit
-def _dq_pass(
-    q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, bh, bhk, K, V, KC, KCS, KR, KRS, VC, VCS,
-    INJ, qk_scale, tol, near_inf, due, first_pass, skn, skd, svn, svd, N_K, D, TILES_K, hi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    CHECK: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr, UPCAST: tl.constexpr,
+def _dq_tiles(
+    dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, K, V, KR, KRS, INJ, k_offs, v_offs,
+    wr_offs, d_ok, skn, svn, qk_scale, bh, N_K, lo, hi, first_pass, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
+    CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_Q: tl.constexpr, SCALED: tl.constexpr,
+    INJECT: tl.constexpr,
 ):
-    """One pass of a query block over its keys for dQ: S = Q K^T, dP = dO V^T, dQ += dS K, each
-    tile checked, and the row identities sum P = 1 and sum dS = 0 (B2) folded into the states
-    of S and dP."""
+    """The query block's key tiles ``[lo, hi)``: S = Q K^T, dP = dO V^T, dQ += dS K, with
+    dQ's reference accumulated beside it, ``sum |dS|`` a row for its mass, and the sums of the
+    row identities."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    d_ok = offs_d < D
+    k_tile = K + tl.cast(lo, tl.int64) * skn
+    v_tile = V + tl.cast(lo, tl.int64) * svn
+    first = lo // BLOCK_N  # loads in the loop only through pointers that step a tile a time
+    kr_tile, krs_tile = KR + first * (BLOCK_N * W), KRS + first * 3
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        if EVEN:
+            k = tl.load(k_tile + k_offs)
+            v = tl.load(v_tile + v_offs)
+        else:  # padded head dims read as zeros, and keys past the end
+            kv_mask = d_ok[None, :]
+            if MASKED:
+                kv_mask = kv_mask & (cols < N_K)[:, None]
+            k = tl.load(k_tile + k_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_tile + v_offs, mask=kv_mask, other=0.0)
+        s = _mma(q, tl.trans(k), None)
+        if INJECT:  # S and dP are computed first in the dK/dV kernel: persistent faults only
+            s = _corrupt(s, offs_m[:, None], cols[None, :], bh, BWD_SCORES, False, INJ)
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(visible, p, 0.0)
+        dp = _mma(do, tl.trans(v), None)
+        if INJECT:
+            dp = _corrupt(dp, offs_m[:, None], cols[None, :], bh, GRAD_PROBS, False, INJ)
+        ds = p * (dp - delta[:, None])
+        ds_lo = _lo(ds, q.dtype)
+        dq = _mma(ds_lo, k, dq)
+        if INJECT:  # the first tile's dS K: the accumulator holds it alone
+            fresh = first_pass & (start_n == 0)
+            dq = _corrupt(dq, offs_m[:, None], offs_d[None, :], bh, GRAD_Q, fresh, INJ)
+        if CHECK_S or CHECK_P:
+            psum += tl.sum(p, 1)
+        if CHECK_P:
+            dssum += tl.sum(ds, 1)
+        if CHECK_Q:  # (dS K) e = dS (K e)
+            w = tl.load(kr_tile + wr_offs)
+            qref = _accumulate_ref(qref, ds_lo, w, krs_tile, SCALED)
+            dsabs += tl.sum(tl.abs(ds), 1)
+        k_tile += BLOCK_N * skn
+        v_tile += BLOCK_N * svn
+        kr_tile += BLOCK_N * W
+        krs_tile += 3
+    return dq, qref, dsabs, psum, dssum
+
+
+@triton.jit
+def _dq_pass(
+    q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, K, V, KR, KRS, VRS, INJ, k_offs, v_offs,
+    wr_offs, d_ok, skn, svn, qk_scale, tol, near_inf, bh, N_K, D, first_pass, interior, hi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_Q: tl.constexpr,
+    SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
+):
+    """One pass of a query block over its keys for dQ, and the rows' fault kinds: S through
+    sum P = 1, dP through sum dS = 0, dS K through its accumulated reference."""
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qref = tl.zeros([BLOCK_M, W], tl.float32)
+    dsabs = tl.zeros([BLOCK_M], tl.float32)
     psum = tl.zeros([BLOCK_M], tl.float32)
     dssum = tl.zeros([BLOCK_M], tl.float32)
-    kmax = 0.0
+    dq, qref, dsabs, psum, dssum = _dq_tiles(
+        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, K, V, KR, KRS, INJ, k_offs, v_offs,
+        wr_offs, d_ok, skn, svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM,
+        False, CAUSAL, EVEN, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT,
+    )
+    dq, qref, dsabs, psum, dssum = _dq_tiles(
+        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, K, V, KR, KRS, INJ, k_offs, v_offs,
+        wr_offs, d_ok, skn, svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM,
+        True, CAUSAL, EVEN, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT,
+    )
+    count = tl.cdiv(hi, BLOCK_N)
+    tiles = count.to(tl.float32)
+    kmax = 0.0  # the largest ||k_n||, ||v_n|| the rows met
     vmax = 0.0
+    if CHECK_S or CHECK_P:
+        kmax = _stat_max(KRS, 0, count, 2)
+    if CHECK_P:
+        vmax = _stat_max(VRS, 0, count, 2)
     state_s = tl.zeros([BLOCK_M], tl.int32)
     state_p = tl.zeros([BLOCK_M], tl.int32)
     state_q = tl.zeros([BLOCK_M], tl.int32)
     ratio_s = tl.zeros([BLOCK_M], tl.float32)
     ratio_p = tl.zeros([BLOCK_M], tl.float32)
     ratio_q = tl.zeros([BLOCK_M], tl.float32)
-    check_s = ((due >> BWD_SCORES) & 1) != 0
-    check_p = ((due >> GRAD_PROBS) & 1) != 0
-    check_q = ((due >> GRAD_Q) & 1) != 0
-    for start_n in range(0, hi, BLOCK_N):
-        j = start_n // BLOCK_N
-        cols = start_n + offs_n
-        k, v, s, n_ok, state_s, ratio_s = _scores_tile(
-            q, qn, K, V, KC, KCS, INJ, cols, offs_m, offs_d, d_ok, bh, bhk, j, skn, skd, svn, svd,
-            N_K, TILES_K, tol, near_inf, check_s, False, state_s, ratio_s, BWD_SCORES,
-            HEAD_DIM, CHECK, INJECT, CALIBRATE, UPCAST,
-        )
-        visible = n_ok[None, :] & m_ok[:, None]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None])
-        p = tl.where(visible, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-        dp = _mm(do, tl.trans(v), UPCAST)
-        if INJECT:
-            dp = _corrupt(dp, offs_m[:, None], cols[None, :], bh, GRAD_PROBS, False, INJ)
-        if CHECK:
-            if check_p:
-                ref = _col_ref(do, VC, VCS, bhk, TILES_K, j, HEAD_DIM, UPCAST)
-                mass = don * _stat(VCS, bhk, TILES_K, j, 1)
-                state_p, ratio_p = _tile_check(
-                    dp, ref, mass, tol, state_p, ratio_p, near_inf, CALIBRATE
-                )
-        ds = p * (dp - delta[:, None])
-        ds_lo = _lo(ds, q.dtype, UPCAST)
-        part = _mm(ds_lo, k, UPCAST)
-        if INJECT:
-            fresh = first_pass & (start_n == 0)
-            part = _corrupt(part, offs_m[:, None], offs_d[None, :], bh, GRAD_Q, fresh, INJ)
-        if CHECK:
-            if check_s | check_p:  # the row identities' sums
-                psum += tl.sum(p, 1)
-                dssum += tl.sum(ds, 1)
-                kmax = tl.maximum(kmax, _stat(KCS, bhk, TILES_K, j, 2))
-                if check_p:
-                    vmax = tl.maximum(vmax, _stat(VCS, bhk, TILES_K, j, 2))
-            if check_q:
-                ref = _row_ref(ds_lo, KR, KRS, bhk, TILES_K, j, BLOCK_N, UPCAST)
-                mass = 1.01 * tl.sum(tl.abs(ds), 1) * _stat(KRS, bhk, TILES_K, j, 1)
-                state_q, ratio_q = _tile_check(
-                    part, ref, mass, tol, state_q, ratio_q, near_inf, CALIBRATE
-                )
-        dq += part
-    if CHECK:
-        # B2: sum_n P = 1 within the rounding of S, lse and exp2; sum_n dS = 0 within that of
-        # dP, Delta (from the stored O) and P
-        tiles = tl.cdiv(hi, BLOCK_N).to(tl.float32)
-        bound_p = tol * (tiles + 1.0 + tl.abs(lse) + qk_scale * (D + 1.0) * qn * kmax)
-        if check_s:
-            state_s = tl.where(m_ok, _check(psum, 1.0, bound_p, state_s, near_inf), 0)
-        if check_p:
-            # |dP_mn| <= ||dO_m|| ||v_n||: the magnitudes of P dP and P Delta, per row
-            scale = don * vmax + tl.abs(delta)
-            bound_ds = 2.0 * u_out * odo + (tol * psum + bound_p) * scale
-            state_p = tl.where(m_ok, _check(dssum, 0.0, bound_ds, state_p, near_inf), 0)
-    # a row flagged upstream fails downstream too: it counts once, where it began
-    state_p = tl.where(state_s > 0, 0, state_p)
-    state_q = tl.where((state_s > 0) | (state_p > 0), 0, state_q)
+    none = tl.full([BLOCK_M], -INF, tl.float32)
+    # sum_n P = 1 within the rounding of S, lse and exp2
+    bound_p = tol * (tiles + 1.0 + tl.abs(lse) + qk_scale * (D + 1.0) * qn * kmax)
+    if CHECK_S:
+        worst, ratio_s = _fold(psum, 1.0, bound_p / tol, tol, none, ratio_s, CALIBRATE)
+        state_s = tl.where(m_ok, _kinds(worst, near_inf), 0)
+    if CHECK_P:
+        # sum_n dS = 0 within the rounding of dP, Delta (from the stored O) and P, with
+        # |dP_mn| <= ||dO_m|| ||v_n||: the magnitudes of P dP and P Delta, per row
+        scale = don * vmax + tl.abs(delta)
+        bound_ds = 2.0 * u_out * odo + (tol * psum + bound_p) * scale
+        worst, ratio_p = _fold(dssum, 0.0, bound_ds / tol, tol, none, ratio_p, CALIBRATE)
+        state_p = tl.where(m_ok & (state_s == 0), _kinds(worst, near_inf), 0)
+    if CHECK_Q:  # the mass sum |dS| max |K| e, 1% for dS's rounding
+        qmass = 1.01 * dsabs * _stat_max(KRS, 0, count, 1)
+        worst, ratio_q = _deferred_check(dq, qref, qmass, tiles, tol, ratio_q, CALIBRATE)
+        # a row flagged upstream fails downstream too: it counts once, where it began
+        state_q = tl.where(m_ok & (state_s == 0) & (state_p == 0), _kinds(worst, near_inf), 0)
     return dq, state_s, state_p, state_q, ratio_s, ratio_p, ratio_q
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, ODO, DQ, KC, KCS, KR, KRS, VC, VCS, CODES, ROWS, COLS, RATIO, INJ,
-    qk_scale, sm_scale, tol, u_out, near_inf, due, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh,
+    Q, K, V, DO, LSE, DELTA, ODO, DQ, KR, KRS, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
+    qk_scale, sm_scale, tol, u_out, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh,
     svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm, sdqd, H, GROUP, N_Q, N_K, D,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    CHECK: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
+    CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
 ):
     """dQ of one query block of one (batch, head). ``ODO`` holds ``sum |O| |dO|`` a row, the
-    rounding of the stored O in Delta. KC/KR: K's column and row sums, VC: V's column sums,
-    tiled by BLOCK_N (checksums.py)."""
+    rounding of the stored O in Delta. KR/KRS: K's row sums, VRS: V's row-sum stats, tiled by
+    BLOCK_N (checksums.py). AGAIN and RETRY as in _fwd_kernel."""
+    CHECK_S: tl.constexpr = (tl.constexpr(DUE) >> BWD_SCORES) & 1 != 0
+    CHECK_P: tl.constexpr = (tl.constexpr(DUE) >> GRAD_PROBS) & 1 != 0
+    CHECK_Q: tl.constexpr = (tl.constexpr(DUE) >> GRAD_Q) & 1 != 0
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     BH = tl.num_programs(1)
-    b = (bh // H).to(tl.int64)
+    program = bh * tl.num_programs(0) + pid_m
+    if RETRY:
+        if tl.load(AGAIN + program) == 0:
+            return
+    b = bh // H
     h = bh % H
     hk = h // GROUP
     bhk = b * (H // GROUP) + hk
-    hk = hk.to(tl.int64)
-    h = h.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + rows
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < N_Q
-    mask = m_ok[:, None] & (offs_d < D)[None, :]
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=mask, other=0.0
-    )
-    do = tl.load(
-        DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod,
-        mask=mask,
-        other=0.0,
-    )
-    row = bh.to(tl.int64) * N_Q + offs_m
-    lse = tl.load(LSE + row, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
-    odo = tl.load(ODO + row, mask=m_ok, other=0.0)
-    K += b * skb + hk * skh
-    V += b * svb + hk * svh
-    qn = _norm(q.to(tl.float32), 1)
-    don = _norm(do.to(tl.float32), 1)
+    d_ok = offs_d < D
+    start = (pid_m * BLOCK_M).to(tl.int64)
+    q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + start * sqm
+    q_ptrs += rows[:, None] * sqm + offs_d[None, :] * sqd
+    do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + start * sdom
+    do_ptrs += rows[:, None] * sdom + offs_d[None, :] * sdod
+    at = bh.to(tl.int64) * N_Q + offs_m
+    if EVEN:
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+        lse = tl.load(LSE + at)
+        delta = tl.load(DELTA + at)
+    else:
+        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(LSE + at, mask=m_ok, other=0.0)
+        delta = tl.load(DELTA + at, mask=m_ok, other=0.0)
+    qn = tl.zeros([BLOCK_M], tl.float32)
+    don = tl.zeros([BLOCK_M], tl.float32)
+    odo = tl.zeros([BLOCK_M], tl.float32)
+    if CHECK_S or CHECK_P:
+        qn = _norm(q.to(tl.float32), 1)
+    if CHECK_P:
+        don = _norm(do.to(tl.float32), 1)
+        odo = tl.load(ODO + at, mask=m_ok, other=0.0)
+    K += b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    V += b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    offs_n = tl.arange(0, BLOCK_N)
+    k_offs = offs_n[:, None] * skn + offs_d[None, :] * skd
+    v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
     TILES_K = tl.cdiv(N_K, BLOCK_N)
+    KR += bhk.to(tl.int64) * TILES_K * (BLOCK_N * W)
+    KRS += bhk.to(tl.int64) * TILES_K * 3
+    VRS += bhk.to(tl.int64) * TILES_K * 3
+    wr_offs = offs_n[:, None] * W + tl.arange(0, W)[None, :]
     hi = N_K
+    interior = (N_K // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    again = N_Q >= 0
-    for attempt in range(0, 1 + CHECK):  # the second: the block again, if the first flagged
-        if again:
-            dq, state_s, state_p, state_q, ratio_s, ratio_p, ratio_q = _dq_pass(
-                q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, bh, bhk, K, V, KC, KCS, KR,
-                KRS, VC, VCS, INJ, qk_scale, tol, near_inf, due, attempt == 0, skn, skd, svn, svd,
-                N_K, D, TILES_K, hi, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, CHECK, INJECT, CALIBRATE,
-                UPCAST,
-            )
-            if CHECK:
-                again = _report(
-                    CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_m, ratio_s,
-                    1 + attempt, False, CALIBRATE,
-                )
-                again |= _report(
-                    CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_m, ratio_p,
-                    1 + attempt, False, CALIBRATE,
-                )
-                again |= _report(
-                    CODES, ROWS, COLS, RATIO, GRAD_Q, bh, BH, state_q, offs_m, ratio_q, 1 + attempt,
-                    False, CALIBRATE,
-                )
-    tl.store(
-        DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :] * sdqd,
-        _lo(dq * sm_scale, DQ.dtype.element_ty, UPCAST).to(DQ.dtype.element_ty),
-        mask=mask,
+        interior = tl.minimum(interior, pid_m * BLOCK_M)
+    dq, state_s, state_p, state_q, ratio_s, ratio_p, ratio_q = _dq_pass(
+        q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, K, V, KR, KRS, VRS, INJ, k_offs,
+        v_offs, wr_offs, d_ok, skn, svn, qk_scale, tol, near_inf, bh, N_K, D, not RETRY, interior,
+        hi, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, EVEN, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT,
+        CALIBRATE,
     )
+    if CHECK_S or CHECK_P or CHECK_Q:
+        outcome: tl.constexpr = 1 + RETRY
+        again = _report(
+            CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_m, ratio_s, m_ok, outcome,
+            False, CALIBRATE,
+        )
+        again |= _report(
+            CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_m, ratio_p, m_ok, outcome,
+            False, CALIBRATE,
+        )
+        again |= _report(
+            CODES, ROWS, COLS, RATIO, GRAD_Q, bh, BH, state_q, offs_m, ratio_q, m_ok, outcome,
+            False, CALIBRATE,
+        )
+        if not RETRY:
+            tl.store(AGAIN + program, again.to(tl.int32))
+    dq = _lo(dq * sm_scale, DQ.dtype.element_ty).to(DQ.dtype.element_ty)
+    dq_ptrs = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + start * sdqm
+    dq_ptrs += rows[:, None] * sdqm + offs_d[None, :] * sdqd
+    if EVEN:
+        tl.store(dq_ptrs, dq)
+    else:
+        tl.store(dq_ptrs, dq, mask=m_ok[:, None] & d_ok[None, :])
 
 
 # --- backward: Delta ------------------------------------------------------------------------------
@@ -726,10 +974,14 @@ def _delta_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < N_Q
     mask = m_ok[:, None] & (offs_d < D)[None, :]
-    o = tl.load(OUT + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod,
-                 mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(
+        OUT + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=mask,
+        other=0.0,
+    ).to(tl.float32)
     row = bh.to(tl.int64) * N_Q + offs_m
     tl.store(DELTA + row, tl.sum(o * do, 1), mask=m_ok)
     if WITH_ODO:

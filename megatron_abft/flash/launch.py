@@ -46,18 +46,38 @@ class Blocks:
     num_stages: int
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What the static gate allows a production kernel on sm_90 (megatron_abft.flash.aot,
+    tests/flash/test_flash_gate.py): issue slots per element of S in its interior loop with
+    the checks compiled out, and what the checks may add there."""
+
+    slots: float
+    checked: float
+
+
 TILES: dict[tuple[str, int], Blocks] = {
-    ("forward", 64): Blocks(128, 64, 8, 2),
-    ("forward", 128): Blocks(32, 32, 8, 2),
-    ("dkdv", 64): Blocks(32, 32, 8, 2),
-    ("dkdv", 128): Blocks(32, 32, 8, 2),
-    ("dq", 64): Blocks(64, 16, 8, 2),
-    ("dq", 128): Blocks(32, 32, 4, 2),
+    ("forward", 64): Blocks(128, 64, 8, 3),
+    ("forward", 128): Blocks(128, 64, 8, 2),
+    ("dkdv", 64): Blocks(64, 128, 8, 2),
+    ("dkdv", 128): Blocks(32, 128, 8, 2),
+    ("dq", 64): Blocks(128, 64, 8, 2),
+    ("dq", 128): Blocks(128, 32, 8, 2),
 }
-"""Tile shapes by kernel and head width, for bf16 and fp16 (the same for both): the first of
-tools/flash_aot.py's candidates, largest first, whose every variant builds for sm_80 and sm_90
-without spilling (``python -m tools.flash_aot --search``). For dK/dV, block_m is the query
-block it streams and block_n the key block it holds."""
+"""Tile shapes by kernel and head width, for bf16 and fp16 (the same for both), chosen from the
+checked and unchecked builds on sm_90 (``python -m tools.flash_sass``): every main GEMM on
+wgmma, no spills. For dK/dV, block_m is the query block it streams and block_n the key block it
+holds; in dQ and the forward, block_m is the query block held. A tuning file (``tuned``) may
+replace them on a GPU."""
+BUDGETS: dict[tuple[str, int], Budget] = {
+    ("forward", 64): Budget(10, 2),
+    ("forward", 128): Budget(14, 2),
+    ("dkdv", 64): Budget(16, 4),
+    ("dkdv", 128): Budget(20, 4),
+    ("dq", 64): Budget(14, 4),
+    ("dq", 128): Budget(16, 4),
+}
+"""The gate's budgets for TILES (issue slots per element of S, interior loop, sm_90)."""
 INTERPRETED = Blocks(64, 64, 4, 2)
 """fp32's tiles: it runs in the interpreter only (GPU_DTYPES), where larger tiles run faster."""
 
@@ -162,15 +182,16 @@ def forward(
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
     kc, _ = _sums(k, tiles.block_n, width, checks.has(kernels.SCORES), False)
     _, vr = _sums(v, tiles.block_n, width, False, checks.has(kernels.CONTEXT))
+    grid = (triton.cdiv(n_q, tiles.block_m), batch * heads)
     # fmt: off
-    build.for_device(kernels, q.device)._fwd_kernel[
-        (triton.cdiv(n_q, tiles.block_m), batch * heads)
-    ](
+    _twice(
+        build.for_device(kernels, q.device)._fwd_kernel, grid,
         q, k, v, o, lse, *kc, *vr, *found.arguments, _fault(inject, q.device),
-        scale * math.log2(math.e), checks.tol, checks.near_inf, checks.due,
+        _flags(grid, checks, "forward", q.device),
+        scale * math.log2(math.e), checks.tol, checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         heads, heads // kv_heads, n_q, n_k, dim,
-        **_constants("forward", tiles, width, causal, checks, found, inject, q),
+        **_constants("forward", tiles, width, causal, checks, found, inject, q, n_q, n_k),
     )
     # fmt: on
     return o, lse
@@ -216,29 +237,51 @@ def backward(
         do, tiles.block_m, width, checks.has(kernels.GRAD_PROBS), checks.has(kernels.GRAD_V)
     )
     # fmt: off
-    module._bwd_dkdv_kernel[(triton.cdiv(n_k, tiles.block_n), batch * kv_heads)](
+    grid = (triton.cdiv(n_k, tiles.block_n), batch * kv_heads)
+    _twice(
+        module._bwd_dkdv_kernel, grid,
         q, k, v, do, lse, delta, dk, dv, *qc, *qr, *doc, *dor, *found.arguments, fault,
-        qk_scale, scale, checks.tol, checks.near_inf, checks.due,
+        _flags(grid, checks, "dkdv", q.device),
+        qk_scale, scale, checks.tol, checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         heads, heads // kv_heads, n_q, n_k, dim,
-        **_constants("dkdv", tiles, width, causal, checks, found, inject, q),
+        **_constants("dkdv", tiles, width, causal, checks, found, inject, q, n_q, n_k),
     )
     # fmt: on
     tiles = blocks("dq", width, q.dtype)
-    # K's column sums also bound sum P = 1 and sum dS = 0 (their largest row norm)
+    # K's row sums check dQ; their largest row norm, with V's, bounds sum P = 1 and sum dS = 0
     identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
-    kc, kr = _sums(k, tiles.block_n, width, identities, checks.has(kernels.GRAD_Q))
-    vc, _ = _sums(v, tiles.block_n, width, checks.has(kernels.GRAD_PROBS), False)
+    _, kr = _sums(k, tiles.block_n, width, False, identities or checks.has(kernels.GRAD_Q))
+    _, vr = _sums(v, tiles.block_n, width, False, checks.has(kernels.GRAD_PROBS))
     # fmt: off
-    module._bwd_dq_kernel[(triton.cdiv(n_q, tiles.block_m), batch * heads)](
-        q, k, v, do, lse, delta, odo, dq, *kc, *kr, *vc, *found.arguments, fault,
-        qk_scale, scale, checks.tol, unit_roundoff(o.dtype), checks.near_inf, checks.due,
+    grid = (triton.cdiv(n_q, tiles.block_m), batch * heads)
+    _twice(
+        module._bwd_dq_kernel, grid,
+        q, k, v, do, lse, delta, odo, dq, *kr, vr[1], *found.arguments, fault,
+        _flags(grid, checks, "dq", q.device),
+        qk_scale, scale, checks.tol, unit_roundoff(o.dtype), checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         heads, heads // kv_heads, n_q, n_k, dim,
-        **_constants("dq", tiles, width, causal, checks, found, inject, q),
+        **_constants("dq", tiles, width, causal, checks, found, inject, q, n_q, n_k),
     )
     # fmt: on
     return dq, dk, dv
+
+
+def _flags(grid: tuple[int, int], checks: Checks, kernel: str, device: torch.device) -> Tensor:
+    """A checked launch's AGAIN: a flag a program, each written by its program's first pass
+    (so no fill); a placeholder where the launch checks nothing."""
+    checked = checks.has(*KERNEL_SECTIONS[kernel])
+    return torch.empty(grid[0] * grid[1] if checked else 0, dtype=torch.int32, device=device)
+
+
+def _twice(kernel, grid: tuple[int, int], *args, **constants) -> None:
+    """Launch an attention kernel, and, where it checks, launch it again in its RETRY mode:
+    the programs whose first pass flagged (each sets its flag in AGAIN, on the device) compute
+    their block again, the others return at once."""
+    kernel[grid](*args, RETRY=False, **constants)
+    if constants["DUE"] != 0:
+        kernel[grid](*args, RETRY=True, **constants)
 
 
 def _sums(
@@ -260,18 +303,21 @@ def _constants(
     found: Found,
     inject: Tensor | None,
     q: Tensor,
+    n_q: int,
+    n_k: int,
 ) -> dict:
     """A launch's constexprs and launch options."""
+    even = n_q % tiles.block_m == 0 and n_k % tiles.block_n == 0 and q.shape[-1] == width
     return {
         "BLOCK_M": tiles.block_m,
         "BLOCK_N": tiles.block_n,
         "HEAD_DIM": width,
         "CAUSAL": causal,
-        "CHECK": checks.has(*KERNEL_SECTIONS[kernel]),
+        "EVEN": even,
+        "DUE": checks.due & sum(1 << int(s) for s in KERNEL_SECTIONS[kernel]),
+        "SCALED": checksums.HEADROOM.get(q.dtype, 0) != 0,
         "INJECT": inject is not None,
         "CALIBRATE": found.ratio is not None,
-        # the interpreter's bf16 tl.dot multiplies bit patterns (triton-lang/triton#11584)
-        "UPCAST": q.device.type != "cuda" and q.dtype == torch.bfloat16,
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
     }

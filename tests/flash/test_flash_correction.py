@@ -4,8 +4,6 @@ detection and one correction in its section, nothing elsewhere; a persistent one
 uncorrectable in its section. Triton's interpreter, one (batch, head), 80 tokens: every
 section's matrix spans more than one tile both ways."""
 
-import math
-
 import pytest
 import torch
 from flash_cases import inputs, run
@@ -13,7 +11,7 @@ from flash_cases import inputs, run
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.faults import FAULT_KINDS, TensorFault
 from megatron_abft.flash import FlashFault
-from megatron_abft.flash.launch import blocks, padded_head_dim
+from megatron_abft.flash.faults import first_computations
 
 SEQ, DIM, DTYPE = 80, 64, torch.bfloat16
 ROW = 64  # a tile's first row for every tile height the kernels use (16 to 64; 128 holds it)
@@ -34,44 +32,6 @@ def case():
     clean, ledger = run(q, k, v, do)
     assert ledger.counts.sum() == 0
     return q, k, v, do, clean, first_computations(q, k, v, do)
-
-
-def first_computations(q, k, v, do) -> dict[str, torch.Tensor]:
-    """Each section's logical matrix as its first computation makes it: S and dP whole; the
-    context and dQ as the first KV block's product; dV and dK, per key, as the first query
-    block's (megatron_abft.flash.faults)."""
-    q, k, v, do = (t[0, 0].double().cpu() for t in (q, k, v, do))
-    scale = 1 / math.sqrt(DIM)
-    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    s = q @ k.T
-    probs = torch.softmax((s * scale).masked_fill(~causal, -math.inf), -1)
-    dp = do @ v.T
-    ds = probs * (dp - (do * (probs @ v)).sum(-1, keepdim=True))
-    width = padded_head_dim(DIM)
-    fwd, dkdv, dq = (blocks(kernel, width, DTYPE) for kernel in ("forward", "dkdv", "dq"))
-    first = slice(0, fwd.block_n)
-    s0 = (s[:, first] * scale).masked_fill(~causal[:, first], -math.inf)
-    p0 = torch.exp(s0 - s0.amax(-1, keepdim=True)).to(DTYPE).double()
-    keys = torch.arange(SEQ)
-    lo = (keys // dkdv.block_n * dkdv.block_n) // dkdv.block_m * dkdv.block_m
-    rows = lo[:, None] + torch.arange(dkdv.block_m)[None, :]
-    taken = (rows < SEQ) & (rows >= keys[:, None])
-    rows = rows.clamp(max=SEQ - 1)
-
-    def per_key(grid, operand):
-        part = torch.where(taken, grid.T.gather(1, rows), 0.0).to(DTYPE).double()
-        return torch.einsum("nm,nmd->nd", part, operand[rows])
-
-    dq_first = slice(0, dq.block_n)
-    return {
-        "scores": s,
-        "bwd_scores": s,
-        "grad_probs": dp,
-        "context": p0 @ v[first],
-        "grad_q": ds[:, dq_first].to(DTYPE).double() @ k[dq_first],
-        "grad_v": per_key(probs, do),
-        "grad_k": per_key(ds, q),
-    }
 
 
 def fault(section, kind, where, matrices, persistent=False):

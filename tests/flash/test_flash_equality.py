@@ -90,6 +90,23 @@ def test_inputs_in_megatrons_layout_need_no_copy():
     assert max(errors([out, dq, dk, dv], exact)) < 1e-5
 
 
+def test_k_and_v_as_views_of_megatrons_fused_qkv_need_no_copy():
+    """GQA as Megatron splits its fused QKV projection: v is a view of one
+    [seq, batch, groups, (heads / groups + 2) * dim] tensor, q and k new tensors (RoPE's), so
+    that k and v differ in strides."""
+    seq, batch, groups, per_group, dim = 40, 2, 2, 2, 64
+    mixed = torch.randn(seq, batch, groups, (per_group + 2) * dim)
+    q, k, v = torch.split(mixed, [per_group * dim, dim, dim], dim=3)
+    q = q.reshape(seq, batch, groups * per_group, dim).permute(1, 2, 0, 3)
+    q, k, v = q * 1.0, k.permute(1, 2, 0, 3) * 1.0, v.permute(1, 2, 0, 3)
+    assert k.stride() != v.stride() and v.storage_offset() > 0
+    do = torch.randn_like(q)
+    (out, dq, dk, dv), ledger = run(q, k, v, do)
+    exact = outputs(lambda a, b, c: attention(a, b, c, True, 0.125), q, k, v, do, torch.float64)
+    assert max(errors([out, dq, dk, dv], exact)) < 1e-5
+    assert ledger.counts.sum() == 0, ledger.summary()
+
+
 def test_the_checks_compiled_out_give_the_same_numbers():
     q, k, v, do = inputs(1, 2, 1, 70, 64, torch.bfloat16)
     checked, _ = run(q, k, v, do)
