@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from megatron_abft.config import FLASH_SECTIONS, FORWARD_SECTIONS
-from megatron_abft.flash import launch
+from megatron_abft.flash import checksums, launch
 from megatron_abft.flash.faults import FlashFault, kernel_args
 from megatron_abft.flash.ledger import FlashLedger, record
 
@@ -58,7 +58,8 @@ def _forward_op(
 
 @_forward_op.register_fake
 def _(q, k, v, counts, clock, log, logged, inject, causal, scale, due, tol, near_inf):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    rows = -(-q.shape[2] // checksums.ROWS) * checksums.ROWS  # the LSE, padded as the kernel's
+    return torch.empty_like(q), q.new_empty(*q.shape[:2], rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("megatron_abft::flash_backward", mutates_args=("counts", "log", "logged"))

@@ -36,6 +36,9 @@ from megatron_abft.flash import build
 
 WIDTH = 16
 """Columns of W: tl.dot's smallest N."""
+ROWS = 128
+"""The LSE's and Delta's rows a head are padded to a multiple of this (every query tile
+divides it), so that the kernels read them past the end with no mask."""
 HEADROOM = {torch.float16: 13}
 """log2 of the largest scaled part, by dtype: fp16's parts stay below its 65504 (0: no
 scaling, for bf16 and fp32, whose range is fp32's)."""
@@ -47,18 +50,21 @@ class Sums:
 
     parts: Tensor
     """The vectors split for the MMA, in the input dtype: ``[batch * heads, tiles, width,
-    WIDTH]`` for column sums, ``[batch * heads, tiles * block, WIDTH]`` for row sums."""
+    WIDTH]`` for column sums, ``[batch * heads, tiles * block, WIDTH]`` for row sums (columns
+    0-2, and their absolute values' in 3-5)."""
     stats: Tensor
-    """``[batch * heads, tiles, 3]`` fp32: the scale, then the masses. Column sums: the L2 norm
-    of the tile's absolute rows summed, the largest row's L2 norm. Row sums: the largest
-    absolute row sum, the largest row's L2 norm."""
+    """``[batch * heads, tiles, 3]`` fp32: the scale, then the masses. Column sums (a prefix):
+    the L2 norms of the tiles' absolute rows summed, added over the prefix, and the tile's
+    largest row's L2 norm. Row sums: the largest absolute row sum, the largest row's L2
+    norm."""
 
 
 def sums(
     x: Tensor, block: int, width: int, columns: bool, rows: bool
 ) -> tuple[Sums | None, Sums | None]:
-    """The column and row sums of each ``block``-row tile of ``x [b, h, n, d]``, padded to
-    ``width`` columns (None for a kind not asked for): one launch, one read of ``x``."""
+    """The column sums of ``x [b, h, n, d]``'s ``block``-row tiles, each over the tiles from the
+    first to it (a prefix), and each tile's row sums, padded to ``width`` columns (None for a
+    kind not asked for): one launch over ``x``, and one more for the prefix sums."""
     b, h, n, d = x.shape
     tiles = triton.cdiv(n, block)
     matrices = b * h
@@ -76,11 +82,19 @@ def sums(
     )
     placeholder = made[0] or made[1]
     col, row = (s or placeholder for s in made)
-    build.for_device(sys.modules[__name__], x.device)._sums_kernel[(tiles, matrices)](
-        x, col.parts, col.stats, row.parts, row.stats, *x.stride(), h, n, d,
-        BLOCK=block, HEAD_DIM=width, COLUMNS=columns, ROWS=rows,
-        HEADROOM=HEADROOM.get(x.dtype, 0), num_warps=4, num_stages=1,
+    column_sums = empty(matrices, tiles, width, dtype=torch.float32) if columns else col.stats
+    module = build.for_device(sys.modules[__name__], x.device)
+    headroom = HEADROOM.get(x.dtype, 0)
+    module._sums_kernel[(tiles, matrices)](
+        x, column_sums, col.stats, row.parts, row.stats, *x.stride(), h, n, d,
+        BLOCK=block, HEAD_DIM=width, COLUMNS=columns, ROWS=rows, HEADROOM=headroom,
+        num_warps=4, num_stages=1,
     )  # fmt: skip
+    if columns:
+        module._running_kernel[(matrices,)](
+            column_sums, col.parts, col.stats, tiles, HEAD_DIM=width, VECTORS=1, STATS=3,
+            REVERSE=False, HEADROOM=headroom, num_warps=4, num_stages=1,
+        )  # fmt: skip
     return made
 
 
@@ -110,12 +124,12 @@ def _split(w, first: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _sums_kernel(
-    X, CP, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D,
+    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
     HEADROOM: tl.constexpr,
 ):  # fmt: skip
-    """One tile of one (batch, head) of X: its column sums (CP, CS) and its row sums (RP, RS),
-    as Sums lays them out."""
+    """One tile of one (batch, head) of X: its column sums (CF, fp32, and their masses in CS)
+    and its row sums (RP, RS), as Sums lays them out."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     tiles = tl.num_programs(0)
@@ -128,13 +142,9 @@ def _sums_kernel(
     base = (bh * tiles + tile).to(tl.int64)
     column = tl.arange(0, 16)[None, :]
     largest_row = tl.max(tl.sqrt(tl.sum(x * x, 1)), 0)
-    if COLUMNS:
-        w = tl.sum(x, 0)
-        scale = _scale(tl.max(tl.abs(w), 0), HEADROOM)
-        parts = _split(w / scale, 0, CP.dtype.element_ty).to(CP.dtype.element_ty)
-        tl.store(CP + (base * HEAD_DIM + dims)[:, None] * 16 + column, parts)
+    if COLUMNS:  # fp32, for _running_kernel
+        tl.store(CF + base * HEAD_DIM + dims, tl.sum(x, 0))
         absolute = tl.sum(tl.abs(x), 0)
-        tl.store(CS + base * 3, scale)
         tl.store(CS + base * 3 + 1, tl.sqrt(tl.sum(absolute * absolute, 0)))
         tl.store(CS + base * 3 + 2, largest_row)
     if ROWS:
@@ -151,3 +161,173 @@ def _sums_kernel(
         tl.store(RS + base * 3, scale)
         tl.store(RS + base * 3 + 1, tl.max(a, 0))
         tl.store(RS + base * 3 + 2, largest_row)
+
+
+@dataclass
+class Backward:
+    """What the backward's kernels read before their loops, made by ``backward``."""
+
+    delta: Tensor
+    """``[batch * heads, rows]`` fp32: Delta = rowsum(dO * O), ``rows`` the sequence padded to
+    ROWS (0 past its end)."""
+    odo: Tensor
+    """``sum |dO| |O|`` a row, the rounding of the stored O in Delta (``delta`` when not made)."""
+    grad_rows: Tensor
+    """``[batch * heads, tiles * block, WIDTH]``, dO's tiles for P^T (dV's reference and dV's
+    and dK's masses): parts of ``dO e`` in columns 0-2, ``|dO| e`` in 3-5, ``||dO_m|| (|Q| e)_m``
+    in 9-11 and ``|Delta_m| (|Q| e)_m`` in 12-14."""
+    query_rows: Tensor
+    """``[batch * heads, tiles * block, WIDTH]``, Q's tiles for dS^T: parts of ``Q e`` in
+    columns 6-8 (dK's reference)."""
+    columns: Tensor
+    """``[batch * heads, tiles, width, WIDTH]``: the column sums of Q (columns 0-2) and of dO
+    (3-5) over the tiles from each one to the last, for the per-head checks of S^T and dP^T."""
+    stats: Tensor
+    """``[batch * heads, tiles, 8]`` fp32: the scales of grad_rows, query_rows and columns, the
+    Cauchy-Schwarz masses of Q's and dO's column sums from the tile to the last, and the tile's
+    sums of grad_rows' columns 9-11 and 12-14 (unsplit)."""
+
+
+def backward(
+    o: Tensor, do: Tensor, q: Tensor, block: int, width: int, odo: bool, rows: bool,
+    queries: bool, columns: bool,
+) -> Backward:  # fmt: skip
+    """Delta, and the backward's checksum tiles of ``block`` queries (those asked for: ``rows``,
+    dO's; ``queries``, Q's; ``columns``, the suffix column sums): one launch over O, dO and Q,
+    and one more for the suffix sums."""
+    b, h, n, d = q.shape
+    tiles = triton.cdiv(n, block)
+    matrices = b * h
+    padded = triton.cdiv(n, ROWS) * ROWS
+
+    def empty(*shape, dtype=q.dtype, wanted=True):
+        return torch.empty(*shape if wanted else (0,), dtype=dtype, device=q.device)
+
+    delta = empty(matrices, padded, dtype=torch.float32)
+    made = Backward(
+        delta,
+        empty(matrices, padded, dtype=torch.float32) if odo else delta,
+        empty(matrices, tiles * block, WIDTH, wanted=rows),
+        empty(matrices, tiles * block, WIDTH, wanted=queries),
+        empty(matrices, tiles, width, WIDTH, wanted=columns),
+        empty(matrices, tiles, 8, dtype=torch.float32, wanted=rows or queries or columns),
+    )
+    sums = empty(matrices, tiles, 2, width, dtype=torch.float32, wanted=columns)
+    module = build.for_device(sys.modules[__name__], q.device)
+    headroom = HEADROOM.get(q.dtype, 0)
+    module._backward_kernel[(padded // block, matrices)](
+        o, do, q, made.delta, made.odo, made.grad_rows, made.query_rows, sums, made.stats,
+        *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles,
+        BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows, QUERIES=queries, COLUMNS=columns,
+        HEADROOM=headroom, num_warps=4, num_stages=1,
+    )  # fmt: skip
+    if columns:
+        module._running_kernel[(matrices,)](
+            sums, made.columns, made.stats, tiles, HEAD_DIM=width, VECTORS=2, STATS=8,
+            REVERSE=True, HEADROOM=headroom, num_warps=4, num_stages=1,
+        )  # fmt: skip
+    return made
+
+
+@triton.jit
+def _backward_kernel(
+    OUT, DO, Q, DELTA, ABS, GR, QR, CF, ST, sob, soh, som, sod, sdob, sdoh, sdom, sdod, sqb, sqh,
+    sqm, sqd, H, N, D, TILES, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ODO: tl.constexpr,
+    ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr, HEADROOM: tl.constexpr,
+):  # fmt: skip
+    """One query tile of one (batch, head): Delta (and with ODO its rounding, in ABS) for its
+    rows, those past N (up to the padded rows, as the LSE) zero; and for the first TILES tiles
+    the checksum tiles Backward describes (CF: the tile's column sums of Q and dO, fp32, for
+    _running_kernel)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    tiles = TILES
+    padded = tl.num_programs(0) * BLOCK
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = (rows < N)[:, None] & (dims < D)[None, :]
+    o = tl.load(OUT + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod, mask=mask,
+                other=0.0).to(tl.float32)  # fmt: skip
+    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
+                 mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+    at = bh.to(tl.int64) * padded + rows
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + at, delta)
+    if ODO:
+        tl.store(ABS + at, tl.sum(tl.abs(o) * tl.abs(do), 1))
+    if ROWS or QUERIES or COLUMNS:
+        if tile < TILES:
+            q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+                        mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+            base = (bh * tiles + tile).to(tl.int64)
+            column = tl.arange(0, 16)[None, :]
+            at_rows = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column
+            if ROWS:
+                qa = tl.sum(tl.abs(q), 1)
+                r = tl.sum(do, 1)
+                a = tl.sum(tl.abs(do), 1)
+                by_norm = tl.sqrt(tl.sum(do * do, 1)) * qa
+                by_delta = tl.abs(delta) * qa
+                peak = tl.maximum(tl.maximum(tl.max(a, 0), tl.max(by_norm, 0)), tl.max(by_delta, 0))
+                scale = _scale(peak, HEADROOM)
+                dtype = GR.dtype.element_ty
+                parts = _split(r / scale, 0, dtype) + _split(a / scale, 3, dtype)
+                parts += _split(by_norm / scale, 9, dtype) + _split(by_delta / scale, 12, dtype)
+                tl.store(GR + at_rows, parts.to(dtype))
+                tl.store(ST + base * 8, scale)
+                tl.store(ST + base * 8 + 5, tl.sum(by_norm, 0))  # for fp16's subnormal P~
+                tl.store(ST + base * 8 + 6, tl.sum(by_delta, 0))
+            if QUERIES:
+                r = tl.sum(q, 1)
+                scale = _scale(tl.max(tl.sum(tl.abs(q), 1), 0), HEADROOM)
+                dtype = QR.dtype.element_ty
+                tl.store(QR + at_rows, _split(r / scale, 6, dtype).to(dtype))
+                tl.store(ST + base * 8 + 1, scale)
+            if COLUMNS:
+                tl.store(CF + (base * 2) * HEAD_DIM + dims, tl.sum(q, 0))
+                tl.store(CF + (base * 2 + 1) * HEAD_DIM + dims, tl.sum(do, 0))
+                q_abs = tl.sum(tl.abs(q), 0)
+                do_abs = tl.sum(tl.abs(do), 0)
+                tl.store(ST + base * 8 + 3, tl.sqrt(tl.sum(q_abs * q_abs, 0)))
+                tl.store(ST + base * 8 + 4, tl.sqrt(tl.sum(do_abs * do_abs, 0)))
+
+
+@triton.jit
+def _running_kernel(
+    CF, CP, ST, TILES, HEAD_DIM: tl.constexpr, VECTORS: tl.constexpr, STATS: tl.constexpr,
+    REVERSE: tl.constexpr, HEADROOM: tl.constexpr,
+):  # fmt: skip
+    """One (batch, head): the tiles' column sums (CF, fp32, VECTORS of them a tile) and their
+    masses (ST, slots 1 and 2 of a tile's STATS) added up from the first tile to each (a
+    prefix; from the last with REVERSE: a suffix), split for the MMA into CP (vector v's parts
+    in columns 3v to 3v + 2) with their scale in ST slot 0 (VECTORS 1) or 2 (VECTORS 2)."""
+    bh = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    column = tl.arange(0, 16)[None, :]
+    first = tl.zeros([HEAD_DIM], tl.float32)
+    second = tl.zeros([HEAD_DIM], tl.float32)
+    mass_first = 0.0
+    mass_second = 0.0
+    slot: tl.constexpr = 0 if VECTORS == 1 else 2
+    mass: tl.constexpr = 1 if VECTORS == 1 else 3
+    for i in range(0, TILES):
+        tile = TILES - 1 - i if REVERSE else i
+        base = bh * TILES + tile
+        first += tl.load(CF + (base * VECTORS) * HEAD_DIM + dims)
+        mass_first += tl.load(ST + base * STATS + mass)
+        peak = tl.max(tl.abs(first), 0)
+        if VECTORS == 2:
+            second += tl.load(CF + (base * 2 + 1) * HEAD_DIM + dims)
+            mass_second += tl.load(ST + base * STATS + mass + 1)
+            peak = tl.maximum(peak, tl.max(tl.abs(second), 0))
+        scale = _scale(peak, HEADROOM)
+        dtype = CP.dtype.element_ty
+        parts = _split(first / scale, 0, dtype)
+        if VECTORS == 2:
+            parts += _split(second / scale, 3, dtype)
+            tl.store(ST + base * STATS + mass + 1, mass_second)
+        tl.store(CP + (base * HEAD_DIM + dims)[:, None] * 16 + column, parts.to(dtype))
+        tl.store(ST + base * STATS + slot, scale)
+        tl.store(ST + base * STATS + mass, mass_first)

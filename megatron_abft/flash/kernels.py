@@ -3,7 +3,7 @@
 
 Loops. Each program runs its interior tiles, where every key is visible and every row in range,
 without masks, and only the tiles on the causal diagonal or at a ragged end with them
-(``MASKED``); with ``EVEN`` (lengths and head dim multiples of the tiles) no load is masked.
+(``MASKED``); rows past the end and padded head dims read as zeros (``_tiles``).
 Tile pointers are a base that moves a tile a step and offsets made once.
 
 Checks (docs/abft.md, "The flash path"). For ``C = A B`` a check compares ``C e`` with
@@ -169,9 +169,16 @@ def _report(
 
 
 @triton.jit
+def _columns(x, first: tl.constexpr):
+    """Per row, the sum of ``x``'s columns ``first`` to ``first + 2`` (a split vector's parts)."""
+    column = tl.arange(0, W)[None, :]
+    return tl.sum(tl.where((column >= first) & (column < first + 3), x, 0.0), 1)
+
+
+@triton.jit
 def _column_ref(a, W_tile, ST_tile, SCALED: tl.constexpr):
-    """``A (B e)`` of a tile GEMM ``A B`` whose B is a tile of X transposed: ``a [R, HEAD_DIM]``
-    times the tile's column sums (checksums, ``W_tile [HEAD_DIM, 16]``)."""
+    """``A (B e)`` of a GEMM ``A B`` whose B is X transposed: ``a [R, HEAD_DIM]`` times X's
+    column sums (checksums, ``W_tile [HEAD_DIM, 16]``, their parts the only nonzero columns)."""
     ref = tl.sum(_mma(a, W_tile, None), 1)
     if SCALED:
         ref = ref * tl.load(ST_tile)
@@ -188,30 +195,43 @@ def _accumulate_ref(ref, a, W_tile, ST_tile, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _deferred_check(out, ref, mass, tiles, tol, ratio, CALIBRATE: tl.constexpr):
+def _deferred_check(
+    out, ref, first: tl.constexpr, mass, tiles, tol, ratio, CALIBRATE: tl.constexpr
+):
     """An accumulating GEMM's check after its loop: the row sums of ``out`` against the
-    reference in ``ref``'s columns 0 to 2, under the rows' summed ``mass`` (None: ``ref``'s
-    columns 3 to 5) grown by ``sqrt(tiles / 16)`` for the accumulation's own rounding. Returns
-    the rows' excess and ratio."""
-    column = tl.arange(0, W)[None, :]
-    want = tl.sum(tl.where(column < 3, ref, 0.0), 1)
+    reference in ``ref``'s columns ``first`` to ``first + 2``, under the rows' summed ``mass``
+    (None: ``ref``'s next three columns) grown by ``sqrt(tiles / 16)`` for the accumulation's
+    own rounding. Returns the rows' excess and ratio."""
+    want = _columns(ref, first)
     if mass is None:
-        mass = tl.sum(tl.where((column >= 3) & (column < 6), ref, 0.0), 1)
+        mass = _columns(ref, first + 3)
     growth = tl.maximum(1.0, tl.sqrt(tiles / 16.0))
     worst = tl.full(want.shape, -INF, tl.float32)
     return _fold(tl.sum(out, 1), want, mass * growth, tol, worst, ratio, CALIBRATE)
 
 
 @triton.jit
-def _stat_max(ST, first, count, which: tl.constexpr):
-    """The largest stat ``which`` (checksums.Sums.stats) of tiles ``[first, first + count)``,
-    read before a loop: a load in the loop would hold registers through its pipeline."""
+def _stat_max(ST, first, count, which: tl.constexpr, STRIDE: tl.constexpr = 3):
+    """The largest stat ``which`` (checksums' stats, STRIDE a tile) of tiles ``[first, first +
+    count)``, read outside a loop: a load in the loop would hold registers through its
+    pipeline."""
     best = 0.0
     for start in range(0, count, 64):
         at = start + tl.arange(0, 64)
-        stat = tl.load(ST + (first + at) * 3 + which, mask=at < count, other=0.0)
+        stat = tl.load(ST + (first + at) * STRIDE + which, mask=at < count, other=0.0)
         best = tl.maximum(best, tl.max(stat, 0))
     return best
+
+
+@triton.jit
+def _stat_sum(ST, first, count, which: tl.constexpr, STRIDE: tl.constexpr):
+    """The sum of stat ``which`` of tiles ``[first, first + count)``, as _stat_max reads."""
+    total = 0.0
+    for start in range(0, count, 64):
+        at = start + tl.arange(0, 64)
+        stat = tl.load(ST + (first + at) * STRIDE + which, mask=at < count, other=0.0)
+        total += tl.sum(stat, 0)
+    return total
 
 
 @triton.jit
@@ -219,44 +239,76 @@ def _norm(x, axis: tl.constexpr):
     return tl.sqrt(tl.sum(x * x, axis))
 
 
+@triton.jit
+def _tiles(X, rows, cols, stride, BLOCK: tl.constexpr, WIDTH: tl.constexpr, TMA: tl.constexpr):
+    """Where ``[BLOCK, WIDTH]`` tiles of the ``[rows, cols]`` matrix at X (rows ``stride`` apart,
+    columns contiguous) are read from: a TMA descriptor (Hopper: no address registers, and rows
+    and columns past the end read as zeros), or X itself."""
+    if TMA:
+        source = tl.make_tensor_descriptor(X, [rows, cols], [stride, 1], [BLOCK, WIDTH])
+    else:
+        source = X
+    return source
+
+
+@triton.jit
+def _read(
+    source, row, rows, cols, stride, BLOCK: tl.constexpr, WIDTH: tl.constexpr, TMA: tl.constexpr
+):
+    """The tile of ``source`` (``_tiles``) from row ``row``: rows past ``rows`` and columns past
+    ``cols`` read as zeros."""
+    if TMA:
+        tile = source.load([row, 0])
+    else:
+        r = tl.arange(0, BLOCK)
+        c = tl.arange(0, WIDTH)
+        mask = (row + r < rows)[:, None] & (c < cols)[None, :]
+        at = source + tl.cast(row, tl.int64) * stride + (r[:, None] * stride + c[None, :])
+        tile = tl.load(at, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def _write(
+    X, row, tile, rows, cols, stride, BLOCK: tl.constexpr, WIDTH: tl.constexpr,
+    TMA: tl.constexpr,
+):  # fmt: skip
+    """``tile`` into the ``[rows, cols]`` matrix at X from row ``row``, none past the end."""
+    if TMA:
+        _tiles(X, rows, cols, stride, BLOCK, WIDTH, TMA).store([row, 0], tile)
+    else:
+        r = tl.arange(0, BLOCK)
+        c = tl.arange(0, WIDTH)
+        mask = (row + r < rows)[:, None] & (c < cols)[None, :]
+        at = X + tl.cast(row, tl.int64) * stride + (r[:, None] * stride + c[None, :])
+        tl.store(at, tile, mask=mask)
+
+
 # --- forward ----------------------------------------------------------------------------------
 
 
 @triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, cref, worst_s, ratio_s, q, s_mass, offs_m, K, V, KC, KCS, VR, VRS, INJ, k_offs,
-    v_offs, wk_offs, wv_offs, d_ok, skn, svn, qk_scale, tol, bh, N_K, lo, hi, first_pass,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_C: tl.constexpr, SCALED: tl.constexpr,
-    INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
+    acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, VRS, INJ, qk_scale, bh, N_K, D,
+    skn, svn, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr, CHECK_C: tl.constexpr,
+    SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
 ):
-    """The query block's key tiles ``[lo, hi)``: the online softmax and P~V (FA2), S checked per
-    tile (``s_mass``: the rows' masses, for every tile), the context's reference accumulated
-    beside it."""
+    """The query block's key tiles ``[lo, hi)``: the online softmax and P~V (FA2), with S's row
+    sums and the context's reference accumulated beside them."""
     offs_n = tl.arange(0, BLOCK_N)
-    k_tile = K + tl.cast(lo, tl.int64) * skn
-    v_tile = V + tl.cast(lo, tl.int64) * svn
-    first = lo // BLOCK_N  # loads in the loop only through pointers that step a tile a time
-    kc_tile, kcs_tile = KC + first * (HEAD_DIM * W), KCS + first * 3
-    vr_tile, vrs_tile = VR + first * (BLOCK_N * W), VRS + first * 3
+    vrs_tile = VRS + (lo // BLOCK_N) * 3  # scalar loads in the loop only through stepped pointers
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if EVEN:
-            k = tl.load(k_tile + k_offs)
-            v = tl.load(v_tile + v_offs)
-        else:  # padded head dims read as zeros, and keys past the end
-            kv_mask = d_ok[None, :]
-            if MASKED:
-                kv_mask = kv_mask & (cols < N_K)[:, None]
-            k = tl.load(k_tile + k_offs, mask=kv_mask, other=0.0)
-            v = tl.load(v_tile + v_offs, mask=kv_mask, other=0.0)
+        # keys past the end and padded head dims read as zeros
+        k = _read(k_src, start_n, N_K, D, skn, BLOCK_N, HEAD_DIM, TMA)
+        v = _read(v_src, start_n, N_K, D, svn, BLOCK_N, HEAD_DIM, TMA)
         s = _mma(q, tl.trans(k), None)
         if INJECT:
             s = _corrupt(s, offs_m[:, None], cols[None, :], bh, SCORES, first_pass, INJ)
-        if CHECK_S:  # S e = Q (K_j^T e)
-            ref = _column_ref(q, tl.load(kc_tile + wk_offs), kcs_tile, SCALED)
-            worst_s, ratio_s = _fold(tl.sum(s, 1), ref, s_mass, tol, worst_s, ratio_s, CALIBRATE)
+        if CHECK_S:  # S e, against Q (K^T e) over the keys after the loop
+            srow += tl.sum(s, 1)
         if MASKED:
             visible = cols[None, :] < N_K
             if CAUSAL:
@@ -276,50 +328,53 @@ def _fwd_tiles(
             offs_d = tl.arange(0, HEAD_DIM)
             acc = _corrupt(acc, offs_m[:, None], offs_d[None, :], bh, CONTEXT, fresh, INJ)
         if CHECK_C:  # (P~ V) e = P~ (V e), and the mass P~ (|V| e)
-            w = tl.load(vr_tile + wv_offs)
+            w = _read(vr_src, start_n, N_K, W, W, BLOCK_N, W, TMA)
             cref = _accumulate_ref(cref * alpha[:, None], p_lo, w, vrs_tile, SCALED)
         m_i = m_new
-        k_tile += BLOCK_N * skn
-        v_tile += BLOCK_N * svn
-        kc_tile += HEAD_DIM * W
-        kcs_tile += 3
-        vr_tile += BLOCK_N * W
         vrs_tile += 3
-    return acc, m_i, l_i, cref, worst_s, ratio_s
+    return acc, m_i, l_i, cref, srow
 
 
 @triton.jit
 def _fwd_pass(
-    q, s_mass, offs_m, m_ok, K, V, KC, KCS, VR, VRS, INJ, k_offs, v_offs, wk_offs, wv_offs, d_ok,
-    skn, svn, qk_scale, tol, near_inf, bh, N_K, first_pass, interior, hi, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
-    CHECK_S: tl.constexpr, CHECK_C: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
-    CALIBRATE: tl.constexpr,
+    q, offs_m, m_ok, k_src, v_src, KC, KCS, vr_src, VRS, INJ, qk_scale, tol, near_inf, bh, N_K, D,
+    skn, svn, first_pass, interior, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr, CHECK_C: tl.constexpr,
+    SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr, TMA: tl.constexpr,
 ):
     """One pass of a query block over its keys: the interior tiles, then the masked ones; the
-    rows' fault kinds in S (tiles, and 1 <= l <= #keys) and in the context, and their ratios."""
+    rows' fault kinds in S (its row sums against one MMA with the prefix of K's column sums over
+    the block's keys, under the tiles' masses summed; and 1 <= l <= #keys) and in the context,
+    and their ratios."""
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     m_i = tl.full([BLOCK_M], -INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     cref = tl.zeros([BLOCK_M, W], tl.float32)
-    worst_s = tl.full([BLOCK_M], -INF, tl.float32)
-    ratio_s = tl.zeros([BLOCK_M], tl.float32)
-    acc, m_i, l_i, cref, worst_s, ratio_s = _fwd_tiles(
-        acc, m_i, l_i, cref, worst_s, ratio_s, q, s_mass, offs_m, K, V, KC, KCS, VR, VRS, INJ,
-        k_offs, v_offs, wk_offs, wv_offs, d_ok, skn, svn, qk_scale, tol, bh, N_K, 0, interior,
-        first_pass, BLOCK_N, HEAD_DIM, False, CAUSAL, EVEN, CHECK_S, CHECK_C, SCALED, INJECT,
-        CALIBRATE,
+    srow = tl.zeros([BLOCK_M], tl.float32)
+    acc, m_i, l_i, cref, srow = _fwd_tiles(
+        acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, VRS, INJ, qk_scale, bh, N_K, D,
+        skn, svn, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_C,
+        SCALED, INJECT, TMA,
     )
-    acc, m_i, l_i, cref, worst_s, ratio_s = _fwd_tiles(
-        acc, m_i, l_i, cref, worst_s, ratio_s, q, s_mass, offs_m, K, V, KC, KCS, VR, VRS, INJ,
-        k_offs, v_offs, wk_offs, wv_offs, d_ok, skn, svn, qk_scale, tol, bh, N_K, interior, hi,
-        first_pass, BLOCK_N, HEAD_DIM, True, CAUSAL, EVEN, CHECK_S, CHECK_C, SCALED, INJECT,
-        CALIBRATE,
+    acc, m_i, l_i, cref, srow = _fwd_tiles(
+        acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, VRS, INJ, qk_scale, bh, N_K, D,
+        skn, svn, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True, CAUSAL, CHECK_S, CHECK_C,
+        SCALED, INJECT, TMA,
     )
     state_s = tl.zeros([BLOCK_M], tl.int32)
     state_c = tl.zeros([BLOCK_M], tl.int32)
+    ratio_s = tl.zeros([BLOCK_M], tl.float32)
     ratio_c = tl.zeros([BLOCK_M], tl.float32)
-    if CHECK_S:  # 1 <= l <= #keys: the row's largest term is exp2(0) = 1
+    tiles = tl.cdiv(hi, BLOCK_N)
+    if CHECK_S:  # S e = Q (K^T e) over the keys [0, hi), Cauchy-Schwarz masses summed
+        last = tiles - 1
+        offs = tl.arange(0, HEAD_DIM)[:, None] * W + tl.arange(0, W)[None, :]
+        w = tl.load(KC + last.to(tl.int64) * (HEAD_DIM * W) + offs)
+        want = _column_ref(q, w, KCS + last * 3, SCALED)
+        mass = _norm(q.to(tl.float32), 1) * tl.load(KCS + last * 3 + 1)
+        none = tl.full([BLOCK_M], -INF, tl.float32)
+        worst_s, ratio_s = _fold(srow, want, mass, tol, none, ratio_s, CALIBRATE)
+        # 1 <= l <= #keys: the row's largest term is exp2(0) = 1
         keys = tl.full([BLOCK_M], N_K, tl.int32)
         if CAUSAL:
             keys = tl.minimum(keys, offs_m + 1)
@@ -327,8 +382,9 @@ def _fwd_pass(
         worst_s = tl.maximum(worst_s, excess, propagate_nan=tl.PropagateNan.ALL)
         state_s = tl.where(m_ok, _kinds(worst_s, near_inf), 0)
     if CHECK_C:  # every tile's P~V, the rescales and the sum, at once
-        tiles = tl.cdiv(hi, BLOCK_N).to(tl.float32)
-        worst_c, ratio_c = _deferred_check(acc, cref, None, tiles, tol, ratio_c, CALIBRATE)
+        worst_c, ratio_c = _deferred_check(
+            acc, cref, 0, None, tiles.to(tl.float32), tol, ratio_c, CALIBRATE
+        )
         # a row flagged in S fails downstream too: it counts once, in S
         state_c = tl.where(m_ok & (state_s == 0), _kinds(worst_c, near_inf), 0)
     return acc, m_i, l_i, state_s, state_c, ratio_s, ratio_c
@@ -337,37 +393,26 @@ def _fwd_pass(
 @triton.jit
 def _fwd_block(
     Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol, near_inf,
-    sqm, sqd, skn, skd, svn, svd, som, sod, bh, BH, N_Q, N_K, D, start, interior, hi,
-    outcome: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_C: tl.constexpr,
-    SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
+    sqm, skn, svn, som, bh, BH, N_Q, N_K, D, ROWS_Q, start, interior, hi, outcome: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    CHECK_S: tl.constexpr, CHECK_C: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
+    CALIBRATE: tl.constexpr, TMA: tl.constexpr,
 ):
     """One pass of the query block from row ``start``: Q read, its keys, the checks' outcomes
     reported as ``outcome`` (1: the first pass's, 2: the second's), O and LSE written. Returns
-    whether a check flagged."""
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = start + rows
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    whether a check flagged. Rows past the end and padded head dims read as zeros and are not
+    written (``_tiles``)."""
+    k_src = _tiles(K, N_K, D, skn, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tiles(V, N_K, D, svn, BLOCK_N, HEAD_DIM, TMA)
+    vr_src = _tiles(VR, N_K, W, W, BLOCK_N, W, TMA)  # V's row-sum tiles, as V's
+    offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < N_Q
-    d_ok = offs_d < D
-    q_ptrs = Q + tl.cast(start, tl.int64) * sqm + (rows[:, None] * sqm + offs_d[None, :] * sqd)
-    if EVEN:
-        q = tl.load(q_ptrs)
-    else:
-        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    k_offs = offs_n[:, None] * skn + offs_d[None, :] * skd
-    v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
-    columns = tl.arange(0, W)[None, :]
-    wk_offs = offs_d[:, None] * W + columns
-    wv_offs = offs_n[:, None] * W + columns
-    s_mass = tl.zeros([BLOCK_M], tl.float32)
-    if CHECK_S:  # Cauchy-Schwarz: ||q_m|| times the largest ||sum_n |k_n| || of a tile
-        s_mass = _norm(q.to(tl.float32), 1) * _stat_max(KCS, 0, tl.cdiv(hi, BLOCK_N), 1)
+    q = _read(_tiles(Q, N_Q, D, sqm, BLOCK_M, HEAD_DIM, TMA), start, N_Q, D, sqm, BLOCK_M,
+              HEAD_DIM, TMA)  # fmt: skip
     acc, m_i, l_i, state_s, state_c, ratio_s, ratio_c = _fwd_pass(
-        q, s_mass, offs_m, m_ok, K, V, KC, KCS, VR, VRS, INJ, k_offs, v_offs, wk_offs, wv_offs,
-        d_ok, skn, svn, qk_scale, tol, near_inf, bh, N_K, outcome == 1, interior, hi, BLOCK_M,
-        BLOCK_N, HEAD_DIM, CAUSAL, EVEN, CHECK_S, CHECK_C, SCALED, INJECT, CALIBRATE,
+        q, offs_m, m_ok, k_src, v_src, KC, KCS, vr_src, VRS, INJ, qk_scale, tol, near_inf, bh, N_K,
+        D, skn, svn, outcome == 1, interior, hi, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, CHECK_S,
+        CHECK_C, SCALED, INJECT, CALIBRATE, TMA,
     )
     flagged = N_Q < 0  # False, as a scalar
     if CHECK_S:
@@ -381,14 +426,8 @@ def _fwd_block(
             False, CALIBRATE,
         )
     o = _lo(acc / l_i[:, None], OUT.dtype.element_ty).to(OUT.dtype.element_ty)
-    o_ptrs = OUT + tl.cast(start, tl.int64) * som + (rows[:, None] * som + offs_d[None, :] * sod)
-    lse_ptrs = LSE + bh.to(tl.int64) * N_Q + offs_m
-    if EVEN:
-        tl.store(o_ptrs, o)
-        tl.store(lse_ptrs, m_i + tl.log2(l_i))
-    else:
-        tl.store(o_ptrs, o, mask=m_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=m_ok)
+    _write(OUT, start, o, N_Q, D, som, BLOCK_M, HEAD_DIM, TMA)
+    tl.store(LSE + bh.to(tl.int64) * ROWS_Q + offs_m, m_i + tl.log2(l_i))  # rows past the end too
     return flagged
 
 
@@ -396,11 +435,12 @@ def _fwd_block(
 def _fwd_kernel(
     Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN, qk_scale, tol,
     near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, H,
-    GROUP, N_Q, N_K, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
-    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
+    GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
+    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr, TMA: tl.constexpr,
 ):
-    """O = softmax(scale Q K^T) V for one query block of one (batch, head); LSE in log2 units.
+    """O = softmax(scale Q K^T) V for one query block of one (batch, head); LSE in log2 units,
+    ROWS_Q (>= N_Q) a head, those past the end finite.
     KC/KCS: K's column sums, VR/VRS: V's row sums, tiled by BLOCK_N (checksums.py). A checked
     launch sets ``AGAIN[program]`` where a check flagged; the RETRY launch computes those
     blocks again, whole, and reports what they flag as uncorrectable."""
@@ -433,9 +473,9 @@ def _fwd_kernel(
         interior = tl.minimum(interior, pid_m * BLOCK_M)
     again = _fwd_block(
         Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol,
-        near_inf, sqm, sqd, skn, skd, svn, svd, som, sod, bh, BH, N_Q, N_K, D, pid_m * BLOCK_M,
-        interior, hi, 1 + RETRY, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, EVEN, CHECK_S, CHECK_C,
-        SCALED, INJECT, CALIBRATE,
+        near_inf, sqm, skn, svn, som, bh, BH, N_Q, N_K, D, ROWS_Q, pid_m * BLOCK_M, interior, hi,
+        1 + RETRY, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, CHECK_S, CHECK_C, SCALED, INJECT,
+        CALIBRATE, TMA,
     )
     if (CHECK_S or CHECK_C) and not RETRY:
         tl.store(AGAIN + program, again.to(tl.int32))
@@ -446,287 +486,222 @@ def _fwd_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p, k, v, s_mass, p_mass, offs_n, Q,
-    DO, LSE, DELTA, QC, QCS, QR, QRS, DOC, DOCS, DOR, DORS, INJ, q_offs, do_offs, wc_offs, wr_offs,
-    d_ok, sqm, sdom, qk_scale, tol, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_V: tl.constexpr,
-    CHECK_K: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
+    dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, gr_src, qr_src, LSE, DELTA,
+    ST, INJ, D, sqm, sdom,
+    qk_scale, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_V: tl.constexpr, CHECK_K: tl.constexpr,
+    SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
 ):
-    """The key block's query tiles ``[lo, hi)`` of one head: S^T = K Q^T and dP^T = V dO^T
-    checked per tile (``s_mass``, ``p_mass``: the rows' masses, for every tile), dV += P^T dO
-    and dK += dS^T Q with their references accumulated beside them, and ``sum |dS^T|`` a row
-    for dK's mass. ``first``: the head's first query tile, whose products a transient fault in
-    dV or dK hits."""
+    """The key block's query tiles ``[lo, hi)`` of its head: S^T = K Q^T and dP^T = V dO^T
+    with their row sums accumulated (checked per head), dV += P^T dO and dK += dS^T Q with their
+    references and masses accumulated beside them, ``vref`` from P^T and ``kref`` from dS^T
+    (checksums.Backward's columns; two accumulators, so that neither MMA waits for the other).
+    ``first``: the head's first query tile, whose products a transient fault in dV or dK
+    hits."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_tile = Q + tl.cast(lo, tl.int64) * sqm
-    do_tile = DO + tl.cast(lo, tl.int64) * sdom
-    i = lo // BLOCK_M  # loads in the loop only through pointers that step a tile a time
-    qc_tile, qcs_tile = QC + i * (HEAD_DIM * W), QCS + i * 3
-    qr_tile, qrs_tile = QR + i * (BLOCK_M * W), QRS + i * 3
-    doc_tile, docs_tile = DOC + i * (HEAD_DIM * W), DOCS + i * 3
-    dor_tile, dors_tile = DOR + i * (BLOCK_M * W), DORS + i * 3
+    st_tile = ST + (lo // BLOCK_M) * 8  # scalar loads in the loop only through stepped pointers
     lse_tile = LSE + lo
     delta_tile = DELTA + lo
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_mb
-        if EVEN:
-            q = tl.load(q_tile + q_offs)
-            do = tl.load(do_tile + do_offs)
-            lse = tl.load(lse_tile + offs_mb)
-            delta = tl.load(delta_tile + offs_mb)
-        else:  # padded head dims read as zeros, and queries past the end
-            m_ok = offs_m < N_Q
-            q_mask = d_ok[None, :] & m_ok[:, None]
-            q = tl.load(q_tile + q_offs, mask=q_mask, other=0.0)
-            do = tl.load(do_tile + do_offs, mask=q_mask, other=0.0)
-            lse = tl.load(LSE + offs_m, mask=m_ok, other=0.0)
-            delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+        # queries past the end and padded head dims read as zeros
+        q = _read(q_src, start_m, N_Q, D, sqm, BLOCK_M, HEAD_DIM, TMA)
+        do = _read(do_src, start_m, N_Q, D, sdom, BLOCK_M, HEAD_DIM, TMA)
+        lse = tl.load(lse_tile + offs_mb)  # padded: finite past the end
+        delta = tl.load(delta_tile + offs_mb)
         st = _mma(k, tl.trans(q), None)
         if INJECT:
             st = _corrupt(st, offs_m[None, :], offs_n[:, None], bh, BWD_SCORES, first_pass, INJ)
-        if CHECK_S:  # S^T e = K (Q_i^T e)
-            ref = _column_ref(k, tl.load(qc_tile + wc_offs), qcs_tile, SCALED)
-            worst_s, ratio_s = _fold(tl.sum(st, 1), ref, s_mass, tol, worst_s, ratio_s, CALIBRATE)
+        if CHECK_S:  # S^T e, against K (Q^T e) after the head's tiles
+            srow += tl.sum(st, 1)
         pt = tl.exp2(st * qk_scale - lse[None, :])
-        if MASKED:
-            visible = offs_m[None, :] < N_Q
-            if CAUSAL:
-                visible = visible & (offs_m[None, :] >= offs_n[:, None])
-            pt = tl.where(visible, pt, 0.0)
+        if MASKED and CAUSAL:
+            pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
         pt_lo = _lo(pt, q.dtype)
         dv = _mma(pt_lo, do, dv)
         fresh = first_pass & (start_m == first)
         if INJECT:
             dv = _corrupt(dv, offs_n[:, None], offs_d[None, :], bh, GRAD_V, fresh, INJ)
-        if CHECK_V:  # (P^T dO) e = P^T (dO e), and the mass P^T (|dO| e)
-            w = tl.load(dor_tile + wr_offs)
-            vref = _accumulate_ref(vref, pt_lo, w, dors_tile, SCALED)
+        if CHECK_V or CHECK_K:  # P^T (dO e), P^T (|dO| e), and dK's masses
+            w = _read(gr_src, start_m, N_Q, W, W, BLOCK_M, W, TMA)
+            vref = _accumulate_ref(vref, pt_lo, w, st_tile, SCALED)
         dpt = _mma(v, tl.trans(do), None)
         if INJECT:
             dpt = _corrupt(dpt, offs_m[None, :], offs_n[:, None], bh, GRAD_PROBS, first_pass, INJ)
-        if CHECK_P:  # dP^T e = V (dO_i^T e)
-            ref = _column_ref(v, tl.load(doc_tile + wc_offs), docs_tile, SCALED)
-            worst_p, ratio_p = _fold(tl.sum(dpt, 1), ref, p_mass, tol, worst_p, ratio_p, CALIBRATE)
+        if CHECK_P:  # dP^T e, against V (dO^T e) after the head's tiles
+            prow += tl.sum(dpt, 1)
         dst = pt * (dpt - delta[None, :])
         dst_lo = _lo(dst, q.dtype)
         dk = _mma(dst_lo, q, dk)
         if INJECT:
             dk = _corrupt(dk, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
-        if CHECK_K:  # (dS^T Q) e = dS^T (Q e)
-            w = tl.load(qr_tile + wr_offs)
-            kref = _accumulate_ref(kref, dst_lo, w, qrs_tile, SCALED)
-            kabs += tl.sum(tl.abs(dst), 1)
-        q_tile += BLOCK_M * sqm
-        do_tile += BLOCK_M * sdom
+        if CHECK_K:  # dS^T (Q e)
+            w = _read(qr_src, start_m, N_Q, W, W, BLOCK_M, W, TMA)
+            kref = _accumulate_ref(kref, dst_lo, w, st_tile + 1, SCALED)
+        st_tile += 8
         lse_tile += BLOCK_M
         delta_tile += BLOCK_M
-        qc_tile += HEAD_DIM * W
-        qcs_tile += 3
-        qr_tile += BLOCK_M * W
-        qrs_tile += 3
-        doc_tile += HEAD_DIM * W
-        docs_tile += 3
-        dor_tile += BLOCK_M * W
-        dors_tile += 3
-    return dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p
-
-
-@triton.jit
-def _dkdv_pass(
-    k, v, kn, vn, offs_n, n_ok, b, hk, Q, DO, LSE, DELTA, QC, QCS, QR, QRS, DOC, DOCS, DOR, DORS,
-    CODES, ROWS, COLS, RATIO, INJ, q_offs, do_offs, wc_offs, wr_offs, d_ok, qk_scale, tol, near_inf,
-    first_pass, outcome, BH, sqb, sqh, sqm, sdob, sdoh, sdom, H, GROUP, N_Q, TILES_Q, lo, diagonal,
-    interior, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr,
-    CHECK_V: tl.constexpr, CHECK_K: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
-    CALIBRATE: tl.constexpr,
-):
-    """One pass of a key block over the queries of every head of its group: the causal
-    diagonal's tiles ``[lo, diagonal)``, the interior ``[diagonal, interior)``, a ragged end
-    ``[interior, N_Q)``. Each head's S^T and dP^T are reported after its tiles, and dV and dK so
-    far (their references run over the heads) where an earlier head did not flag them, as
-    ``outcome``. Returns dK (unscaled), dV and whether anything was flagged."""
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    vref = tl.zeros([BLOCK_N, W], tl.float32)
-    kref = tl.zeros([BLOCK_N, W], tl.float32)
-    kmass = tl.zeros([BLOCK_N], tl.float32)
-    seen_v = offs_n < 0
-    seen_k = offs_n < 0
-    flagged = N_Q < 0  # False, as a scalar the loop can carry
-    per_head = tl.cdiv(N_Q - lo, BLOCK_M)
-    for g in range(0, GROUP):
-        h = hk * GROUP + g
-        bh = b * H + h
-        Qh = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-        DOh = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
-        LSEh = LSE + bh.to(tl.int64) * N_Q
-        DELTAh = DELTA + bh.to(tl.int64) * N_Q
-        sums = bh.to(tl.int64) * TILES_Q
-        QCh, QCSh, QRh, QRSh = QC + sums * (HEAD_DIM * W), QCS + sums * 3, QR, QRS + sums * 3
-        QRh += sums * (BLOCK_M * W)
-        DOCh, DOCSh = DOC + sums * (HEAD_DIM * W), DOCS + sums * 3
-        DORh, DORSh = DOR + sums * (BLOCK_M * W), DORS + sums * 3
-        worst_s = tl.full([BLOCK_N], -INF, tl.float32)
-        worst_p = tl.full([BLOCK_N], -INF, tl.float32)
-        ratio_s = tl.zeros([BLOCK_N], tl.float32)
-        ratio_p = tl.zeros([BLOCK_N], tl.float32)
-        kabs = tl.zeros([BLOCK_N], tl.float32)
-        # the masses, Cauchy-Schwarz for S^T and dP^T, each with its tiles' largest stat
-        s_mass = tl.zeros([BLOCK_N], tl.float32)
-        p_mass = tl.zeros([BLOCK_N], tl.float32)
-        if CHECK_S:
-            s_mass = kn * _stat_max(QCSh, lo // BLOCK_M, per_head, 1)
-        if CHECK_P:
-            p_mass = vn * _stat_max(DOCSh, lo // BLOCK_M, per_head, 1)
-        dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p = _dkdv_tiles(
-            dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p, k, v, s_mass, p_mass,
-            offs_n, Qh, DOh, LSEh, DELTAh, QCh, QCSh, QRh, QRSh, DOCh, DOCSh, DORh, DORSh, INJ,
-            q_offs, do_offs, wc_offs, wr_offs, d_ok, sqm, sdom, qk_scale, tol, bh, N_Q, lo,
-            diagonal, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, EVEN, CHECK_S,
-            CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, CALIBRATE,
-        )
-        dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p = _dkdv_tiles(
-            dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p, k, v, s_mass, p_mass,
-            offs_n, Qh, DOh, LSEh, DELTAh, QCh, QCSh, QRh, QRSh, DOCh, DOCSh, DORh, DORSh, INJ,
-            q_offs, do_offs, wc_offs, wr_offs, d_ok, sqm, sdom, qk_scale, tol, bh, N_Q, diagonal,
-            interior, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, EVEN, CHECK_S,
-            CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, CALIBRATE,
-        )
-        if not EVEN:
-            dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p = _dkdv_tiles(
-                dk, dv, vref, kref, kabs, worst_s, worst_p, ratio_s, ratio_p, k, v, s_mass, p_mass,
-                offs_n, Qh, DOh, LSEh, DELTAh, QCh, QCSh, QRh, QRSh, DOCh, DOCSh, DORh, DORSh, INJ,
-                q_offs, do_offs, wc_offs, wr_offs, d_ok, sqm, sdom, qk_scale, tol, bh, N_Q,
-                interior, N_Q, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, EVEN,
-                CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, CALIBRATE,
-            )
-        tiles = ((g + 1) * per_head).to(tl.float32)
-        state_s = tl.zeros([BLOCK_N], tl.int32)
-        state_p = tl.zeros([BLOCK_N], tl.int32)
-        if CHECK_S:
-            state_s = tl.where(n_ok, _kinds(worst_s, near_inf), 0)
-            flagged |= _report(
-                CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_n, ratio_s, n_ok,
-                outcome, True, CALIBRATE,
-            )
-        if CHECK_P:
-            state_p = tl.where(n_ok, _kinds(worst_p, near_inf), 0)
-            flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_n, ratio_p, n_ok,
-                outcome, True, CALIBRATE,
-            )
-        # a key row flagged upstream fails downstream too: it counts once, where it began
-        if CHECK_V:
-            ratio_v = tl.zeros([BLOCK_N], tl.float32)
-            worst_v, ratio_v = _deferred_check(dv, vref, None, tiles, tol, ratio_v, CALIBRATE)
-            kind_v = tl.where(n_ok, _kinds(worst_v, near_inf), 0)
-            state_v = tl.where(seen_v | (state_s > 0), 0, kind_v)
-            seen_v |= kind_v > 0
-            flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_V, bh, BH, state_v, offs_n, ratio_v, n_ok, outcome,
-                False, CALIBRATE,
-            )
-        if CHECK_K:  # the mass sum |dS^T| max |Q| e, 1% for dS^T's rounding
-            kmass += 1.01 * kabs * _stat_max(QRSh, lo // BLOCK_M, per_head, 1)
-            ratio_k = tl.zeros([BLOCK_N], tl.float32)
-            worst_k, ratio_k = _deferred_check(dk, kref, kmass, tiles, tol, ratio_k, CALIBRATE)
-            kind_k = tl.where(n_ok, _kinds(worst_k, near_inf), 0)
-            state_k = tl.where(seen_k | (state_s > 0) | (state_p > 0), 0, kind_k)
-            seen_k |= kind_k > 0
-            flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_K, bh, BH, state_k, offs_n, ratio_k, n_ok, outcome,
-                False, CALIBRATE,
-            )
-    return dk, dv, flagged
+    return dk, dv, vref, kref, srow, prow
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QC, QCS, QR, QRS, DOC, DOCS, DOR, DORS, CODES, ROWS, COLS,
-    RATIO, INJ, AGAIN, qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-    svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, H,
-    GROUP, N_Q, N_K, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
-    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, GR, QR, CP, ST, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
+    qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, H, GROUP, N_Q, N_K, D,
+    ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
+    CALIBRATE: tl.constexpr, RETRY: tl.constexpr, TMA: tl.constexpr,
 ):
-    """dK and dV of one key block of one (batch, KV head), over the query heads of its group.
-    QC/QR and DOC/DOR: the column and row sums of Q and dO, tiled by BLOCK_M (checksums.py).
-    AGAIN and RETRY as in _fwd_kernel: the second launch computes a flagged key block again over
-    every head of its group."""
+    """dK and dV of one key block of one (batch, query head): with grouped-query attention
+    each query head's share, into DK and DV of that head (the launch sums a group's). LSE and
+    DELTA hold ROWS_Q (>= N_Q) values a head, so that queries past the end read finite values:
+    their Q and dO read as zeros and they add nothing, with no mask. GR, QR, CP, ST: the
+    checksum tiles of dO and Q of BLOCK_M queries (checksums.Backward).
+
+    The query tiles run in two loops: the causal diagonal's (masked), then the interior's (and
+    without a causal mask the first tile in the masked loop: with the interior loop first,
+    ptxas serialised its wgmma, C7515). After them, S^T and dP^T: each row's sum against one MMA
+    with the column sums of Q and dO over those tiles, under the tiles' masses summed; dV and dK
+    against their references. AGAIN and RETRY as in _fwd_kernel."""
     CHECK_S: tl.constexpr = (tl.constexpr(DUE) >> BWD_SCORES) & 1 != 0
     CHECK_P: tl.constexpr = (tl.constexpr(DUE) >> GRAD_PROBS) & 1 != 0
     CHECK_V: tl.constexpr = (tl.constexpr(DUE) >> GRAD_V) & 1 != 0
     CHECK_K: tl.constexpr = (tl.constexpr(DUE) >> GRAD_K) & 1 != 0
     pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
-    program = bhk * tl.num_programs(0) + pid_n
+    bh = tl.program_id(1)
+    BH = tl.num_programs(1)
+    program = bh * tl.num_programs(0) + pid_n
     if RETRY:
         if tl.load(AGAIN + program) == 0:
             return
-    HKV = H // GROUP
-    BH = tl.num_programs(1) * GROUP
-    b = bhk // HKV
-    hk = bhk % HKV
-    keys = tl.arange(0, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + keys
-    offs_d = tl.arange(0, HEAD_DIM)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    start = pid_n * BLOCK_N
+    offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N_K
-    d_ok = offs_d < D
-    start = (pid_n * BLOCK_N).to(tl.int64)
-    k_ptrs = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + start * skn
-    k_ptrs += keys[:, None] * skn + offs_d[None, :] * skd
-    v_ptrs = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + start * svn
-    v_ptrs += keys[:, None] * svn + offs_d[None, :] * svd
-    if EVEN:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    kn = tl.zeros([BLOCK_N], tl.float32)
+    K += b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    V += b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    k = _read(_tiles(K, N_K, D, skn, BLOCK_N, HEAD_DIM, TMA), start, N_K, D, skn, BLOCK_N,
+              HEAD_DIM, TMA)  # fmt: skip
+    v = _read(_tiles(V, N_K, D, svn, BLOCK_N, HEAD_DIM, TMA), start, N_K, D, svn, BLOCK_N,
+              HEAD_DIM, TMA)  # fmt: skip
+    Q += b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    DO += b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+    q_src = _tiles(Q, N_Q, D, sqm, BLOCK_M, HEAD_DIM, TMA)
+    do_src = _tiles(DO, N_Q, D, sdom, BLOCK_M, HEAD_DIM, TMA)
+    TILES_Q = tl.cdiv(N_Q, BLOCK_M)
+    at = bh.to(tl.int64) * TILES_Q * BLOCK_M * W  # dO's and Q's checksum tiles, as Q's
+    gr_src = _tiles(GR + at, N_Q, W, W, BLOCK_M, W, TMA)
+    qr_src = _tiles(QR + at, N_Q, W, W, BLOCK_M, W, TMA)
+    ST += bh.to(tl.int64) * TILES_Q * 8
+    LSE += bh.to(tl.int64) * ROWS_Q
+    DELTA += bh.to(tl.int64) * ROWS_Q
+    interior = TILES_Q * BLOCK_M
+    lo = 0
+    diagonal = tl.minimum(BLOCK_M, interior)
+    if CAUSAL:  # queries before the block see none of it; the block's own rows, some
+        lo = tl.minimum(start, interior)
+        diagonal = tl.minimum(start + BLOCK_N, interior)
+    first_pass: tl.constexpr = not RETRY
+    outcome: tl.constexpr = 1 + RETRY
+    kn = tl.zeros([BLOCK_N], tl.float32)  # the rows' norms for the masses, taken before the loop
     vn = tl.zeros([BLOCK_N], tl.float32)
     if CHECK_S:
         kn = _norm(k.to(tl.float32), 1)
-    if CHECK_P:
+    if CHECK_P or CHECK_K:
         vn = _norm(v.to(tl.float32), 1)
-    offs_mb = tl.arange(0, BLOCK_M)
-    q_offs = offs_mb[:, None] * sqm + offs_d[None, :] * sqd
-    do_offs = offs_mb[:, None] * sdom + offs_d[None, :] * sdod
-    columns = tl.arange(0, W)[None, :]
-    wc_offs = offs_d[:, None] * W + columns
-    wr_offs = offs_mb[:, None] * W + columns
-    TILES_Q = tl.cdiv(N_Q, BLOCK_M)
-    lo = 0
-    diagonal = 0
-    interior = (N_Q // BLOCK_M) * BLOCK_M
-    if CAUSAL:  # queries before the block see none of it; the block's own rows, some
-        lo = tl.minimum(pid_n * BLOCK_N, interior)
-        diagonal = tl.minimum((pid_n + 1) * BLOCK_N, interior)
-    dk, dv, again = _dkdv_pass(
-        k, v, kn, vn, offs_n, n_ok, b, hk, Q, DO, LSE, DELTA, QC, QCS, QR, QRS, DOC, DOCS, DOR,
-        DORS, CODES, ROWS, COLS, RATIO, INJ, q_offs, do_offs, wc_offs, wr_offs, d_ok, qk_scale, tol,
-        near_inf, not RETRY, 1 + RETRY, BH, sqb, sqh, sqm, sdob, sdoh, sdom, H, GROUP, N_Q, TILES_Q,
-        lo, diagonal, interior, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, EVEN, CHECK_S, CHECK_P,
-        CHECK_V, CHECK_K, SCALED, INJECT, CALIBRATE,
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    vref = tl.zeros([BLOCK_N, W], tl.float32)
+    kref = tl.zeros([BLOCK_N, W], tl.float32)
+    srow = tl.zeros([BLOCK_N], tl.float32)
+    prow = tl.zeros([BLOCK_N], tl.float32)
+    dk, dv, vref, kref, srow, prow = _dkdv_tiles(
+        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, gr_src, qr_src, LSE, DELTA,
+        ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, lo, diagonal, lo, first_pass, BLOCK_M, BLOCK_N,
+        HEAD_DIM, True, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, TMA,
     )
-    if (CHECK_S or CHECK_P or CHECK_V or CHECK_K) and not RETRY:
-        tl.store(AGAIN + program, again.to(tl.int32))
+    dk, dv, vref, kref, srow, prow = _dkdv_tiles(
+        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, gr_src, qr_src, LSE, DELTA,
+        ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, diagonal, interior, lo, first_pass, BLOCK_M,
+        BLOCK_N, HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, TMA,
+    )
+    if CHECK_S or CHECK_P or CHECK_V or CHECK_K:
+        tiles = tl.cdiv(N_Q - lo, BLOCK_M)
+        state_s = tl.zeros([BLOCK_N], tl.int32)
+        state_p = tl.zeros([BLOCK_N], tl.int32)
+        none = tl.full([BLOCK_N], -INF, tl.float32)
+        flagged = N_Q < 0  # False, as a scalar
+        if CHECK_S or CHECK_P:  # the head's column sums of Q and dO from its first tile on
+            first_tile = lo // BLOCK_M
+            some = first_tile < TILES_Q  # (a key block that no query sees: none, zeros)
+            offs = tl.arange(0, HEAD_DIM)[:, None] * W + tl.arange(0, W)[None, :]
+            at = (bh.to(tl.int64) * TILES_Q + first_tile) * (HEAD_DIM * W)
+            w = tl.load(CP + at + offs, mask=some, other=0.0)
+            stats = ST + first_tile * 8
+            scale = tl.load(stats + 2, mask=some, other=1.0)
+        if CHECK_S:  # S^T e = K (Q^T e), Cauchy-Schwarz masses summed over the tiles
+            want = _columns(_mma(k, w, None), 0)
+            if SCALED:
+                want = want * scale
+            mass = kn * tl.load(stats + 3, mask=some, other=0.0)
+            ratio_s = tl.zeros([BLOCK_N], tl.float32)
+            worst, ratio_s = _fold(srow, want, mass, tol, none, ratio_s, CALIBRATE)
+            state_s = tl.where(n_ok, _kinds(worst, near_inf), 0)
+            flagged |= _report(
+                CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_n, ratio_s, n_ok,
+                outcome, True, CALIBRATE,
+            )
+        if CHECK_P:  # dP^T e = V (dO^T e)
+            want = _columns(_mma(v, w, None), 3)
+            if SCALED:
+                want = want * scale
+            ratio_p = tl.zeros([BLOCK_N], tl.float32)
+            mass = vn * tl.load(stats + 4, mask=some, other=0.0)
+            worst, ratio_p = _fold(prow, want, mass, tol, none, ratio_p, CALIBRATE)
+            state_p = tl.where(n_ok & (state_s == 0), _kinds(worst, near_inf), 0)
+            flagged |= _report(
+                CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_n, ratio_p, n_ok,
+                outcome, True, CALIBRATE,
+            )
+        # a key row flagged upstream fails downstream too: it counts once, where it began
+        if CHECK_V:  # (P^T dO) e = P^T (dO e), the mass P^T (|dO| e)
+            ratio_v = tl.zeros([BLOCK_N], tl.float32)
+            worst_v, ratio_v = _deferred_check(dv, vref, 0, None, tiles, tol, ratio_v, CALIBRATE)
+            state_v = tl.where(n_ok & (state_s == 0), _kinds(worst_v, near_inf), 0)
+            flagged |= _report(
+                CODES, ROWS, COLS, RATIO, GRAD_V, bh, BH, state_v, offs_n, ratio_v, n_ok, outcome,
+                False, CALIBRATE,
+            )
+        if CHECK_K:  # (dS^T Q) e = dS^T (Q e), the mass of |dS^T| <= P^T (|dP^T| + |Delta|)
+            # with |dP_nm| <= ||v_n|| ||dO_m||, 1% for dS^T's and P^T's rounding
+            mass = 1.01 * (vn * _columns(vref, 9) + _columns(vref, 12))
+            if SCALED:  # fp16: P~ as the MMA takes it may be a subnormal flushed (2**-25 off)
+                first_tile = lo // BLOCK_M
+                by_norm = _stat_sum(ST, first_tile, tiles, 5, 8)
+                by_delta = _stat_sum(ST, first_tile, tiles, 6, 8)
+                mass += 2.0**-25 * (vn * by_norm + by_delta)
+            ratio_k = tl.zeros([BLOCK_N], tl.float32)
+            worst_k, ratio_k = _deferred_check(dk, kref, 6, mass, tiles, tol, ratio_k, CALIBRATE)
+            upstream = (state_s > 0) | (state_p > 0)
+            state_k = tl.where(n_ok & ~upstream, _kinds(worst_k, near_inf), 0)
+            flagged |= _report(
+                CODES, ROWS, COLS, RATIO, GRAD_K, bh, BH, state_k, offs_n, ratio_k, n_ok, outcome,
+                False, CALIBRATE,
+            )
+        if not RETRY:
+            tl.store(AGAIN + program, flagged.to(tl.int32))
     dk = _lo(dk * sm_scale, DK.dtype.element_ty).to(DK.dtype.element_ty)
     dv = _lo(dv, DV.dtype.element_ty).to(DV.dtype.element_ty)
-    dk_ptrs = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + start * sdkn
-    dk_ptrs += keys[:, None] * sdkn + offs_d[None, :] * sdkd
-    dv_ptrs = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + start * sdvn
-    dv_ptrs += keys[:, None] * sdvn + offs_d[None, :] * sdvd
-    if EVEN:
-        tl.store(dk_ptrs, dk)
-        tl.store(dv_ptrs, dv)
-    else:
-        tl.store(dk_ptrs, dk, mask=n_ok[:, None] & d_ok[None, :])
-        tl.store(dv_ptrs, dv, mask=n_ok[:, None] & d_ok[None, :])
+    DK += b.to(tl.int64) * sdkb + h.to(tl.int64) * sdkh
+    DV += b.to(tl.int64) * sdvb + h.to(tl.int64) * sdvh
+    _write(DK, start, dk, N_K, D, sdkn, BLOCK_N, HEAD_DIM, TMA)
+    _write(DV, start, dv, N_K, D, sdvn, BLOCK_N, HEAD_DIM, TMA)
 
 
 # --- backward: dQ -------------------------------------------------------------------------------
@@ -734,33 +709,24 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(
-    dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, K, V, KR, KRS, INJ, k_offs, v_offs,
-    wr_offs, d_ok, skn, svn, qk_scale, bh, N_K, lo, hi, first_pass, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
-    CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_Q: tl.constexpr, SCALED: tl.constexpr,
-    INJECT: tl.constexpr,
+    dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, KR, KRS, INJ, wr_offs, D,
+    skn, svn, qk_scale, bh, N_K, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr,
+    CHECK_Q: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
 ):
     """The query block's key tiles ``[lo, hi)``: S = Q K^T, dP = dO V^T, dQ += dS K, with
     dQ's reference accumulated beside it, ``sum |dS|`` a row for its mass, and the sums of the
     row identities."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_tile = K + tl.cast(lo, tl.int64) * skn
-    v_tile = V + tl.cast(lo, tl.int64) * svn
     first = lo // BLOCK_N  # loads in the loop only through pointers that step a tile a time
     kr_tile, krs_tile = KR + first * (BLOCK_N * W), KRS + first * 3
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if EVEN:
-            k = tl.load(k_tile + k_offs)
-            v = tl.load(v_tile + v_offs)
-        else:  # padded head dims read as zeros, and keys past the end
-            kv_mask = d_ok[None, :]
-            if MASKED:
-                kv_mask = kv_mask & (cols < N_K)[:, None]
-            k = tl.load(k_tile + k_offs, mask=kv_mask, other=0.0)
-            v = tl.load(v_tile + v_offs, mask=kv_mask, other=0.0)
+        # keys past the end and padded head dims read as zeros
+        k = _read(k_src, start_n, N_K, D, skn, BLOCK_N, HEAD_DIM, TMA)
+        v = _read(v_src, start_n, N_K, D, svn, BLOCK_N, HEAD_DIM, TMA)
         s = _mma(q, tl.trans(k), None)
         if INJECT:  # S and dP are computed first in the dK/dV kernel: persistent faults only
             s = _corrupt(s, offs_m[:, None], cols[None, :], bh, BWD_SCORES, False, INJ)
@@ -787,8 +753,6 @@ def _dq_tiles(
             w = tl.load(kr_tile + wr_offs)
             qref = _accumulate_ref(qref, ds_lo, w, krs_tile, SCALED)
             dsabs += tl.sum(tl.abs(ds), 1)
-        k_tile += BLOCK_N * skn
-        v_tile += BLOCK_N * svn
         kr_tile += BLOCK_N * W
         krs_tile += 3
     return dq, qref, dsabs, psum, dssum
@@ -796,11 +760,11 @@ def _dq_tiles(
 
 @triton.jit
 def _dq_pass(
-    q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, K, V, KR, KRS, VRS, INJ, k_offs, v_offs,
-    wr_offs, d_ok, skn, svn, qk_scale, tol, near_inf, bh, N_K, D, first_pass, interior, hi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_Q: tl.constexpr,
-    SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
+    q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, k_src, v_src, KR, KRS, VRS, INJ, wr_offs,
+    skn, svn, qk_scale, tol, near_inf, bh, N_K, D, first_pass, interior, hi, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr,
+    CHECK_P: tl.constexpr, CHECK_Q: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
+    CALIBRATE: tl.constexpr, TMA: tl.constexpr,
 ):
     """One pass of a query block over its keys for dQ, and the rows' fault kinds: S through
     sum P = 1, dP through sum dS = 0, dS K through its accumulated reference."""
@@ -810,14 +774,14 @@ def _dq_pass(
     psum = tl.zeros([BLOCK_M], tl.float32)
     dssum = tl.zeros([BLOCK_M], tl.float32)
     dq, qref, dsabs, psum, dssum = _dq_tiles(
-        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, K, V, KR, KRS, INJ, k_offs, v_offs,
-        wr_offs, d_ok, skn, svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM,
-        False, CAUSAL, EVEN, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT,
+        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, KR, KRS, INJ,
+        wr_offs, D, skn, svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False,
+        CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, TMA,
     )
     dq, qref, dsabs, psum, dssum = _dq_tiles(
-        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, K, V, KR, KRS, INJ, k_offs, v_offs,
-        wr_offs, d_ok, skn, svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM,
-        True, CAUSAL, EVEN, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT,
+        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, KR, KRS, INJ,
+        wr_offs, D, skn, svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True,
+        CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, TMA,
     )
     count = tl.cdiv(hi, BLOCK_N)
     tiles = count.to(tl.float32)
@@ -848,7 +812,7 @@ def _dq_pass(
         state_p = tl.where(m_ok & (state_s == 0), _kinds(worst, near_inf), 0)
     if CHECK_Q:  # the mass sum |dS| max |K| e, 1% for dS's rounding
         qmass = 1.01 * dsabs * _stat_max(KRS, 0, count, 1)
-        worst, ratio_q = _deferred_check(dq, qref, qmass, tiles, tol, ratio_q, CALIBRATE)
+        worst, ratio_q = _deferred_check(dq, qref, 0, qmass, tiles, tol, ratio_q, CALIBRATE)
         # a row flagged upstream fails downstream too: it counts once, where it began
         state_q = tl.where(m_ok & (state_s == 0) & (state_p == 0), _kinds(worst, near_inf), 0)
     return dq, state_s, state_p, state_q, ratio_s, ratio_p, ratio_q
@@ -858,10 +822,10 @@ def _dq_pass(
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, ODO, DQ, KR, KRS, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
     qk_scale, sm_scale, tol, u_out, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh,
-    svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm, sdqd, H, GROUP, N_Q, N_K, D,
+    svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm, sdqd, H, GROUP, N_Q, N_K, D, ROWS_Q,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
-    CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
+    DUE: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
+    RETRY: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ of one query block of one (batch, head). ``ODO`` holds ``sum |O| |dO|`` a row, the
     rounding of the stored O in Delta. KR/KRS: K's row sums, VRS: V's row-sum stats, tiled by
@@ -880,27 +844,18 @@ def _bwd_dq_kernel(
     h = bh % H
     hk = h // GROUP
     bhk = b * (H // GROUP) + hk
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = pid_m * BLOCK_M + rows
-    offs_d = tl.arange(0, HEAD_DIM)
+    start = pid_m * BLOCK_M
+    offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < N_Q
-    d_ok = offs_d < D
-    start = (pid_m * BLOCK_M).to(tl.int64)
-    q_ptrs = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + start * sqm
-    q_ptrs += rows[:, None] * sqm + offs_d[None, :] * sqd
-    do_ptrs = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + start * sdom
-    do_ptrs += rows[:, None] * sdom + offs_d[None, :] * sdod
-    at = bh.to(tl.int64) * N_Q + offs_m
-    if EVEN:
-        q = tl.load(q_ptrs)
-        do = tl.load(do_ptrs)
-        lse = tl.load(LSE + at)
-        delta = tl.load(DELTA + at)
-    else:
-        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        lse = tl.load(LSE + at, mask=m_ok, other=0.0)
-        delta = tl.load(DELTA + at, mask=m_ok, other=0.0)
+    Q += b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    DO += b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+    q = _read(_tiles(Q, N_Q, D, sqm, BLOCK_M, HEAD_DIM, TMA), start, N_Q, D, sqm, BLOCK_M,
+              HEAD_DIM, TMA)  # fmt: skip
+    do = _read(_tiles(DO, N_Q, D, sdom, BLOCK_M, HEAD_DIM, TMA), start, N_Q, D, sdom, BLOCK_M,
+               HEAD_DIM, TMA)  # fmt: skip
+    at = bh.to(tl.int64) * ROWS_Q + offs_m  # padded: finite past the end
+    lse = tl.load(LSE + at)
+    delta = tl.load(DELTA + at)
     qn = tl.zeros([BLOCK_M], tl.float32)
     don = tl.zeros([BLOCK_M], tl.float32)
     odo = tl.zeros([BLOCK_M], tl.float32)
@@ -908,27 +863,25 @@ def _bwd_dq_kernel(
         qn = _norm(q.to(tl.float32), 1)
     if CHECK_P:
         don = _norm(do.to(tl.float32), 1)
-        odo = tl.load(ODO + at, mask=m_ok, other=0.0)
+        odo = tl.load(ODO + at)
     K += b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     V += b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    offs_n = tl.arange(0, BLOCK_N)
-    k_offs = offs_n[:, None] * skn + offs_d[None, :] * skd
-    v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
+    k_src = _tiles(K, N_K, D, skn, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tiles(V, N_K, D, svn, BLOCK_N, HEAD_DIM, TMA)
     TILES_K = tl.cdiv(N_K, BLOCK_N)
     KR += bhk.to(tl.int64) * TILES_K * (BLOCK_N * W)
     KRS += bhk.to(tl.int64) * TILES_K * 3
     VRS += bhk.to(tl.int64) * TILES_K * 3
-    wr_offs = offs_n[:, None] * W + tl.arange(0, W)[None, :]
+    wr_offs = tl.arange(0, BLOCK_N)[:, None] * W + tl.arange(0, W)[None, :]
     hi = N_K
     interior = (N_K // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
         interior = tl.minimum(interior, pid_m * BLOCK_M)
     dq, state_s, state_p, state_q, ratio_s, ratio_p, ratio_q = _dq_pass(
-        q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, K, V, KR, KRS, VRS, INJ, k_offs,
-        v_offs, wr_offs, d_ok, skn, svn, qk_scale, tol, near_inf, bh, N_K, D, not RETRY, interior,
-        hi, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, EVEN, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT,
-        CALIBRATE,
+        q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, k_src, v_src, KR, KRS, VRS, INJ,
+        wr_offs, skn, svn, qk_scale, tol, near_inf, bh, N_K, D, not RETRY, interior, hi, BLOCK_M,
+        BLOCK_N, HEAD_DIM, CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, CALIBRATE, TMA,
     )
     if CHECK_S or CHECK_P or CHECK_Q:
         outcome: tl.constexpr = 1 + RETRY
@@ -947,42 +900,5 @@ def _bwd_dq_kernel(
         if not RETRY:
             tl.store(AGAIN + program, again.to(tl.int32))
     dq = _lo(dq * sm_scale, DQ.dtype.element_ty).to(DQ.dtype.element_ty)
-    dq_ptrs = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + start * sdqm
-    dq_ptrs += rows[:, None] * sdqm + offs_d[None, :] * sdqd
-    if EVEN:
-        tl.store(dq_ptrs, dq)
-    else:
-        tl.store(dq_ptrs, dq, mask=m_ok[:, None] & d_ok[None, :])
-
-
-# --- backward: Delta ------------------------------------------------------------------------------
-
-
-@triton.jit
-def _delta_kernel(
-    OUT, DO, DELTA, ODO, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, N_Q, D,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_ODO: tl.constexpr,
-):
-    """Delta = rowsum(dO * O) for one query block of one (batch, head), and with WITH_ODO
-    ``sum |dO| |O|`` a row, the rounding of the stored O in Delta (the dQ kernel's bound of
-    sum dS = 0); fp32, ``[batch * heads, seq]``."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_ok = offs_m < N_Q
-    mask = m_ok[:, None] & (offs_d < D)[None, :]
-    o = tl.load(
-        OUT + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=mask,
-        other=0.0,
-    ).to(tl.float32)
-    do = tl.load(
-        DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=mask,
-        other=0.0,
-    ).to(tl.float32)
-    row = bh.to(tl.int64) * N_Q + offs_m
-    tl.store(DELTA + row, tl.sum(o * do, 1), mask=m_ok)
-    if WITH_ODO:
-        tl.store(ODO + row, tl.sum(tl.abs(o) * tl.abs(do), 1), mask=m_ok)
+    DQ += b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh
+    _write(DQ, start, dq, N_Q, D, sdqm, BLOCK_M, HEAD_DIM, TMA)

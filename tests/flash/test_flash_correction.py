@@ -1,8 +1,10 @@
 """Faults landed inside the flash kernels are corrected or reported: every section x kind x
 pattern. A transient fault gives the clean run's output and gradients, bit for bit, and one
 detection and one correction in its section, nothing elsewhere; a persistent one is counted
-uncorrectable in its section. Triton's interpreter, one (batch, head), 80 tokens: every
-section's matrix spans more than one tile both ways."""
+uncorrectable in its section. Triton's interpreter, one (batch, head). The whole matrix runs at
+small tiles (SMALL), so that at 80 tokens every section's matrix spans several tiles both ways;
+a case of every section and kind runs again at the production tiles (launch.TILES), over 300
+tokens."""
 
 import pytest
 import torch
@@ -10,11 +12,16 @@ from flash_cases import inputs, run
 
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.faults import FAULT_KINDS, TensorFault
-from megatron_abft.flash import FlashFault
+from megatron_abft.flash import FlashFault, launch
 from megatron_abft.flash.faults import first_computations
 
 SEQ, DIM, DTYPE = 80, 64, torch.bfloat16
-ROW = 64  # a tile's first row for every tile height the kernels use (16 to 64; 128 holds it)
+ROW = 64  # a tile's first row for the small tiles (32, 64)
+SMALL = {
+    ("forward", 64): launch.Blocks(64, 32, 4, 1),
+    ("dkdv", 64): launch.Blocks(32, 64, 4, 1),
+    ("dq", 64): launch.Blocks(64, 32, 4, 1),
+}
 PATTERNS = {
     "0d": dict(pattern="0d", position=(70, 5)),
     "row in a tile": dict(pattern="row", position=(ROW, 0), block=(1, 8)),
@@ -22,25 +29,47 @@ PATTERNS = {
     "2d in a tile": dict(pattern="2d", position=(ROW, 0), block=(3, 4)),
     "row across every tile": dict(pattern="row", position=(70, 0)),
 }
+LONG = 300
+"""The production tiles' case: the last query block (256 on) meets two interior key tiles."""
+LONG_PATTERNS = {"0d": dict(pattern="0d", position=(270, 40))}
 
 
 @pytest.fixture(scope="module")
-def case():
+def small_case():
+    return _case(SEQ, SMALL)
+
+
+@pytest.fixture
+def case(small_case, monkeypatch):
     """Inputs, the clean run, and the first computation of each section's matrix in float64
-    (for kind 'value': a finite error of one RMS of its tile)."""
-    q, k, v, do = inputs(1, 1, 1, SEQ, DIM, DTYPE, seed=11)
-    clean, ledger = run(q, k, v, do)
+    (for kind 'value': a finite error of one RMS of its neighbourhood), at the small tiles,
+    which the test runs at too."""
+    monkeypatch.setattr(launch, "TILES", {**launch.TILES, **SMALL})
+    return small_case
+
+
+@pytest.fixture(scope="module")
+def long_case():
+    """As ``case``, at the production tiles over LONG tokens."""
+    return _case(LONG, {})
+
+
+def _case(seq, tiles):
+    q, k, v, do = inputs(1, 1, 1, seq, DIM, DTYPE, seed=11)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "TILES", {**launch.TILES, **tiles})
+        clean, ledger = run(q, k, v, do)
     assert ledger.counts.sum() == 0
     return q, k, v, do, clean, first_computations(q, k, v, do)
 
 
-def fault(section, kind, where, matrices, persistent=False):
-    options = dict(PATTERNS[where])
+def fault(section, kind, where, matrices, persistent=False, patterns=PATTERNS):
+    options = dict(patterns[where])
     if kind == "value":
         r, c = options["position"]
         m = matrices[section]
-        tile = m[ROW - 16 : ROW + 16, max(c - 16, 0) : c + 16]
-        options["value"] = (m[r, c] + tile.pow(2).mean().sqrt()).item()
+        around = m[max(r - 16, 0) : r + 16, max(c - 16, 0) : c + 16]
+        options["value"] = (m[r, c] + around.pow(2).mean().sqrt()).item()
     return FlashFault(section, TensorFault(kind, bit=30, seed=3, **options), persistent)
 
 
@@ -79,6 +108,18 @@ def test_a_forward_and_a_backward_fault_land_in_one_call(case):
     assert outcomes(ledger, "context")["corrected"] == outcomes(ledger, "grad_k")["corrected"] == 1
     with pytest.raises(ValueError, match="at most one forward and one backward"):
         run(q, k, v, do, faults=faults[:1] * 2)
+
+
+@pytest.mark.parametrize("kind", ["nan", "value"])
+@pytest.mark.parametrize("section", FLASH_SECTIONS)
+def test_at_the_production_tiles_a_transient_fault_is_corrected(long_case, section, kind):
+    """The tiles the GPUs run (their unmasked interior loops included), in the interpreter."""
+    q, k, v, do, clean, matrices = long_case
+    faults = [fault(section, kind, "0d", matrices, patterns=LONG_PATTERNS)]
+    got, ledger = run(q, k, v, do, faults=faults)
+    assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True))
+    assert outcomes(ledger, section) == {"detected": 1, "corrected": 1, "uncorrectable": 0}
+    assert ledger.counts.sum() == 2, ledger.summary()
 
 
 def test_a_fault_in_another_head_leaves_this_one_alone():

@@ -9,7 +9,8 @@ import pytest
 import torch
 from flash_cases import DEVICE, attention, errors, inputs, outputs, run
 
-from megatron_abft.flash import flash_attention
+from megatron_abft.faults import TensorFault
+from megatron_abft.flash import FlashFault, flash_attention, launch
 
 SEQS = (1, 17, 129, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -105,6 +106,22 @@ def test_k_and_v_as_views_of_megatrons_fused_qkv_need_no_copy():
     exact = outputs(lambda a, b, c: attention(a, b, c, True, 0.125), q, k, v, do, torch.float64)
     assert max(errors([out, dq, dk, dv], exact)) < 1e-5
     assert ledger.counts.sum() == 0, ledger.summary()
+
+
+def test_gpus_without_tma_load_through_pointers_to_the_same_numbers(monkeypatch):
+    """GPUs before Hopper (A100) have no TMA: there the kernels load and store through masked
+    pointers. In the interpreter both ways give the same numbers, bit for bit (a ragged length
+    and a padded head dim included), and correct a fault alike."""
+    q, k, v, do = inputs(1, 2, 1, 70, 80, torch.bfloat16)
+    by_tma, _ = run(q, k, v, do)
+    monkeypatch.setattr(launch, "tma", lambda device: False)
+    by_pointers, ledger = run(q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(by_tma, by_pointers, strict=True))
+    assert ledger.counts.sum() == 0
+    fault = FlashFault("grad_k", TensorFault("nan", position=(65, 3), batch_index=1))
+    corrected, ledger = run(q, k, v, do, faults=[fault])
+    assert all(torch.equal(a, b) for a, b in zip(by_tma, corrected, strict=True))
+    assert ledger.summary()["grad_k"]["corrected"]["nan"] == 1
 
 
 def test_the_checks_compiled_out_give_the_same_numbers():
