@@ -158,7 +158,10 @@ def capture(case: Case) -> list[tuple]:
 
 
 def specialize(fn, args: tuple, kwargs: dict, arch: int = 90) -> Launch:
-    """A recorded launch as Triton's launcher specialises it for ``sm_<arch>``."""
+    """A recorded launch as Triton's launcher specialises it for ``sm_<arch>`` (TMA where the
+    architecture has it, as launch.tma decides on a GPU)."""
+    if "TMA" in kwargs:
+        kwargs = {**kwargs, "TMA": arch >= 90}
     backend = make_backend(GPUTarget("cuda", arch, 32))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
@@ -189,7 +192,8 @@ def _hashable(value):
 
 
 def launches(cases: list[Case], arch: int = 90) -> list[tuple[Case, Launch]]:
-    """Every distinct launch of ``cases`` (the first case that makes one names it)."""
+    """Every distinct launch of ``cases`` on ``sm_<arch>`` (the first case that makes one
+    names it)."""
     seen: dict[tuple, tuple[Case, Launch]] = {}
     for case in cases:
         for fn, args, kwargs in capture(case):
@@ -333,3 +337,76 @@ def other_cases() -> list[Case]:
     ]
     cases += [Case("bfloat16", 80, True, "checked", seq=513)]
     return cases
+
+
+def name(build: Build) -> str:
+    """``kernel hd64 bfloat16 causal checked sm_90``: one build, for messages and tables."""
+    case = build.case
+    mask = "causal" if case.causal else "full"
+    retry = " retry" if build.launch.get("RETRY") else ""
+    return (
+        f"{build.kernel} hd{case.head_dim} {case.dtype} {mask} {case.variant}{retry} "
+        f"sm_{build.arch}"
+    )
+
+
+def verdicts(builds: list[Build]) -> list[str]:
+    """What fails the gate, one line each: for every build, shared memory over the device's
+    limit; wgmma serialised (ptxas C7510/C7515) but where faults are injected; spills, for the
+    launches that run every step (checked or not, sm_90, first launch: the second runs only
+    for a flagged block, fault injection and calibration may spill, and sm_80 has no tiles of
+    its own yet: they must build); for the production attention
+    kernels on sm_90 (first launch, checked and unchecked), a main loop whose GEMMs are not all
+    wgmma, issue slots per element of S above launch.BUDGETS, and checks that add more slots or
+    registers than their budget, or cost CTAs per SM."""
+    hot = [  # the launches that run every step: checked or not, sm_90, first launch
+        b
+        for b in builds
+        if b.case.variant in ("checked", "unchecked") and b.arch >= 90 and not b.launch.get("RETRY")
+    ]
+    found = [f"{name(b)}: {p}" for b in builds for p in b.problems if "shared" in p]
+    found += [f"{name(b)}: {p}" for b in hot for p in b.problems if "shared" not in p]
+    found += [
+        f"{name(b)}: ptxas {w}"
+        for b in builds
+        if b.case.variant != "inject"  # its corrupted accumulators serialise it
+        for w in b.warnings
+        if w in ("C7510", "C7515")
+    ]
+    production = {
+        (b.kernel, b.case.head_dim, b.case.dtype, b.case.causal, b.case.variant): b
+        for b in builds
+        if b.arch == 90
+        and b.kernel in launch.KERNELS
+        and b.case.variant in ("checked", "unchecked")
+        and not b.launch.get("RETRY")
+        and b.case.head_dim in launch.HEAD_DIMS
+    }
+    for (kernel, width, dtype, causal, variant), b in production.items():
+        budget = launch.budget(kernel, width, getattr(torch, dtype))
+        if b.loop is None:
+            found.append(f"{name(b)}: no main loop with an MMA in its SASS")
+            continue
+        for opcode in b.loop.non_wgmma():
+            found.append(f"{name(b)}: main-loop GEMM {opcode} is not a wgmma of N >= 16")
+        if variant == "unchecked" and b.loop.slots_per_element > budget.slots:
+            found.append(
+                f"{name(b)}: {b.loop.slots_per_element} issue slots per element of S, budget "
+                f"{budget.slots}"
+            )
+        plain = production.get((kernel, width, dtype, causal, "unchecked"))
+        if variant != "checked" or plain is None or plain.loop is None:
+            continue
+        extra = round(b.loop.slots_per_element - plain.loop.slots_per_element, 2)
+        if extra > budget.checked:
+            found.append(
+                f"{name(b)}: the checks add {extra} slots per element, budget {budget.checked}"
+            )
+        if b.registers > plain.registers + budget.registers:
+            found.append(
+                f"{name(b)}: {b.registers} registers, {plain.registers} unchecked "
+                f"(+{budget.registers} allowed)"
+            )
+        if b.ctas_per_sm < plain.ctas_per_sm:
+            found.append(f"{name(b)}: {b.ctas_per_sm} CTAs per SM, {plain.ctas_per_sm} unchecked")
+    return found

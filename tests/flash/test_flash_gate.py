@@ -1,0 +1,131 @@
+"""The flash kernels' static speed gate (megatron_abft.flash.aot, megatron_abft.flash.sass): every
+production kernel built for sm_90 on this CPU machine as the launcher specialises it, its SASS
+read. None spills or has ptxas serialise its wgmma; every GEMM of its main loop is a wgmma; its
+issue slots per element of S, and what the checks add to them and to its registers, stay within
+launch.BUDGETS; the checks cost no CTA per SM. What else the flash path launches builds too: the
+second (RETRY) launches, fault injection and calibration, grouped-query attention with ragged
+lengths, a padded head dim, and sm_80. The builds run two at a time: about three minutes on the
+2-core CI machine with Triton's cache cold."""
+
+import pytest
+import torch
+
+from megatron_abft.flash import aot, launch, sass
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+        /*0020*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0030*/                   FADD R2, R24, R25 ;
+        /*0040*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;
+        /*0050*/                   HGMMA.64x16x16.F32.BF16 R40, gdesc[UR8], RZ, !UPT, gsb0 ;
+        /*0060*/              @!P0 BRA 0x10 ;
+        /*0070*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0080*/              @!P1 BRA 0x70 ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_the_sass_reader_finds_the_main_loop_and_counts_it():
+    instructions = sass.parse(SASS)
+    assert [i.base for i in instructions][:3] == ["MOV", "HGMMA", "WARPGROUP"]
+    loop = sass.main_loop(instructions)
+    assert (loop.start, loop.end) == (0x10, 0x60)  # the loop with the most MMAs
+    metrics = sass.LoopMetrics.of(loop, threads=256, elements=128 * 64)
+    assert metrics.instructions == 6 and metrics.slots_per_element == 0.19
+    assert (metrics.shuffles, metrics.wgmma_waits) == (1, 1)
+    assert metrics.mma == {"HGMMA.64x64x16.F32.BF16": 1, "HGMMA.64x16x16.F32.BF16": 1}
+    assert metrics.non_wgmma() == []
+    hmma = sass.LoopMetrics.of(sass.loops(instructions)[1], 32, 16 * 8)
+    assert hmma.non_wgmma() == ["HMMA.16816.F32.BF16"]
+    # 168 registers: 168 * 32 = 5376 a warp, 8 warps -> 43008 of 65536 registers: one CTA
+    assert sass.ctas_per_sm(168, 0, 8, 90) == 1 and sass.ctas_per_sm(128, 0, 8, 90) == 2
+    assert sass.ctas_per_sm(64, 120_000, 4, 90) == 1  # shared memory bounds it
+
+
+def test_the_launches_are_specialised_as_the_launcher_does():
+    """Multi-head attention makes GROUP a constant 1, lengths divisible by 16 get Triton's
+    divisibility attribute, pointers their 16-byte alignment."""
+    case = aot.Case("bfloat16", 64, True, "checked", seq=256)
+    made = {m.name: m for _, m in aot.launches([case])}
+    forward = made["_fwd_kernel"]
+    assert (
+        forward.get("GROUP") == 1 and forward.get("BLOCK_M") == launch.TILES["forward", 64].block_m
+    )
+    names = forward.signature
+    attrs = dict(forward.attrs)
+    index = [n for n, _ in names].index("N_Q")
+    assert attrs[(index,)] == (("tt.divisibility", 16),)
+    assert {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_backward_kernel"} <= set(made)
+    ragged = {m.name: m for _, m in aot.launches([aot.Case("bfloat16", 64, True, seq=1000)])}
+    index = [n for n, _ in ragged["_fwd_kernel"].signature].index("N_Q")
+    assert ("tt.divisibility", 16) not in dict(ragged["_fwd_kernel"].attrs).get((index,), ())
+
+
+def test_every_production_kernel_is_within_its_budget():
+    jobs = [
+        (case, made, 90)
+        for case, made in aot.launches(aot.production_cases())
+        if made.kernel in launch.KERNELS and not made.get("RETRY")
+    ]
+    assert len(jobs) == len(launch.KERNELS) * len(launch.HEAD_DIMS) * 2 * 2 * 2
+    builds = aot.build_all(jobs, workers=2)
+    assert aot.verdicts(builds) == []
+    for b in builds:
+        assert b.loop is not None and b.loop.mma, aot.name(b)
+
+
+def test_what_else_the_flash_path_launches_builds():
+    """Every launch (the second ones and the helpers included) of fault injection and
+    calibration (which may spill), grouped-query attention with ragged lengths and a padded head
+    dim, and the production kernels for sm_80 (A100), which must build."""
+    cases = [
+        aot.Case("bfloat16", 64, True, "inject"),
+        aot.Case("bfloat16", 64, True, "calibrate"),
+        *(aot.Case("bfloat16", width, True, seq=1000, kv_heads=4) for width in launch.HEAD_DIMS),
+        aot.Case("bfloat16", 80, True, seq=513),
+    ]
+    jobs = [(case, made, 90) for case, made in aot.launches(cases)]
+    jobs += [
+        (case, made, 80)
+        for case, made in aot.launches([aot.Case("bfloat16", 64, True)], 80)
+        if made.kernel in launch.KERNELS and not made.get("RETRY")
+    ]
+    builds = aot.build_all(jobs, workers=2)
+    assert {b.kernel for b in builds} >= {*launch.KERNELS, "backward", "running", "sums", "record"}
+    assert any(b.launch.get("RETRY") for b in builds) and any(b.arch == 80 for b in builds)
+    assert aot.verdicts(builds) == []
+
+
+def test_interpreted_launches_leave_the_compiler_as_they_found_it():
+    """A process that interprets the kernels (CPU tensors) compiles them after (CUDA tensors):
+    the interpreter's patches of triton.language, its core included, are undone."""
+    import triton.language as tl
+
+    from megatron_abft.flash import flash_attention
+
+    before = {name: getattr(tl.core, name) for name in ("cast", "dot", "where", "reduce")}
+    q = torch.randn(1, 1, 24, 64, dtype=torch.bfloat16)
+    flash_attention(q, q, q)
+    assert {name: getattr(tl.core, name) for name in before} == before
+    case, record = next(
+        (c, m)
+        for c, m in aot.launches([aot.Case("bfloat16", 64, True, seq=64)])
+        if m.kernel == "record"
+    )
+    assert aot.compile_launch(case, record, 90).registers > 0
+
+
+@pytest.mark.parametrize("kernel", launch.KERNELS)
+def test_the_tiles_are_those_the_launches_take(kernel):
+    for width in launch.HEAD_DIMS:
+        assert launch.blocks(kernel, width, torch.bfloat16) == launch.TILES[kernel, width]
+        tiles = launch.blocks(kernel, width, torch.float16)
+        assert tiles == launch.FP16_TILES.get((kernel, width), launch.TILES[kernel, width])
+        held, streamed = (
+            (tiles.block_n, tiles.block_m) if kernel == "dkdv" else (tiles.block_m, tiles.block_n)
+        )
+        assert held % streamed == 0  # the causal diagonal is whole tiles
+    assert launch.blocks(kernel, 64, torch.float32) == launch.INTERPRETED
+    with pytest.raises(ValueError, match="unknown flash kernel 'fwd'"):
+        launch.blocks("fwd", 64, torch.bfloat16)
