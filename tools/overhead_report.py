@@ -31,6 +31,7 @@ from megatron_abft.tuning.scaling import (
     IDENTITY_OPS,
     PREPASS,
     RECORD_OPS,
+    RETRY_OPS,
     DeviceProfile,
     ModelShape,
     Work,
@@ -384,17 +385,21 @@ def flash_method() -> list[str]:
         "8 or 9 elementwise ops on the CUDA cores (half the datasheet's fp32 FLOP/s, an FMA one "
         "op), each rate at 70% of its peak and their times added: an FA2-style kernel overlaps "
         "none of them with the tensor cores. Its bytes are O(seq x head_dim), where the unfused "
-        "attention writes S and P (`S a layer` below). Each checked tile GEMM `C = A B` adds a "
-        "16-wide MMA `A W` on the tensor cores (16 over the tile's side, or over head_dim, of "
-        "the GEMM) and, on the CUDA cores, C's row sums (an add an element) and "
-        f"{CHECK_ROW_OPS} ops a row for the reference, the bound and the comparison. On any "
-        "step that checks any flash section, the launches also make their checksum vectors "
-        f"({sum(len(c) for c in PREPASS.values())} Triton launches a layer, one a tensor, each "
-        "reading its operand once), the backward the rounding "
-        f"of Delta, the dQ kernel its row identities ({IDENTITY_OPS} ops an element of S), and "
-        f"the ledger takes {RECORD_OPS} launch after each of the forward and the backward: the "
+        "attention writes S and P (`S a layer` below). A check of S or dP adds the rows of "
+        "each tile up on the CUDA cores (an add an element) and compares them once a program "
+        "with one 16-wide MMA of the program's head_dim-wide tile against the summed checksums; "
+        "an accumulating GEMM (the context, dV, dK, dQ) adds a 16-wide MMA a tile on the tensor "
+        "cores (16 over head_dim of the GEMM) and compares its output's row sums once a "
+        f"program; a comparison is {CHECK_ROW_OPS} ops a row. On any "
+        "step that checks any flash section, the launches also make their checksum tiles "
+        f"({sum(p.launches for c in PREPASS.values() for p in c)} Triton launches a layer, "
+        "each reading its operand once more), the backward the rounding "
+        f"of Delta, the dQ kernel its row identities ({IDENTITY_OPS} ops an element of S), each "
+        f"kernel launches a second pass ({RETRY_OPS} launches, whose clean programs return at "
+        f"once) and the ledger takes {RECORD_OPS} launch after each of the forward and the "
+        "backward: the "
         "`shared` column, paid once a step whichever flash sections are due (a kernel with none "
-        "of its own sections due makes no vectors). qkv and proj are checked as by "
+        "of its own sections due makes no tiles). qkv and proj are checked as by "
         "`kernels`. Every figure of the flash path is the model's count of what the code does, "
         "priced at datasheet rates."
     )
@@ -414,14 +419,17 @@ def flash_example(device: DeviceProfile) -> list[str]:
         if v > 0
     )
     shared = flash_shared(shape)
-    around = sum(device.check_time(shared[p], shape.dtype) for p in ("prepass", "odo", "ledger"))
+    around = sum(
+        device.check_time(shared[p], shape.dtype) for p in ("prepass", "odo", "retry", "ledger")
+    )
     text = (
         f"For {name} at sequence {seq}, micro-batch 1 on the {device.name} the unprotected step "
         f"takes {flash.step_seconds * 1e3:.0f} ms with the flash attention against "
         f"{unfused.step_seconds * 1e3:.0f} ms with the unfused one. The flash attention's checks "
         f"take {total * 1e3:.2f} ms a layer ({shares}), {100 * around / total:.0f}% of it in "
-        "the launches around the attention kernels (the checksum vectors, the rounding of "
-        "Delta, the ledger) rather than in them; protecting every section every step costs "
+        "the launches around the attention kernels (the checksum tiles, the rounding of "
+        "Delta, the second passes, the ledger) rather than in them; protecting every "
+        "section every step costs "
         f"{100 * flash.step:.0f}% of the step, against {100 * unfused.step:.1f}% for the "
         "unfused attention with kernel 3."
     )

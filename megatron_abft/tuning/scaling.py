@@ -27,10 +27,11 @@ the unfused attention (S and P materialised; UNFUSED) and the flash attention:
   scores, softmax and context (flash_baseline): tile GEMMs on the tensor cores, the softmax's
   exp2 on the special-function units and its other elementwise ops on the CUDA cores, and only
   O(seq * head_dim) bytes. Its checks (flash_protection, flash_shared) are tensor-core FLOPs (a
-  16-wide reference MMA a checked tile GEMM), CUDA-core ops (the output tile's row sums and the
+  16-wide reference MMA a tile or a program), CUDA-core ops (row sums and a program's
   comparisons), and what the step runs once whenever any flash section is due: the checksum
-  prepass in torch ops (bytes and launches), the backward's rounding of Delta, the dQ kernel's
-  row identities and the ledger's updates. qkv and proj are checked as by ``kernels``.
+  tiles' launches and bytes, the backward's rounding of Delta, the dQ kernel's row identities,
+  the kernels' second launches and the ledger's updates. qkv and proj are checked as by
+  ``kernels``.
 
 Every check also costs a number of small ops, each at the device's op latency: on a CPU the
 top-level tensor ops of a clean check (CHECK_OPS, counted on the code by
@@ -484,8 +485,27 @@ dV += P^T dO, dP^T = V dO^T, dK += dS^T Q; the scale and LSE (an FMA), the mask 
 compare, where), P's cast, dS = P (dP - Delta) and its cast; dK and dV accumulate. dQ: S,
 dP = dO V^T, dQ += dS K, as dK/dV without P's cast. The backward computes S and dP in both its
 kernels: its GEMMs are 3.5x the forward's (7 tile GEMMs to 2), not FlashAttention-2's 2.5x.
-Launches, from megatron_abft.flash.launch and .attention: each kernel, and before dK/dV the
-Delta kernel (a call that checks nothing makes its placeholders without a launch)."""
+Launches, from megatron_abft.flash.launch: each kernel, and before dK/dV the backward's
+prologue (checksums.backward: Delta, and the checksum tiles when checks are due). Under
+grouped-query attention the backward also sums each group's dK and dV (flash_group_sums)."""
+
+GROUP_SUM_OPS = 4
+"""Tensor ops of the backward's group sums under grouped-query attention: a sum over the group
+and a cast into dK, and the same for dV (launch.backward)."""
+
+
+def flash_group_sums(shape: ModelShape) -> Work:
+    """The backward's group sums under grouped-query attention, one layer, one rank: the dK/dV
+    kernel writes each query head's share of dK and dV in fp32, summed over each group in fp32
+    and cast into dK and dV by torch ops. Nothing without groups."""
+    f = _FlashShape.of(shape)
+    if f.queries == f.keys:
+        return Work()
+    shares = f.queries * f.seq * f.head_dim * 4  # one of dK, dV a query head, fp32
+    summed = f.keys * f.seq * f.head_dim * 4
+    cast = f.keys * f.seq * f.head_dim * BYTES[f.dtype]
+    return Work(ops=GROUP_SUM_OPS, bytes=2 * (shares + 2 * summed + cast))
+
 
 _DTYPES = {DTYPE_NAMES[dtype]: dtype for dtype in GPU_DTYPES}
 """The dtypes the flash kernels take on a GPU, by name."""
@@ -538,16 +558,19 @@ def flash_baseline(shape: ModelShape) -> dict[str, Work]:
     """Work of one layer's flash attention on one rank, by kernel (FLASH_KERNELS), with the
     checks compiled out (``flash_attention(..., sections=())``). Its bytes are O(seq x head_dim):
     each kernel reads Q, K, V (and dO, the LSE and Delta) and writes its outputs once, the tiles
-    it reads again coming from L2; and the backward's Delta kernel reads O and dO once."""
+    it reads again coming from L2; the backward's prologue reads O and dO once; under
+    grouped-query attention dK/dV's group sums are the backward's (flash_group_sums)."""
     f = _FlashShape.of(shape)
     e = BYTES[f.dtype]
     q = f.queries * f.seq * f.head_dim * e  # Q, O, dO, dQ
     kv = f.keys * f.seq * f.head_dim * e  # K, V, dK, dV
     rows = f.queries * f.seq * 4  # the LSE, Delta
-    delta = 2 * q + rows  # Delta: O and dO read, a value a row written
+    delta = 2 * q + rows  # the prologue: O and dO read, Delta written, a value a row
+    # dK and dV: each query head's share in fp32 under grouped-query attention
+    grads = 2 * kv if f.queries == f.keys else 2 * f.queries * f.seq * f.head_dim * 4
     moved = {
         "forward": 2 * q + 2 * kv + rows,
-        "dkdv": 2 * q + 4 * kv + 2 * rows + delta,
+        "dkdv": 2 * q + 2 * kv + grads + 2 * rows + delta,
         "dq": 3 * q + 2 * kv + 2 * rows,
     }
     out = {}
@@ -561,6 +584,7 @@ def flash_baseline(shape: ModelShape) -> dict[str, Work]:
             vector=elements * (kernel.elementwise + kernel.accumulators * f.width / loop),
             exps=elements * kernel.exps,
         )
+    out["dkdv"] += flash_group_sums(shape)
     return out
 
 
@@ -673,52 +697,82 @@ _SCORES, _CONTEXT, _BWD_SCORES, _GRAD_PROBS, _GRAD_V, _GRAD_K, _GRAD_Q = FLASH_S
 
 @dataclass(frozen=True)
 class FlashCheck:
-    """One checked tile GEMM ``C = A B`` of a flash kernel: the kernel compares C's row sums with
-    ``A (B e)``, a 16-wide MMA of A against ``B e`` split into parts (flash.checksums), and
-    folds the comparison into the rows' states."""
+    """One checked tile GEMM ``C = A B`` of a flash kernel, by how the kernel checks it
+    (megatron_abft.flash.kernels): each program compares its rows once, after its loop."""
 
     section: str
     kernel: str
-    operand: bool
-    """A is a head_dim-wide tile of Q, K, V or dO (C a tile of S, S^T, dP or dP^T: the reference
-    is 16 / (the loop side) of the GEMM); else A is a tile of P~, P^T, dS or dS^T (C is head_dim
-    wide: the reference is 16 / head_dim of the GEMM)."""
+    kind: str
+    """``summed``: C is a tile of S, S^T, dP or dP^T; the loop adds up C's row sums (an add an
+    element) and the program compares them with one 16-wide MMA of its head_dim-wide operand
+    tile against the summed checksums of the tiles it met. ``accumulated``: C is head_dim wide
+    and accumulates (the context, dV, dK, dQ); a 16-wide MMA of each tile's P~, P^T, dS^T or dS
+    against the B tile's checksums accumulates the reference (16 / head_dim of the GEMM), and
+    the program compares it with its output's row sums. ``identity``: the dQ kernel checks S and
+    dP through sum P = 1 and sum dS = 0 (flash_shared's identities), a comparison a row."""
     mass: int = 0
-    """CUDA-core ops an element of S for the bound's mass beyond the row's own norms: sum P for
-    dV, sum |dS| for dK and dQ."""
+    """CUDA-core ops an element of S for the bound's mass beyond the row's own norms: sum |dS|
+    for dQ."""
+    rescaled: bool = False
+    """The reference is rescaled as the output is (the forward's online softmax): 16 ops a row
+    a tile."""
 
 
 FLASH_CHECKS = (
-    FlashCheck(_SCORES, "forward", operand=True),
-    FlashCheck(_CONTEXT, "forward", operand=False),
-    FlashCheck(_BWD_SCORES, "dkdv", operand=True),
-    FlashCheck(_GRAD_V, "dkdv", operand=False, mass=1),
-    FlashCheck(_GRAD_PROBS, "dkdv", operand=True),
-    FlashCheck(_GRAD_K, "dkdv", operand=False, mass=2),
-    FlashCheck(_BWD_SCORES, "dq", operand=True),
-    FlashCheck(_GRAD_PROBS, "dq", operand=True),
-    FlashCheck(_GRAD_Q, "dq", operand=False, mass=2),
+    FlashCheck(_SCORES, "forward", "summed"),
+    FlashCheck(_CONTEXT, "forward", "accumulated", rescaled=True),
+    FlashCheck(_BWD_SCORES, "dkdv", "summed"),
+    FlashCheck(_GRAD_V, "dkdv", "accumulated"),
+    FlashCheck(_GRAD_PROBS, "dkdv", "summed"),
+    FlashCheck(_GRAD_K, "dkdv", "accumulated"),
+    FlashCheck(_BWD_SCORES, "dq", "identity"),
+    FlashCheck(_GRAD_PROBS, "dq", "identity"),
+    FlashCheck(_GRAD_Q, "dq", "accumulated", mass=2),
 )
 """Every tile check of the flash kernels, in the order they run (megatron_abft.flash.kernels):
-S and dP are computed, and checked, in both backward kernels."""
+S and dP are computed, and checked, in both backward kernels. dK's masses come with dV's
+reference, from the same MMA of P^T."""
 CHECK_ROW_OPS = 33
-"""CUDA-core ops of one tile check for each row of its output tile, as the kernels write them:
-the reference MMA's 16 columns summed (16) and scaled (1), the mass and the bound (2), and
-_check's comparison, fault kind and state (14). The context's running checksum adds 4, left
-out."""
+"""CUDA-core ops of one program's comparison for each of its rows, as the kernels write them:
+the reference's parts summed (16) and scaled (1), the mass and the bound (2), and _fold's
+comparison, fault kind and state (14)."""
 IDENTITY_OPS = 2
 """CUDA-core ops an element of S the dQ kernel spends on its row identities when bwd_scores or
-grad_probs is due: sum P and sum dS (their bounds take |dP| from the rows' norms, per tile)."""
+grad_probs is due: sum P and sum dS (their bounds take |dP| from the rows' norms, per row)."""
+RETRY_OPS = 3
+"""Launches of the kernels' second pass (launch._twice), one a kernel that checks anything:
+each program reads its flag and returns, unless its first pass flagged."""
+
+
+@dataclass(frozen=True)
+class Prepass:
+    """One launch that makes checksum tiles before a kernel (megatron_abft.flash.checksums)."""
+
+    query: bool
+    """Its operands are query-sized (Q, dO), else KV-sized (K, V)."""
+    reads: int
+    """Operands it reads that the baseline does not."""
+    rows: int = 0
+    """Row-sum tiles it writes: ``[block, 16]`` parts of the input dtype a tile."""
+    columns: int = 0
+    """Column-sum vectors: ``[head_dim]`` in fp32 a tile (written, then read by the running-sum
+    launch, which writes them ``[head_dim, 16]`` as parts of the input dtype, all the vectors
+    of a tile in one)."""
+    stats: int = 3
+    """fp32 values a tile of its stats (scales, masses)."""
+    launches: int = 1
+
 
 PREPASS = {
-    "forward": ((("columns",), False), (("rows",), False)),
-    "dkdv": ((("columns", "rows"), True), (("columns", "rows"), True)),
-    "dq": ((("columns", "rows"), False), (("columns",), False)),
+    "forward": (Prepass(False, 1, columns=1, launches=2), Prepass(False, 1, rows=1)),
+    "dkdv": (Prepass(True, 1, rows=2, columns=2, stats=8),),
+    "dq": (Prepass(False, 1, rows=1), Prepass(False, 1, rows=1)),
 }
-"""The checksum vectors launch.py makes before each kernel when all its sections are due
-(megatron_abft.flash.checksums.sums: one Triton launch a tensor, both kinds from one read), each
-of a query-sized operand (True: Q, dO) or a KV-sized one (K, V): the forward's of K and V,
-tiled by its block_n; dK/dV's of Q and dO, by its block_m; dQ's of K and V, by its block_n."""
+"""The checksum tiles launch.py makes before each kernel when all its sections are due: the
+forward's of K (the prefix sums of its columns: checksums.sums and its running sums) and of V
+(rows), tiled by its block_n; dK/dV's from the prologue that computes Delta anyway
+(checksums.backward: dO's and Q's rows, their suffix column sums, from one more read of Q and
+one launch of running sums), tiled by its block_m; dQ's of K and V (rows), by its block_n."""
 FOUND_OPS = 1
 """Launches of one call's findings buffer (launch.Found.empty: one zero fill), made by each of
 the forward's and the backward's ops when they check anything."""
@@ -728,57 +782,67 @@ each of the forward's and the backward's ops when they checked anything), counte
 tests/tuning/test_scaling.py."""
 
 
-def _prepass(f: _FlashShape, kinds: tuple[str, ...], query: bool, block: int) -> Work:
-    """One checksums.sums launch (PREPASS) on Q or dO (``query``) or on K or V, tiled by
-    ``block``: it reads the operand once and writes each kind's parts (16 values of the input
-    dtype a vector element) and stats (3 fp32 a tile)."""
+def _prepass(f: _FlashShape, p: Prepass, block: int) -> Work:
+    """One of PREPASS's launches for ``block``-row tiles: the operands it reads, and the tiles
+    and stats it writes (the column sums twice more in fp32, through the running sums)."""
     e = BYTES[f.dtype]
-    matrices = f.queries if query else f.keys
+    matrices = f.queries if p.query else f.keys
     tiles = -(-f.seq // block)
-    length = {"columns": f.width, "rows": block}  # a tile's vector
-    written = sum(matrices * tiles * (length[k] * WIDTH * e + 3 * 4) for k in kinds)
-    return Work(bytes=matrices * f.seq * f.head_dim * e + written, ops=1)
+    tile = p.rows * block * WIDTH * e + p.stats * 4
+    if p.columns:
+        tile += f.width * WIDTH * e + 2 * p.columns * f.width * 4
+    read = p.reads * matrices * f.seq * f.head_dim * e
+    return Work(bytes=read + matrices * tiles * tile, ops=p.launches)
 
 
 def flash_protection(shape: ModelShape) -> dict[str, Work]:
     """The own work of each of FLASH_SECTIONS in the flash kernels, one layer, one rank, a clean
-    step: for each of its tile checks (FLASH_CHECKS), the reference MMAs (tensor-core FLOPs),
-    the row sums of each output tile (an add an element), the bound's mass and the comparisons
-    (CHECK_ROW_OPS a row of a tile). What every launch does once anything is due is
-    flash_shared's. A clean program computes its block once: nothing is recomputed."""
+    step, by its checks' kinds (FlashCheck): the reference MMAs (tensor-core FLOPs), the row
+    sums and masses (CUDA-core ops an element of S) and a program's comparisons (CHECK_ROW_OPS
+    a row, with the output's row sums for an accumulated check: each row is in one program of
+    each kernel, a query row forward and in dQ, a key row of a query head in dK/dV). What every
+    launch does once anything is due is flash_shared's. A clean program computes its block
+    once: nothing is recomputed."""
     f = _FlashShape.of(shape)
+    rows = f.queries * f.seq
     out = dict.fromkeys(FLASH_SECTIONS, Work())
     for check in FLASH_CHECKS:
         elements = f.computed(check.kernel)
         loop = f.tiles(check.kernel)[1]
-        if check.operand:  # A [rows, head_dim] against W [head_dim, WIDTH]; C [rows, loop]
-            flops, sums = 2 * WIDTH * f.width / loop, 1
-        else:  # A [rows, loop] against W [loop, WIDTH]; C [rows, head_dim]
-            flops, sums = 2 * WIDTH, f.width / loop
-        vector = sums + check.mass + CHECK_ROW_OPS / loop
-        out[check.section] += Work(flops=elements * flops, vector=elements * vector)
+        mass = check.mass + WIDTH / loop * check.rescaled
+        if check.kind == "summed":  # one MMA [head_dim, 16] a row
+            work = Work(flops=rows * 2 * WIDTH * f.width, vector=elements + rows * CHECK_ROW_OPS)
+        elif check.kind == "accumulated":  # an MMA [loop, 16] a row a tile
+            work = Work(
+                flops=elements * 2 * WIDTH,
+                vector=elements * mass + rows * (f.width + CHECK_ROW_OPS),
+            )
+        else:
+            work = Work(vector=rows * CHECK_ROW_OPS)
+        out[check.section] += work
     return out
 
 
 def flash_shared(shape: ModelShape) -> dict[str, Work]:
     """What the flash path runs, one layer, one rank, on any step that checks any of its
     sections, whichever they are: a launch with anything due compiles the checks in and makes
-    all its checksum vectors, and every launch of the step has what is due (one ``due`` mask).
-    By part: ``prepass``, the checksum vectors (PREPASS), a Triton launch a tensor; ``odo``, the
-    backward's rounding of Delta (``sum |O| |dO|`` a row, which the Delta kernel writes beside
-    Delta); ``identities``, the dQ kernel's row identities (IDENTITY_OPS); ``ledger``, the
-    findings buffers (FOUND_OPS) and the ledger's updates (RECORD_OPS) of the forward and the
-    backward. The kernels' reads of the vectors, a tile's at a time and mostly from L2, are
-    left out."""
+    all its checksum tiles, and every launch of the step has what is due (one ``due`` mask).
+    By part: ``prepass``, the checksum tiles (PREPASS); ``odo``, the backward's rounding of
+    Delta (``sum |O| |dO|`` a row, which the prologue writes beside Delta); ``identities``, the
+    dQ kernel's row identities (IDENTITY_OPS); ``retry``, each kernel's second launch
+    (RETRY_OPS); ``ledger``, the findings buffers (FOUND_OPS) and the ledger's updates
+    (RECORD_OPS) of the forward and the backward. The kernels' reads of the tiles, a tile's at a
+    time and mostly from L2, are left out."""
     f = _FlashShape.of(shape)
     prepass = Work()
-    for kernel, calls in PREPASS.items():
-        for kinds, query in calls:
-            prepass += _prepass(f, kinds, query, f.tiles(kernel)[1])
+    for kernel, launches in PREPASS.items():
+        for p in launches:
+            prepass += _prepass(f, p, f.tiles(kernel)[1])
     return {
         "prepass": prepass,
         "odo": Work(bytes=f.queries * f.seq * 4),
         "identities": Work(vector=f.computed("dq") * IDENTITY_OPS),
+        "retry": Work(ops=RETRY_OPS),
         # the findings buffers (codes, rows, columns of each section and matrix), zero-filled
         "ledger": Work(
             ops=2 * (FOUND_OPS + RECORD_OPS), bytes=2 * 3 * len(FLASH_SECTIONS) * f.queries * 4

@@ -25,9 +25,11 @@ from megatron_abft.tuning.scaling import (
     FLASH_KERNELS,
     FLASH_REPLACES,
     FOUND_OPS,
+    GROUP_SUM_OPS,
     IDENTITY_OPS,
     PREPASS,
     RECORD_OPS,
+    RETRY_OPS,
     SOFTMAX_PARTS,
     DeviceProfile,
     ModelShape,
@@ -35,6 +37,7 @@ from megatron_abft.tuning.scaling import (
     _share_of_steps,
     baseline_forward,
     flash_baseline,
+    flash_group_sums,
     flash_protection,
     flash_shared,
     forward_backward_time,
@@ -722,52 +725,73 @@ def _flash_launches(shape: ModelShape, due: int, monkeypatch) -> dict[str, tuple
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtype, monkeypatch):
-    """FLASH_KERNELS' launches and flash_shared's prepass and findings follow the code: counted
-    on it (kernels stubbed), with the checks compiled out and in. Every byte moves in Triton
-    kernels, none in torch ops; the prepass's the model counts from the vectors it writes."""
+    """FLASH_KERNELS' launches, flash_group_sums and flash_shared's prepass, second launches and
+    findings follow the code: counted on it (kernels stubbed), with the checks compiled out and
+    in. Every byte but the group sums' moves in Triton kernels, none in torch ops; the
+    prepass's the model counts from the tiles it writes."""
     from megatron_abft.flash import checksums
 
     shape = replace(FLASH_SHAPE, dtype=dtype)
     off = _flash_launches(shape, 0, monkeypatch)
     on = _flash_launches(shape, 2 ** len(FLASH_SECTIONS) - 1, monkeypatch)
-    assert off["forward"][0] == FLASH_KERNELS["forward"].launch_ops
-    assert off["backward"][0] == FLASH_KERNELS["dkdv"].launch_ops + FLASH_KERNELS["dq"].launch_ops
-    assert off["forward"][1] == off["backward"][1] == 0
+    group = flash_group_sums(shape)
+    assert group.ops == GROUP_SUM_OPS  # FLASH_SHAPE's two query heads a group
+    assert off["forward"] == (FLASH_KERNELS["forward"].launch_ops, 0)
+    backward = FLASH_KERNELS["dkdv"].launch_ops + FLASH_KERNELS["dq"].launch_ops
+    assert off["backward"] == (backward + group.ops, group.bytes)
     # with the checks, the findings buffers: codes, rows, columns of each section and matrix
     buffer = 3 * len(FLASH_SECTIONS) * shape.micro_batch * shape.heads * 4
-    assert on["forward"][1] == on["backward"][1] == buffer
+    assert on["forward"][1] == buffer
+    assert on["backward"][1] == buffer + group.bytes
     outputs = shape.micro_batch * shape.heads * shape.seq * shape.head_dim
     e = BYTES[dtype]
     rows = shape.micro_batch * shape.heads * shape.seq * 4
-    delta = 2 * outputs * e + rows  # the Delta kernel reads O and dO, writes a value a row
-    kernel_io = 2 * outputs * e + 4 * outputs // 2 * e + 2 * rows  # Q, dO; K, V, dK, dV; rows
-    assert flash_baseline(shape)["dkdv"].bytes == pytest.approx(kernel_io + delta)
+    delta = 2 * outputs * e + rows  # the prologue reads O and dO, writes a value a row
+    # Q, dO; K, V; each query head's dK and dV in fp32; LSE, Delta
+    kernel_io = 2 * outputs * e + 2 * outputs // 2 * e + 2 * outputs * 4 + 2 * rows
+    assert flash_baseline(shape)["dkdv"].bytes == pytest.approx(kernel_io + delta + group.bytes)
     shared = flash_shared(shape)
     findings = 2 * FOUND_OPS  # the forward's and the backward's buffers
-    assert sum(on[w][0] - off[w][0] for w in on) == shared["prepass"].ops + findings
-    assert shared["prepass"].ops == sum(len(c) for c in PREPASS.values())
+    extra = shared["prepass"].ops + shared["retry"].ops + findings
+    assert sum(on[w][0] - off[w][0] for w in on) == extra
+    assert shared["prepass"].ops == sum(p.launches for c in PREPASS.values() for p in c)
+    assert shared["retry"].ops == RETRY_OPS == len(FLASH_KERNELS)
     assert shared["odo"].bytes == rows
     assert shared["ledger"].bytes == 2 * buffer
-    # the prepass's bytes: each operand read once, and the vectors it writes
+    # the prepass's bytes: each operand read once more, the tiles it writes, and the column
+    # sums in fp32 (written, read by the running sums)
     monkeypatch.undo()
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     b, n, d, width = shape.micro_batch, shape.seq, shape.head_dim, 64
-    query = torch.randn(b, shape.heads, n, d).to(torch_dtype)
+    query, o, do = (torch.randn(b, shape.heads, n, d).to(torch_dtype) for _ in range(3))
     key = torch.randn(b, shape.groups, n, d).to(torch_dtype)
-    written = 0
-    for kernel, calls in PREPASS.items():
-        block = launch_tiles(kernel, torch_dtype)
-        for kinds, is_query in calls:
-            x = query if is_query else key
-            made = checksums.sums(x, block, width, "columns" in kinds, "rows" in kinds)
-            written += x.numel() * e + sum(
-                s.parts.numel() * e + s.stats.numel() * 4 for s in made if s is not None
-            )
+
+    def size(*tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    block = launch_tiles("forward", torch_dtype)
+    columns, _ = checksums.sums(key, block, width, True, False)
+    _, rows_v = checksums.sums(key, block, width, False, True)
+    fp32_sums = columns.stats.shape[1] * width * 4 * b * shape.groups
+    written = (
+        2 * size(key)
+        + size(columns.parts, columns.stats, rows_v.parts, rows_v.stats)
+        + 2 * fp32_sums
+    )
+    block = launch_tiles("dq", torch_dtype)
+    for _ in "kv":
+        _, rows_kv = checksums.sums(key, block, width, False, True)
+        written += size(key, rows_kv.parts, rows_kv.stats)
+    block = launch_tiles("dkdv", torch_dtype)
+    made = checksums.backward(o, do, query, block, width, False, True, True, True)
+    fp32_sums = made.stats.shape[1] * 2 * width * 4 * b * shape.heads
+    tiles = (made.grad_rows, made.query_rows, made.columns, made.stats)
+    written += size(query, *tiles) + 2 * fp32_sums
     assert shared["prepass"].bytes == pytest.approx(written)
 
 
 def launch_tiles(kernel: str, dtype) -> int:
-    """The rows of the tiles ``kernel``'s checksum vectors are made for (launch.blocks)."""
+    """The rows of the tiles ``kernel``'s checksum tiles are made for (launch.blocks)."""
     from megatron_abft.flash.launch import blocks
 
     tiles = blocks(kernel, 64, dtype)
@@ -861,12 +885,13 @@ def _kernel_tiles(shape: ModelShape, kernel: str) -> tuple[float, int]:
 
 
 def test_each_flash_check_costs_its_reference_mma_row_sums_and_comparisons():
-    """flash_protection for a small shape, section by section: a checked tile GEMM's reference
-    MMA is 16 over the loop side (A a head_dim-wide tile of Q, K, V or dO) or 16 over head_dim
-    (A a tile of P or dS) of that GEMM's FLOPs; the CUDA cores sum C's rows (an add an element),
-    take the mass (sum P, sum |dS|) and spend CHECK_ROW_OPS a row of a tile; no bytes, no
-    launches. S and dP are checked in both backward kernels. The dQ kernel's identities are
-    flash_shared's."""
+    """flash_protection for a small shape, section by section. A check of S or dP (``summed``)
+    adds C's rows up (an add an element) and compares them once a program with one 16-wide MMA
+    of the program's head_dim-wide tile: 16 x head_dim x 2 FLOPs and CHECK_ROW_OPS a row. An
+    accumulating GEMM's check (the context, dV, dK, dQ) runs a 16-wide MMA a tile (16 over
+    head_dim of the GEMM), its mass (sum |dS| for dQ) or the forward's rescale, and compares the
+    output's row sums once a program. The dQ kernel checks S and dP by its identities (their
+    sums are flash_shared's): a comparison a row. No bytes, no launches."""
     shape = replace(FLASH_SHAPE, seq=512)  # head dim 48, padded to 64
     width = 64
     (fwd, f), (dkdv, k), (dq, q) = (_kernel_tiles(shape, kernel) for kernel in FLASH_KERNELS)
@@ -874,28 +899,32 @@ def test_each_flash_check_costs_its_reference_mma_row_sums_and_comparisons():
     own = flash_protection(shape)
     assert list(own) == list(FLASH_SECTIONS)
     assert {c.section for c in FLASH_CHECKS} == set(FLASH_SECTIONS)
+    rows = shape.micro_batch * shape.heads * shape.seq  # each in one program a kernel
 
     def gemm(elements):  # one tile GEMM's FLOPs over S
         return 2 * width * elements
 
+    summed = rows * 2 * 16 * width
     flops = {
-        scores: 16 / f * gemm(fwd),
+        scores: summed,
         context: 16 / width * gemm(fwd),
-        bwd_scores: 16 / k * gemm(dkdv) + 16 / q * gemm(dq),
-        grad_probs: 16 / k * gemm(dkdv) + 16 / q * gemm(dq),
+        bwd_scores: summed,
+        grad_probs: summed,
         grad_v: 16 / width * gemm(dkdv),
         grad_k: 16 / width * gemm(dkdv),
         grad_q: 16 / width * gemm(dq),
     }
     r = CHECK_ROW_OPS
+    compared = rows * r
+    deferred = rows * (width + r)
     vector = {
-        scores: fwd * (1 + r / f),
-        context: fwd * (width / f + r / f),
-        bwd_scores: dkdv * (1 + r / k) + dq * (1 + r / q),
-        grad_probs: dkdv * (1 + r / k) + dq * (1 + r / q),
-        grad_v: dkdv * (width / k + 1 + r / k),
-        grad_k: dkdv * (width / k + 2 + r / k),
-        grad_q: dq * (width / q + 2 + r / q),
+        scores: fwd + compared,
+        context: fwd * 16 / f + deferred,
+        bwd_scores: dkdv + compared + compared,
+        grad_probs: dkdv + compared + compared,
+        grad_v: deferred,
+        grad_k: deferred,
+        grad_q: 2 * dq + deferred,
     }
     for section, work in own.items():
         assert work.flops == pytest.approx(flops[section]), section
@@ -904,32 +933,31 @@ def test_each_flash_check_costs_its_reference_mma_row_sums_and_comparisons():
     assert flash_shared(shape)["identities"].vector == pytest.approx(dq * IDENTITY_OPS)
 
 
-def test_the_flash_checks_cost_less_as_head_dim_or_tile_width_grows(monkeypatch):
-    """The in-kernel checks' share of the flash kernels' time falls as the tiles widen (the
-    reference MMA of a head_dim-wide tile and the comparisons go as 1 over the loop side), and
-    so does the step's overhead; and it falls as the head dim grows (the reference of a P or dS
-    tile is 16 / head_dim of its GEMM). Tiles of one side for every kernel."""
+def test_the_flash_checks_cost_less_as_head_dim_grows_whatever_the_tiles(monkeypatch):
+    """The in-kernel checks' share of the flash kernels' time falls as the head dim grows (the
+    reference of a P or dS tile is 16 / head_dim of its GEMM), and hardly moves with the tiles'
+    side: the checks of S and dP and every comparison run once a program, not once a tile.
+    Tiles of one side for every kernel."""
     from megatron_abft.flash.launch import Blocks
     from megatron_abft.tuning import scaling
 
     device = DEVICES["H100"]
 
-    def overheads(head_dim, side):
+    def share(head_dim, side):
         monkeypatch.setattr(
             scaling, "blocks", lambda kernel, width, dtype: Blocks(side, side, 4, 2)
         )
         shape = ModelShape("m", 4, 1024, 1024 // head_dim, 4096, 1000, seq=2048, micro_batch=2)
         own = sum(flash_protection(shape).values(), Work())
         kernels = sum(flash_baseline(shape).values(), Work())
-        share = device.check_time(own, "bf16") / device.time(kernels, "bf16")
-        return share, predict(shape, device, "flash").step
+        return device.check_time(own, "bf16") / device.time(kernels, "bf16")
 
     sides = (16, 32, 64, 128)
-    for head_dim in (64, 128):
-        found = [overheads(head_dim, side) for side in sides]
-        assert found == sorted(found, reverse=True) and len(set(found)) == len(found), found
     for side in sides:
-        assert overheads(64, side)[0] > overheads(128, side)[0]
+        assert share(64, side) > share(128, side)
+    for head_dim in (64, 128):
+        found = [share(head_dim, side) for side in sides]
+        assert max(found) < 1.1 * min(found), found
 
 
 def test_the_flash_path_predicts_every_section_and_its_shared_work_once_a_step():
