@@ -3,17 +3,19 @@
 # first carry megatron-core and the CUDA extension built here (it holds sm_80 and sm_90 code):
 #     python -m pip download --no-deps megatron-core==0.19.2 -d wheels
 #     make install            # builds megatron_abft/_C*.so
-# then run (device tool): bash tools/gpu_check.sh
+# then run (device tool): ABFT_COMMIT=<the commit> bash tools/gpu_check.sh
 #     with carry: ["wheels", "megatron_abft/_C.cpython-312-x86_64-linux-gnu.so"]
 # Phase 1 sets up (the carried extension, else a build for sm_90). Phase 2 runs the correctness
 # work side by side, since none of it is timed: the GPU tests of the compiled kernels and of the
 # flash kernels, compute-sanitizer (every CUDA kernel through the known-answer self-test, a few
 # tests, the flash kernels), the no-false-alarm sweeps on the tensor cores (unfused GEMMs, flash
 # tiles), and Megatron-LM's own pretrain() with --abft and injected faults, on both paths.
-# Phase 3 times, one benchmark at a time: GPT-3 350M's step on the unfused and on the flash
-# path, then the attention and kernel benchmarks, then the step at micro-batch 4. Each step has
-# a time limit of its own (seconds) and none runs past DEADLINE; a step cut short leaves its log
-# and the next one runs.
+# Phase 3 times, one benchmark at a time: the attention per call (the protected flash kernels,
+# their checks compiled out, SDPA's flash and cuDNN), GPT-3 350M's step on the flash and the
+# unfused path at micro-batch 8, then summary.json (tools/gpu_summary.py), then the step at
+# micro-batch 1 and the checksum kernels. Phase 4 times the flash kernels' tile candidates
+# (tools/flash_tune.py). Each step has a time limit of its own (seconds) and none runs past
+# DEADLINE; a step cut short leaves its log and the next one runs.
 # SKIP="name ..." leaves steps out (a second call that reruns what failed). Logs and JSON go to
 # $OUT/gpu.tar.gz (the device tool brings back at most 8 files), the summary to
 # $OUT/summary.txt. Results of a run: docs/figures/gpu/, docs/benchmarks.md.
@@ -141,21 +143,25 @@ PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
 wait
 
 # --- 3. timing, one at a time ---------------------------------------------------------------
+step bench_attention 120 $PY -m tools.bench_attention --models "GPT-3 350M" "Llama-2 7B" \
+    --seqs 2048 8192 --json "$WORK/bench_attention.json"
 GPT3_350M="--layers 24 --hidden 1024 --heads 16 --seq 2048 --vocab 50304 --dtype bf16"
+# micro-batch 8, where real runs train; then 1, where the host bounds the step
 # shellcheck disable=SC2086
-for attention in unfused flash; do
+for attention in flash unfused; do
+    step "overhead_350m_mb8_$attention" 120 $PY -m tools.bench_overhead $GPT3_350M \
+        --attention "$attention" --reps 6 --no-per-section --micro-batch 8 \
+        --out "$WORK/bench_gpt3_350m_mb8_$attention.json"
+done
+# the headline figures as soon as they exist: a later step's time-out loses nothing
+step summary 20 $PY -m tools.gpu_summary "$WORK" --out "$OUT/summary.json"
+# shellcheck disable=SC2086
+for attention in flash unfused; do
     step "overhead_350m_$attention" 90 $PY -m tools.bench_overhead $GPT3_350M \
         --attention "$attention" --reps 10 --no-per-section \
         --out "$WORK/bench_gpt3_350m_$attention.json"
 done
-step bench_attention 120 $PY -m tools.bench_attention --models "GPT-3 350M" "Llama-2 7B" \
-    --seqs 2048 8192 --json "$WORK/bench_attention.json"
 step bench_kernels 30 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
     --heads 16
-# micro-batch 4: at 1 the host bounds the step (each check's ops cost it about 60 us)
-# shellcheck disable=SC2086
-for attention in unfused flash; do
-    step "overhead_350m_mb4_$attention" 90 $PY -m tools.bench_overhead $GPT3_350M \
-        --attention "$attention" --reps 6 --no-per-section --micro-batch 4 \
-        --out "$WORK/bench_gpt3_350m_mb4_$attention.json"
-done
+# --- 4. the flash kernels' tiles, timed (a second call: SKIP the steps above) ----------------
+step flash_tune 300 $PY -m tools.flash_tune --out "$WORK/tuned_tiles.json"
