@@ -24,13 +24,17 @@ from megatron_abft.flash import FlashFault, FlashLedger, flash_attention
 from megatron_abft.flash.faults import first_computations
 
 
-def positions(section: str, seq: int) -> list[tuple[int, int]]:
+def positions(section: str, seq: int, matrix: torch.Tensor) -> list[tuple[int, int]]:
     """Elements of the section's matrix to perturb: late rows, where a row has seen many tiles;
-    for S and dP a visible (causal) column in the middle of the row."""
-    rows = (seq - 3, (3 * seq) // 4, seq // 2 + 1)
-    if section in ("scores", "bwd_scores", "grad_probs"):
-        return [(r, r // 2) for r in rows]
-    return [(r, 5) for r in rows]
+    for S and dP a visible (causal) column in the middle of the row. A row whose first
+    computation is all zeros (in dK/dV, a key that its block's first query tile does not see)
+    gives way to the nearest earlier row that has one: an error there has a size to scale."""
+    found = []
+    for r in (seq - 3, (3 * seq) // 4, seq // 2 + 1):
+        while r > 0 and not matrix[r].any():
+            r -= 1
+        found.append((r, r // 2) if section in ("scores", "bwd_scores", "grad_probs") else (r, 5))
+    return found
 
 
 def flagged(q, k, v, do, section: str, at: tuple[int, int], value: float) -> bool:
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         for section in args.sections:
             limits = [
                 limit(q, k, v, do, section, at, matrices[section], args.steps)
-                for at in positions(section, args.seq)
+                for at in positions(section, args.seq, matrices[section])
             ]
             results.setdefault(name, {})[section] = max(limits)
             print(name, section, [f"{x:.2e}" for x in limits], flush=True)
