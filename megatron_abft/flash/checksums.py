@@ -172,18 +172,17 @@ class Backward:
     ROWS (0 past its end)."""
     odo: Tensor
     """``sum |dO| |O|`` a row, the rounding of the stored O in Delta (``delta`` when not made)."""
-    grad_rows: Tensor
-    """``[batch * heads, tiles * block, WIDTH]``, dO's tiles for P^T (dV's reference and dV's
-    and dK's masses): parts of ``dO e`` in columns 0-2, ``|dO| e`` in 3-5, ``||dO_m|| (|Q| e)_m``
-    in 9-11 and ``|Delta_m| (|Q| e)_m`` in 12-14."""
-    query_rows: Tensor
-    """``[batch * heads, tiles * block, WIDTH]``, Q's tiles for dS^T: parts of ``Q e`` in
-    columns 6-8 (dK's reference)."""
+    rows: Tensor
+    """``[batch * heads, tiles * block, WIDTH]``: one tile a query block that both P^T's and
+    dS^T's MMAs take, each reading its own columns. For P^T (dV's reference, dV's and dK's
+    masses), dO's: parts of ``dO e`` in columns 0-2, ``|dO| e`` in 3-5, ``||dO_m|| (|Q| e)_m``
+    in 9-11 and ``|Delta_m| (|Q| e)_m`` in 12-14; for dS^T (dK's reference), Q's: parts of
+    ``Q e`` in 6-8."""
     columns: Tensor
     """``[batch * heads, tiles, width, WIDTH]``: the column sums of Q (columns 0-2) and of dO
     (3-5) over the tiles from each one to the last, for the per-head checks of S^T and dP^T."""
     stats: Tensor
-    """``[batch * heads, tiles, 8]`` fp32: the scales of grad_rows, query_rows and columns, the
+    """``[batch * heads, tiles, 8]`` fp32: the scales of rows' dO and Q columns and of columns, the
     Cauchy-Schwarz masses of Q's and dO's column sums from the tile to the last, and the tile's
     sums of grad_rows' columns 9-11 and 12-14 (unsplit)."""
 
@@ -207,8 +206,7 @@ def backward(
     made = Backward(
         delta,
         empty(matrices, padded, dtype=torch.float32) if odo else delta,
-        empty(matrices, tiles * block, WIDTH, wanted=rows),
-        empty(matrices, tiles * block, WIDTH, wanted=queries),
+        empty(matrices, tiles * block, WIDTH, wanted=rows or queries),
         empty(matrices, tiles, width, WIDTH, wanted=columns),
         empty(matrices, tiles, 8, dtype=torch.float32, wanted=rows or queries or columns),
     )
@@ -216,7 +214,7 @@ def backward(
     module = build.for_device(sys.modules[__name__], q.device)
     headroom = HEADROOM.get(q.dtype, 0)
     module._backward_kernel[(padded // block, matrices)](
-        o, do, q, made.delta, made.odo, made.grad_rows, made.query_rows, sums, made.stats,
+        o, do, q, made.delta, made.odo, made.rows, sums, made.stats,
         *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles,
         BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows, QUERIES=queries, COLUMNS=columns,
         HEADROOM=headroom, num_warps=4, num_stages=1,
@@ -231,7 +229,7 @@ def backward(
 
 @triton.jit
 def _backward_kernel(
-    OUT, DO, Q, DELTA, ABS, GR, QR, CF, ST, sob, soh, som, sod, sdob, sdoh, sdom, sdod, sqb, sqh,
+    OUT, DO, Q, DELTA, ABS, RW, CF, ST, sob, soh, som, sod, sdob, sdoh, sdom, sdod, sqb, sqh,
     sqm, sqd, H, N, D, TILES, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ODO: tl.constexpr,
     ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr, HEADROOM: tl.constexpr,
 ):  # fmt: skip
@@ -264,6 +262,8 @@ def _backward_kernel(
             base = (bh * tiles + tile).to(tl.int64)
             column = tl.arange(0, 16)[None, :]
             at_rows = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column
+            dtype = RW.dtype.element_ty
+            parts = tl.zeros([BLOCK, 16], tl.float32)
             if ROWS:
                 qa = tl.sum(tl.abs(q), 1)
                 r = tl.sum(do, 1)
@@ -272,19 +272,18 @@ def _backward_kernel(
                 by_delta = tl.abs(delta) * qa
                 peak = tl.maximum(tl.maximum(tl.max(a, 0), tl.max(by_norm, 0)), tl.max(by_delta, 0))
                 scale = _scale(peak, HEADROOM)
-                dtype = GR.dtype.element_ty
-                parts = _split(r / scale, 0, dtype) + _split(a / scale, 3, dtype)
+                parts += _split(r / scale, 0, dtype) + _split(a / scale, 3, dtype)
                 parts += _split(by_norm / scale, 9, dtype) + _split(by_delta / scale, 12, dtype)
-                tl.store(GR + at_rows, parts.to(dtype))
                 tl.store(ST + base * 8, scale)
                 tl.store(ST + base * 8 + 5, tl.sum(by_norm, 0))  # for fp16's subnormal P~
                 tl.store(ST + base * 8 + 6, tl.sum(by_delta, 0))
             if QUERIES:
                 r = tl.sum(q, 1)
                 scale = _scale(tl.max(tl.sum(tl.abs(q), 1), 0), HEADROOM)
-                dtype = QR.dtype.element_ty
-                tl.store(QR + at_rows, _split(r / scale, 6, dtype).to(dtype))
+                parts += _split(r / scale, 6, dtype)
                 tl.store(ST + base * 8 + 1, scale)
+            if ROWS or QUERIES:
+                tl.store(RW + at_rows, parts.to(dtype))
             if COLUMNS:
                 tl.store(CF + (base * 2) * HEAD_DIM + dims, tl.sum(q, 0))
                 tl.store(CF + (base * 2 + 1) * HEAD_DIM + dims, tl.sum(do, 0))

@@ -486,17 +486,17 @@ def _fwd_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, gr_src, qr_src, LSE, DELTA,
-    ST, INJ, D, sqm, sdom,
-    qk_scale, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, w_again, LSE, DELTA, ST,
+    INJ, D, sqm, sdom, qk_scale, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_V: tl.constexpr, CHECK_K: tl.constexpr,
     SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
 ):
     """The key block's query tiles ``[lo, hi)`` of its head: S^T = K Q^T and dP^T = V dO^T
     with their row sums accumulated (checked per head), dV += P^T dO and dK += dS^T Q with their
-    references and masses accumulated beside them, ``vref`` from P^T and ``kref`` from dS^T
-    (checksums.Backward's columns; two accumulators, so that neither MMA waits for the other).
+    references and masses accumulated beside them, ``vref`` from P^T and ``kref`` from dS^T,
+    both against the query tile's one checksum tile (checksums.Backward.rows, each reading its
+    own columns; two accumulators, so that neither MMA waits for the other).
     ``first``: the head's first query tile, whose products a transient fault in dV or dK
     hits."""
     offs_mb = tl.arange(0, BLOCK_M)
@@ -526,7 +526,7 @@ def _dkdv_tiles(
         if INJECT:
             dv = _corrupt(dv, offs_n[:, None], offs_d[None, :], bh, GRAD_V, fresh, INJ)
         if CHECK_V or CHECK_K:  # P^T (dO e), P^T (|dO| e), and dK's masses
-            w = _read(gr_src, start_m, N_Q, W, W, BLOCK_M, W, TMA)
+            w = _read(w_src, start_m, N_Q, W, W, BLOCK_M, W, TMA)
             vref = _accumulate_ref(vref, pt_lo, w, st_tile, SCALED)
         dpt = _mma(v, tl.trans(do), None)
         if INJECT:
@@ -538,8 +538,9 @@ def _dkdv_tiles(
         dk = _mma(dst_lo, q, dk)
         if INJECT:
             dk = _corrupt(dk, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
-        if CHECK_K:  # dS^T (Q e)
-            w = _read(qr_src, start_m, N_Q, W, W, BLOCK_M, W, TMA)
+        if CHECK_K:  # dS^T (Q e), from the same tile
+            if HEAD_DIM > 64:  # held across dP^T and dS^T at head dim 128 it spills: read again
+                w = _read(w_again, start_m, N_Q, W, W, BLOCK_M, W, TMA)
             kref = _accumulate_ref(kref, dst_lo, w, st_tile + 1, SCALED)
         st_tile += 8
         lse_tile += BLOCK_M
@@ -549,7 +550,7 @@ def _dkdv_tiles(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, GR, QR, CP, ST, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
+    Q, K, V, DO, LSE, DELTA, DK, DV, RW, RW_AGAIN, CP, ST, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
     qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, H, GROUP, N_Q, N_K, D,
     ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -559,8 +560,9 @@ def _bwd_dkdv_kernel(
     """dK and dV of one key block of one (batch, query head): with grouped-query attention
     each query head's share, into DK and DV of that head (the launch sums a group's). LSE and
     DELTA hold ROWS_Q (>= N_Q) values a head, so that queries past the end read finite values:
-    their Q and dO read as zeros and they add nothing, with no mask. GR, QR, CP, ST: the
-    checksum tiles of dO and Q of BLOCK_M queries (checksums.Backward).
+    their Q and dO read as zeros and they add nothing, with no mask. RW, CP, ST: the checksum
+    tiles of dO and Q of BLOCK_M queries (checksums.Backward); RW_AGAIN is RW, passed twice so
+    that the compiler keeps a second read of it apart.
 
     The query tiles run in two loops: the causal diagonal's (masked), then the interior's (and
     without a causal mask the first tile in the masked loop: with the interior loop first,
@@ -596,8 +598,8 @@ def _bwd_dkdv_kernel(
     do_src = _tiles(DO, N_Q, D, sdom, BLOCK_M, HEAD_DIM, TMA)
     TILES_Q = tl.cdiv(N_Q, BLOCK_M)
     at = bh.to(tl.int64) * TILES_Q * BLOCK_M * W  # dO's and Q's checksum tiles, as Q's
-    gr_src = _tiles(GR + at, N_Q, W, W, BLOCK_M, W, TMA)
-    qr_src = _tiles(QR + at, N_Q, W, W, BLOCK_M, W, TMA)
+    w_src = _tiles(RW + at, N_Q, W, W, BLOCK_M, W, TMA)
+    w_again = _tiles(RW_AGAIN + at, N_Q, W, W, BLOCK_M, W, TMA)
     ST += bh.to(tl.int64) * TILES_Q * 8
     LSE += bh.to(tl.int64) * ROWS_Q
     DELTA += bh.to(tl.int64) * ROWS_Q
@@ -622,12 +624,12 @@ def _bwd_dkdv_kernel(
     srow = tl.zeros([BLOCK_N], tl.float32)
     prow = tl.zeros([BLOCK_N], tl.float32)
     dk, dv, vref, kref, srow, prow = _dkdv_tiles(
-        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, gr_src, qr_src, LSE, DELTA,
+        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, w_again, LSE, DELTA,
         ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, lo, diagonal, lo, first_pass, BLOCK_M, BLOCK_N,
         HEAD_DIM, True, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, TMA,
     )
     dk, dv, vref, kref, srow, prow = _dkdv_tiles(
-        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, gr_src, qr_src, LSE, DELTA,
+        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, w_again, LSE, DELTA,
         ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, diagonal, interior, lo, first_pass, BLOCK_M,
         BLOCK_N, HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, TMA,
     )
