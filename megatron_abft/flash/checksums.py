@@ -1,4 +1,5 @@
-"""The flash kernels' checksum vectors, made by one Triton launch a tensor before a kernel runs.
+"""The flash kernels' checksum vectors, made by Triton launches before a kernel runs (one for
+K and V, one for Q and dO).
 
 A tile check compares ``C e`` with ``A (B e)``. The kernels take ``B e`` as the second operand
 of a small MMA, ``A @ W`` with ``W [k, 16]``, so that the reference runs on the tensor cores
@@ -59,36 +60,47 @@ class Sums:
     norm."""
 
 
-def sums(
-    x: Tensor, block: int, width: int, columns: bool, rows: bool
-) -> tuple[Sums | None, Sums | None]:
-    """The column sums of ``x [b, h, n, d]``'s ``block``-row tiles, each over the tiles from the
-    first to it (a prefix), and each tile's row sums, padded to ``width`` columns (None for a
-    kind not asked for): one launch over ``x``, and one more for the prefix sums."""
-    b, h, n, d = x.shape
+def key_value_sums(
+    k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool
+) -> tuple[Sums | None, Sums | None, Sums | None]:
+    """K's column sums (each over the tiles from the first to it, a prefix) and row sums, and
+    V's row sums, of ``block``-row tiles padded to ``width`` columns (None for a kind not asked
+    for): one launch over K and V, and one more for the prefix sums."""
+    b, h, n, d = k.shape
     tiles = triton.cdiv(n, block)
     matrices = b * h
 
-    def empty(*shape, dtype=x.dtype):
-        return torch.empty(*shape, dtype=dtype, device=x.device)
+    def empty(*shape, dtype=k.dtype):
+        return torch.empty(*shape, dtype=dtype, device=k.device)
+
+    def row_sums():
+        stats = (matrices, tiles, 3)
+        return Sums(empty(matrices, tiles * block, WIDTH), empty(*stats, dtype=torch.float32))
 
     made = (
         Sums(empty(matrices, tiles, width, WIDTH), empty(matrices, tiles, 3, dtype=torch.float32))
         if columns
         else None,
-        Sums(empty(matrices, tiles * block, WIDTH), empty(matrices, tiles, 3, dtype=torch.float32))
-        if rows
-        else None,
+        row_sums() if k_rows else None,
+        row_sums() if v_rows else None,
     )
-    placeholder = made[0] or made[1]
-    col, row = (s or placeholder for s in made)
+    if not any(made):
+        return made
+    # program 0 of a tile takes K (V where nothing of K's is asked for), program 1 V's row sums;
+    # a kind not asked for writes nowhere, its arguments any buffer that was made
+    placeholder = next(s for s in made if s)
+    of_k = columns or k_rows
+    x, x_rows = (k, made[1]) if of_k else (v, made[2])
+    both = of_k and v_rows
+    col, row = made[0] or placeholder, x_rows or placeholder
+    y = made[2] if both else placeholder
     column_sums = empty(matrices, tiles, width, dtype=torch.float32) if columns else col.stats
-    module = build.for_device(sys.modules[__name__], x.device)
-    headroom = HEADROOM.get(x.dtype, 0)
-    module._sums_kernel[(tiles, matrices)](
-        x, column_sums, col.stats, row.parts, row.stats, *x.stride(), h, n, d,
-        BLOCK=block, HEAD_DIM=width, COLUMNS=columns, ROWS=rows, HEADROOM=headroom,
-        num_warps=4, num_stages=1,
+    module = build.for_device(sys.modules[__name__], k.device)
+    headroom = HEADROOM.get(k.dtype, 0)
+    module._sums_kernel[(tiles, matrices, 2 if both else 1)](
+        x, column_sums, col.stats, row.parts, row.stats, *x.stride(), v, y.parts, y.stats,
+        *v.stride(), h, n, d, BLOCK=block, HEAD_DIM=width, COLUMNS=columns,
+        ROWS=x_rows is not None, HEADROOM=headroom, num_warps=4, num_stages=1,
     )  # fmt: skip
     if columns:
         module._running_kernel[(matrices,)](
@@ -124,12 +136,26 @@ def _split(w, first: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _sums_kernel(
-    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D,
+    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, Y, YP, YS, syb, syh, syn, syd, H, N, D,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
     HEADROOM: tl.constexpr,
 ):  # fmt: skip
-    """One tile of one (batch, head) of X: its column sums (CF, fp32, and their masses in CS)
-    and its row sums (RP, RS), as Sums lays them out."""
+    """One tile of one (batch, head): program 0 on axis 2 takes X's column sums (CF, fp32, and
+    their masses in CS) and row sums (RP, RS), program 1 Y's row sums (YP, YS), as Sums lays
+    them out."""
+    if tl.program_id(2) == 0:
+        _tile_sums(X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D, BLOCK, HEAD_DIM, COLUMNS, ROWS,
+                   HEADROOM)  # fmt: skip
+    else:
+        _tile_sums(Y, CF, CS, YP, YS, syb, syh, syn, syd, H, N, D, BLOCK, HEAD_DIM, False, True,
+                   HEADROOM)  # fmt: skip
+
+
+@triton.jit
+def _tile_sums(
+    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    COLUMNS: tl.constexpr, ROWS: tl.constexpr, HEADROOM: tl.constexpr,
+):  # fmt: skip
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     tiles = tl.num_programs(0)

@@ -238,8 +238,9 @@ def forward(
     o = torch.empty_like(q)
     rows = triton.cdiv(n_q, checksums.ROWS) * checksums.ROWS
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
-    kc, _ = _sums(k, tiles.block_n, width, checks.has(kernels.SCORES), False)
-    _, vr = _sums(v, tiles.block_n, width, False, checks.has(kernels.CONTEXT))
+    kc, _, vr = _key_value_sums(
+        k, v, tiles.block_n, width, checks.has(kernels.SCORES), False, checks.has(kernels.CONTEXT)
+    )
     grid = (triton.cdiv(n_q, tiles.block_m), batch * heads)
     # fmt: off
     _twice(
@@ -313,8 +314,10 @@ def backward(
     tiles = blocks("dq", width, q.dtype, q.device)
     # K's row sums check dQ; their largest row norm, with V's, bounds sum P = 1 and sum dS = 0
     identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
-    _, kr = _sums(k, tiles.block_n, width, False, identities or checks.has(kernels.GRAD_Q))
-    _, vr = _sums(v, tiles.block_n, width, False, checks.has(kernels.GRAD_PROBS))
+    _, kr, vr = _key_value_sums(
+        k, v, tiles.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
+        checks.has(kernels.GRAD_PROBS),
+    )  # fmt: skip
     # fmt: off
     grid = (triton.cdiv(n_q, tiles.block_m), batch * heads)
     _twice(
@@ -388,13 +391,13 @@ def tma_ready(x: Tensor) -> Tensor:
     return copy[..., : x.shape[-1]]
 
 
-def _sums(
-    x: Tensor, block: int, width: int, columns: bool, rows: bool
-) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """``x``'s column and row sums (checksums.sums) as kernel arguments, parts and stats,
-    placeholders for a kind not asked for; one launch when either is."""
-    made = checksums.sums(x, block, width, columns, rows) if columns or rows else (None, None)
-    placeholder = torch.empty(0, dtype=x.dtype, device=x.device)
+def _key_value_sums(
+    k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool
+) -> tuple[tuple[Tensor, Tensor], ...]:
+    """K's column and row sums and V's row sums (checksums.key_value_sums) as kernel arguments,
+    parts and stats, placeholders for a kind not asked for."""
+    made = checksums.key_value_sums(k, v, block, width, columns, k_rows, v_rows)
+    placeholder = torch.empty(0, dtype=k.dtype, device=k.device)
     return tuple((s.parts, s.stats) if s else (placeholder, placeholder) for s in made)
 
 

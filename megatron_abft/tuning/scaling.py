@@ -746,7 +746,8 @@ each program reads its flag and returns, unless its first pass flagged."""
 
 @dataclass(frozen=True)
 class Prepass:
-    """One launch that makes checksum tiles before a kernel (megatron_abft.flash.checksums)."""
+    """The checksum tiles of one operand, made before a kernel (megatron_abft.flash.checksums),
+    and the launches that make them (0: in another operand's launch)."""
 
     query: bool
     """Its operands are query-sized (Q, dO), else KV-sized (K, V)."""
@@ -764,16 +765,16 @@ class Prepass:
 
 
 PREPASS = {
-    "forward": (Prepass(False, 1, columns=1, launches=2), Prepass(False, 1, rows=1)),
+    "forward": (Prepass(False, 1, columns=1, launches=2), Prepass(False, 1, rows=1, launches=0)),
     "dkdv": (Prepass(True, 1, rows=1, columns=2, stats=8),),
-    "dq": (Prepass(False, 1, rows=1), Prepass(False, 1, rows=1)),
+    "dq": (Prepass(False, 1, rows=1), Prepass(False, 1, rows=1, launches=0)),
 }
 """The checksum tiles launch.py makes before each kernel when all its sections are due: the
-forward's of K (the prefix sums of its columns: checksums.sums and its running sums) and of V
-(rows), tiled by its block_n; dK/dV's from the prologue that computes Delta anyway
-(checksums.backward: one tile of dO's and Q's rows, their suffix column sums, from one more
-read of Q and one launch of running sums), tiled by its block_m; dQ's of K and V (rows), by its
-block_n."""
+forward's of K (the prefix sums of its columns: checksums.key_value_sums and its running sums)
+and of V (rows) in the same launch, tiled by its block_n; dK/dV's from the prologue that
+computes Delta anyway (checksums.backward: one tile of dO's and Q's rows, their suffix column
+sums, from one more read of Q and one launch of running sums), tiled by its block_m; dQ's of K
+and V (rows), one launch, by its block_n."""
 FOUND_OPS = 1
 """Launches of one call's findings buffer (launch.Found.empty: one zero fill), made by each of
 the forward's and the backward's ops when they check anything."""

@@ -770,8 +770,7 @@ def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtyp
         return sum(t.numel() * t.element_size() for t in tensors)
 
     block = launch_tiles("forward", torch_dtype)
-    columns, _ = checksums.sums(key, block, width, True, False)
-    _, rows_v = checksums.sums(key, block, width, False, True)
+    columns, _, rows_v = checksums.key_value_sums(key, key, block, width, True, False, True)
     fp32_sums = columns.stats.shape[1] * width * 4 * b * shape.groups
     written = (
         2 * size(key)
@@ -779,9 +778,8 @@ def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtyp
         + 2 * fp32_sums
     )
     block = launch_tiles("dq", torch_dtype)
-    for _ in "kv":
-        _, rows_kv = checksums.sums(key, block, width, False, True)
-        written += size(key, rows_kv.parts, rows_kv.stats)
+    _, rows_k, rows_v = checksums.key_value_sums(key, key, block, width, False, True, True)
+    written += size(key, key, rows_k.parts, rows_k.stats, rows_v.parts, rows_v.stats)
     block = launch_tiles("dkdv", torch_dtype)
     made = checksums.backward(o, do, query, block, width, False, True, True, True)
     fp32_sums = made.stats.shape[1] * 2 * width * 4 * b * shape.heads
