@@ -74,8 +74,9 @@ def key_value_sums(
         return torch.empty(*shape, dtype=dtype, device=k.device)
 
     def row_sums():
-        stats = (matrices, tiles, 3)
-        return Sums(empty(matrices, tiles * block, WIDTH), empty(*stats, dtype=torch.float32))
+        return Sums(
+            empty(matrices, tiles * block, WIDTH), empty(matrices, tiles, 3, dtype=torch.float32)
+        )
 
     made = (
         Sums(empty(matrices, tiles, width, WIDTH), empty(matrices, tiles, 3, dtype=torch.float32))
@@ -208,9 +209,9 @@ class Backward:
     """``[batch * heads, tiles, width, WIDTH]``: the column sums of Q (columns 0-2) and of dO
     (3-5) over the tiles from each one to the last, for the per-head checks of S^T and dP^T."""
     stats: Tensor
-    """``[batch * heads, tiles, 8]`` fp32: the scales of rows' dO and Q columns and of columns, the
-    Cauchy-Schwarz masses of Q's and dO's column sums from the tile to the last, and the tile's
-    sums of grad_rows' columns 9-11 and 12-14 (unsplit)."""
+    """``[batch * heads, tiles, 8]`` fp32: the scales of rows' dO columns, of its Q columns and
+    of columns, the Cauchy-Schwarz masses of Q's and dO's column sums from the tile to the last,
+    and the tile's sums of rows' columns 9-11 and 12-14 (unsplit)."""
 
 
 def backward(
