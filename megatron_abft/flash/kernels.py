@@ -539,7 +539,7 @@ def _dkdv_tiles(
         if INJECT:
             dk = _corrupt(dk, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
         if CHECK_K:  # dS^T (Q e), from the same tile
-            if HEAD_DIM > 64:  # held across dP^T and dS^T at head dim 128 it spills: read again
+            if HEAD_DIM > 64 and not SCALED:  # bf16 at 128 spills holding it: read it again
                 w = _read(w_again, start_m, N_Q, W, W, BLOCK_M, W, TMA)
             kref = _accumulate_ref(kref, dst_lo, w, st_tile + 1, SCALED)
         st_tile += 8
