@@ -7,7 +7,9 @@ be pickled; one spawn should run many cases, since starting a rank costs seconds
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import random
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -17,9 +19,19 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768 and up): a port the kernel hands
+    out itself can be handed again to another process's gloo connection before rank 0 binds it
+    (EADDRINUSE), while a port outside that range is only ever taken by an explicit bind."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767 after 100 tries")
 
 
 MEGATRON_LM_FLAGS = [
@@ -34,6 +46,19 @@ MEGATRON_LM_FLAGS = [
 ]  # fmt: skip
 """Megatron-LM's own flags for a tiny GPT on CPU on the protected spec (with ``--abft``), for
 the tests that run Megatron-LM's parser and model builder."""
+
+
+PRELOAD = ("megatron.core.models.gpt", "megatron_abft.spec", "megatron_abft.cpu")
+"""What the ranks' fork server imports once, for every rank it starts."""
+
+
+def start_ranks(worker, args: tuple, nprocs: int) -> None:
+    """Run ``worker(rank, *args)`` on ``nprocs`` processes and join them. They fork from a
+    server that has imported Megatron-core once (multiprocessing's forkserver, started per
+    pytest worker): a fresh interpreter would pay about 10 s of imports a rank. The server
+    runs no torch op, so forking it is safe."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def _worker(rank, world, tp, port, out_dir, fn, args):
@@ -59,7 +84,7 @@ def _worker(rank, world, tp, port, out_dir, fn, args):
 def spawn(world: int, tp: int, fn, *args) -> list:
     """Each rank's return value (or the exception it raised)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, tp, free_port(), out_dir, fn, args), nprocs=world)
+        start_ranks(_worker, (world, tp, free_port(), out_dir, fn, args), world)
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world)

@@ -1,7 +1,7 @@
 """megatron-core on a CPU-only host through ``enable_cpu_mode()``: TP=2 numerics, the full
 Megatron training stack, activation recompute, and the patches' idempotence.
 
-Every test spawns fresh gloo processes (``torch.multiprocessing.spawn``), so no patch reaches the
+Every test starts fresh gloo processes (``mcore.start_ranks``), so no patch reaches the
 pytest process. Workers run Megatron's own calls unchanged, ``model_parallel_cuda_manual_seed``
 included.
 """
@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from mcore import free_port
+from mcore import free_port, start_ranks
 
 SEED = 1234
 TINY = dict(layers=2, hidden=64, heads=4, seq=32, vocab=128, mbs=2)
@@ -30,8 +29,8 @@ def _hide_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _spawn(worker: Callable[..., None], nprocs: int, *args: Any) -> None:
-    """Run ``worker(rank, nprocs, port, *args)`` on ``nprocs`` fresh processes."""
-    mp.spawn(worker, args=(nprocs, free_port(), *args), nprocs=nprocs, join=True)
+    """Run ``worker(rank, nprocs, port, *args)`` on ``nprocs`` processes."""
+    start_ranks(worker, (nprocs, free_port(), *args), nprocs)
 
 
 def _init_dist(rank: int, world: int, port: int) -> None:
