@@ -4,22 +4,29 @@ The ABFT config reaches the protected modules through the spec's ``params``, so 
 them with ``build_module`` as usual; nothing in Megatron is patched. The core attention is the
 protected flash attention (megatron_abft.layers.flash_attention) or the protected unfused one
 (megatron_abft.layers.attention): ``attention="flash"``, ``"unfused"``, or ``"auto"``, flash where
-the flash kernels compile for this machine's GPU and unfused elsewhere.
+the flash kernels compile for this machine's GPU and can run the layer, unfused elsewhere.
 """
 
 from __future__ import annotations
 
 import copy
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_abft.config import ATTENTIONS, ABFTConfig
 from megatron_abft.layers.attention import ProtectedDotProductAttention
-from megatron_abft.layers.flash_attention import ProtectedFlashAttention, kernels_compile_here
+from megatron_abft.layers.flash_attention import (
+    ProtectedFlashAttention,
+    flash_refusal,
+    kernels_compile_here,
+)
 from megatron_abft.layers.linear import ProtectedColumnParallelLinear, ProtectedRowParallelLinear
 
 _LINEARS = {
@@ -32,13 +39,60 @@ def _module_of(entry) -> type:
     return entry.module if isinstance(entry, ModuleSpec) else entry
 
 
+class AutoProtectedAttention:
+    """``attention="auto"``, settled when Megatron builds each layer, from the layer's config:
+    the protected flash attention where its kernels compile for this machine's GPU and can run
+    the layer (flash_refusal: no attention dropout, a causal mask or none, ...), else the
+    protected unfused attention. Says once, on the first rank, which it chose and why.
+    Constructing it returns the chosen attention."""
+
+    def __new__(
+        cls,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        **kwargs,
+    ):
+        if not kernels_compile_here():
+            chosen, why = ProtectedDotProductAttention, "no GPU here compiles the flash kernels"
+        elif refusal := flash_refusal(config, attn_mask_type, attention_dropout):
+            chosen, why = ProtectedDotProductAttention, refusal[0]
+        else:
+            chosen, why = ProtectedFlashAttention, "the flash kernels compile for this GPU"
+        _say_once(f"[abft] attention=auto: {chosen.__name__}, since {why}")
+        return chosen(
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type=attention_type,
+            attention_dropout=attention_dropout,
+            **kwargs,
+        )
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """Print ``line`` once a process, on the first rank only where ranks are up."""
+    if line in _SAID:
+        return
+    _SAID.add(line)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
 def core_attention(attention: str) -> type:
-    """The protected core attention ``attention`` names (one of ATTENTIONS) on this machine."""
+    """The protected core attention ``attention`` names (one of ATTENTIONS)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention={attention!r}: choose from {', '.join(ATTENTIONS)}")
-    if attention == "auto":
-        attention = "flash" if kernels_compile_here() else "unfused"
-    return ProtectedFlashAttention if attention == "flash" else ProtectedDotProductAttention
+    return {
+        "auto": AutoProtectedAttention,
+        "flash": ProtectedFlashAttention,
+        "unfused": ProtectedDotProductAttention,
+    }[attention]
 
 
 def apply_abft(
@@ -50,7 +104,9 @@ def apply_abft(
     config = abft_config if abft_config is not None else ABFTConfig()
     if not isinstance(config, ABFTConfig):
         raise TypeError(f"abft_config must be an ABFTConfig, got {type(config).__name__}")
-    swaps = {**_LINEARS, "core_attention": (DotProductAttention, core_attention(attention))}
+    # a spec protected before may be again (AutoProtectedAttention is no DotProductAttention)
+    cores = (DotProductAttention, AutoProtectedAttention)
+    swaps = {**_LINEARS, "core_attention": (cores, core_attention(attention))}
     spec = copy.copy(spec)
     spec.submodules = copy.copy(spec.submodules)
     attention = getattr(spec.submodules, "self_attention", None)
@@ -66,9 +122,10 @@ def apply_abft(
         entry = getattr(attention.submodules, name)
         module = _module_of(entry)
         if not (isinstance(module, type) and issubclass(module, stock)):
+            expected = stock[0] if isinstance(stock, tuple) else stock
             raise ValueError(
                 f"apply_abft: self_attention.{name} is {module!r}, not Megatron-core's "
-                f"{stock.__name__}; Transformer Engine and fused backends are not supported, "
+                f"{expected.__name__}; Transformer Engine and fused backends are not supported, "
                 "build the layer with get_gpt_layer_abft_spec (the local spec)"
             )
         params = dict(entry.params) if isinstance(entry, ModuleSpec) else {}
@@ -85,8 +142,9 @@ def get_gpt_layer_abft_spec(
     abft_config: ABFTConfig | None = None, attention: str = "auto", **kwargs
 ) -> ModuleSpec:
     """Megatron-core's ``get_gpt_layer_local_spec(**kwargs)`` with protected attention, the core
-    attention as ``attention`` says: "flash", "unfused" or "auto" (flash where the flash kernels
-    compile for this machine's GPU).
+    attention as ``attention`` says: "flash", "unfused" or "auto" (AutoProtectedAttention: flash
+    where the flash kernels compile for this machine's GPU and can run the layer, for instance
+    with no attention dropout).
 
     Megatron-LM's ``--spec megatron_abft.spec get_gpt_layer_abft_spec`` calls this with its model
     config in place of an ABFTConfig; the ABFT config then comes from its ``--abft*`` flags

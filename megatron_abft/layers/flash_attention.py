@@ -32,10 +32,45 @@ def kernels_compile_here() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
+def flash_refusal(
+    config: TransformerConfig, attn_mask_type: AttnMaskType, attention_dropout: float | None
+) -> tuple[str, str] | None:
+    """Why the flash kernels cannot run this attention, and what to do instead; None where they
+    can. Beside reject_unsupported's refusals, which hold for every protected attention."""
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        return (
+            f"attention dropout ({dropout}) is not supported by the flash kernels",
+            "set attention_dropout=0 (--attention-dropout 0) or use attention='unfused'",
+        )
+    if attn_mask_type not in MASKS:
+        return (
+            f"attn_mask_type={attn_mask_type.name} is not supported: the kernels apply a causal "
+            "mask or none",
+            "for padding or arbitrary masks use attention='unfused'",
+        )
+    if config.softmax_type != "vanilla":
+        return (f"softmax_type={config.softmax_type} is not supported", "use vanilla")
+    half = config.bf16 or config.fp16 or config.params_dtype != torch.float32
+    if torch.cuda.is_available() and not half:
+        return (
+            "fp32 attention on a GPU is not supported by the flash kernels (they take bf16 and "
+            "fp16, accumulating in fp32)",
+            "train in bf16 (--bf16) or use attention='unfused'",
+        )
+    if config.window_size is not None:
+        return (
+            f"sliding-window attention (window_size={config.window_size}) is not supported",
+            "use window_size=None",
+        )
+    return None
+
+
 class ProtectedFlashAttention(DotProductAttention):
     """Drop-in for DotProductAttention on the protected flash kernels. ``abft_config`` comes
-    through the layer spec's params. Refuses at construction what the kernels do not do:
-    attention dropout, masks other than causal or none, sliding windows, softmax offsets."""
+    through the layer spec's params. Refuses at construction what the kernels do not do
+    (flash_refusal): attention dropout, masks other than causal or none, sliding windows,
+    softmax offsets."""
 
     def __init__(
         self,
@@ -51,34 +86,8 @@ class ProtectedFlashAttention(DotProductAttention):
     ):
         where = "ProtectedFlashAttention"
         reject_unsupported(config, where, flash=True)
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(
-                f"{where}: attention dropout ({dropout}) is not supported by the flash kernels; "
-                "set attention_dropout=0 (--attention-dropout 0) or use attention='unfused'"
-            )
-        if attn_mask_type not in MASKS:
-            raise ValueError(
-                f"{where}: attn_mask_type={attn_mask_type.name} is not supported: the kernels "
-                "apply a causal mask or none; for padding or arbitrary masks use "
-                "attention='unfused'"
-            )
-        if config.softmax_type != "vanilla":
-            raise ValueError(
-                f"{where}: softmax_type={config.softmax_type} is not supported; use vanilla"
-            )
-        half = config.bf16 or config.fp16 or config.params_dtype != torch.float32
-        if torch.cuda.is_available() and not half:
-            raise ValueError(
-                f"{where}: fp32 attention on a GPU is not supported by the flash kernels (they "
-                "take bf16 and fp16, accumulating in fp32); train in bf16 (--bf16) or use "
-                "attention='unfused'"
-            )
-        if config.window_size is not None:
-            raise ValueError(
-                f"{where}: sliding-window attention (window_size={config.window_size}) is not "
-                "supported; use window_size=None"
-            )
+        if refusal := flash_refusal(config, attn_mask_type, attention_dropout):
+            raise ValueError(f"{where}: {refusal[0]}; {refusal[1]}")
         super().__init__(
             config,
             layer_number,

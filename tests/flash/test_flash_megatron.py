@@ -3,7 +3,9 @@
 faults in every section on either rank. Distributed tests spawn gloo ranks on CPU
 (tests/mcore.py), the kernels in Triton's interpreter; each test says how many ranks."""
 
+import contextlib
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -138,6 +140,7 @@ def test_a_persistent_fault_reaches_the_policy_on_every_rank():
 def _construction_worker():
     from megatron.core.transformer.enums import AttnBackend
 
+    from megatron_abft import spec as spec_module
     from megatron_abft.layers.attention import ProtectedDotProductAttention
     from megatron_abft.layers.flash_attention import ProtectedFlashAttention
     from megatron_abft.spec import get_gpt_layer_abft_spec
@@ -147,7 +150,16 @@ def _construction_worker():
         return type(model.decoder.layers[0].self_attention.core_attention)
 
     built = {name: core(name) for name in ("flash", "unfused", "auto")}
-    errors = {}
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        spec_module.kernels_compile_here = lambda: True  # as on a GPU: auto weighs the config
+        for dropout in (0.1, 0.0, 0.1):
+            model = build_gpt(Shape(dropout=dropout), get_gpt_layer_abft_spec(ABFTConfig()))
+            layers = model.decoder.layers
+            built[f"auto, GPU, dropout {dropout}"] = {
+                type(layer.self_attention.core_attention) for layer in layers
+            }
+    errors = {"said": said.getvalue()}
     spec = get_gpt_layer_abft_spec(ABFTConfig(), attention="flash")
     for name, shape in {"dropout": Shape(dropout=0.1)}.items():
         try:
@@ -173,6 +185,8 @@ def _construction_worker():
         "flash": ProtectedFlashAttention,
         "unfused": ProtectedDotProductAttention,
         "auto": ProtectedDotProductAttention,  # no GPU here
+        "auto, GPU, dropout 0.1": {ProtectedDotProductAttention},
+        "auto, GPU, dropout 0.0": {ProtectedFlashAttention},
     }, errors
 
 
@@ -184,6 +198,13 @@ def test_the_spec_builds_the_attention_asked_for_and_refuses_what_flash_lacks():
     assert errors["flash"] is None  # Megatron's flash backend is this attention now
     assert "attention_backend=fused is not supported" in errors["fused"]
     assert "attention='unfused'" in errors["padding"]
+    # auto says once what it chose for each reason, whatever the number of layers and builds
+    assert errors["said"].splitlines() == [
+        "[abft] attention=auto: ProtectedDotProductAttention, since attention dropout (0.1) is "
+        "not supported by the flash kernels",
+        "[abft] attention=auto: ProtectedFlashAttention, since the flash kernels compile for "
+        "this GPU",
+    ]
 
 
 def test_an_unknown_attention_is_refused():
