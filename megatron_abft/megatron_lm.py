@@ -215,7 +215,8 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="The protected core attention: flash (Triton kernels that check every tile GEMM "
         "of the forward and the backward; needs --attention-dropout 0 and a causal mask), "
         "unfused (Megatron's unfused attention with its scores and context checked), or auto "
-        "(flash where the kernels compile for the GPU, unfused elsewhere).",
+        "(flash where the kernels compile for the GPU and take the layer, unfused elsewhere, "
+        "for instance with attention dropout; it prints which and why).",
     )
     group.add_argument(
         "--abft-sections",
@@ -351,6 +352,41 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def fault_spec(fault: Fault) -> str:
+    """``fault`` as the ``--abft-inject`` spec parse_fault reads back: its section, kind and
+    step, and the keys that differ from a Fault's defaults."""
+    default = Fault(section=fault.section, step=fault.step)
+    items = []
+    for key, name in FAULT_KEYS.items():
+        value = getattr(fault, name)
+        if name in ("section", "kind", "step") or value != getattr(default, name):
+            if name == "block":
+                value = "x".join(str(size) for size in value)
+            elif name == "persistent":
+                value = "yes" if value else "no"
+            items.append(f"{key}={value}")
+    return ",".join(items)
+
+
+def run_config(args: argparse.Namespace) -> dict:
+    """The launch arguments as a W&B run config of JSON values: numbers, booleans, strings,
+    lists and mappings stay as they are, faults become their ``--abft-inject`` specs, and
+    anything else (dtypes, enums, paths) its string."""
+
+    def plain(value):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, Fault):
+            return fault_spec(value)
+        if isinstance(value, (list, tuple)):
+            return [plain(item) for item in value]
+        if isinstance(value, dict):
+            return {str(key): plain(item) for key, item in value.items()}
+        return str(value)
+
+    return {name: plain(value) for name, value in vars(args).items()}
+
+
 def parse_fault_rates(text: str) -> dict[str, float]:
     """``inf=1e-9,nan=1e-9,...`` -> {kind: rate}; kinds as megatron_abft.check.eec.KINDS."""
     rates = {}
@@ -443,6 +479,33 @@ def events_file(args: argparse.Namespace) -> str:
     return ABFTConfig.events_file
 
 
+def known_attention(args: argparse.Namespace) -> str | None:
+    """The core attention ``--abft-attention`` will build, where the flags settle it: flash or
+    unfused as named, and ``auto`` without a GPU for the kernels or with attention dropout
+    (megatron_abft.spec.AutoProtectedAttention); None where only the build can tell."""
+    attention = getattr(args, "abft_attention", "auto")
+    if attention != "auto":
+        return attention
+    from megatron_abft.layers.flash_attention import kernels_compile_here
+
+    if not kernels_compile_here() or getattr(args, "attention_dropout", 0.0):
+        return "unfused"
+    return None
+
+
+def launch_problems(args: argparse.Namespace) -> list[str]:
+    """What in the ``--abft*`` flags (and the Megatron flags they depend on) cannot run, one
+    message each, for the parser to refuse before any rank trains."""
+    problems = FaultPlan.from_args(args).problems()
+    dropout = getattr(args, "attention_dropout", 0.0)
+    if args.abft and args.abft_attention == "flash" and dropout:
+        problems.append(
+            f"--abft-attention flash needs --attention-dropout 0 (it is {dropout}): the flash "
+            "kernels have no dropout; or use --abft-attention auto or unfused"
+        )
+    return problems
+
+
 # --- faults, step by step --------------------------------------------------------------------
 
 
@@ -472,11 +535,16 @@ class FaultPlan:
     hidden_size: int = 0
     num_heads: int = 1
     head_dim: int | None = None
+    attention: str | None = None
+    """The core attention the model will build, "flash" or "unfused", to check that the faults'
+    sections exist in it; None: not known before the build (``auto`` on a GPU), sections are
+    checked when they land."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FaultPlan:
         bf16, fp16 = getattr(args, "bf16", False), getattr(args, "fp16", False)
         return cls(
+            attention=known_attention(args),
             explicit=list(args.abft_inject or []),
             every=args.abft_inject_every,
             sections=tuple(args.abft_inject_sections),
@@ -523,6 +591,7 @@ class FaultPlan:
                     f"--abft-inject: bit={fault.bit} is not a bit of a {bits}-bit value; use "
                     f"0..{bits - 1}"
                 )
+            found.extend(self._section_problems("--abft-inject", (fault.section,)))
             matrix = self.matrix(fault.section)
             if fault.block is not None and matrix is not None:
                 (h, w), (m, n) = fault.block, matrix
@@ -531,7 +600,22 @@ class FaultPlan:
                         f"--abft-inject: block={h}x{w} does not fit section {fault.section}'s "
                         f"{m}x{n} matrix on a rank"
                     )
-        return found
+        if self.every:
+            found.extend(self._section_problems("--abft-inject-sections", self.sections))
+        return list(dict.fromkeys(found))  # one message per problem, however many faults
+
+    def _section_problems(self, flag: str, sections: Iterable[str]) -> list[str]:
+        if self.attention is None:
+            return []
+        missing = "probs" if self.attention == "flash" else BACKWARD_SECTIONS
+        have = [s for s in MODEL_SECTIONS if s not in missing]
+        return [
+            f"{flag}: section={section} is not in the {self.attention} attention this run "
+            f"builds; use {', '.join(have)}, or --abft-attention "
+            f"{'unfused' if self.attention == 'flash' else 'flash'}"
+            for section in sections
+            if section in missing
+        ]
 
     def matrix(self, section: str) -> tuple[int, int] | None:
         """Rows and columns of the matrix a fault in ``section`` lands in, on one rank (per
@@ -614,9 +698,9 @@ def abft_from_megatron_lm() -> tuple[ABFTConfig | None, str, dict]:
     )
     if not args.abft and not (args.abft_inject or args.abft_inject_every):
         return None, args.abft_attention, layer_kwargs
-    plan = FaultPlan.from_args(args)
-    if problems := plan.problems():
+    if problems := launch_problems(args):
         raise ValueError("; ".join(problems))
+    plan = FaultPlan.from_args(args)
     config = abft_config_from_args(args)
     runtime = runtime_of(config)
     runtime.fault_plan = plan

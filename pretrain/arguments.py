@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from megatron_abft.megatron_lm import FaultPlan, add_abft_args, flag_names
+from megatron_abft.megatron_lm import add_abft_args, flag_names, launch_problems
 from megatron_abft.runtime.telemetry import WANDB_MODES
 
 PREFIXED_BLOCKS = ("abft", "wandb")
@@ -435,7 +435,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
         args.abft_events_file = os.path.join(args.save, "abft_events.jsonl")
     if args.data_cache_path is None and args.save is not None:
         args.data_cache_path = os.path.join(args.save, "data-cache")
-    problems.extend(FaultPlan.from_args(args).problems())
+    problems.extend(launch_problems(args))
     return problems
 
 

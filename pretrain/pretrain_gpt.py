@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from megatron_abft import ABFTUncorrectableError, finish_step, inject, set_step
-from megatron_abft.megatron_lm import FaultPlan, abft_config_from_args
+from megatron_abft.megatron_lm import FaultPlan, abft_config_from_args, run_config
 from megatron_abft.runtime.guard import iter_guards
 from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig
 from pretrain.arguments import parse_args
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
             wandb_save_dir=args.wandb_save_dir,
             wandb_mode=args.wandb_mode,
             wandb_entity=args.wandb_entity,
-            run_config={k: str(v) for k, v in vars(args).items()},
+            run_config=run_config(args),
         ),
         num_layers=args.num_layers,
         device=device,
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size} "
         f"({args.distributed_backend}); data: "
         f"{'MockGPTDataset' if args.mock_data else ' '.join(args.data_path)}\n"
-        f"> ABFT: {_abft_banner(args, plan)}"
+        f"> ABFT: {_abft_banner(args, plan, gpt)}"
     )
     step_func = partial(forward_step, args, gpt, device)
     logged_losses: dict[int, float] = {}
@@ -576,11 +576,20 @@ def _data_parallel_mean(losses: list[torch.Tensor]) -> float | None:
     return (mean / parallel_state.get_data_parallel_world_size()).item()
 
 
-def _abft_banner(args, plan: FaultPlan) -> str:
+def _abft_banner(args, plan: FaultPlan, model: torch.nn.Module) -> str:
+    """ABFT's line of the start banner: the attention built, and the sections it checks."""
+    from megatron_abft.layers.flash_attention import ProtectedFlashAttention
+
     if args.abft:
         config = abft_config_from_args(args)
-        intervals = ",".join(f"{s}={config.interval(s)}" for s in config.sections) or "none"
-        text = f"on: check every N steps {intervals}, uncorrectable -> {config.on_uncorrectable}"
+        built = {guard.section for guard in iter_guards(model)}
+        sections = [s for s in config.sections if s in built]
+        intervals = ",".join(f"{s}={config.interval(s)}" for s in sections) or "none"
+        flash = any(isinstance(m, ProtectedFlashAttention) for m in model.modules())
+        text = (
+            f"on, {'flash' if flash else 'unfused'} attention: check every N steps {intervals}, "
+            f"uncorrectable -> {config.on_uncorrectable}"
+        )
         if args.abft_coverage_target is not None:
             text += (
                 f" (intervals for coverage {args.abft_coverage_target} at fault rates "

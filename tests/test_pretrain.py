@@ -240,6 +240,21 @@ def test_the_wandb_offline_run_holds_abft_scalars_and_the_events_table(runs):
     table = json.loads((run_dir / "files" / table_path).read_text())
     assert table["columns"][:5] == ["step", "rank", "tp_rank", "layer", "section"]
     assert len(table["data"]) == STEPS + 1  # the random faults and the whole-matrix one
+    config = {  # the run's config: in its run record, and in config records if it changes
+        item.key: json.loads(item.value_json)
+        for record in wandb_records(run_dir)
+        if record.WhichOneof("record_type") in ("run", "config")
+        for item in (record.run if record.HasField("run") else record).config.update
+    }
+    typed = {key: config[key] for key in ("num_layers", "lr", "abft", "abft_sections", "save")}
+    assert typed == {
+        "num_layers": 2, "lr": 3e-3, "abft": True, "abft_sections": list(SECTIONS),
+        "save": str(runs["dir"] / "faulty"),
+    }, typed  # fmt: skip
+    # a fault is its spec, keys in parse_fault's order: it reads back as the same fault
+    assert config["abft_inject"] == [
+        "section=scores,kind=inf,pattern=2d,layer=2,step=4,tp-rank=1,seed=3,block=64x64"
+    ]
 
 
 # --- flags and config files, checked at start --------------------------------------------------
@@ -252,7 +267,7 @@ def test_yaml_sets_flags_and_the_command_line_wins(tmp_path):
     assert (args.num_layers, args.hidden_size, args.tensor_model_parallel_size) == (2, 64, 2)
     assert args.abft and args.abft_inject_every == 3 and args.abft_on_uncorrectable == "recompute"
     assert args.wandb_project == "megatron-abft-demo" and args.wandb_mode == "offline"
-    assert args.abft_sections == ("qkv", "scores", "context", "proj")
+    assert args.abft_sections == SECTIONS  # the config lists none: every section
 
     args = parse_args(
         [
@@ -333,8 +348,14 @@ BAD = [
      "x columns such as 4x4"),
     (["--abft-check-interval", "scores=0"], "use an int >= 1"),
     (["--abft-attention", "flashy"], "invalid choice: 'flashy'"),
-    (["--abft-inject", "section=grad_q,step=2,persistent=maybe"], "persistent='maybe' is not "
+    (["--abft-inject", "section=scores,step=2,persistent=maybe"], "persistent='maybe' is not "
      "yes or no"),
+    (["--abft-inject", "section=grad_q,step=2"], "section=grad_q is not in the unfused "
+     "attention this run builds"),  # auto, without a GPU
+    (["--abft-attention", "flash", "--abft-inject", "section=probs,step=2"], "section=probs is "
+     "not in the flash attention this run builds"),
+    (["--abft-attention", "flash", "--attention-dropout", "0.1"], "--abft-attention flash needs "
+     "--attention-dropout 0"),
     (["--abft-coverage-target", "1.5"], "'1.5' is not between 0 and 1"),
     (["--abft-fault-rates", "inf=1,bitrot=2"], "unknown fault kind 'bitrot'"),
     (["--abft-fault-rates", "nan=-1"], "rate of 'nan' must be >= 0"),
@@ -407,6 +428,7 @@ def test_the_launched_script_stops_before_starting_ranks_on_a_bad_value(tmp_path
 
 
 def test_every_shipped_config_parses_for_its_world_size():
+    from megatron_abft.megatron_lm import abft_config_from_args
     from pretrain.arguments import parse_args
 
     worlds = {"tiny_cpu": 2, "gpt3_125m": 8, "gpt3_350m": 8, "gpt3_1.3b": 8, "llama2_7b": 8}
@@ -415,9 +437,28 @@ def test_every_shipped_config_parses_for_its_world_size():
     for config in configs:
         args = parse_args(["--config", str(config), "--mock-data"], world_size=worlds[config.stem])
         assert args.abft, config.name
+        # every section of either path: on a GPU (flash) the backward is checked too
+        assert abft_config_from_args(args).sections == SECTIONS, config.name
 
 
 # --- the fault plan ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "section=scores,kind=inf,step=2",
+        "section=grad_k,kind=bitflip,layer=1,step=7,tp-rank=1,bit=12,persistent=yes",
+        "section=context,kind=value,pattern=row,step=3,value=-250.5,seed=4",
+        WHOLE_MATRIX,
+    ],
+)
+def test_a_fault_spec_reads_back_as_the_same_fault(spec):
+    """fault_spec writes what the W&B config shows of --abft-inject; parse_fault reads it."""
+    from megatron_abft.megatron_lm import fault_spec, parse_fault
+
+    fault = parse_fault(spec)
+    assert parse_fault(fault_spec(fault)) == fault
 
 
 def test_the_random_fault_stream_is_seeded_correctable_and_spans_the_sections():
@@ -469,7 +510,14 @@ for abft in (True, False):  # --no-abft and no faults: Megatron's own local spec
     attention = model.decoder.layers[0].self_attention
     names = [type(m).__name__ for m in (attention.core_attention, attention.linear_qkv)]
     print("BUILT", abft, *names)
-args.abft, args.abft_attention = True, "flash"
+import megatron_abft.spec
+megatron_abft.spec.kernels_compile_here = lambda: True  # as on a GPU
+args.abft = True  # attention auto, with Megatron-LM's default attention dropout (0.1)
+model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
+    ProcessGroupCollection.use_mpu_process_groups()
+)
+print("BUILT auto", type(model.decoder.layers[0].self_attention.core_attention).__name__)
+args.abft_attention = "flash"
 for dropout in (0.1, 0.0):  # Megatron-LM's default attention dropout, then none
     args.attention_dropout = dropout
     try:
@@ -478,7 +526,7 @@ for dropout in (0.1, 0.0):  # Megatron-LM's default attention dropout, then none
         )
         print("BUILT flash", type(model.decoder.layers[0].self_attention.core_attention).__name__)
     except ValueError as error:
-        print("REFUSED", "attention_dropout=0" in str(error))
+        print("REFUSED", "--attention-dropout 0" in str(error))
 """
 
 
@@ -501,12 +549,19 @@ def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     built = [
-        line for line in done.stdout.splitlines() if line.startswith(("BUILT", "POLICY", "REFUSED"))
+        line
+        for line in done.stdout.splitlines()
+        if line.startswith(("BUILT", "POLICY", "REFUSED", "[abft] attention=auto"))
     ]
     assert built == [
         "POLICY skip_step scores",
+        "[abft] attention=auto: ProtectedDotProductAttention, since no GPU here compiles the "
+        "flash kernels",
         "BUILT True ProtectedDotProductAttention ProtectedColumnParallelLinear",
         "BUILT False DotProductAttention ColumnParallelLinear",
+        "[abft] attention=auto: ProtectedDotProductAttention, since attention dropout (0.1) is "
+        "not supported by the flash kernels",
+        "BUILT auto ProtectedDotProductAttention",  # the README's launch line, on a GPU
         "REFUSED True",
         "BUILT flash ProtectedFlashAttention",
     ]
