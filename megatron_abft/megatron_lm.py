@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -196,7 +197,9 @@ def _positive_float(text: str) -> float:
 
 def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ABFT flags to ``parser``, in their own group; returns the parser (Megatron-LM's
-    ``extra_args_provider`` contract)."""
+    ``extra_args_provider`` contract). On Megatron-LM's parser, parsing then also refuses, one
+    line each and before any rank starts, what the protected layers cannot run
+    (megatron_lm_problems)."""
     group = parser.add_argument_group(
         title="abft", description="Algorithm-based fault tolerance for attention (megatron_abft)"
     )
@@ -349,7 +352,53 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="JSON Lines file with one record per fault event (default: <save>/abft_events.jsonl "
         "when --save is set, else ./abft_events.jsonl, written only when a fault is found).",
     )
+    parse = parser.parse_known_args  # parse_args calls it too
+
+    def parse_and_check(args=None, namespace=None):
+        parsed, rest = parse(args, namespace)
+        if hasattr(parsed, "transformer_impl") and (problems := megatron_lm_problems(parsed)):
+            _refuse(parser.prog, problems)
+        return parsed, rest
+
+    parser.parse_known_args = parse_and_check  # type: ignore[method-assign]
     return parser
+
+
+def megatron_lm_problems(args: argparse.Namespace) -> list[str]:
+    """What the protected layers cannot run among Megatron-LM's flags, and launch_problems,
+    one message each naming the fix; nothing without --abft or faults."""
+    if not (args.abft or args.abft_inject or args.abft_inject_every):
+        return []
+    problems = []
+    if args.transformer_impl != "local":
+        problems.append(
+            f"--transformer-impl {args.transformer_impl}: the protected layers are Megatron-core's "
+            "local ones; add --transformer-impl local"
+        )
+    if getattr(args, "fp8", None):
+        problems.append(
+            f"--fp8-format {args.fp8}: FP8 GEMMs are not protected (the checks bound bf16, fp16 "
+            "and fp32 rounding); drop --fp8-format"
+        )
+    if getattr(args, "context_parallel_size", 1) != 1:
+        problems.append(
+            f"--context-parallel-size {args.context_parallel_size}: its ring attention exchanges "
+            "partial results the checks do not cover; use 1"
+        )
+    if getattr(args, "sequence_parallel", False):
+        problems.append(
+            "--sequence-parallel: the protected linears do not gather along the sequence; drop it"
+        )
+    return problems + launch_problems(args)
+
+
+def _refuse(prog: str, problems: list[str]) -> None:
+    """Stop the launch: each problem on one line, printed by rank 0 of a torchrun launch only
+    (every rank parses the flags), with no usage and no traceback."""
+    if os.environ.get("RANK", "0") == "0":
+        for problem in problems:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def fault_spec(fault: Fault) -> str:

@@ -61,6 +61,11 @@ def initialize_distributed(args) -> torch.device:
         enable_cpu_mode()
         device = torch.device("cpu")
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if "RANK" not in os.environ:  # plain python, not torchrun: one rank
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group(args.distributed_backend)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -8,6 +8,8 @@ tiny config; the launches are shared between tests through module-scoped fixture
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -427,6 +429,23 @@ def test_the_launched_script_stops_before_starting_ranks_on_a_bad_value(tmp_path
     assert "argument --abft-inject-every: '-2' is not an int >= 0 (0 = off)" in done.stderr
 
 
+def test_plain_python_runs_as_one_rank(tmp_path):
+    """Without torchrun the script is one rank; its banner names the attention built and only
+    that attention's sections."""
+    done = subprocess.run(
+        [sys.executable, *SCRIPT, "--config", str(TINY), "--mock-data", "--train-iters", "1",
+         "--lr-warmup-iters", "0", "--tensor-model-parallel-size", "1", "--abft-inject-every",
+         "0", "--wandb-project", "", "--save", str(tmp_path)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "1 ranks: TP=1 PP=1 DP=1 (gloo)" in done.stdout
+    assert (
+        "> ABFT: on, unfused attention: check every N steps qkv=1,scores=1,context=1,proj=1,"
+        in done.stdout
+    )
+
+
 def test_every_shipped_config_parses_for_its_world_size():
     from megatron_abft.megatron_lm import abft_config_from_args
     from pretrain.arguments import parse_args
@@ -528,6 +547,45 @@ for dropout in (0.1, 0.0):  # Megatron-LM's default attention dropout, then none
     except ValueError as error:
         print("REFUSED", "--attention-dropout 0" in str(error))
 """
+
+
+MEGATRON_LM_BAD = [
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine: the "
+     "protected layers are Megatron-core's local ones; add --transformer-impl local"),
+    (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 GEMMs are not protected"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: its ring attention"),
+    (["--sequence-parallel"], "--sequence-parallel: the protected linears do not gather"),
+    (["--abft-attention", "flash"], "--abft-attention flash needs --attention-dropout 0 (it is "
+     "0.1)"),  # Megatron-LM's default attention dropout
+    (["--abft-inject", "section=grad_q,step=2"], "section=grad_q is not in the unfused attention"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, message", MEGATRON_LM_BAD, ids=[f[0] for f, _ in MEGATRON_LM_BAD])
+def test_megatron_lm_refuses_at_parse_what_the_layers_cannot_run(flags, message, monkeypatch):
+    """Megatron-LM's own parse_args with add_abft_args: one line on stderr and exit 2, before
+    any rank starts (in-process: nothing but the parser runs)."""
+    from mcore import MEGATRON_LM_FLAGS
+    from megatron.training.arguments import parse_args
+
+    from megatron_abft.megatron_lm import add_abft_args
+
+    monkeypatch.delenv("RANK", raising=False)
+    for extra, refused in ((flags, True), ([], False)):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MEGATRON_LM_FLAGS, "--abft", *extra])
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                parse_args(extra_args_provider=add_abft_args)
+                code = 0
+            except SystemExit as exit_:
+                code = exit_.code
+        lines = err.getvalue().splitlines()
+        if refused:
+            assert code == 2 and len(lines) == 1, lines
+            assert lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0]
+        else:  # the same launch without them, with Megatron-LM's default dropout: accepted
+            assert code == 0 and not lines, lines
 
 
 def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path):
