@@ -380,14 +380,10 @@ def megatron_lm_problems(args: argparse.Namespace) -> list[str]:
             f"--fp8-format {args.fp8}: FP8 GEMMs are not protected (the checks bound bf16, fp16 "
             "and fp32 rounding); drop --fp8-format"
         )
-    if getattr(args, "context_parallel_size", 1) != 1:
+    if args.context_parallel_size != 1:
         problems.append(
             f"--context-parallel-size {args.context_parallel_size}: its ring attention exchanges "
             "partial results the checks do not cover; use 1"
-        )
-    if getattr(args, "sequence_parallel", False):
-        problems.append(
-            "--sequence-parallel: the protected linears do not gather along the sequence; drop it"
         )
     return problems + launch_problems(args)
 

@@ -28,6 +28,7 @@ from megatron_abft.layers.flash_attention import (
     kernels_compile_here,
 )
 from megatron_abft.layers.linear import ProtectedColumnParallelLinear, ProtectedRowParallelLinear
+from megatron_abft.layers.norm import with_sequence_parallel_norms
 
 _LINEARS = {
     "linear_qkv": (ColumnParallelLinear, ProtectedColumnParallelLinear),
@@ -100,7 +101,8 @@ def apply_abft(
 ) -> ModuleSpec:
     """A copy of a transformer-layer spec whose self-attention (QKV projection, core attention,
     output projection) is protected, the core attention as ``attention`` says (ATTENTIONS). The
-    spec must use Megatron-core's local modules."""
+    spec must use Megatron-core's local modules; its torch norms, if any, become
+    SequenceParallelTorchNorm, which also takes sequence parallelism."""
     config = abft_config if abft_config is not None else ABFTConfig()
     if not isinstance(config, ABFTConfig):
         raise TypeError(f"abft_config must be an ABFTConfig, got {type(config).__name__}")
@@ -135,7 +137,7 @@ def apply_abft(
             ModuleSpec(module=protected, params={**params, "abft_config": config}),
         )
     spec.submodules.self_attention = attention
-    return spec
+    return with_sequence_parallel_norms(spec)
 
 
 def get_gpt_layer_abft_spec(

@@ -126,6 +126,12 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = _Parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Split the sequence over the tensor-parallel ranks outside the attention's and "
+        "MLP's GEMMs (Megatron's sequence parallelism); on with TP > 1 only.",
+    )
+    g.add_argument(
         "--distributed-backend",
         choices=("nccl", "gloo"),
         default=None,
@@ -319,6 +325,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
         f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks",
     )
     args.data_parallel_size = max(1, world_size // (tp * pp))
+    args.sequence_parallel = args.sequence_parallel and tp > 1  # as Megatron-LM: none at TP=1
     require(
         args.hidden_size % args.num_attention_heads == 0,
         f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "

@@ -96,6 +96,7 @@ def transformer_config(args):
         kv_channels=args.kv_channels,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
@@ -136,7 +137,14 @@ def build_model(args, vocab_size: int, device: torch.device):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
+    from megatron_abft.layers.norm import SequenceParallelTorchNorm, with_sequence_parallel_norms
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     config = transformer_config(args)
@@ -145,6 +153,12 @@ def build_model(args, vocab_size: int, device: torch.device):
         spec = get_gpt_layer_abft_spec(abft_config_from_args(args), attention=args.abft_attention)
     else:
         spec = get_gpt_layer_local_spec()
+    if config.sequence_parallel and transformer_block.LayerNormImpl is WrappedTorchNorm:
+        # Neither Apex nor Transformer Engine: torch norms that take SP, the final one too
+        spec = TransformerBlockSubmodules(
+            layer_specs=[with_sequence_parallel_norms(spec)] * get_num_layers_to_build(config),
+            layer_norm=SequenceParallelTorchNorm,
+        )
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -106,6 +106,7 @@ class Shape:
     """Pass an explicit causal + padding mask instead of None (Megatron's implicit causal mask)."""
     recompute: str | None = None
     """Activation recompute: None, "selective" (core attention) or "full"."""
+    sequence_parallel: bool = False
 
 
 def build_gpt(shape: Shape, spec):
@@ -129,7 +130,16 @@ def build_gpt(shape: Shape, spec):
         recompute_granularity=shape.recompute,
         recompute_method="uniform" if shape.recompute == "full" else None,
         recompute_num_layers=1 if shape.recompute == "full" else None,
+        sequence_parallel=shape.sequence_parallel,
     )
+    if shape.sequence_parallel:  # the final norm too: the layer spec's torch norm takes SP
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        from megatron_abft.layers.norm import SequenceParallelTorchNorm
+
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * shape.layers, layer_norm=SequenceParallelTorchNorm
+        )
     torch.manual_seed(1234)
     return GPTModel(
         config=config,
@@ -161,7 +171,8 @@ def batch(shape: Shape, step: int):
 
 
 def loss_and_grads(model, shape: Shape, step: int = 0):
-    """One forward and backward: the loss and the TP-gathered attention weight gradients."""
+    """One forward and backward: the loss and the TP-gathered gradients of the attention's
+    weights and its input norm (summed over the ranks under sequence parallelism)."""
     from megatron.core import parallel_state
 
     tokens, positions, mask, labels = batch(shape, step)
@@ -176,10 +187,17 @@ def loss_and_grads(model, shape: Shape, step: int = 0):
         torch.distributed.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts, dim=dim).float()
 
+    def summed(param):  # a sequence-parallel norm's gradient is a partial sum on each rank
+        grad = param.grad.clone()
+        if getattr(param, "sequence_parallel", False):
+            torch.distributed.all_reduce(grad, group=group)
+        return grad.float()
+
     grads = {}
     for i, layer in enumerate(model.decoder.layers):
         attention = layer.self_attention
         grads[f"{i}.qkv"] = gathered(attention.linear_qkv.weight.grad, 0)
         grads[f"{i}.proj"] = gathered(attention.linear_proj.weight.grad, 1)
+        grads[f"{i}.norm"] = summed(layer.input_layernorm.weight)
     grads["embedding"] = gathered(model.embedding.word_embeddings.weight.grad, 0)
     return loss.detach(), grads

@@ -7,25 +7,21 @@ shard with no extra communication:
   tokens and over features; catches errors in Q, K and V before RoPE and the attention GEMMs;
 - ProtectedRowParallelLinear (``linear_proj``, section ``proj``): the partial product
   O_r = C_r W_r^T is checked before the all-reduce or reduce-scatter; the bias is added after it.
+
+With sequence parallelism the QKV projection gathers the sequence before its GEMM, so that the
+check sees the GEMM's whole input; the output projection's reduce-scatter follows its check.
 """
 
 from __future__ import annotations
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.runtime.guard import SectionGuard, View
 from megatron_abft.runtime.model_runtime import runtime_of
-
-
-def _reject_sequence_parallel(config, where: str) -> None:
-    if getattr(config, "sequence_parallel", False):
-        raise ValueError(
-            f"{where}: sequence_parallel is not supported by the ABFT layers (the input is "
-            "gathered inside Megatron's GEMM); use sequence_parallel=False"
-        )
 
 
 def qkv_part_views(config: TransformerConfig, tp_rank: int, width: int) -> dict[str, View]:
@@ -69,6 +65,12 @@ class _CheckedLocalGemm:
     fault_views: dict[str, View]
 
     def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs.get("sequence_parallel"):
+            # Megatron gathers the sequence inside its GEMM, out of the check's sight: gather it
+            # here (the backward reduce-scatters the input's gradient, as Megatron's does) and
+            # run the same rank-local GEMM on the whole sequence.
+            input = gather_from_sequence_parallel_region(input, group=self.tp_group)
+            kwargs = {**kwargs, "sequence_parallel": False}
         output = super()._forward_impl(input, weight, *args, **kwargs)
         if not (self.abft_config.enabled or self.abft_guard.faults):
             return output
@@ -91,7 +93,6 @@ class ProtectedColumnParallelLinear(_CheckedLocalGemm, ColumnParallelLinear):
 
     def __init__(self, *args, abft_config: ABFTConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        _reject_sequence_parallel(self.config, "ProtectedColumnParallelLinear")
         self.abft_config = abft_config if abft_config is not None else ABFTConfig()
         rank = self.tp_group.rank()
         self.fault_views = qkv_part_views(self.config, rank, self.output_size_per_partition)
@@ -106,7 +107,6 @@ class ProtectedRowParallelLinear(_CheckedLocalGemm, RowParallelLinear):
 
     def __init__(self, *args, abft_config: ABFTConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        _reject_sequence_parallel(self.config, "ProtectedRowParallelLinear")
         self.abft_config = abft_config if abft_config is not None else ABFTConfig()
         self.abft_guard = SectionGuard("proj", self.abft_config, self.tp_group.rank())
         self.abft_guards = (self.abft_guard,)
