@@ -38,7 +38,7 @@ from megatron_abft.config import (
 )
 from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
 from megatron_abft.runtime.model_runtime import runtime_of
-from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig
+from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig, say_once
 from megatron_abft.tuning.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
 from megatron_abft.tuning.scaling import DEVICES, ModelShape, baseline_forward, predict
 
@@ -456,7 +456,10 @@ def parse_fault_rates(text: str) -> dict[str, float]:
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not between 0 and 1")
     return value
@@ -542,6 +545,25 @@ def launch_problems(args: argparse.Namespace) -> list[str]:
     """What in the ``--abft*`` flags (and the Megatron flags they depend on) cannot run, one
     message each, for the parser to refuse before any rank trains."""
     problems = FaultPlan.from_args(args).problems()
+    vulnerability = getattr(args, "abft_vulnerability", None)
+    if vulnerability:
+        try:
+            json.loads(Path(vulnerability).read_text())
+        except (OSError, ValueError) as error:
+            problems.append(
+                f"--abft-vulnerability {vulnerability}: {error.__class__.__name__}: {error}; give "
+                "the JSON file tools/fault_campaign.py writes"
+            )
+    events = getattr(args, "abft_events_file", None)
+    if events:
+        folder = Path(events).resolve().parent
+        while not folder.exists():
+            folder = folder.parent
+        if Path(events).is_dir() or not os.access(folder, os.W_OK):
+            problems.append(
+                f"--abft-events-file {events}: cannot be written (a folder, or {folder} is not "
+                "writable); give a file in a writable folder"
+            )
     dropout = getattr(args, "attention_dropout", 0.0)
     if args.abft and args.abft_attention == "flash" and dropout:
         problems.append(
@@ -747,10 +769,24 @@ def abft_from_megatron_lm() -> tuple[ABFTConfig | None, str, dict]:
         raise ValueError("; ".join(problems))
     plan = FaultPlan.from_args(args)
     config = abft_config_from_args(args)
+    if note := unchecked_note(config):
+        say_once(note)
     runtime = runtime_of(config)
     runtime.fault_plan = plan
     runtime.log_at_optimizer_steps(args.log_interval, partial(megatron_lm_telemetry, args))
     return config, args.abft_attention, layer_kwargs
+
+
+def unchecked_note(config: ABFTConfig) -> str | None:
+    """What the check intervals above 1 leave unchecked, as one line; None where every section
+    is checked every step."""
+    sparse = [f"{s} every {config.interval(s)}" for s in config.sections if config.interval(s) > 1]
+    if not config.enabled or not sparse:
+        return None
+    return (
+        f"[abft] check intervals above 1 ({', '.join(sparse)} steps): a fault in a step between "
+        "two checks of its section is not detected"
+    )
 
 
 def megatron_lm_telemetry(args: argparse.Namespace, modules: list) -> Telemetry:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
@@ -29,6 +28,7 @@ from megatron_abft.layers.flash_attention import (
 )
 from megatron_abft.layers.linear import ProtectedColumnParallelLinear, ProtectedRowParallelLinear
 from megatron_abft.layers.norm import with_sequence_parallel_norms
+from megatron_abft.runtime.telemetry import say_once
 
 _LINEARS = {
     "linear_qkv": (ColumnParallelLinear, ProtectedColumnParallelLinear),
@@ -62,7 +62,7 @@ class AutoProtectedAttention:
             chosen, why = ProtectedDotProductAttention, refusal[0]
         else:
             chosen, why = ProtectedFlashAttention, "the flash kernels compile for this GPU"
-        _say_once(f"[abft] attention=auto: {chosen.__name__}, since {why}")
+        say_once(f"[abft] attention=auto: {chosen.__name__}, since {why}")
         return chosen(
             config=config,
             layer_number=layer_number,
@@ -71,18 +71,6 @@ class AutoProtectedAttention:
             attention_dropout=attention_dropout,
             **kwargs,
         )
-
-
-_SAID: set[str] = set()
-
-
-def _say_once(line: str) -> None:
-    """Print ``line`` once a process, on the first rank only where ranks are up."""
-    if line in _SAID:
-        return
-    _SAID.add(line)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(line, flush=True)
 
 
 def core_attention(attention: str) -> type:

@@ -29,7 +29,12 @@ import numpy as np
 import torch
 
 from megatron_abft import ABFTUncorrectableError, finish_step, inject, set_step
-from megatron_abft.megatron_lm import FaultPlan, abft_config_from_args, run_config
+from megatron_abft.megatron_lm import (
+    FaultPlan,
+    abft_config_from_args,
+    run_config,
+    unchecked_note,
+)
 from megatron_abft.runtime.guard import iter_guards
 from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig
 from pretrain.arguments import parse_args
@@ -620,6 +625,8 @@ def _abft_banner(args, plan: FaultPlan, model: torch.nn.Module) -> str:
         text += f"; injecting {len(plan.explicit)} faults"
         if plan.every:
             text += f" + one random fault every {plan.every} steps ({','.join(plan.sections)})"
+    if args.abft and (note := unchecked_note(abft_config_from_args(args))):
+        text += f"\n{note}"
     return text
 
 

@@ -358,6 +358,10 @@ BAD = [
      "not in the flash attention this run builds"),
     (["--abft-attention", "flash", "--attention-dropout", "0.1"], "--abft-attention flash needs "
      "--attention-dropout 0"),
+    (["--abft-coverage-target", "abc"], "'abc' is not between 0 and 1"),
+    (["--abft-vulnerability", "nowhere.json"], "--abft-vulnerability nowhere.json: "
+     "FileNotFoundError"),
+    (["--abft-events-file", "/"], "--abft-events-file /: cannot be written"),
     (["--abft-coverage-target", "1.5"], "'1.5' is not between 0 and 1"),
     (["--abft-fault-rates", "inf=1,bitrot=2"], "unknown fault kind 'bitrot'"),
     (["--abft-fault-rates", "nan=-1"], "rate of 'nan' must be >= 0"),
@@ -430,19 +434,24 @@ def test_the_launched_script_stops_before_starting_ranks_on_a_bad_value(tmp_path
 
 
 def test_plain_python_runs_as_one_rank(tmp_path):
-    """Without torchrun the script is one rank; its banner names the attention built and only
-    that attention's sections."""
+    """Without torchrun the script is one rank; its banner names the attention built, only that
+    attention's sections, and what a check interval above 1 leaves unchecked."""
     done = subprocess.run(
         [sys.executable, *SCRIPT, "--config", str(TINY), "--mock-data", "--train-iters", "1",
          "--lr-warmup-iters", "0", "--tensor-model-parallel-size", "1", "--abft-inject-every",
-         "0", "--wandb-project", "", "--save", str(tmp_path)],
+         "0", "--abft-check-interval", "scores=4", "--wandb-project", "", "--save",
+         str(tmp_path)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "1 ranks: TP=1 PP=1 DP=1 (gloo)" in done.stdout
     assert (
-        "> ABFT: on, unfused attention: check every N steps qkv=1,scores=1,context=1,proj=1,"
+        "> ABFT: on, unfused attention: check every N steps qkv=1,scores=4,context=1,proj=1,"
         in done.stdout
+    )
+    assert (
+        "[abft] check intervals above 1 (scores every 4 steps): a fault in a step between two "
+        "checks of its section is not detected" in done.stdout
     )
 
 

@@ -395,3 +395,16 @@ class Telemetry:
         if self.events_file is not None:
             self.events_file.close()
             self.events_file = None
+
+
+_SAID: set[str] = set()
+
+
+def say_once(line: str) -> None:
+    """Print ``line`` once a process, on the first rank only where ranks are up: for what the
+    launch decided (the attention ``auto`` chose, what a check interval leaves unchecked)."""
+    if line in _SAID:
+        return
+    _SAID.add(line)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
