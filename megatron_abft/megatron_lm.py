@@ -240,8 +240,9 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=POLICIES,
         default="recompute",
         help="What to do with a fault that cannot be corrected in place. It is always printed "
-        "and recorded; in Megatron-LM's own loop rerun goes through its rerun state machine, "
-        "log trains on and the others raise (docs/megatron.md).",
+        "and recorded. Default: rerun under Megatron-LM's own parser (its rerun state machine; "
+        "there recompute and skip_step act as raise, and log trains on), recompute in "
+        "pretrain_gpt.py (docs/megatron.md).",
     )
     group.add_argument(
         "--abft-block-size",
@@ -356,8 +357,12 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     def parse_and_check(args=None, namespace=None):
         parsed, rest = parse(args, namespace)
-        if hasattr(parsed, "transformer_impl") and (problems := megatron_lm_problems(parsed)):
-            _refuse(parser.prog, problems)
+        if hasattr(parsed, "transformer_impl"):  # Megatron-LM's parser
+            if problems := megatron_lm_problems(parsed):
+                _refuse(parser.prog, problems)
+            tokens = sys.argv[1:] if args is None else args
+            given = any(t.split("=")[0] == "--abft-on-uncorrectable" for t in tokens)
+            _megatron_lm_policy(parsed, given)
         return parsed, rest
 
     parser.parse_known_args = parse_and_check  # type: ignore[method-assign]
@@ -386,6 +391,22 @@ def megatron_lm_problems(args: argparse.Namespace) -> list[str]:
             "partial results the checks do not cover; use 1"
         )
     return problems + launch_problems(args)
+
+
+def _megatron_lm_policy(args: argparse.Namespace, given: bool) -> None:
+    """Megatron-LM's loop makes no ABFT call, so recompute and skip_step cannot act there: the
+    default becomes rerun (its rerun state machine), and a policy asked for that acts as raise
+    is said so at start."""
+    if not (args.abft or args.abft_inject or args.abft_inject_every):
+        return
+    if not given:
+        args.abft_on_uncorrectable = "rerun"
+    elif args.abft_on_uncorrectable in ("recompute", "skip_step"):
+        say_once(
+            f"[abft] --abft-on-uncorrectable {args.abft_on_uncorrectable}: Megatron-LM's loop "
+            "cannot recompute a GEMM or skip a step for ABFT, so an uncorrectable fault raises; "
+            "rerun hands it to Megatron's rerun state machine"
+        )
 
 
 def _refuse(prog: str, problems: list[str]) -> None:

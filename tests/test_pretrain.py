@@ -596,6 +596,32 @@ def test_megatron_lm_refuses_at_parse_what_the_layers_cannot_run(flags, message,
             assert code == 0 and not lines, lines
 
 
+def test_megatron_lm_defaults_to_rerun_and_says_what_a_policy_does_there(monkeypatch, capsys):
+    """Megatron-LM's loop makes no ABFT call: recompute and skip_step cannot act there."""
+    from mcore import MEGATRON_LM_FLAGS
+    from megatron.training.arguments import parse_args
+
+    from megatron_abft.megatron_lm import add_abft_args
+
+    policies = {}
+    for flags in ([], ["--abft-on-uncorrectable", "skip_step"], ["--abft-on-uncorrectable=log"]):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MEGATRON_LM_FLAGS, "--abft", *flags])
+        policies[" ".join(flags)] = parse_args(
+            extra_args_provider=add_abft_args
+        ).abft_on_uncorrectable
+    assert policies == {
+        "": "rerun",
+        "--abft-on-uncorrectable skip_step": "skip_step",
+        "--abft-on-uncorrectable=log": "log",
+    }
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[abft]")]
+    assert said == [
+        "[abft] --abft-on-uncorrectable skip_step: Megatron-LM's loop cannot recompute a GEMM or "
+        "skip a step for ABFT, so an uncorrectable fault raises; rerun hands it to Megatron's "
+        "rerun state machine"
+    ]
+
+
 def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path):
     """1 process: Megatron-LM 0.19's own argument parser with add_abft_args as its
     extra_args_provider, and its GPTModelBuilder with --spec megatron_abft.megatron_lm
