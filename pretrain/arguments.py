@@ -438,8 +438,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
         )
     if args.wandb_save_dir is None and args.wandb_project:
         args.wandb_save_dir = os.path.join(args.save or ".", "wandb")
-    if args.abft_events_file is None and args.save is not None:
-        args.abft_events_file = os.path.join(args.save, "abft_events.jsonl")
+    if args.abft_events_file is None:  # every event, in one schema, in one place
+        args.abft_events_file = os.path.join(args.save or ".", "abft_events.jsonl")
     if args.data_cache_path is None and args.save is not None:
         args.data_cache_path = os.path.join(args.save, "data-cache")
     problems.extend(launch_problems(args))

@@ -645,7 +645,7 @@ def _summary_table(summary: dict) -> str:
     ]
     lines = [f"ABFT summary after {summary['iterations']} iterations on {socket.gethostname()}"]
     lines += [f"  {name:<22} {value:>12}" for name, value in rows]
-    if summary["events_file"]:
+    if summary["events_file"] and os.path.exists(summary["events_file"]):  # none: no event
         lines.append(f"  fault events (JSONL): {summary['events_file']}")
     if summary["wandb_dir"]:
         lines.append(f"  W&B run: {summary['wandb_dir']}")

@@ -435,7 +435,8 @@ def test_the_launched_script_stops_before_starting_ranks_on_a_bad_value(tmp_path
 
 def test_plain_python_runs_as_one_rank(tmp_path):
     """Without torchrun the script is one rank; its banner names the attention built, only that
-    attention's sections, and what a check interval above 1 leaves unchecked."""
+    attention's sections, and what a check interval above 1 leaves unchecked. No fault: no
+    events file."""
     done = subprocess.run(
         [sys.executable, *SCRIPT, "--config", str(TINY), "--mock-data", "--train-iters", "1",
          "--lr-warmup-iters", "0", "--tensor-model-parallel-size", "1", "--abft-inject-every",
@@ -445,6 +446,7 @@ def test_plain_python_runs_as_one_rank(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "1 ranks: TP=1 PP=1 DP=1 (gloo)" in done.stdout
+    assert not (tmp_path / "abft_events.jsonl").exists()  # created with the first event only
     assert (
         "> ABFT: on, unfused attention: check every N steps qkv=1,scores=4,context=1,proj=1,"
         in done.stdout

@@ -93,7 +93,8 @@ class TelemetryConfig:
     """Shown in the console line as ``iteration i/ N``."""
 
     events_file: str | None = None
-    """JSON Lines file for fault events; None: none."""
+    """JSON Lines file every fault event is appended to, created with the first one; None:
+    none."""
 
     policy: str = "recompute"
     """The on_uncorrectable policy, recorded with each event."""
@@ -204,11 +205,6 @@ class Telemetry:
         self.wandb_run = wandb_run if self.is_logging_rank else None
         self._owns_wandb_run = False
         if self.is_logging_rank:
-            if self.config.events_file:
-                os.makedirs(
-                    os.path.dirname(os.path.abspath(self.config.events_file)), exist_ok=True
-                )
-                self.events_file = open(self.config.events_file, "a")  # noqa: SIM115
             if self.wandb_run is None and self.config.wandb_project:
                 self.wandb_run = self._start_wandb()
                 self._owns_wandb_run = True
@@ -326,7 +322,12 @@ class Telemetry:
         for event in interval.events:
             if event["action"] != "corrected":
                 self._print(self._loud_line(event))
-        if self.events_file is not None and interval.events:
+        if self.config.events_file and interval.events:
+            if self.events_file is None:  # created with the first event, not at start
+                os.makedirs(
+                    os.path.dirname(os.path.abspath(self.config.events_file)), exist_ok=True
+                )
+                self.events_file = open(self.config.events_file, "a")  # noqa: SIM115
             for event in interval.events:
                 record = {k: event.get(k) for k in EVENT_COLUMNS}
                 record["magnitude"] = _finite_or_text(float(event["magnitude"]))
