@@ -235,6 +235,7 @@ def test_the_wandb_offline_run_holds_abft_scalars_and_the_events_table(runs):
                 "abft/detected", "abft/corrected", "abft/uncorrectable", "abft/scores/detected",
                 "abft/kind/inf/detected"):  # fmt: skip
         assert key in keys, key
+    assert not any(key.startswith("abft/grad_") for key in keys)  # the unfused path's sections
     counted = [row for row in rows if "abft/corrected" in row]
     assert [row["_step"] for row in counted] == list(range(1, STEPS + 1))
     assert [row["abft/corrected"] for row in counted] == list(range(1, STEPS + 1))

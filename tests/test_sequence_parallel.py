@@ -7,7 +7,7 @@ import torch
 from mcore import Shape, build_gpt, loss_and_grads, spawn
 
 from megatron_abft import Fault
-from megatron_abft.config import ABFTConfig
+from megatron_abft.config import FORWARD_SECTIONS, ABFTConfig
 
 SHAPE = Shape(heads=4, groups=2, sequence_parallel=True)
 SECTIONS = ("qkv", "q", "k", "v", "scores", "context", "proj")
@@ -76,5 +76,6 @@ def test_every_fault_was_detected_and_corrected(ranks):
             for n in section[outcome].values()
         )
 
+    assert all(list(table) == list(FORWARD_SECTIONS) for *_, table in ranks)  # unfused: no bwd
     assert total("detected") == total("corrected") == 2 * len(SECTIONS)
     assert total("uncorrectable") == 0

@@ -352,10 +352,12 @@ def reset_stats(model: torch.nn.Module) -> None:
 def stats(
     model: torch.nn.Module, group: torch.distributed.ProcessGroup | None = None
 ) -> dict[str, dict[str, dict[str, int]]]:
-    """Counts per section: ``{section: {outcome: {kind: n}}}``, with outcome in detected,
-    corrected, uncorrectable, plus ``recomputed: {"gemm": n}``. With ``group`` the counts are
-    summed over its ranks in one all-reduce. One host synchronisation."""
+    """Counts per section the model checks (the unfused attention has no backward sections):
+    ``{section: {outcome: {kind: n}}}``, with outcome in detected, corrected, uncorrectable,
+    plus ``recomputed: {"gemm": n}``. With ``group`` the counts are summed over its ranks in one
+    all-reduce. One host synchronisation."""
     guards = list(iter_guards(model))
+    checked = {g.section for g in guards}
     counted = [g.counts for g in guards if g.counts is not None]
     device = counted[0].device if counted else torch.device("cpu")
     table = torch.zeros(
@@ -380,6 +382,7 @@ def stats(
             "recomputed": {"gemm": int(table[i, len(OUTCOMES), 0])},
         }
         for i, section in enumerate(SECTIONS)
+        if section in checked
     }
 
 

@@ -187,6 +187,7 @@ class Telemetry:
         self.logging_rank = self.world - 1 if logging_rank is None else logging_rank
         self.is_logging_rank = self.rank == self.logging_rank
         guards = [g for c in self.chunks for g in iter_guards(c)]
+        self.sections = {g.section for g in guards}  # the attention's own: scalars for these
         layers = [g.layer for g in guards if g.layer is not None]
         for runtime in runtimes(guards):
             runtime.loop_logs = True  # this Telemetry logs: the runtime's own stands down
@@ -296,6 +297,8 @@ class Telemetry:
         and per rank only where something was detected."""
         scalars: dict[str, float] = {f"abft/{k}": float(v) for k, v in totals.items()}
         for s, section in enumerate(SECTIONS):
+            if section not in self.sections:
+                continue
             for i, name in enumerate(COUNTS):
                 scalars[f"abft/{section}/{name}"] = float(self.layer_counts[:, s, i].sum())
         for k, kind in enumerate(KINDS):
