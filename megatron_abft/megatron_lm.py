@@ -390,17 +390,23 @@ def megatron_lm_problems(args: argparse.Namespace) -> list[str]:
             f"--context-parallel-size {args.context_parallel_size}: its ring attention exchanges "
             "partial results the checks do not cover; use 1"
         )
+    if args.abft_on_uncorrectable == "rerun" and getattr(args, "rerun_mode", "") == "disabled":
+        problems.append(
+            "--abft-on-uncorrectable rerun needs Megatron's rerun state machine, which "
+            "--rerun-mode disabled turns off; use validate_results, or another policy"
+        )
     return problems + launch_problems(args)
 
 
 def _megatron_lm_policy(args: argparse.Namespace, given: bool) -> None:
     """Megatron-LM's loop makes no ABFT call, so recompute and skip_step cannot act there: the
-    default becomes rerun (its rerun state machine), and a policy asked for that acts as raise
-    is said so at start."""
+    default becomes rerun (its rerun state machine; raise with ``--rerun-mode disabled``), and a
+    policy asked for that acts as raise is said so at start."""
     if not (args.abft or args.abft_inject or args.abft_inject_every):
         return
-    if not given:
-        args.abft_on_uncorrectable = "rerun"
+    if not given:  # raise where the machine is off (--rerun-mode disabled would ignore it)
+        machine = getattr(args, "rerun_mode", "validate_results") != "disabled"
+        args.abft_on_uncorrectable = "rerun" if machine else "raise"
     elif args.abft_on_uncorrectable in ("recompute", "skip_step"):
         say_once(
             f"[abft] --abft-on-uncorrectable {args.abft_on_uncorrectable}: Megatron-LM's loop "

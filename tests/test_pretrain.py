@@ -569,6 +569,8 @@ MEGATRON_LM_BAD = [
     (["--abft-attention", "flash"], "--abft-attention flash needs --attention-dropout 0 (it is "
      "0.1)"),  # Megatron-LM's default attention dropout
     (["--abft-inject", "section=grad_q,step=2"], "section=grad_q is not in the unfused attention"),
+    (["--abft-on-uncorrectable", "rerun", "--rerun-mode", "disabled"], "--abft-on-uncorrectable "
+     "rerun needs Megatron's rerun state machine"),
 ]  # fmt: skip
 
 
@@ -607,13 +609,17 @@ def test_megatron_lm_defaults_to_rerun_and_says_what_a_policy_does_there(monkeyp
     from megatron_abft.megatron_lm import add_abft_args
 
     policies = {}
-    for flags in ([], ["--abft-on-uncorrectable", "skip_step"], ["--abft-on-uncorrectable=log"]):
+    for flags in (
+        [], ["--rerun-mode", "disabled"], ["--abft-on-uncorrectable", "skip_step"],
+        ["--abft-on-uncorrectable=log"],
+    ):  # fmt: skip
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MEGATRON_LM_FLAGS, "--abft", *flags])
         policies[" ".join(flags)] = parse_args(
             extra_args_provider=add_abft_args
         ).abft_on_uncorrectable
     assert policies == {
         "": "rerun",
+        "--rerun-mode disabled": "raise",
         "--abft-on-uncorrectable skip_step": "skip_step",
         "--abft-on-uncorrectable=log": "log",
     }
