@@ -181,6 +181,20 @@ def test_context_parallelism_is_refused_with_what_to_use():
         reject_unsupported(config, "here")
 
 
+def test_fp8_is_refused_with_what_to_use():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_abft.layers.attention import reject_unsupported
+
+    config = SimpleNamespace(
+        context_parallel_size=1, attention_backend=AttnBackend.local, fp8="hybrid"
+    )
+    with pytest.raises(ValueError, match="FP8 \\(fp8=hybrid\\) is not supported.*use fp8=None"):
+        reject_unsupported(config, "here")
+
+
 @pytest.mark.parametrize("graphs", ["local", "transformer_engine", "full_iteration"])
 def test_cuda_graphs_are_refused_with_what_to_use(graphs):
     """Megatron's CUDA graphs would replay the captured step's host decisions (what is due, the

@@ -38,6 +38,11 @@ def reject_unsupported(config: TransformerConfig, where: str, flash: bool = Fals
             f"{config.context_parallel_size}) is not supported: its ring attention exchanges "
             "partial results the checks do not cover; use context_parallel_size=1"
         )
+    if getattr(config, "fp8", None):
+        raise ValueError(
+            f"{where}: FP8 (fp8={config.fp8}) is not supported: the checks bound bf16, fp16 and "
+            "fp32 rounding; use fp8=None"
+        )
     graphs = getattr(config, "cuda_graph_impl", "none")
     if graphs != "none" or getattr(config, "enable_cuda_graph", False):
         raise ValueError(
