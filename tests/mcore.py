@@ -58,7 +58,20 @@ def start_ranks(worker, args: tuple, nprocs: int) -> None:
     pytest worker): a fresh interpreter would pay about 10 s of imports a rank. The server
     runs no torch op, so forking it is safe."""
     multiprocessing.set_forkserver_preload(list(PRELOAD))
-    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    mp.start_processes(
+        _in_directory,
+        args=(os.getcwd(), worker, *args),
+        nprocs=nprocs,
+        join=True,
+        start_method="forkserver",
+    )
+
+
+def _in_directory(rank, directory, worker, *args):
+    """``worker(rank, *args)`` in the caller's working directory (each test's own), where a
+    spawned process would start: a forked one starts in its server's."""
+    os.chdir(directory)
+    worker(rank, *args)
 
 
 def _worker(rank, world, tp, port, out_dir, fn, args):
