@@ -369,10 +369,15 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _protects(args: argparse.Namespace) -> bool:
+    """Whether the flags build the protected layers: ``--abft``, or faults to inject."""
+    return bool(args.abft or args.abft_inject or args.abft_inject_every)
+
+
 def megatron_lm_problems(args: argparse.Namespace) -> list[str]:
     """What the protected layers cannot run among Megatron-LM's flags, and launch_problems,
     one message each naming the fix; nothing without --abft or faults."""
-    if not (args.abft or args.abft_inject or args.abft_inject_every):
+    if not _protects(args):
         return []
     problems = []
     if args.transformer_impl != "local":
@@ -402,7 +407,7 @@ def _megatron_lm_policy(args: argparse.Namespace, given: bool) -> None:
     """Megatron-LM's loop makes no ABFT call, so recompute and skip_step cannot act there: the
     default becomes rerun (its rerun state machine; raise with ``--rerun-mode disabled``), and a
     policy asked for that acts as raise is said so at start."""
-    if not (args.abft or args.abft_inject or args.abft_inject_every):
+    if not _protects(args):
         return
     if not given:  # raise where the machine is off (--rerun-mode disabled would ignore it)
         machine = getattr(args, "rerun_mode", "validate_results") != "disabled"
@@ -701,7 +706,7 @@ class FaultPlan:
     def _section_problems(self, flag: str, sections: Iterable[str]) -> list[str]:
         if self.attention is None:
             return []
-        missing = "probs" if self.attention == "flash" else BACKWARD_SECTIONS
+        missing = ("probs",) if self.attention == "flash" else BACKWARD_SECTIONS
         have = [s for s in MODEL_SECTIONS if s not in missing]
         return [
             f"{flag}: section={section} is not in the {self.attention} attention this run "
@@ -790,7 +795,7 @@ def abft_from_megatron_lm() -> tuple[ABFTConfig | None, str, dict]:
         qk_layernorm=getattr(args, "qk_layernorm", False),
         normalization=getattr(args, "normalization", None),
     )
-    if not args.abft and not (args.abft_inject or args.abft_inject_every):
+    if not _protects(args):
         return None, args.abft_attention, layer_kwargs
     if problems := launch_problems(args):
         raise ValueError("; ".join(problems))

@@ -614,18 +614,19 @@ def _abft_banner(args, plan: FaultPlan, model: torch.nn.Module) -> str:
             f"on, {'flash' if flash else 'unfused'} attention: check every N steps {intervals}, "
             f"uncorrectable -> {config.on_uncorrectable}"
         )
+        note = unchecked_note(config)
         if args.abft_coverage_target is not None:
             text += (
                 f" (intervals for coverage {args.abft_coverage_target} at fault rates "
                 f"{args.abft_fault_rates})"
             )
     else:
-        text = "off (Megatron's local layers)"
+        text, note = "off (Megatron's local layers)", None
     if plan.active:
         text += f"; injecting {len(plan.explicit)} faults"
         if plan.every:
             text += f" + one random fault every {plan.every} steps ({','.join(plan.sections)})"
-    if args.abft and (note := unchecked_note(abft_config_from_args(args))):
+    if note:
         text += f"\n{note}"
     return text
 
