@@ -47,7 +47,7 @@ def launch(*flags: str, save: Path, nproc: int = 2) -> dict:
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads((save / "summary.json").read_text())
-    summary["stdout"] = done.stdout
+    summary["stdout"], summary["stderr"] = done.stdout, done.stderr
     return summary
 
 
@@ -119,6 +119,7 @@ def test_clean_and_faulty_runs_give_the_same_loss_curve(runs):
     [loud] = [line for line in faulty["stdout"].splitlines() if "UNCORRECTABLE" in line]
     assert "Rank 1" in loud and "iteration 4: layer 2 section scores" in loud
     assert "recomputed the GEMM" in loud
+    assert "UNCORRECTABLE" not in faulty["stderr"]  # printed once
 
 
 def test_a_checkpoint_resumes_to_the_same_losses(runs, corpus):
@@ -167,9 +168,11 @@ def test_pipeline_parallel_with_skip_step_on_mock_data(tmp_path):
     assert sorted(map(int, run["losses"])) == [1, 2, 3, 5, 6]  # skipped steps are not averaged
     assert all(map(math.isfinite, run["losses"].values()))
     assert run["losses"]["6"] < run["losses"]["1"]
-    loud = [line for line in run["stdout"].splitlines() if "UNCORRECTABLE" in line]
+    assert "UNCORRECTABLE" not in run["stdout"]  # printed once: by the rank that found it
+    loud = [line for line in run["stderr"].splitlines() if "UNCORRECTABLE" in line]
     assert any("iteration 4: layer 1 section context" in line for line in loud)
     assert all("policy skip_step: the step is skipped" in line for line in loud)
+    assert len(loud) == len(set(loud))
 
 
 def test_log_with_a_nan_loss_still_prints_and_records_the_fault(tmp_path):

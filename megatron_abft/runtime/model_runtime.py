@@ -119,20 +119,25 @@ def take_pending(guards: list[SectionGuard]) -> tuple[list[dict], bool]:
     return where, recompute_failed
 
 
+def fault_line(where: dict, outcome: str) -> str:
+    """The console line of a fault not corrected in place (rank, step, layer and section of
+    ``where``), in Megatron's fault-log style, with what was done about it."""
+    return (
+        f"!!! ABFT UNCORRECTABLE FAULT !!! Rank {where['rank']}, node {socket.gethostname()}, "
+        f"iteration {where['step']}: layer {where['layer']} section {where['section']}; {outcome}"
+    )
+
+
 def report(config: ABFTConfig, where: list[dict], outcome: str) -> None:
-    """Print each uncorrectable fault of ``where`` on this rank's stderr and append it to
-    ``config.events_file`` (a JSON line each), unless a Telemetry writes the events."""
+    """Print each uncorrectable fault of ``where`` on this rank's stderr, at once (the one line
+    a fault gets: a Telemetry prints only the faults it alone sees, the recomputed ones), and
+    append it to ``config.events_file`` (a JSON line each), unless a Telemetry writes the
+    events."""
     if not where:
         return
-    node = socket.gethostname()
     for w in where:
-        print(
-            f"!!! ABFT UNCORRECTABLE FAULT !!! Rank {w['rank']}, node {node}, iteration "
-            f"{w['step']}: layer {w['layer']} section {w['section']}; policy "
-            f"{config.on_uncorrectable}: {outcome}",
-            file=sys.stderr,
-            flush=True,
-        )
+        line = fault_line(w, f"policy {config.on_uncorrectable}: {outcome}")
+        print(line, file=sys.stderr, flush=True)
     path = config.events_file
     if path and not runtime_of(config).telemetry_writes_events:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -8,10 +8,11 @@ section, outcome and kind) and, only when some rank saw a fault, one gather of t
 logging rank. Between log intervals nothing is synchronised: the guards count on the device.
 
 The logging rank (the last one, as in Megatron-LM) prints a console line in Megatron's style, a
-loud line for every fault that could not be corrected in place, appends the events to the JSONL
-file and logs ``abft/*`` scalars beside the training metrics to W&B, with a table of the events
-at the end. ``wandb`` is imported only when a W&B project is given, and runs offline unless
-``WANDB_API_KEY`` is set or ``wandb_mode`` says otherwise.
+loud line for every fault that the recompute policy cleared (the rank that finds an
+uncorrectable fault prints it at once: megatron_abft.runtime.model_runtime.report), appends the
+events to the JSONL file and logs ``abft/*`` scalars beside the training metrics to W&B, with a
+table of the events at the end. ``wandb`` is imported only when a W&B project is given, and runs
+offline unless ``WANDB_API_KEY`` is set or ``wandb_mode`` says otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,7 +30,7 @@ import torch
 from megatron_abft.check.eec import KINDS, OUTCOMES
 from megatron_abft.config import SECTIONS
 from megatron_abft.runtime.guard import collect_events, iter_guards
-from megatron_abft.runtime.model_runtime import runtimes
+from megatron_abft.runtime.model_runtime import fault_line, runtimes
 
 COUNTS: tuple[str, ...] = (*OUTCOMES, "recomputed")
 """What is counted per section and kind: detected, corrected, uncorrectable and, for the
@@ -72,14 +72,6 @@ CONSOLE_FORMATS: dict[str, tuple[str, str]] = {
     "nan-iterations": ("number of nan iterations", "{:3d}"),
 }
 """Megatron-LM's labels and formats for the metrics of the console line (W&B keys on the left)."""
-
-POLICY_ACTION = {
-    "recompute": "the step is recomputed",
-    "raise": "training stops",
-    "skip_step": "the step is skipped",
-    "rerun": "Megatron's rerun state machine re-runs the step",
-    "log": "logged only: training goes on with it",
-}
 
 
 @dataclass
@@ -323,8 +315,8 @@ class Telemetry:
         metrics = dict(metrics or {})
         self._print(self._console_line(iteration, metrics, interval))
         for event in interval.events:
-            if event["action"] != "corrected":
-                self._print(self._loud_line(event))
+            if event["action"] == "recomputed":  # the uncorrectable ones were printed at once
+                self._print(self._recomputed_line(event))
         if self.config.events_file and interval.events:
             if self.events_file is None:  # created with the first event, not at start
                 os.makedirs(
@@ -357,21 +349,13 @@ class Telemetry:
         )
         return " |".join(parts) + " |"
 
-    def _loud_line(self, event: dict) -> str:
-        """A fault that was not corrected in place, in Megatron's fault-log style."""
+    def _recomputed_line(self, event: dict) -> str:
+        """A fault that the recompute policy cleared by computing its GEMM again."""
         what = (
-            f"layer {event['layer']} section {event['section']} sample {event['sample']} head "
-            f"{event['head']} row {event['row']} col {event['col']}: {event['kind']}, magnitude "
-            f"{float(event['magnitude']):.3g}"
+            f"sample {event['sample']} head {event['head']} row {event['row']} col "
+            f"{event['col']}: {event['kind']}, magnitude {float(event['magnitude']):.3g}"
         )
-        if event["action"] == "recomputed":
-            outcome = "recomputed the GEMM; the fault is gone"
-        else:
-            outcome = f"policy {event['policy']}: {POLICY_ACTION.get(event['policy'], '')}"
-        return (
-            f"!!! ABFT UNCORRECTABLE FAULT !!! Rank {event['rank']}, node {socket.gethostname()}, "
-            f"iteration {event['step']}: {what}; {outcome}"
-        )
+        return fault_line(event, f"{what}; recomputed the GEMM; the fault is gone")
 
     def _print(self, line: str) -> None:
         print(line, file=self.stream, flush=True)

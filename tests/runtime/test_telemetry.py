@@ -4,6 +4,7 @@ only."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 
@@ -37,7 +38,7 @@ def _telemetry_worker(events_file: str):
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     model = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable="log")))
-    stream, run = io.StringIO(), FakeRun()
+    stream, printed, run = io.StringIO(), io.StringIO(), FakeRun()
     config = TelemetryConfig(log_interval=2, train_iters=3, events_file=events_file, policy="log")
     telemetry = Telemetry(model, config, num_layers=SHAPE.layers, wandb_run=run, stream=stream)
     seq = SHAPE.seq
@@ -54,7 +55,8 @@ def _telemetry_worker(events_file: str):
         with inject(model, faults[step]) as landed:
             loss_and_grads(model, SHAPE, step)
         telemetry.count_injected(len(landed))
-        finish_step(model)
+        with contextlib.redirect_stderr(printed):
+            finish_step(model)
         if step % 2 == 0 or step == 3:
             intervals.append(telemetry.log(step, {"lm loss": 2.5, "learning-rate": 1e-3}))
     telemetry.close({"final lm loss": 2.5})
@@ -62,6 +64,7 @@ def _telemetry_worker(events_file: str):
     return {
         "rank": torch.distributed.get_rank(),
         "console": stream.getvalue(),
+        "stderr": printed.getvalue(),
         "intervals": intervals,
         "logged": [
             (sorted(k for k in data if k != "abft/events"), step) for data, step in run.logged
@@ -111,7 +114,9 @@ def test_events_reach_the_logging_rank_only(ranks):
     assert all(e["policy"] == "log" for e in events)
 
 
-def test_console_lines_in_megatron_style_and_a_loud_line_per_uncorrectable_fault(ranks):
+def test_console_lines_in_megatron_style_and_each_uncorrectable_fault_printed_once(ranks):
+    """The logging rank prints the counters; the rank that finds an uncorrectable fault prints
+    it, once, when the policy decides (finish_step), and the log does not repeat it."""
     results, _ = ranks
     assert results[0]["console"] == ""
     lines = results[1]["console"].splitlines()
@@ -121,11 +126,14 @@ def test_console_lines_in_megatron_style_and_a_loud_line_per_uncorrectable_fault
     )
     assert "abft injected/detected/corrected/uncorrectable: 2/" in steps[0]
     assert steps[1].endswith("abft injected/detected/corrected/uncorrectable: 0/0/0/0 |")
-    loud = [line for line in lines if "UNCORRECTABLE" in line]
+    assert not any("UNCORRECTABLE" in line for line in lines)
+    assert results[1]["stderr"] == ""
+    loud = results[0]["stderr"].splitlines()
     uncorrectable = [e for e in results[1]["intervals"][0].events if e["action"] != "corrected"]
-    assert len(loud) == len(uncorrectable) >= 1
+    where = {(e["layer"], e["section"]) for e in uncorrectable}
+    assert len(loud) == len(where) >= 1  # a line for each (layer, section) that holds faults
     assert any("Rank 0" in line and "iteration 2: layer 2 section scores" in line for line in loud)
-    assert all("policy log: logged only" in line for line in loud)
+    assert all("UNCORRECTABLE" in line and "policy log: logged only" in line for line in loud)
 
 
 def test_the_jsonl_file_holds_every_event(ranks):
