@@ -395,6 +395,14 @@ def megatron_lm_problems(args: argparse.Namespace) -> list[str]:
             f"--context-parallel-size {args.context_parallel_size}: its ring attention exchanges "
             "partial results the checks do not cover; use 1"
         )
+    if pattern := getattr(args, "hybrid_layer_pattern", None) or getattr(
+        args, "hybrid_override_pattern", None
+    ):
+        problems.append(
+            f"--hybrid-layer-pattern {pattern}: HybridModel is not protected (megatron-core "
+            "0.19 builds its stack from Transformer Engine layers and Mamba mixers, which the "
+            "checks do not cover); train a GPTModel with pretrain_gpt.py"
+        )
     if args.abft_on_uncorrectable == "rerun" and getattr(args, "rerun_mode", "") == "disabled":
         problems.append(
             "--abft-on-uncorrectable rerun needs Megatron's rerun state machine, which "

@@ -569,6 +569,8 @@ MEGATRON_LM_BAD = [
      "protected layers are Megatron-core's local ones; add --transformer-impl local"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: FP8 GEMMs are not protected"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2: its ring attention"),
+    (["--hybrid-layer-pattern", "M*M*"], "--hybrid-layer-pattern M*M*: HybridModel is not "
+     "protected"),
     (["--abft-attention", "flash"], "--abft-attention flash needs --attention-dropout 0 (it is "
      "0.1)"),  # Megatron-LM's default attention dropout
     (["--abft-inject", "section=grad_q,step=2"], "section=grad_q is not in the unfused attention"),
