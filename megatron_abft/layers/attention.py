@@ -177,7 +177,7 @@ class ProtectedDotProductAttention(DotProductAttention):
         matmul_result = recompute_scores()
         reader = self._softmax_reader(matmul_result, v5, attention_mask)
         attention_probs, context_refs = self.scores_guard.check_read(
-            matmul_result, scores_operands, reader, recompute=recompute_scores
+            matmul_result, scores_operands, reader, recompute=recompute_scores, masked=reader.masked
         )
 
         # dropout, as DotProductAttention

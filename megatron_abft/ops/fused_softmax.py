@@ -55,6 +55,33 @@ def causal(module: FusedScaleMaskSoftmax, scores: Tensor) -> bool:
     return module.attn_mask_type == AttnMaskType.causal and scores.shape[-2] > 1
 
 
+def masked_positions(
+    module: FusedScaleMaskSoftmax, scores: Tensor, mask: Tensor | None, offset: Tensor | None
+) -> Tensor | None:
+    """Where ``module(scores, mask, offset)`` overwrites scores ``[b, ng, rep, sq, sk]``
+    whatever they hold (True there; broadcastable): Megatron's masked_fill mask function writes
+    its fill value there. Under a causal mask type both the causal mask (Megatron's fused
+    kernel's) and the given one (its PyTorch path's) must mask a position. None where it masks
+    nothing, or where what it reads is not known (another mask function, a sliding window, a
+    softmax offset)."""
+    if offset is not None or module.window_size is not None:
+        return None
+    if module.mask_func is not attention_mask_func:
+        return None
+    b, groups, rep, sq, sk = scores.shape
+    given = None
+    if mask is not None and mask.dtype == torch.bool and mask.dim() == 4:
+        given = _grouped(mask, groups, rep)
+    elif mask is not None:
+        return None
+    if module.attn_mask_type != AttnMaskType.causal or sq == 1:
+        return given
+    if sq != sk:
+        return None
+    causal_mask = _causal_mask(sq, sk, scores.device)
+    return causal_mask if given is None else causal_mask & given
+
+
 def _causal_mask(sq: int, sk: int, device: torch.device) -> Tensor:
     return _constant(
         ("causal", sq, sk, device),
@@ -174,6 +201,11 @@ class SoftmaxReader:
             kernel3 = compiled.softmax_check_applies(scores, grouped, vectors)
         values = values if vectors is not None else None
         return cls(module, mask, offset, block, kernel3, grouped, values, vectors)
+
+    def masked(self, scores: Tensor) -> Tensor | None:
+        """Where the softmax overwrites ``scores`` ``[b, ng, rep, sq, sk]`` whatever they hold
+        (``masked_positions``)."""
+        return masked_positions(self.module, scores, self.mask, self.offset)
 
     def fuses(self, screen: bool) -> bool:
         """Whether kernel 3 reads S: where it computes the module's softmax, and has a

@@ -39,12 +39,18 @@ from megatron_abft.ops import compiled
 UNCORRECTABLE_ROW = OUTCOMES.index("uncorrectable")
 RECOMPUTED = 3
 """Event status of a fault that was uncorrectable in place and went away when recomputed."""
-ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed"}
+MASKED = 4
+"""Event status of a fault uncorrectable in place that lay only where the softmax masks the
+scores, which it overwrites: harmless."""
+ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed", MASKED: "masked"}
 MAX_CHECKERS = 8
 """Checkers a guard keeps (megatron_abft.check.checker): one a signature it checks."""
 
 View = Callable[[Tensor], Tensor]
 """Maps a GEMM output to the ``[..., rows, cols]`` matrix a fault section names."""
+Masked = Callable[[Tensor], "Tensor | None"]
+"""Maps a GEMM output to where its reader overwrites it whatever it holds (True there,
+broadcastable to the output), or None where it may read every element."""
 
 
 class ABFTUncorrectableError(RuntimeError):
@@ -107,6 +113,7 @@ class SectionGuard:
         self.faults: list = []  # model-level faults waiting to land (megatron_abft.inject)
         self.ledger: Ledger | None = None  # counters and fault log, on the device
         self.recomputed: Tensor | None = None  # GEMMs recomputed by the recompute policy
+        self.harmless: Tensor | None = None  # checks whose faults lay only where masked
         self.pending: Tensor | None = None  # bool: an uncorrected fault this step
         self.recompute_failed = False  # a recomputed GEMM was still wrong this step
         self.batch_shape: tuple[int, ...] = ()  # of the checked matrices, to name heads
@@ -134,14 +141,17 @@ class SectionGuard:
         views: dict[str, View] | None = None,
         recompute: Callable[[], Tensor] | None = None,
         refs: tuple[Checksums, Checksums] | None = None,
+        masked: Masked | None = None,
     ) -> Tensor:
         """Land faults, then verify and correct ``output = alpha * a @ b + bias`` in place,
         against ``refs`` (both sides' checksums) where given, else against checksums encoded from
-        the operands. Returns the output to use: ``output`` itself, or its recomputation."""
+        the operands. Returns the output to use: ``output`` itself, or its recomputation. Where
+        the host may be read, a fault that lay only where ``masked`` says the reader overwrites
+        the output is harmless (``clear_masked``)."""
         self.land_faults(output, views or {self.section: lambda t: t})
         if not self.due:
             return output
-        return self.verify(output, operands, recompute, refs)
+        return self.verify(output, operands, recompute, refs, masked)
 
     def verify(
         self,
@@ -149,10 +159,19 @@ class SectionGuard:
         operands: GemmOperands,
         recompute: Callable[[], Tensor] | None = None,
         refs: tuple[Checksums, Checksums] | None = None,
+        masked: Masked | None = None,
     ) -> Tensor:
         """``check`` of a due section whose faults have landed."""
         self.batch_shape = tuple(output.shape[:-2])
         failed = self._verify(output, operands, refs)
+        if (
+            masked is not None
+            and recompute is not None
+            and failed is not None
+            and host_reads(self.config, output.device)
+            and bool(failed)
+        ):
+            failed = self.clear_masked(output, operands, refs, masked, recompute, failed)
         if (
             recompute is not None
             and self.config.on_uncorrectable == "recompute"
@@ -181,6 +200,7 @@ class SectionGuard:
         operands: GemmOperands,
         reader: Reader,
         recompute: Callable[[], Tensor] | None = None,
+        masked: Masked | None = None,
     ) -> tuple[Tensor, Any]:
         """Land faults, then check ``output`` where ``reader`` reads it and return what it read
         (Reader.plain, Reader.read: for kernel 3 reading the scores, P and the context's
@@ -192,19 +212,19 @@ class SectionGuard:
         self.land_faults(output, {self.section: lambda t: t})
         due = self.due
         if not reader.fuses(due):
-            return reader.plain(self.check(output, operands, recompute=recompute))
+            return reader.plain(self.check(output, operands, recompute=recompute, masked=masked))
         if not due:
             value, _, extra = reader.read(output, NO_SCREEN)
             return value, extra
         sides = self.screen_sides(output, operands)
         if sides is None:
-            return reader.plain(self.check(output, operands, recompute=recompute))
+            return reader.plain(self.check(output, operands, recompute=recompute, masked=masked))
         self.batch_shape = tuple(output.shape[:-2])
         ledger = self.ledger_on(output.device)
         if host_reads(self.config, output.device):
             value, flagged, extra = reader.read(output, sides)
             if bool(flagged.any()):  # corrected here, and read again from the corrected output
-                return reader.plain(self.verify(output, operands, recompute))
+                return reader.plain(self.verify(output, operands, recompute, masked=masked))
             return value, extra
         a, b = operands.a, operands.b
         correction = KernelCorrection(
@@ -213,6 +233,38 @@ class SectionGuard:
         value, failed, extra = reader.read(output, sides, correction)
         self.pending = failed if self.pending is None else self.pending | failed
         return value, extra
+
+    def clear_masked(
+        self,
+        output: Tensor,
+        operands: GemmOperands,
+        refs: tuple[Checksums, Checksums] | None,
+        masked: Masked,
+        recompute: Callable[[], Tensor],
+        failed: Tensor,
+    ) -> Tensor:
+        """After a check left a matrix of ``output`` uncorrectable: give the positions its reader
+        overwrites (``masked``) the GEMM's values again (``recompute``) and check once more. If
+        nothing is then wrong, the faults lay only there and change nothing the layer computes:
+        counted as harmless (event status MASKED), and not failed. Otherwise ``output`` is put
+        back as it was. Returns whether a matrix stays uncorrectable."""
+        where = masked(output)
+        if where is None:
+            return failed
+        kept = output.clone()  # the recomputation may write into output's own buffer
+        output.copy_(torch.where(where, recompute(), kept))
+        scratch = Ledger.on(output.device, self.step)  # the first check already tallied it
+        again = self._with_checker(
+            output, operands, refs, lambda checker: checker.run(output, operands, refs, scratch)
+        )
+        if again is not None and bool(again):
+            output.copy_(kept)
+            return failed
+        if self.harmless is None:
+            self.harmless = torch.zeros((), dtype=torch.int64, device=output.device)
+        self.harmless += 1
+        self.ledger.amend_last(MASKED)
+        return torch.zeros_like(failed)
 
     def ledger_on(self, device: torch.device) -> Ledger:
         """This guard's ledger, made on ``device`` at its first check."""
@@ -276,7 +328,7 @@ class SectionGuard:
         if self.ledger is not None:
             self.ledger.counts.zero_()
             self.ledger.logged.zero_()
-        self.recomputed = self.pending = None
+        self.recomputed = self.harmless = self.pending = None
 
 
 class KernelGuard(SectionGuard):
@@ -354,14 +406,16 @@ def stats(
 ) -> dict[str, dict[str, dict[str, int]]]:
     """Counts per section the model checks (the unfused attention has no backward sections):
     ``{section: {outcome: {kind: n}}}``, with outcome in detected, corrected, uncorrectable,
-    plus ``recomputed: {"gemm": n}``. With ``group`` the counts are summed over its ranks in one
-    all-reduce. One host synchronisation."""
+    plus ``recomputed: {"gemm": n}`` and ``harmless: {"masked": n}`` (of the uncorrectable: GEMMs
+    the recompute policy computed again, and checks whose faults lay only where masked). With
+    ``group`` the counts are summed over its ranks in one all-reduce. One host
+    synchronisation."""
     guards = list(iter_guards(model))
     checked = {g.section for g in guards}
     counted = [g.counts for g in guards if g.counts is not None]
     device = counted[0].device if counted else torch.device("cpu")
     table = torch.zeros(
-        len(SECTIONS), len(OUTCOMES) + 1, len(KINDS), dtype=torch.int64, device=device
+        len(SECTIONS), len(OUTCOMES) + 2, len(KINDS), dtype=torch.int64, device=device
     )
     for guard in guards:  # summed on the device: one transfer at the end
         i = SECTIONS.index(guard.section)
@@ -369,6 +423,8 @@ def stats(
             table[i, : len(OUTCOMES)] += guard.counts
         if guard.recomputed is not None:
             table[i, len(OUTCOMES), 0] += guard.recomputed
+        if guard.harmless is not None:
+            table[i, len(OUTCOMES) + 1, 0] += guard.harmless
     if group is not None:
         table = table.to(collective_device(group))
         torch.distributed.all_reduce(table, group=group)
@@ -380,6 +436,7 @@ def stats(
                 for j, o in enumerate(OUTCOMES)
             },
             "recomputed": {"gemm": int(table[i, len(OUTCOMES), 0])},
+            "harmless": {"masked": int(table[i, len(OUTCOMES) + 1, 0])},
         }
         for i, section in enumerate(SECTIONS)
         if section in checked

@@ -32,9 +32,10 @@ from megatron_abft.config import SECTIONS
 from megatron_abft.runtime.guard import collect_events, iter_guards
 from megatron_abft.runtime.model_runtime import fault_line, runtimes
 
-COUNTS: tuple[str, ...] = (*OUTCOMES, "recomputed")
-"""What is counted per section and kind: detected, corrected, uncorrectable and, for the
-recompute policy, GEMMs recomputed (kind ``finite`` slot)."""
+COUNTS: tuple[str, ...] = (*OUTCOMES, "recomputed", "harmless")
+"""What is counted per section and kind: detected, corrected, uncorrectable and, of the
+uncorrectable (kind ``finite`` slot), GEMMs the recompute policy computed again and checks
+whose faults lay only where the softmax masks the scores."""
 
 EVENT_COLUMNS: tuple[str, ...] = (
     "step",
@@ -53,8 +54,9 @@ EVENT_COLUMNS: tuple[str, ...] = (
 )
 """One fault event: where (rank, layer, section; micro-batch sample and head for the per-head
 matrices, -1 for the linear layers; the most wrong flagged row and column, -1 where none), what
-(kind, magnitude of the error) and what was done: corrected in place, recomputed, or
-uncorrectable (then handled by ``policy``)."""
+(kind, magnitude of the error) and what was done: corrected in place, recomputed, masked
+(harmless: only where the softmax masks the scores), or uncorrectable (then handled by
+``policy``)."""
 
 WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
 MAX_TABLE_ROWS = 10_000
@@ -139,7 +141,8 @@ class Interval:
 
     iteration: int
     totals: dict[str, int]
-    """Counts since the start: injected, detected, corrected, uncorrectable, recomputed."""
+    """Counts since the start: injected, detected, corrected, uncorrectable, recomputed,
+    harmless."""
     delta: dict[str, int]
     """The same counts in this interval."""
     scalars: dict[str, float]
@@ -257,10 +260,10 @@ class Telemetry:
                     counts = guard.counts.to(self.device)
                     by_layer[layer, s, : len(OUTCOMES)] += counts
                     by_rank[self.rank, s, : len(OUTCOMES)] += counts
-                if guard.recomputed is not None:
-                    recomputed = guard.recomputed.to(self.device)
-                    by_layer[layer, s, len(OUTCOMES), 0] += recomputed
-                    by_rank[self.rank, s, len(OUTCOMES), 0] += recomputed
+                for i, settled in enumerate((guard.recomputed, guard.harmless)):
+                    if settled is not None:
+                        by_layer[layer, s, len(OUTCOMES) + i, 0] += settled.to(self.device)
+                        by_rank[self.rank, s, len(OUTCOMES) + i, 0] += settled.to(self.device)
         extra[self.rank, 0], extra[self.rank, 1] = len(events), self.injected
         self.injected = 0
         flat = torch.cat([by_layer.flatten(), by_rank.flatten(), extra.flatten()])
@@ -315,8 +318,8 @@ class Telemetry:
         metrics = dict(metrics or {})
         self._print(self._console_line(iteration, metrics, interval))
         for event in interval.events:
-            if event["action"] == "recomputed":  # the uncorrectable ones were printed at once
-                self._print(self._recomputed_line(event))
+            if event["action"] in ("recomputed", "masked"):  # the others were printed at once
+                self._print(self._settled_line(event))
         if self.config.events_file and interval.events:
             if self.events_file is None:  # created with the first event, not at start
                 os.makedirs(
@@ -349,12 +352,17 @@ class Telemetry:
         )
         return " |".join(parts) + " |"
 
-    def _recomputed_line(self, event: dict) -> str:
-        """A fault that the recompute policy cleared by computing its GEMM again."""
+    def _settled_line(self, event: dict) -> str:
+        """A fault uncorrectable in place that the recompute policy cleared by computing its
+        GEMM again, or that lay only where the softmax masks the scores."""
         what = (
             f"sample {event['sample']} head {event['head']} row {event['row']} col "
             f"{event['col']}: {event['kind']}, magnitude {float(event['magnitude']):.3g}"
         )
+        if event["action"] == "masked":
+            return fault_line(
+                event, f"{what}; only where the softmax masks the scores: harmless, not acted on"
+            )
         return fault_line(event, f"{what}; recomputed the GEMM; the fault is gone")
 
     def _print(self, line: str) -> None:

@@ -250,3 +250,57 @@ def test_a_recompute_that_cannot_help_raises_on_every_rank_together():
     ranks = spawn(2, 2, _unrecoverable_worker)
     assert ranks[1] is not None and "rank 1 layer 1 section context" in ranks[1]
     assert ranks[0] is not None
+
+
+def _masked_worker():
+    from megatron_abft import (
+        ABFTUncorrectableError,
+        collect_events,
+        finish_step,
+        inject,
+        reset_stats,
+        stats,
+    )
+    from megatron_abft.spec import get_gpt_layer_abft_spec
+
+    results = {}
+    for padding in (False, True):  # Megatron's implicit causal mask, then an explicit mask
+        shape = Shape(heads=4, groups=2, padding=padding)
+        model = build_gpt(shape, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable="raise")))
+        clean = loss_and_grads(model, shape)
+        for name, position in (("masked", (2, 20)), ("straddling", (10, 8))):
+            fault = Fault(
+                "scores", "nan", "2d", layer=1, tp_rank=1, position=position, block=(4, 4),
+                batch_index=0,
+            )  # fmt: skip
+            with inject(model, [fault]) as landed:
+                faulty = loss_and_grads(model, shape)
+            try:
+                action = finish_step(model).action
+            except ABFTUncorrectableError:
+                action = "raised"
+            scores = stats(model)["scores"]
+            results[(padding, name)] = {
+                "landed": len(landed),
+                "action": action,
+                "harmless": scores["harmless"]["masked"],
+                "same": _close(faulty, clean),
+                "events": [e["action"] for e in collect_events(model) if e["layer"] == 1],
+            }
+            reset_stats(model)
+    return results
+
+
+def test_a_fault_only_where_the_causal_mask_hides_the_scores_is_harmless():
+    """A NaN block of S wholly above the diagonal cannot change P (the softmax writes its fill
+    value there): counted as harmless, no policy acts, and the loss and gradients are the clean
+    ones. A block that reaches below the diagonal stays uncorrectable and raises. With Megatron's
+    implicit causal mask and with an explicit one."""
+    rank = spawn(2, 2, _masked_worker)[1]
+    for padding in (False, True):
+        masked, straddling = rank[(padding, "masked")], rank[(padding, "straddling")]
+        assert masked["landed"] == straddling["landed"] == 1
+        assert (masked["action"], masked["harmless"], masked["same"]) == ("none", 1, True)
+        assert masked["events"] == ["masked"]
+        assert (straddling["action"], straddling["harmless"]) == ("raised", 0)
+        assert "uncorrectable" in straddling["events"]
