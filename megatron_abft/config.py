@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 FORWARD_SECTIONS: tuple[str, ...] = ("qkv", "scores", "context", "proj")
-"""The checked forward GEMMs of one attention layer, in the order they run (DESIGN.md
-section 3): checked by the unfused and the flash attention alike."""
+"""The checked forward GEMMs of one attention layer, in the order they run (docs/megatron.md,
+"What is checked"): checked by the unfused and the flash attention alike."""
 
 BACKWARD_SECTIONS: tuple[str, ...] = ("bwd_scores", "grad_probs", "grad_v", "grad_k", "grad_q")
 """The checked backward GEMMs of the flash attention (megatron_abft.flash): the recomputed

@@ -1,4 +1,5 @@
-"""Seeded fault injection into a tensor: the soft errors of DESIGN.md section 1.
+"""Seeded fault injection into a tensor: the soft errors of docs/abft.md ("The faults it is
+built for").
 
 The last two dims of the tensor are a matrix, leading dims index a batch of matrices. A fault has
 a kind (what the corrupted values become) and a pattern (which elements): one element (``0d``),

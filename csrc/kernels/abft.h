@@ -2,7 +2,7 @@
 // the CUDA kernels (abft_cuda.cu) and the torch binding (abft_ops.cpp).
 //
 // block_sums reads a batch of matrices C [*batch, rows, cols] once and produces, for both sides of
-// an EEC-ABFT check (DESIGN.md section 2), the plain and weighted sums of every checked vector and
+// an EEC-ABFT check (docs/abft.md §1), the plain and weighted sums of every checked vector and
 // of its magnitudes:
 //   column side: per column j and block of `col_block` rows starting at row r0,
 //     sums  = (sum_i x_ij,   sum_i w_i x_ij)      sizes = (sum_i |x_ij|, sum_i w_i |x_ij|)

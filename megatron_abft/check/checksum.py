@@ -1,4 +1,4 @@
-"""Reference checksums of C = alpha * A @ B + bias, computed from the inputs (DESIGN.md section 2).
+"""Reference checksums of C = alpha * A @ B + bias, computed from the inputs (docs/abft.md §1).
 
 Column checksums sum C over its rows, block by block: for each block of at most ``block`` rows
 and each column j, the pair (sum_i C_ij, sum_i (i+1) C_ij) with i counted from the block's start,

@@ -1,4 +1,4 @@
-"""Verify, locate and correct one checked GEMM output in place (EEC-ABFT, DESIGN.md section 2).
+"""Verify, locate and correct one checked GEMM output in place (EEC-ABFT, docs/abft.md §1-4).
 
 ``verify_and_correct(c, col, row)`` compares the reference checksums of C (from the inputs, see
 megatron_abft.check.checksum) with sums recomputed from C (both sides in one read of C by the

@@ -1,5 +1,6 @@
 """ProtectedDotProductAttention: Megatron-core's DotProductAttention with the ``scores`` and
-``context`` GEMMs checked and corrected on each tensor-parallel rank (DESIGN.md section 3).
+``context`` GEMMs checked and corrected on each tensor-parallel rank (docs/megatron.md, "What
+is checked").
 
 - scores: S = scale * Q K^T per (batch, head), checked on both sides from checksums of Q and K
   taken after RoPE; under GQA, K is reduced once per KV group and shared by the group's heads;

@@ -1,4 +1,5 @@
-"""Protected tensor-parallel linear layers for the attention block (DESIGN.md section 3).
+"""Protected tensor-parallel linear layers for the attention block (docs/megatron.md, "What is
+checked").
 
 Both override only ``_forward_impl``, Megatron's rank-local GEMM, so each rank checks its own
 shard with no extra communication:

@@ -1,6 +1,5 @@
 """Kernel 3 in the attention: Megatron's scale-mask-softmax, the scores' screen and the context
-operand's checksum pass in one read of the scores S (csrc/bindings/abft_softmax.cpp, DESIGN.md
-section 5).
+operand's checksum pass in one read of the scores S (csrc/bindings/abft_softmax.cpp).
 
 Unfused, a protected attention reads S three times besides the softmax's own pass: the scores'
 verification reads S, the context's encoding reads P for its block sums and its products with
