@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=8)
+    p.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU: torch's threads a rank (default: the cores shared by the ranks)",
+    )  # fmt: skip
     p.add_argument("--no-per-section", action="store_true", help="time only off and all")
     p.add_argument(
         "--no-pin-malloc",
@@ -627,7 +631,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         if args.pin_malloc:
             malloc = pin_malloc()
         enable_cpu_mode()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     else:
         torch.cuda.set_device(rank)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
