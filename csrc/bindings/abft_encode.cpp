@@ -93,17 +93,25 @@ Four row_products_pair(const at::Tensor& a, const at::Tensor& u, const at::Tenso
   return {a0, a1, b0, b1};
 }
 
-bool column_major(const at::Tensor& x) { return x.stride(-2) == 1 && x.stride(-1) != 1; }
+// Sizes and strides are read as SymInts throughout: traced with dynamic shapes (torch.compile),
+// the ops decompose on fake tensors whose sizes are symbols; a branch on them guards.
+bool column_major(const at::Tensor& x) {
+  return x.sym_stride(-2) == 1 && x.sym_stride(-1) != 1;
+}
 
 // As compiled._products_apply (megatron_abft/ops): on CUDA the kernels take at most 16 vectors of
 // each kind.
 bool products_apply(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
   if (u.dim() != a.dim() || z.dim() != a.dim()) return false;
-  return !runs_cuda_kernels(a) || std::max(u.size(-2), z.size(-2)) <= abft::kMaxRowProducts;
+  return !runs_cuda_kernels(a) ||
+         (u.sym_size(-2) <= abft::kMaxRowProducts && z.sym_size(-2) <= abft::kMaxRowProducts);
 }
 
-std::vector<int64_t> batch_of(const at::Tensor& t) {
-  return t.sizes().slice(0, t.dim() - 2).vec();
+using Shape = std::vector<c10::SymInt>;
+
+Shape batch_of(const at::Tensor& t) {
+  const auto sizes = t.sym_sizes();
+  return Shape(sizes.begin(), sizes.end() - 2);
 }
 
 // How project reads an operand x [..., p, k] with vectors sums [..., q, k] and sizes [..., q', k]
@@ -116,16 +124,18 @@ struct Projection {
 };
 
 Projection projection(at::Tensor x, const at::Tensor& sums, const at::Tensor& sizes) {
-  const auto batch = at::infer_size(batch_of(x), batch_of(sums));
+  const Shape batch = at::infer_size_symint(batch_of(x), batch_of(sums));
   if (batch_of(x) == batch) return {x, sums, sizes, [](const at::Tensor& t) { return t; }};
-  const int64_t dims = int64_t(batch.size()), p = x.size(-2), k = x.size(-1);
-  std::vector<int64_t> padded(dims + 2 - x.dim(), 1);
-  padded.insert(padded.end(), x.sizes().begin(), x.sizes().end());
-  x = x.reshape(padded);
-  std::vector<int64_t> fold, keep, kept, order(dims);
-  int64_t folded = 1;
+  const int64_t dims = int64_t(batch.size());
+  const c10::SymInt p = x.sym_size(-2), k = x.sym_size(-1);
+  Shape padded(dims + 2 - x.dim(), 1);
+  padded.insert(padded.end(), x.sym_sizes().begin(), x.sym_sizes().end());
+  x = x.reshape_symint(padded);
+  std::vector<int64_t> fold, keep, order(dims);
+  Shape kept;
+  c10::SymInt folded = 1;
   for (int64_t d = 0; d < dims; ++d) {
-    if (x.size(d) == 1 && batch[d] > 1) {
+    if (x.sym_size(d) == 1 && batch[d] > 1) {
       fold.push_back(d);
       folded *= batch[d];
     } else {
@@ -133,29 +143,30 @@ Projection projection(at::Tensor x, const at::Tensor& sums, const at::Tensor& si
       kept.push_back(batch[d]);
     }
   }
-  auto kept_shape = [&](std::initializer_list<int64_t> last) {
+  auto kept_shape = [&](std::initializer_list<c10::SymInt> last) {
     auto shape = kept;
     shape.insert(shape.end(), last);
     return shape;
   };
-  x = x.reshape(kept_shape({p, k}));  // a view: x is 1 along the folded dims
+  x = x.reshape_symint(kept_shape({p, k}));  // a view: x is 1 along the folded dims
   std::vector<int64_t> permutation = keep;
   permutation.insert(permutation.end(), fold.begin(), fold.end());
   permutation.insert(permutation.end(), {dims, dims + 1});
   auto fold_rows = [&](const at::Tensor& rows) {  // [*batch, q, k] -> [*kept, folded * q, k]
-    const int64_t q = rows.size(-2);
+    const c10::SymInt q = rows.sym_size(-2);
     auto full = batch;
     full.insert(full.end(), {q, k});
-    return rows.expand(full).permute(permutation).reshape(kept_shape({folded * q, k}));
+    return rows.expand_symint(full).permute(permutation).reshape_symint(
+        kept_shape({folded * q, k}));
   };
   for (size_t i = 0; i < keep.size(); ++i) order[keep[i]] = int64_t(i);
   for (size_t i = 0; i < fold.size(); ++i) order[fold[i]] = int64_t(keep.size() + i);
   order.insert(order.end(), {dims, dims + 1});
   auto back = [kept, fold, batch, folded, order](const at::Tensor& t) {
-    std::vector<int64_t> shape = kept;  // [*kept, folded * q, p] -> [*batch, q, p]
+    Shape shape = kept;  // [*kept, folded * q, p] -> [*batch, q, p]
     for (int64_t d : fold) shape.push_back(batch[d]);
-    shape.insert(shape.end(), {t.size(-2) / folded, t.size(-1)});
-    return t.reshape(shape).permute(order);
+    shape.insert(shape.end(), {t.sym_size(-2) / folded, t.sym_size(-1)});
+    return t.reshape_symint(shape).permute(order);
   };
   return {x, fold_rows(sums), fold_rows(sizes), back};
 }
@@ -194,12 +205,12 @@ Pair project(const at::Tensor& x, const at::Tensor& sums, const at::Tensor& size
 // [..., 2 nb, n] products as [..., nb, 2, n] sums, and magnitudes.
 Pair paired(const Pair& found) {
   const auto& [sums, magnitude] = found;
-  return {sums.unflatten(-2, {sums.size(-2) / 2, 2}), magnitude};
+  return {sums.unflatten_symint(-2, Shape{sums.sym_size(-2) / 2, 2}), magnitude};
 }
 
 // The larger operand of encode_pair, and whether it is x = a (else y = b^T).
 std::pair<bool, at::Tensor> larger(const at::Tensor& a, const at::Tensor& b) {
-  const bool x_big = a.numel() >= b.numel();
+  const bool x_big = a.sym_numel() >= b.sym_numel();
   return {x_big, x_big ? a : b.mT()};
 }
 
@@ -209,12 +220,14 @@ std::pair<bool, at::Tensor> larger(const at::Tensor& a, const at::Tensor& b) {
 Pair vectors_of(const at::Tensor& big, const at::Tensor& small, const Four& small_sums) {
   const at::Tensor& small_w = std::get<0>(small_sums);
   const at::Tensor small_size = std::get<1>(small_sums).select(-2, 0);
-  const int64_t k = small.size(-1), lead = big.dim() - small.dim();
-  std::vector<int64_t> u_shape(lead, 1), z_shape(lead, 1);
-  u_shape.insert(u_shape.end(), small_w.sizes().begin(), small_w.sizes().end() - 3);
-  u_shape.insert(u_shape.end(), {-1, k});
-  z_shape.insert(z_shape.end(), small_size.sizes().begin(), small_size.sizes().end());
-  return {small_w.flatten(-3, -2).reshape(u_shape), small_size.reshape(z_shape)};
+  const c10::SymInt k = small.sym_size(-1);
+  const int64_t lead = big.dim() - small.dim();
+  Shape u_shape(lead, 1), z_shape(lead, 1);
+  const auto w_sizes = small_w.sym_sizes();
+  u_shape.insert(u_shape.end(), w_sizes.begin(), w_sizes.end() - 3);
+  u_shape.insert(u_shape.end(), {w_sizes[w_sizes.size() - 3] * w_sizes[w_sizes.size() - 2], k});
+  z_shape.insert(z_shape.end(), small_size.sym_sizes().begin(), small_size.sym_sizes().end());
+  return {small_w.flatten(-3, -2).reshape_symint(u_shape), small_size.reshape_symint(z_shape)};
 }
 
 Pair small_vectors(const at::Tensor& big, const at::Tensor& small, int64_t block) {
@@ -262,7 +275,7 @@ void check_pair(const char* op, const at::Tensor& a, const at::Tensor& b) {
   const auto [x_big, big] = larger(a, b);
   const int64_t small_dims = x_big ? b.dim() : a.dim();
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && small_dims <= big.dim(), op, ": a ",
-              a.sizes(), " ", a.scalar_type(), " and b ", b.sizes(), " ", b.scalar_type(),
+              a.sym_sizes(), " ", a.scalar_type(), " and b ", b.sym_sizes(), " ", b.scalar_type(),
               " need one dtype, and the smaller operand no more dims than the larger");
 }
 
@@ -290,8 +303,8 @@ Four encode_pair_split(const at::Tensor& a, const at::Tensor& b, double alpha, i
 // pass over a needs, a being the larger operand.
 Pair pair_vectors(const at::Tensor& a, const at::Tensor& b, int64_t block) {
   check_pair("megatron_abft::pair_vectors", a, b);
-  TORCH_CHECK(larger(a, b).first, "megatron_abft::pair_vectors: a ", a.sizes(),
-              " must be the larger operand (b is ", b.sizes(), ")");
+  TORCH_CHECK(larger(a, b).first, "megatron_abft::pair_vectors: a ", a.sym_sizes(),
+              " must be the larger operand (b is ", b.sym_sizes(), ")");
   return small_vectors(a, b.mT(), block);
 }
 
@@ -302,8 +315,8 @@ Pair pair_vectors(const at::Tensor& a, const at::Tensor& b, int64_t block) {
 Pair encode_pair_from(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block,
                       const at::Tensor& sums, const at::Tensor& sizes) {
   check_pair("megatron_abft::encode_pair_from", a, b);
-  TORCH_CHECK(larger(a, b).first, "megatron_abft::encode_pair_from: a ", a.sizes(),
-              " must be the larger operand (b is ", b.sizes(), ")");
+  TORCH_CHECK(larger(a, b).first, "megatron_abft::encode_pair_from: a ", a.sym_sizes(),
+              " must be the larger operand (b is ", b.sym_sizes(), ")");
   return paired(project(b.mT(), sums.flatten(-3, -2), sizes.select(-2, 0), alpha));
 }
 
@@ -330,12 +343,19 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
       {at::Tag::pt2_compliant_tag});
 }
 
-// On every backend, from the ops it is composed of; its fake (torch.compile) is in ops/compiled.py.
-TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
+// Composites of other ops on every backend, fake tensors included: traced (torch.compile,
+// meta), they decompose into those ops, whose fakes give their outputs' layouts, so these four
+// need no fake of their own and report the strides they really have, whichever path they take.
+TORCH_LIBRARY_IMPL(megatron_abft, CompositeImplicitAutograd, m) {
   m.impl("encode_pair", &encode_pair);
   m.impl("encode_pair_split", &encode_pair_split);
   m.impl("pair_vectors", &pair_vectors);
   m.impl("encode_pair_from", &encode_pair_from);
+}
+
+// On every backend, from the ops they are composed of; their fakes (torch.compile) are in
+// ops/compiled.py.
+TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
   m.impl("block_sums_pair", &block_sums_pair);
   m.impl("row_products_pair", &row_products_pair);
 }

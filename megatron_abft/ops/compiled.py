@@ -455,20 +455,6 @@ def _register_fake() -> None:
     def _(c: Tensor, *args):
         return *found_like(c), c.new_empty((), dtype=torch.bool)
 
-    @torch.library.register_fake("megatron_abft::encode_pair")
-    @torch.library.register_fake("megatron_abft::encode_pair_split")
-    def _(a: Tensor, b: Tensor, alpha: float, block: int):
-        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        (m, _), n = a.shape[-2:], b.shape[-1]
-        dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-        col, row = -(-m // block), -(-n // block)
-        return (
-            a.new_empty((*batch, col, 2, n), dtype=dtype),
-            a.new_empty((*batch, col, n), dtype=dtype),
-            a.new_empty((*batch, row, 2, m), dtype=dtype),
-            a.new_empty((*batch, row, m), dtype=dtype),
-        )
-
     def softmax_outputs(s: Tensor, block: int, u, z, second: Tensor) -> tuple[Tensor, ...]:
         dtype = torch.float64 if s.dtype == torch.float64 else torch.float32
         batch, (m, n) = s.shape[:-2], s.shape[-2:]
@@ -493,26 +479,6 @@ def _register_fake() -> None:
     def _(s: Tensor, *args):
         block, u, z = args[9:12]
         return softmax_outputs(s, block, u, z, s.new_empty((), dtype=torch.bool))
-
-    @torch.library.register_fake("megatron_abft::pair_vectors")
-    def _(a: Tensor, b: Tensor, block: int):
-        dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-        k, nb = b.shape[-2], -(-b.shape[-1] // block)
-        lead = (1,) * (a.dim() - b.dim())
-        return (
-            a.new_empty((*lead, *b.shape[:-2], 2 * nb, k), dtype=dtype),
-            a.new_empty((*lead, *b.shape[:-2], nb, k), dtype=dtype),
-        )
-
-    @torch.library.register_fake("megatron_abft::encode_pair_from")
-    def _(a: Tensor, b: Tensor, alpha, block, sums, sizes):
-        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        m, n = a.shape[-2], b.shape[-1]
-        col = -(-m // block)
-        return (
-            a.new_empty((*batch, col, 2, n), dtype=sums.dtype),
-            a.new_empty((*batch, col, n), dtype=sums.dtype),
-        )
 
     @torch.library.register_fake("megatron_abft::add_bias")
     def _(col: Tensor, col_magnitude: Tensor, row: Tensor, row_magnitude: Tensor, bias, m, block):

@@ -38,16 +38,14 @@ DERIVED = (
 """The other ops, on inputs made from the recorded calls."""
 
 
-FAKE_STRIDES = frozenset(RECORDED + DERIVED) - {
-    "encode_pair",
-    "encode_pair_split",
-    "encode_pair_from",
-    "pair_vectors",
-}
-"""The ops whose fakes give the real outputs' strides. The four others return views whose
-layout depends on the path the op takes (kernels or BLAS, folded batch dims), and their fakes
-return contiguous outputs, so inductor, which plans buffers from the fakes, cannot yet compile a
-protected model around them."""
+COMPOSITES = ("encode_pair", "encode_pair_split", "encode_pair_from", "pair_vectors")
+"""Ops made of the others (CompositeImplicitAutograd): traced, they decompose into them."""
+
+FAKE_STRIDES = frozenset(RECORDED + DERIVED)
+"""The ops whose fakes must give the real outputs' strides (inductor plans buffers from them):
+all of them. The COMPOSITES return views whose layout depends on the path they take (kernels or
+BLAS, folded batch dims); they have no fake of their own, and their decomposition gives the
+real layouts."""
 
 
 def _clone(x):
@@ -60,6 +58,7 @@ def _clone(x):
 
 def _record() -> dict:
     """Every megatron_abft op the protected GPT calls: the first call per input layout."""
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_abft import Fault, inject
@@ -69,15 +68,26 @@ def _record() -> dict:
 
     calls: dict = {}
 
+    def record(name: str, args: tuple, kwargs: dict | None) -> None:
+        if name.startswith("megatron_abft::"):
+            layout = tuple(
+                (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else None
+                for a in args
+            )
+            calls.setdefault((name.split("::")[1], layout), (_clone(args), _clone(kwargs)))
+
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._schema.name
-            if name.startswith("megatron_abft::"):
-                layout = tuple(
-                    (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else None
-                    for a in args
-                )
-                calls.setdefault((name.split("::")[1], layout), (_clone(args), _clone(kwargs)))
+            record(func._schema.name, args, kwargs)
+            return func(*args, **(kwargs or {}))
+
+    class RecordComposites(TorchFunctionMode):  # they decompose before any dispatch mode
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "_qualified_op_name", None) or getattr(
+                getattr(func, "_schema", None), "name", ""
+            )
+            if name.split("::")[-1] in COMPOSITES:
+                record(name, args, kwargs)
             return func(*args, **(kwargs or {}))
 
     shape = Shape()
@@ -87,7 +97,7 @@ def _record() -> dict:
             guard.host_reads = lambda config, device, host_reads=host_reads: host_reads
             config = ABFTConfig(fused_softmax=fused)
             model = build_gpt(shape, get_gpt_layer_abft_spec(config, attention="unfused"))
-            with Record():
+            with RecordComposites(), Record():
                 loss_and_grads(model, shape)
                 for section in ("qkv", "scores", "context", "proj"):
                     with inject(model, [Fault(section, "inf", layer=1)]):
