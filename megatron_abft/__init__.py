@@ -23,7 +23,7 @@ from megatron_abft.check.eec import (
     residuals,
     verify_and_correct,
 )
-from megatron_abft.config import POLICIES, SECTIONS, ABFTConfig
+from megatron_abft.config import POLICIES, SECTIONS, ABFTConfig, Policy
 from megatron_abft.faults import (
     FAULT_KINDS,
     MODEL_SECTIONS,
@@ -69,6 +69,7 @@ __all__ = [
     "OUTCOMES",
     "PATTERNS",
     "POLICIES",
+    "Policy",
     "SECTIONS",
     "TensorFault",
     "encode",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -29,8 +30,20 @@ ATTENTIONS: tuple[str, ...] = ("auto", "flash", "unfused")
 """The protected core attentions a layer spec can take (megatron_abft.spec): the flash kernels
 (megatron_abft.flash), the unfused attention, or flash where the kernels compile for the GPU."""
 
-POLICIES: tuple[str, ...] = ("recompute", "raise", "skip_step", "rerun", "log")
-"""What to do with a fault that cannot be corrected in place."""
+
+class Policy(StrEnum):
+    """What to do with a fault that cannot be corrected in place (docs/megatron.md, "When a
+    fault cannot be corrected"). A str: ``Policy.RERUN == "rerun"``."""
+
+    RECOMPUTE = "recompute"
+    RAISE = "raise"
+    SKIP_STEP = "skip_step"
+    RERUN = "rerun"
+    LOG = "log"
+
+
+POLICIES: tuple[str, ...] = tuple(p.value for p in Policy)
+"""The policies by name (command-line choices)."""
 
 KINDS: tuple[str, ...] = ("finite", "near_inf", "inf", "nan")
 """Kinds of fault, by the worst checksum difference a matrix showed."""
@@ -104,7 +117,7 @@ class ABFTConfig:
     few units in the last place), not bit for bit; False keeps Megatron's softmax, and a clean
     protected run bit for bit equal to an unprotected one."""
 
-    on_uncorrectable: str = "recompute"
+    on_uncorrectable: Policy = Policy.RECOMPUTE
     """Policy for a fault that cannot be corrected in place: recompute (run the work once more,
     then raise), raise, skip_step (discard the step's gradients), rerun (hand over to Megatron's
     rerun state machine) or log (count only)."""
@@ -144,6 +157,7 @@ class ABFTConfig:
             raise _bad(
                 "on_uncorrectable", self.on_uncorrectable, f"choose from {', '.join(POLICIES)}"
             )
+        self.on_uncorrectable = Policy(self.on_uncorrectable)
 
     @staticmethod
     def _normalise_sections(sections: str | Iterable[str]) -> tuple[str, ...]:

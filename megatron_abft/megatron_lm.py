@@ -35,6 +35,7 @@ from megatron_abft.config import (
     POLICIES,
     SECTIONS,
     ABFTConfig,
+    Policy,
 )
 from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
 from megatron_abft.runtime.model_runtime import runtime_of
@@ -238,7 +239,7 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--abft-on-uncorrectable",
         choices=POLICIES,
-        default="recompute",
+        default=Policy.RECOMPUTE.value,
         help="What to do with a fault that cannot be corrected in place. It is always printed "
         "and recorded. Default: rerun under Megatron-LM's own parser (its rerun state machine; "
         "there recompute and skip_step act as raise, and log trains on), recompute in "
@@ -403,7 +404,7 @@ def megatron_lm_problems(args: argparse.Namespace) -> list[str]:
             "0.19 builds its stack from Transformer Engine layers and Mamba mixers, which the "
             "checks do not cover); train a GPTModel with pretrain_gpt.py"
         )
-    if args.abft_on_uncorrectable == "rerun" and getattr(args, "rerun_mode", "") == "disabled":
+    if args.abft_on_uncorrectable == Policy.RERUN and getattr(args, "rerun_mode", "") == "disabled":
         problems.append(
             "--abft-on-uncorrectable rerun needs Megatron's rerun state machine, which "
             "--rerun-mode disabled turns off; use validate_results, or another policy"
@@ -419,8 +420,8 @@ def _megatron_lm_policy(args: argparse.Namespace, given: bool) -> None:
         return
     if not given:  # raise where the machine is off (--rerun-mode disabled would ignore it)
         machine = getattr(args, "rerun_mode", "validate_results") != "disabled"
-        args.abft_on_uncorrectable = "rerun" if machine else "raise"
-    elif args.abft_on_uncorrectable in ("recompute", "skip_step"):
+        args.abft_on_uncorrectable = Policy.RERUN if machine else Policy.RAISE
+    elif args.abft_on_uncorrectable in (Policy.RECOMPUTE, Policy.SKIP_STEP):
         say_once(
             f"[abft] --abft-on-uncorrectable {args.abft_on_uncorrectable}: Megatron-LM's loop "
             "cannot recompute a GEMM or skip a step for ABFT, so an uncorrectable fault raises; "

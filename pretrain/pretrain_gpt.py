@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from megatron_abft import ABFTUncorrectableError, finish_step, inject, set_step
+from megatron_abft.config import Policy
 from megatron_abft.megatron_lm import (
     FaultPlan,
     abft_config_from_args,
@@ -377,7 +378,7 @@ def loss_func(args, loss_mask: torch.Tensor, output: torch.Tensor):
     loss = torch.sum(output.float().view(-1) * mask) / mask.sum()
     if args.check_for_nan_in_loss_and_grad:
         rerun = get_rerun_state_machine()
-        fatal = not args.abft or args.abft_on_uncorrectable == "rerun"
+        fatal = not args.abft or args.abft_on_uncorrectable == Policy.RERUN
         for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
             message = f"found {what} in local forward loss calculation"
             rerun.validate_result(loss, reject, message, fatal=fatal)
@@ -387,7 +388,7 @@ def loss_func(args, loss_mask: torch.Tensor, output: torch.Tensor):
 def forward_step(args, gpt, device, data_iterator, model):
     batch = {k: v.to(device) for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    if args.abft_on_uncorrectable == "rerun" and args.abft:
+    if args.abft_on_uncorrectable == Policy.RERUN and args.abft:
         from megatron_abft import validate_with_rerun
 
         validate_with_rerun(gpt)  # Megatron's rerun state machine judges this attempt
@@ -418,7 +419,7 @@ def train_step(args, gpt, model, optimizer, scheduler, step_func, batches: list)
     while rerun.should_run_forward_backward(data):
         optimizer.zero_grad()
         losses = forward_backward(args, model, step_func, data)
-    if args.abft and args.abft_on_uncorrectable != "rerun":
+    if args.abft and args.abft_on_uncorrectable != Policy.RERUN:
         try:
             outcome = finish_step(gpt)  # one host sync and one tiny all-reduce per step
             if outcome.recompute:  # (GPU) an uncorrectable fault: run the step once more
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     iteration = load_checkpoint(args, gpt, optimizer, scheduler) if args.load else 0
     dataset = build_dataset(args, tokenizer)
     data = micro_batches(args, dataset, start_sample=iteration * args.global_batch_size)
-    rerun = args.abft and args.abft_on_uncorrectable == "rerun"
+    rerun = args.abft and args.abft_on_uncorrectable == Policy.RERUN
     initialize_rerun_state_machine(mode=RerunMode("validate_results" if rerun else "disabled"))
     get_rerun_state_machine().current_iteration = iteration - 1  # its messages count from 1
 

@@ -32,7 +32,7 @@ from megatron_abft.check.checker import (
 from megatron_abft.check.checksum import Checksums
 from megatron_abft.check.eec import KINDS, OUTCOMES, GemmOperands
 from megatron_abft.check.ledger import EVENT_FIELDS, Ledger, drain
-from megatron_abft.config import SECTIONS, ABFTConfig
+from megatron_abft.config import SECTIONS, ABFTConfig, Policy
 from megatron_abft.faults import land
 from megatron_abft.ops import compiled
 
@@ -174,7 +174,7 @@ class SectionGuard:
             failed = self.clear_masked(output, operands, refs, masked, recompute, failed)
         if (
             recompute is not None
-            and self.config.on_uncorrectable == "recompute"
+            and self.config.on_uncorrectable == Policy.RECOMPUTE
             and recompute_in_place_possible(output)
             and failed is not None
             and bool(failed)

@@ -42,16 +42,16 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron_abft.check.ledger import set_clocks
-from megatron_abft.config import ABFTConfig
+from megatron_abft.config import ABFTConfig, Policy
 from megatron_abft.faults import Fault, arm, disarm
 from megatron_abft.runtime.guard import ABFTUncorrectableError, SectionGuard, iter_guards
 
 WITHOUT_LOOP = {
-    "recompute": "raised (the recompute did not help, or needs the loop's finish_step)",
-    "raise": "raised",
-    "skip_step": "raised (skipping a step needs the loop's finish_step)",
-    "rerun": "raised (found after its step, too late for Megatron's rerun)",
-    "log": "logged only: training goes on with it",
+    Policy.RECOMPUTE: "raised (the recompute did not help, or needs the loop's finish_step)",
+    Policy.RAISE: "raised",
+    Policy.SKIP_STEP: "raised (skipping a step needs the loop's finish_step)",
+    Policy.RERUN: "raised (found after its step, too late for Megatron's rerun)",
+    Policy.LOG: "logged only: training goes on with it",
 }
 """What the runtime does with an uncorrectable fault that the loop left to it, by policy."""
 
@@ -273,7 +273,7 @@ class Runtime:
         the faults itself, or, but for policy rerun (decided inside the step), drives steps."""
         if self.loop_settles:
             return False
-        return self.config.on_uncorrectable == "rerun" or not self.step_from_loop
+        return self.config.on_uncorrectable == Policy.RERUN or not self.step_from_loop
 
     def _after_backward(self, grad: torch.Tensor) -> None:
         if not self._settles_after_backward():
@@ -281,7 +281,7 @@ class Runtime:
         self._backward_ends += 1
         if self._backward_ends % microbatches():  # the step's last micro-batch settles
             return
-        if self.config.on_uncorrectable == "rerun":
+        if self.config.on_uncorrectable == Policy.RERUN:
             hand_to_rerun(list(self.guards()), self.config)
         else:
             self.settle()
@@ -383,7 +383,7 @@ def settle(guards: list[SectionGuard], config: ABFTConfig) -> None:
     if not where:
         return
     report(config, where, WITHOUT_LOOP[config.on_uncorrectable])
-    if config.on_uncorrectable != "log":
+    if config.on_uncorrectable != Policy.LOG:
         raise ABFTUncorrectableError(where)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_abft.config import Policy
 from megatron_abft.runtime.guard import ABFTUncorrectableError, collective_device, iter_guards
 from megatron_abft.runtime.model_runtime import hand_to_rerun, report, runtimes, take_pending
 
@@ -42,11 +43,11 @@ class StepOutcome:
 
     @property
     def skip(self) -> bool:
-        return self.action == "skip_step"
+        return self.action == Policy.SKIP_STEP
 
     @property
     def recompute(self) -> bool:
-        return self.action == "recompute"
+        return self.action == Policy.RECOMPUTE
 
 
 def _policy(guards) -> str:
@@ -55,14 +56,14 @@ def _policy(guards) -> str:
         raise ValueError(
             f"one model must use one on_uncorrectable policy, found {sorted(policies)}"
         )
-    return policies.pop() if policies else "log"
+    return policies.pop() if policies else Policy.LOG
 
 
 LOOP_OUTCOMES = {
-    "recompute": "the step is recomputed",
-    "raise": "training stops",
-    "skip_step": "the step is skipped",
-    "log": "logged only: training goes on with it",
+    Policy.RECOMPUTE: "the step is recomputed",
+    Policy.RAISE: "training stops",
+    Policy.SKIP_STEP: "the step is skipped",
+    Policy.LOG: "logged only: training goes on with it",
 }
 """What happens to an uncorrectable fault that ``finish_step`` decides, by policy."""
 
@@ -77,7 +78,7 @@ def finish_step(
     and records this rank's (megatron_abft.runtime.model_runtime.report)."""
     guards = list(iter_guards(model))
     policy = _policy(guards)
-    if policy != "rerun":  # rerun is decided inside the step (validate_with_rerun, the runtime)
+    if policy != Policy.RERUN:  # decided inside the step (validate_with_rerun, the runtime)
         for runtime in runtimes(guards):
             runtime.loop_settles = True
     where, recompute_failed = take_pending(guards)
@@ -88,14 +89,15 @@ def finish_step(
     faults, failed_recomputes = anywhere.tolist()
     if not faults:
         return StepOutcome("none")
-    if policy == "rerun":
+    if policy == Policy.RERUN:
         raise RuntimeError(
             "ABFT on_uncorrectable='rerun' is decided by validate_with_rerun(model) in the loss "
             "function, inside Megatron's rerun loop, not by finish_step"
         )
-    stops = policy == "raise" or (policy == "recompute" and (retried or failed_recomputes))
+    recompute_did_not_help = policy == Policy.RECOMPUTE and (retried or failed_recomputes)
+    stops = policy == Policy.RAISE or recompute_did_not_help
     if where:
-        report(guards[0].config, where, LOOP_OUTCOMES["raise" if stops else policy])
+        report(guards[0].config, where, LOOP_OUTCOMES[Policy.RAISE if stops else policy])
     if stops:
         if where:
             raise ABFTUncorrectableError(where)

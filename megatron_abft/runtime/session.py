@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megatron_abft.config import Policy
 from megatron_abft.runtime.guard import iter_guards, stats
 from megatron_abft.runtime.model_runtime import set_step
 from megatron_abft.runtime.policy import StepOutcome, finish_step
@@ -48,7 +49,7 @@ class ABFT:
         self.chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
         guards = [g for chunk in self.chunks for g in iter_guards(chunk)]
         self.active = bool(guards)  # faults land in a disabled model's layers too
-        self.rerun = any(g.config.on_uncorrectable == "rerun" for g in guards)
+        self.rerun = any(g.config.on_uncorrectable == Policy.RERUN for g in guards)
         enabled = any(g.config.enabled for g in guards)
         self.telemetry = Telemetry(self.chunks, telemetry, **telemetry_options) if enabled else None
 

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import torch
 
 from megatron_abft.check.eec import KINDS, OUTCOMES
-from megatron_abft.config import SECTIONS
+from megatron_abft.config import SECTIONS, Policy
 from megatron_abft.runtime.guard import collect_events, iter_guards
 from megatron_abft.runtime.model_runtime import fault_line, runtimes
 
@@ -90,7 +90,7 @@ class TelemetryConfig:
     """JSON Lines file every fault event is appended to, created with the first one; None:
     none."""
 
-    policy: str = "recompute"
+    policy: str = Policy.RECOMPUTE
     """The on_uncorrectable policy, recorded with each event."""
 
     wandb_project: str | None = None
