@@ -1,7 +1,9 @@
 """torch.compile with its default backend (inductor) runs a protected GPT on the CPU: the loss and
 gradients of eager mode, and an injected fault still corrected. The checksum ops trace: their
 fakes (or, for the composite encode ops, their decomposition) give the real outputs' layouts,
-with static and with dynamic shapes (tests/ops/test_opcheck.py)."""
+with static and with dynamic shapes (tests/ops/test_opcheck.py). Traced, a check takes the
+GPU's sync-free path on the CPU too: it reads nothing on the host, so it does not break the
+graph."""
 
 import torch
 from mcore import Shape, batch, build_gpt, spawn
@@ -31,7 +33,13 @@ def _compile_worker():
     with inject(model, [nan]) as landed:
         faulty = step(compiled_model)
     scores = stats(model)["scores"]
+    explained = torch._dynamo.explain(model)(tokens, positions, mask, labels=labels)
     return {
+        "breaks_in_checks": [
+            str(b.reason).splitlines()[0]
+            for b in explained.break_reasons
+            if any(_in_checks(frame.filename) for frame in b.user_stack)
+        ],
         "eager": eager,
         "compiled": compiled,
         "faulty": faulty,
@@ -40,6 +48,14 @@ def _compile_worker():
         "detected": sum(scores["detected"].values()),
         "corrected": sum(scores["corrected"].values()),
     }
+
+
+def _in_checks(filename: str) -> bool:
+    """Whether a frame is the checks' code: the guards, the check, the ops' wrappers."""
+    return any(part in filename for part in CHECKS)
+
+
+CHECKS = ("megatron_abft/check/", "megatron_abft/ops/", "megatron_abft/runtime/guard.py")
 
 
 def _close(result, reference) -> bool:
@@ -55,8 +71,10 @@ def _close(result, reference) -> bool:
 def test_inductor_compiles_a_protected_gpt_that_still_corrects_faults():
     """Compiled, the model gives eager's loss and gradients (up to inductor's fused rounding)
     and finds nothing on clean data; a NaN landed in layer 2's scores under the compiled model
-    is detected and corrected, and the step equals the clean one."""
+    is detected and corrected, and the step equals the clean one. No graph break lies inside
+    the checks (the runtime's hooks and Megatron's own code still break the graph)."""
     [r] = spawn(1, 1, _compile_worker)
+    assert r["breaks_in_checks"] == []  # traced, the checks decide on the device
     assert _close(r["compiled"], r["eager"])
     assert r["clean_detected"] == 0
     assert r["landed"] == 1 and r["detected"] == r["corrected"] == 1

@@ -102,6 +102,8 @@ def _constant(key: tuple, make: Callable[[], Tensor]) -> Tensor:
     """``make()``, kept under ``key`` where keeping it is safe: a plain tensor, not one made
     while a CUDA graph is captured (its kernels have not run yet) nor a fake tensor of a trace.
     Callers must not write to it."""
+    if torch.compiler.is_compiling():  # a trace keeps no state of its own
+        return make()
     found = _CONSTANTS.get(key)
     if found is not None:
         return found

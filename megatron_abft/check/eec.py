@@ -168,7 +168,8 @@ def verify_and_correct(
     capacity = max_corrections if max_corrections is not None else max(c.shape[-2:])
     check = Check(gemm_rounding(c.dtype, c.device), threshold_scale, near_inf, capacity, operands)
     refs = {name: ref for name, ref in (("col", col), ("row", row)) if ref is not None}
-    may_skip = c.device.type == "cpu" or not sync_free  # reading the flags costs no sync
+    # reading the flags costs no sync; traced (torch.compile), nothing is read, as on a GPU
+    may_skip = (c.device.type == "cpu" or not sync_free) and not torch.compiler.is_compiling()
     ledger = None if may_skip else ledger  # else the PyTorch path may change what was found
     found = _kernel_check(c, refs, check, ledger) if operands is not None else None
     if found is not None:

@@ -37,9 +37,19 @@ _disabled = False
 _emulating = False
 
 
-@functools.cache
+_loaded: tuple[ModuleType | None, str] | None = None
+
+
 def _load() -> tuple[ModuleType | None, str]:
-    """The extension module (its import registers torch.ops.megatron_abft), or None and why."""
+    """The extension module (its import registers torch.ops.megatron_abft), or None and why.
+    Kept in a global, not a functools.cache, which torch.compile traces through."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _import()
+    return _loaded
+
+
+def _import() -> tuple[ModuleType | None, str]:
     try:
         from megatron_abft import _C
     except ImportError as error:

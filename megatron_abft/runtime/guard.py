@@ -80,6 +80,8 @@ def host_reads(config: ABFTConfig, device: torch.device) -> bool:
     """Whether a check on ``device`` may read a result on the host: always on CPU, where that
     costs nothing; elsewhere unless ``config.sync_free``, which by default (None) holds where
     the compiled kernels serve the device, as their checks settle faults on the device."""
+    if torch.compiler.is_compiling():  # traced: decided on the device, as on a GPU
+        return False
     if device.type == "cpu":
         return True
     if config.sync_free is None:
@@ -88,8 +90,9 @@ def host_reads(config: ABFTConfig, device: torch.device) -> bool:
 
 
 def recompute_in_place_possible(t: Tensor) -> bool:
-    """Whether a GEMM on ``t``'s device can be recomputed on demand without a host sync."""
-    return t.device.type == "cpu"
+    """Whether a GEMM on ``t``'s device can be recomputed on demand without a host sync (not
+    where torch.compile traces it: the recompute would be decided on the host)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class SectionGuard:
