@@ -32,7 +32,7 @@ from megatron_abft.check.checker import (
 from megatron_abft.check.checksum import Checksums
 from megatron_abft.check.eec import KINDS, OUTCOMES, GemmOperands
 from megatron_abft.check.ledger import EVENT_FIELDS, Ledger, drain
-from megatron_abft.config import SECTIONS, ABFTConfig, Policy
+from megatron_abft.config import CORRECTED, SECTIONS, UNCORRECTABLE, ABFTConfig, Policy
 from megatron_abft.faults import land
 from megatron_abft.ops import compiled
 
@@ -42,7 +42,12 @@ RECOMPUTED = 3
 MASKED = 4
 """Event status of a fault uncorrectable in place that lay only where the softmax masks the
 scores, which it overwrites: harmless."""
-ACTIONS = {1: "corrected", 2: "uncorrectable", RECOMPUTED: "recomputed", MASKED: "masked"}
+ACTIONS = {
+    CORRECTED: "corrected",
+    UNCORRECTABLE: "uncorrectable",
+    RECOMPUTED: "recomputed",
+    MASKED: "masked",
+}
 MAX_CHECKERS = 8
 """Checkers a guard keeps (megatron_abft.check.checker): one a signature it checks."""
 
@@ -249,8 +254,9 @@ class SectionGuard:
         """After a check left a matrix of ``output`` uncorrectable: give the positions its reader
         overwrites (``masked``) the GEMM's values again (``recompute``) and check once more. If
         nothing is then wrong, the faults lay only there and change nothing the layer computes:
-        counted as harmless (event status MASKED), and not failed. Otherwise ``output`` is put
-        back as it was. Returns whether a matrix stays uncorrectable."""
+        counted as harmless (event status MASKED), and not failed; if what is left is corrected
+        in place, the event says corrected. Otherwise ``output`` is put back as it was. Returns
+        whether a matrix stays uncorrectable."""
         where = masked(output)
         if where is None:
             return failed
@@ -263,6 +269,9 @@ class SectionGuard:
         if again is not None and bool(again):
             output.copy_(kept)
             return failed
+        if bool(scratch.counts.any()):  # a fault outside the mask too, corrected this time
+            self.ledger.amend_last(CORRECTED)
+            return torch.zeros_like(failed)
         if self.harmless is None:
             self.harmless = torch.zeros((), dtype=torch.int64, device=output.device)
         self.harmless += 1

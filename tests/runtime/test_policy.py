@@ -268,9 +268,13 @@ def _masked_worker():
         shape = Shape(heads=4, groups=2, padding=padding)
         model = build_gpt(shape, get_gpt_layer_abft_spec(ABFTConfig(on_uncorrectable="raise")))
         clean = loss_and_grads(model, shape)
-        for name, position in (("masked", (2, 20)), ("straddling", (10, 8))):
+        for name, position, block in (
+            ("masked", (2, 20), (4, 4)),
+            ("straddling", (10, 8), (4, 4)),
+            ("one unmasked", (4, 5), (2, 3)),  # (5, 5) below the diagonal, the rest above
+        ):
             fault = Fault(
-                "scores", "nan", "2d", layer=1, tp_rank=1, position=position, block=(4, 4),
+                "scores", "nan", "2d", layer=1, tp_rank=1, position=position, block=block,
                 batch_index=0,
             )  # fmt: skip
             with inject(model, [fault]) as landed:
@@ -294,8 +298,9 @@ def _masked_worker():
 def test_a_fault_only_where_the_causal_mask_hides_the_scores_is_harmless():
     """A NaN block of S wholly above the diagonal cannot change P (the softmax writes its fill
     value there): counted as harmless, no policy acts, and the loss and gradients are the clean
-    ones. A block that reaches below the diagonal stays uncorrectable and raises. With Megatron's
-    implicit causal mask and with an explicit one."""
+    ones. A block that reaches below the diagonal stays uncorrectable and raises, but for one
+    element there, which is corrected. With Megatron's implicit causal mask and with an explicit
+    one."""
     rank = spawn(2, 2, _masked_worker)[1]
     for padding in (False, True):
         masked, straddling = rank[(padding, "masked")], rank[(padding, "straddling")]
@@ -304,3 +309,6 @@ def test_a_fault_only_where_the_causal_mask_hides_the_scores_is_harmless():
         assert masked["events"] == ["masked"]
         assert (straddling["action"], straddling["harmless"]) == ("raised", 0)
         assert "uncorrectable" in straddling["events"]
+        partly = rank[(padding, "one unmasked")]  # the element below the diagonal is corrected
+        assert (partly["action"], partly["harmless"], partly["same"]) == ("none", 0, True)
+        assert partly["events"] == ["corrected"]
