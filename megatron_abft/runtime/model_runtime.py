@@ -130,7 +130,7 @@ def fault_line(where: dict, outcome: str) -> str:
 
 def report(config: ABFTConfig, where: list[dict], outcome: str) -> None:
     """Print each uncorrectable fault of ``where`` on this rank's stderr, at once (the one line
-    a fault gets: a Telemetry prints only the faults it alone sees, the recomputed ones), and
+    a fault gets: a Telemetry prints only the faults it alone sees, recomputed or masked), and
     append it to ``config.events_file`` (a JSON line each), unless a Telemetry writes the
     events."""
     if not where:

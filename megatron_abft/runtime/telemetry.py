@@ -8,11 +8,12 @@ section, outcome and kind) and, only when some rank saw a fault, one gather of t
 logging rank. Between log intervals nothing is synchronised: the guards count on the device.
 
 The logging rank (the last one, as in Megatron-LM) prints a console line in Megatron's style, a
-loud line for every fault that the recompute policy cleared (the rank that finds an
-uncorrectable fault prints it at once: megatron_abft.runtime.model_runtime.report), appends the
-events to the JSONL file and logs ``abft/*`` scalars beside the training metrics to W&B, with a
-table of the events at the end. ``wandb`` is imported only when a W&B project is given, and runs
-offline unless ``WANDB_API_KEY`` is set or ``wandb_mode`` says otherwise.
+loud line for every fault that the recompute policy cleared or that lay only in masked scores
+(the rank that finds an uncorrectable fault prints it at once:
+megatron_abft.runtime.model_runtime.report), appends the events to the JSONL file and logs
+``abft/*`` scalars beside the training metrics to W&B, with a table of the events at the end.
+``wandb`` is imported only when a W&B project is given, and runs offline unless
+``WANDB_API_KEY`` is set or ``wandb_mode`` says otherwise.
 """
 
 from __future__ import annotations
