@@ -129,17 +129,30 @@ class ProtectedDotProductAttention(DotProductAttention):
         attention_bias: Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
-        """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
-        if not (self.abft_config.enabled or self.scores_guard.faults or self.context_guard.faults):
-            return super().forward(
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type,
-                attention_bias,
-                packed_seq_params,
-            )
+        """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> context [sq, b, np * hn]:
+        ``protected_forward``, or, with nothing to check or land, Megatron's own forward (which
+        computes the same)."""
+        due = self.scores_guard.due or self.context_guard.due
+        forward = (
+            self.protected_forward
+            if due or self.scores_guard.faults or self.context_guard.faults
+            else super().forward
+        )
+        return forward(
+            query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+        )
+
+    def protected_forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        """The forward with the due sections checked and the armed faults landed."""
         if packed_seq_params is not None:
             raise NotImplementedError(
                 "ProtectedDotProductAttention does not support packed sequences (THD); pass "

@@ -73,7 +73,7 @@ class _CheckedLocalGemm:
             input = gather_from_sequence_parallel_region(input, group=self.tp_group)
             kwargs = {**kwargs, "sequence_parallel": False}
         output = super()._forward_impl(input, weight, *args, **kwargs)
-        if not (self.abft_config.enabled or self.abft_guard.faults):
+        if not (self.abft_guard.due or self.abft_guard.faults):
             return output
         width = output.shape[-1]
         checked = self.abft_guard.check(

@@ -344,7 +344,7 @@ def _kernel3_swap_worker():
 
     swap = kernel3_swap(model, forward_backward, pairs=3)
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
-    return swap, calls, any("_softmax_reader" in vars(core) for core in cores)
+    return swap, calls, any({"_softmax_reader", "forward"} & set(vars(core)) for core in cores)
 
 
 def _time_checks_worker(fused: bool):
