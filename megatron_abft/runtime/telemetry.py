@@ -263,8 +263,9 @@ class Telemetry:
                     by_rank[self.rank, s, : len(OUTCOMES)] += counts
                 for i, settled in enumerate((guard.recomputed, guard.harmless)):
                     if settled is not None:
-                        by_layer[layer, s, len(OUTCOMES) + i, 0] += settled.to(self.device)
-                        by_rank[self.rank, s, len(OUTCOMES) + i, 0] += settled.to(self.device)
+                        settled = settled.to(self.device)
+                        by_layer[layer, s, len(OUTCOMES) + i, 0] += settled
+                        by_rank[self.rank, s, len(OUTCOMES) + i, 0] += settled
         extra[self.rank, 0], extra[self.rank, 1] = len(events), self.injected
         self.injected = 0
         flat = torch.cat([by_layer.flatten(), by_rank.flatten(), extra.flatten()])
