@@ -82,11 +82,12 @@ def finish_step(
         for runtime in runtimes(guards):
             runtime.loop_settles = True
     where, recompute_failed = take_pending(guards)
-    anywhere = torch.tensor([len(where), int(recompute_failed)], dtype=torch.int64)
-    if torch.distributed.is_initialized():
+    faults, failed_recomputes = len(where), int(recompute_failed)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        anywhere = torch.tensor([faults, failed_recomputes], dtype=torch.int64)
         anywhere = anywhere.to(collective_device(group))
         torch.distributed.all_reduce(anywhere, group=group)
-    faults, failed_recomputes = anywhere.tolist()
+        faults, failed_recomputes = anywhere.tolist()
     if not faults:
         return StepOutcome("none")
     if policy == Policy.RERUN:
