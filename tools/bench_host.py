@@ -1,7 +1,8 @@
-"""What protection costs the host on this machine: a guard's clean check against its ops alone
-(the difference is the Python around them), and set_step and finish_step, which run once a step,
-on a GPT model. On a GPU this is the host side of a step, which the GPU hides only while the
-host runs ahead of it; the overhead model counts device time only (docs/benchmarks.md).
+"""What protection costs the host on this machine: a guard's clean check against its op alone
+(the difference is the Python around it), with warm caches and with cold ones, as in a training
+step, and set_step and finish_step, which run once a step, on a GPT model. On a GPU this is the
+host side of a step, which the GPU hides only while the host runs ahead of it; the overhead model
+counts device time only (docs/benchmarks.md).
 
     python -m tools.bench_host --layers 24 --out host.json
 """
@@ -12,6 +13,8 @@ import argparse
 import json
 import os
 import socket
+import statistics
+import time
 import timeit
 
 import torch
@@ -36,11 +39,34 @@ def per_call(fn, device: torch.device, number: int, repeat: int = 7) -> float:
     return min(timeit.repeat(timed, number=1, repeat=repeat)) / number
 
 
+def per_call_cold(fn, device: torch.device, number: int = 300) -> float:
+    """Median seconds of one call of ``fn`` with cold caches, as a check runs in a training step
+    between other work: before each call, a 32 MiB copy and a small MLP's forward and backward
+    (other data, other code)."""
+    source = torch.randn(8 * 2**20, device=device)
+    target = torch.empty_like(source)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256)).to(device)
+    x = torch.randn(32, 64, device=device, requires_grad=True)
+    times = []
+    for _ in range(number):
+        target.copy_(source)
+        for _ in range(20):
+            mlp(x).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
 def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     """A guard's clean check of a small GEMM with a bias, as the qkv projection's (32 tokens,
-    hidden 64, 192 outputs: its time is all overhead), and its compiled ops called directly
-    with the arguments its checker holds (megatron_abft.check.checker): encode_pair, add_bias, then
-    verify_correct and a read of the worst status (CPU), or verify_correct_tally (GPU)."""
+    hidden 64, 192 outputs: its time is all overhead), and its compiled op called directly with
+    the arguments its checker holds (megatron_abft.check.checker): check_gemm and a read of the
+    worst status (CPU), or check_gemm_tally (GPU)."""
     g = torch.Generator().manual_seed(0)
     x, w, bias = (torch.randn(*s, generator=g).to(device) for s in ((32, 64), (192, 64), (192,)))
     operands, y = GemmOperands(x, w.t(), 1.0, bias), torch.addmm(bias, x, w.t())
@@ -51,20 +77,20 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     if not isinstance(plan, CompiledChecker):
         raise RuntimeError("the compiled kernels do not serve this device: no compiled checker")
     ops, ledger = torch.ops.megatron_abft, guard.ledger
+    arguments = (y, x, w.t(), 1.0, bias, plan.block, *plan.bounds, plan.near_inf, plan.capacity)
 
     def alone():
-        s = ops.encode_pair.default(x, w.t(), 1.0, plan.block)
-        s = ops.add_bias.default(*s, bias, 32, plan.block)
-        sides = (*plan.blocks, [s[0], s[1], s[4]], [s[2], s[3], s[5]], *plan.bounds)
-        tail = (x, w.t(), 1.0, bias, plan.near_inf, plan.capacity)
         if plan.sync_free:
-            ops.verify_correct_tally.default(y, *sides, *tail, *compiled._ledger_args(ledger))
+            ops.check_gemm_tally.default(*arguments, *compiled._ledger_args(ledger))
         else:
-            int(ops.verify_correct.default(y, *sides, *tail)[0].max())
+            int(ops.check_gemm.default(*arguments)[0])
 
     return {
         "check": per_call(lambda: guard.check(y, operands), device, number),
         "ops_alone": per_call(alone, device, number),
+        "check_cold": per_call_cold(lambda: guard.check(y, operands), device),
+        "ops_alone_cold": per_call_cold(alone, device),
+        "gemm_cold": per_call_cold(lambda: torch.addmm(bias, x, w.t()), device),
     }
 
 
@@ -115,8 +141,12 @@ def main() -> None:
     us = 1e6
     print(f"on {result['device']}, torch {torch.__version__}")
     print(
-        f"a clean check: {check['check'] * us:.1f} us, its ops alone {check['ops_alone'] * us:.1f}"
-        f" us: {(check['check'] - check['ops_alone']) * us:.1f} us of Python around them"
+        f"a clean check: {check['check'] * us:.1f} us, its op alone {check['ops_alone'] * us:.1f}"
+        f" us: {(check['check'] - check['ops_alone']) * us:.1f} us of Python around it"
+    )
+    print(
+        f"with cold caches: the check {check['check_cold'] * us:.1f} us, its op alone"
+        f" {check['ops_alone_cold'] * us:.1f} us, the GEMM it checks {check['gemm_cold'] * us:.1f} us"
     )
     print(
         f"{args.layers} layers ({step['modules']} modules): set_step {step['set_step'] * 1e3:.2f}"

@@ -135,6 +135,26 @@ def check_cost(device: torch.device, reps: int = 200) -> tuple[int, float]:
     return ops, timer.seconds(begin, timer.start()) / reps / ops
 
 
+def bias_ops(device: torch.device) -> int:
+    """The ops a bias adds to a guard's clean check, counted as check_cost counts them: a qkv
+    projection's (32 tokens, hidden 64, 192 outputs) with and without its bias."""
+    from megatron_abft.check.eec import GemmOperands
+    from megatron_abft.runtime.guard import SectionGuard
+
+    x, w = torch.randn(32, 64, device=device), torch.randn(192, 64, device=device)
+    counted = []
+    for bias in (None, torch.randn(192, device=device)):
+        guard, operands = SectionGuard("qkv", ABFTConfig(), 0), GemmOperands(x, w.t(), 1.0, bias)
+        y = x @ w.t() + (0 if bias is None else bias)
+        for _ in range(3):  # the checker is chosen after the first
+            guard.check(y, operands)
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
+            guard.check(y, operands)
+        counted.append(count_ops(profile))
+    return counted[1] - counted[0]
+
+
 def check_kernels(device: torch.device) -> list[str] | None:
     """The GPU kernels (and memsets) one clean sync-free check launches, by name, as
     torch.profiler sees them on a small attention-scores check (alpha 1/8). None off a GPU."""
@@ -334,6 +354,7 @@ def micro_benchmarks(args, device: torch.device, softmax) -> dict:
         "bandwidth": bandwidth,
         "launch": launch,
         "check_ops": check_ops,
+        "bias_ops": bias_ops(device),
         "check_op": check_op,
         "check_launches": check_launches(device),
         "check_dot": check_dot_cost(args, device, matmul),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from megatron_abft.config import FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
 from megatron_abft.tuning.scaling import (
+    BIAS_KERNELS,
     BIAS_OPS,
     CATALOGUE,
     CHECK_KERNELS,
@@ -102,10 +103,17 @@ def calibrated(result: dict) -> DeviceProfile:
     )
 
 
+EARLIER_OPS = {"torch": 124, "kernels": 4, "fused": 4}
+"""CHECK_OPS of the code that ran before check_gemm, in the runs that count no ``bias_ops``:
+encode_pair and verify_correct were ops of their own, and a bias's add_bias one more
+(BIAS_KERNELS)."""
+
+
 def roofline(result: dict) -> DeviceProfile:
     """The device of a benchmark run as its micro-benchmarks give it, the baseline at the
     model's count (baseline_scale 1)."""
     m, impl = result["machine"], result.get("impl", "torch")
+    code_ops, code_bias = (CHECK_OPS, BIAS_OPS) if "bias_ops" in m else (EARLIER_OPS, BIAS_KERNELS)
     return DeviceProfile(
         f"{result['device']} (calibrated)",
         {result["args"]["dtype"]: m["matmul"]},
@@ -116,7 +124,9 @@ def roofline(result: dict) -> DeviceProfile:
         optimizer_bandwidth=m.get("optimizer_bandwidth"),  # the bench's timed optimizer steps
         check_bandwidth=m.get("check_bandwidth"),  # the kernels reading the scores from memory
         check_dot=m.get("check_dot") or 0.0,  # their dot products' own cost (CPU runs)
-        check_ops={**CHECK_OPS, impl: m["check_ops"]} if "check_ops" in m else None,  # its code's
+        # a check's ops and a bias's in its code: the run's own count where it made one
+        check_ops={**code_ops, **({impl: m["check_ops"]} if "check_ops" in m else {})},
+        bias_ops={**code_bias, **({impl: m["bias_ops"]} if "bias_ops" in m else {})},
         softmax=m.get("softmax"),  # both softmaxes and kernel 3's checks, timed on the machine
         # the flash kernels' CUDA-core and exp2 rates: not micro-benchmarked, the datasheet's
         **(datasheet_flash_rates(result["device"]) if impl == "flash" else {}),
@@ -187,7 +197,9 @@ def validation_rows(paths: list[Path]) -> list[dict]:
         # the checks' own time, one layer: measured inside the training step, far less noisy
         # on the flash path the projections' checks are the kernels' checks of a linear layer
         linear = "kernels" if impl == "flash" else impl
-        work = protection_forward(shape, linear, device.ops_per_check(linear))
+        work = protection_forward(
+            shape, linear, device.ops_per_check(linear), device.ops_per_bias(linear)
+        )
         for section, seconds in result.get("check_seconds", {}).items():
             p = device.check_time(work[section], shape.dtype)
             rows.append(
@@ -605,11 +617,12 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "wide, as Q, K and V are, most of their products' time). Three implementations",
             "are modelled: `torch`, the PyTorch path (every fp32 copy, abs and reduction",
             "counted); `kernels`, the code as it runs with the compiled kernels (a clean check is",
-            "two of their ops: `encode_pair` reads the larger operand once and the smaller twice,",
-            "`verify_correct` reads C once for both sides and corrects a flagged matrix on the",
-            f"device; on a CPU {CHECK_OPS['kernels']} tensor ops per clean check and",
-            f"{BIAS_OPS['kernels']} more for a bias, `add_bias`, figures a test keeps equal to the",
-            "code's); and `fused`, kernel 3 (the softmax, which reads S",
+            "one of their ops, `check_gemm`: `encode_pair` reads the larger operand once and the",
+            "smaller twice, `verify_correct` reads C once for both sides and corrects a flagged",
+            f"matrix on the device; on a CPU {CHECK_OPS['kernels']} tensor ops per clean check and",
+            f"{BIAS_OPS['kernels']} more for a bias, whose terms `add_bias` adds inside the same op,",
+            "figures a test keeps equal to the code's); and `fused`, kernel 3 (the softmax, which",
+            "reads S",
             "and writes P anyway, verifies S and sums P, so those two reads go; the code on a",
             "CPU and on CUDA, where a sync-free check corrects a flagged S, redoes its P and",
             "tallies in one more launch, `softmax_correct_tally`).",

@@ -81,6 +81,12 @@ abft::MatrixBatch describe(const at::Tensor& c);
 std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c,
                                                             int64_t col_block, int64_t row_block);
 
+// How block_sums reads c into `out` (contiguous, shaped as prepare's outputs): a c stored column
+// by column is handed to the kernels as c^T, whose rows are contiguous, its column side being
+// c's row side.
+std::pair<abft::MatrixBatch, abft::BlockSums> plan_block_sums(abft::MatrixBatch c,
+                                                              abft::BlockSums out);
+
 // row_products' outputs for a and the vectors u, z (checked); the views are kept alive by the
 // last two tensors.
 std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tensor> prepare_products(
@@ -137,6 +143,21 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
                            const at::Tensor& b, double alpha,
                            const std::optional<at::Tensor>& bias, double near_inf,
                            int64_t capacity);
+
+// verify_correct's checks of the operands a, b and bias of c, and of capacity.
+void check_correct_inputs(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                          const std::optional<at::Tensor>& bias, int64_t capacity);
+
+// verify_correct's results where the screen flagged no matrix of c.
+Found all_clean(const at::Tensor& c);
+
+// tally on the CPU: verify_correct's results into a ledger, in place. Returns failed.
+at::Tensor tally_cpu(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                     const at::Tensor& col, const at::Tensor& magnitude, at::Tensor& counts,
+                     const at::Tensor& step, at::Tensor& log, at::Tensor& logged);
+
+// encode_pair (abft_encode.cpp): both sides' sums and magnitudes of alpha * a @ b.
+Sums encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block);
 
 // A guard's ledger (megatron_abft/check/ledger.py) as tally writes it: counts [3, kinds] int64,
 // step [1] float64, log [capacity, 7] float64 and logged [1] int64, all on the results' device.

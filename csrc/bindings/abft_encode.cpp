@@ -5,7 +5,8 @@
 // the smaller one twice; on a GPU, where a launch costs more than a read, both operands' block sums
 // are one launch and both products another (block_sums_pair, row_products_pair), the larger operand
 // read twice. Composed in C++ so that a check pays one dispatch from Python for its encoding
-// instead of some thirty, most of them views.
+// instead of some thirty, most of them views (check_gemm, abft_check.cpp, adds the bias and the
+// verification: a GEMM's whole check in one call).
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <torch/library.h>
@@ -322,6 +323,12 @@ Pair encode_pair_from(const at::Tensor& a, const at::Tensor& b, double alpha, in
 
 }  // namespace
 
+namespace abft_binding {
+Sums encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block) {
+  return ::encode_pair(a, b, alpha, block);
+}
+}  // namespace abft_binding
+
 TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
   m.def(
       "encode_pair(Tensor a, Tensor b, float alpha, int block) -> (Tensor, Tensor, Tensor, "
@@ -355,6 +362,12 @@ TORCH_LIBRARY_IMPL(megatron_abft, CompositeImplicitAutograd, m) {
 
 // On every backend, from the ops they are composed of; their fakes (torch.compile) are in
 // ops/compiled.py.
+// As abft_ops.cpp's kernels: outside autograd.
+TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
+  m.impl("block_sums_pair", torch::CppFunction::makeFallthrough());
+  m.impl("row_products_pair", torch::CppFunction::makeFallthrough());
+}
+
 TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
   m.impl("block_sums_pair", &block_sums_pair);
   m.impl("row_products_pair", &row_products_pair);

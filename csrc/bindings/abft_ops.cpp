@@ -125,8 +125,7 @@ abft::MatrixBatch describe(const at::Tensor& c) {
   return matrices;
 }
 
-// The outputs, and the kernels' view of C and of the outputs. A C stored column by column is
-// handed to the kernels as C^T, whose rows are contiguous: its column side is C's row side.
+// The outputs, and the kernels' view of C and of the outputs (plan_block_sums).
 std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c,
                                                             int64_t col_block,
                                                             int64_t row_block) {
@@ -142,16 +141,20 @@ std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c
             at::empty(shape(row_block, n, m), options), at::empty(shape(row_block, n, m), options)};
   auto& [col_sums, col_sizes, row_sums, row_sizes] = sums;
 
-  abft::MatrixBatch matrices = describe(c);
-  abft::BlockSums out{col_sums.data_ptr(), col_sizes.data_ptr(), col_block,
-                      row_sums.data_ptr(), row_sizes.data_ptr(), row_block};
-  if (c.stride(-2) == 1 && c.stride(-1) != 1 && m > 1) {
-    std::swap(matrices.rows, matrices.cols);
-    std::swap(matrices.row_stride, matrices.col_stride);
-    out = {row_sums.data_ptr(), row_sizes.data_ptr(), row_block,
-           col_sums.data_ptr(), col_sizes.data_ptr(), col_block};
-  }
+  const auto [matrices, out] =
+      plan_block_sums(describe(c), {col_sums.data_ptr(), col_sizes.data_ptr(), col_block,
+                                    row_sums.data_ptr(), row_sizes.data_ptr(), row_block});
   return {std::move(sums), matrices, out};
+}
+
+std::pair<abft::MatrixBatch, abft::BlockSums> plan_block_sums(abft::MatrixBatch c,
+                                                              abft::BlockSums out) {
+  if (abft::column_major(c)) {
+    std::swap(c.rows, c.cols);
+    std::swap(c.row_stride, c.col_stride);
+    out = {out.row_sums, out.row_sizes, out.row_block, out.col_sums, out.col_sizes, out.col_block};
+  }
+  return {c, out};
 }
 
 Sums block_sums_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block) {
@@ -470,13 +473,10 @@ at::Tensor screen_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block
 
 // verify_correct: the screen, then the flagged matrices located and corrected in place from the
 // operands (abft.h's Correct), at most `capacity` vectors per side and pass. a [*, m, k],
-// b [*, k, n] and bias [n] are checked here and a, b expanded to c's batch; the outputs are per
-// matrix of c's batch.
-Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Screen& screen,
-                           int64_t col_block, int64_t row_block, const at::Tensor& a,
-                           const at::Tensor& b, double alpha,
-                           const std::optional<at::Tensor>& bias, double near_inf,
-                           int64_t capacity) {
+// b [*, k, n] and bias [n] are checked here (check_correct_inputs) and a, b expanded to c's batch;
+// the outputs are per matrix of c's batch.
+void check_correct_inputs(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                          const std::optional<at::Tensor>& bias, int64_t capacity) {
   const int64_t m = c.size(-2), n = c.size(-1);
   for (auto [name, t] : {std::pair{"a", &a}, std::pair{"b", &b}}) {
     TORCH_CHECK(t->device() == c.device(), "megatron_abft::verify_correct: ", name, " is on ",
@@ -504,6 +504,28 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
                 "megatron_abft::verify_correct: ", name, " ", t->sizes(),
                 " does not broadcast to the batch of c ", c.sizes());
   }
+  if (bias.has_value()) {
+    const at::Tensor& v = *bias;
+    TORCH_CHECK(v.device() == c.device() && v.dim() == 1 && v.size(0) == n,
+                "megatron_abft::verify_correct: bias must be [", n, "] on ", c.device(),
+                "; got ", v.sizes(), " on ", v.device());
+    kernel_dtype(v, "megatron_abft::verify_correct: bias");
+  }
+}
+
+Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Screen& screen,
+                           int64_t col_block, int64_t row_block, const at::Tensor& a,
+                           const at::Tensor& b, double alpha,
+                           const std::optional<at::Tensor>& bias, double near_inf,
+                           int64_t capacity) {
+  check_correct_inputs(c, a, b, bias, capacity);
+  const int64_t m = c.size(-2), n = c.size(-1);
+  auto batch = c.sizes().slice(0, c.dim() - 2).vec();
+  auto shape = [&](int64_t rows, int64_t cols) {
+    auto s = batch;
+    s.insert(s.end(), {rows, cols});
+    return s;
+  };
   Correction out;
   out.keep = {a.expand(shape(m, a.size(-1))), b.expand(shape(b.size(-2), n))};
   abft::Correct& k = out.k;
@@ -522,9 +544,6 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   k.bias = nullptr;
   if (bias.has_value()) {
     const at::Tensor& v = *bias;
-    TORCH_CHECK(v.device() == c.device() && v.dim() == 1 && v.size(0) == n,
-                "megatron_abft::verify_correct: bias must be [", n, "] on ", c.device(),
-                "; got ", v.sizes(), " on ", v.device());
     k.bias = v.data_ptr();
     k.bias_dtype = kernel_dtype(v, "megatron_abft::verify_correct: bias");
     k.bias_stride = v.stride(0);
@@ -562,8 +581,47 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   return out;
 }
 
-// The screen and the correction of c given its block sums; the tensors they point into are kept
-// alive here.
+// verify_correct's results where the screen flagged no matrix, as the correction writes them.
+Found all_clean(const at::Tensor& c) {
+  const auto batch = c.sizes().slice(0, c.dim() - 2);
+  const auto acc = c.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto index = c.options().dtype(at::kLong);
+  return {at::zeros(batch, c.options().dtype(at::kChar)),
+          at::zeros(batch, c.options().dtype(at::kChar)), at::full(batch, -1, index),
+          at::full(batch, -1, index), at::zeros(batch, c.options().dtype(acc))};
+}
+
+// On the CPU the screen runs before the correction, which is prepared only where it flagged a
+// matrix: a clean check (nearly every one) allocates no scratch for it.
+Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
+                         at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
+                         at::ArrayRef<double> row_bounds, const at::Tensor& a,
+                         const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
+                         double near_inf, int64_t capacity) {
+  check_correct_inputs(c, a, b, bias, capacity);
+  const Sums sums = block_sums_cpu(c, col_block, row_block);
+  std::vector<at::Tensor> keep;
+  const auto [screen, flagged] =
+      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
+  const bool f64 = c.scalar_type() == at::kDouble;
+  at::parallel_for(0, screen.batch, 1, [&, &screen = screen](int64_t begin, int64_t end) {
+    abft::screen_cpu(screen, f64, begin, end);
+  });
+  const int32_t* counts = flagged.const_data_ptr<int32_t>();
+  if (std::all_of(counts, counts + flagged.numel(), [](int32_t n) { return n == 0; })) {
+    return all_clean(c);
+  }
+  const Correction correction = prepare_correct(c, sums, screen, col_block, row_block, a, b,
+                                                alpha, bias, near_inf, capacity);
+  at::parallel_for(0, screen.batch, 1, [&](int64_t begin, int64_t end) {
+    abft::correct_cpu(correction.k, f64, begin, end);
+  });
+  return correction.found;
+}
+
+#ifdef ABFT_CUDA_KERNELS
+// The screen and the correction of c given its block sums, for one launch each; the tensors they
+// point into are kept alive here.
 struct Verification {
   abft::Screen screen;
   at::Tensor flagged;
@@ -577,7 +635,7 @@ Verification prepare_verification(const at::Tensor& c, const Sums& sums, int64_t
                                   at::ArrayRef<double> row_bounds, const at::Tensor& a,
                                   const at::Tensor& b, double alpha,
                                   const std::optional<at::Tensor>& bias, double near_inf,
-                                  int64_t capacity, const abft::Tiling* tiling = nullptr) {
+                                  int64_t capacity, const abft::Tiling* tiling) {
   Verification v;
   std::tie(v.screen, v.flagged) = prepare_screen(c, sums, col_block, row_block, col, row,
                                                  col_bounds, row_bounds, v.keep, tiling);
@@ -586,26 +644,6 @@ Verification prepare_verification(const at::Tensor& c, const Sums& sums, int64_t
   return v;
 }
 
-Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
-                         at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
-                         at::ArrayRef<double> row_bounds, const at::Tensor& a,
-                         const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
-                         double near_inf, int64_t capacity) {
-  const Sums sums = block_sums_cpu(c, col_block, row_block);
-  const Verification v = prepare_verification(c, sums, col_block, row_block, col, row,
-                                              col_bounds, row_bounds, a, b, alpha, bias,
-                                              near_inf, capacity);
-  const bool f64 = c.scalar_type() == at::kDouble;
-  at::parallel_for(0, v.screen.batch, 1, [&](int64_t begin, int64_t end) {
-    abft::screen_cpu(v.screen, f64, begin, end);
-  });
-  at::parallel_for(0, v.screen.batch, 1, [&](int64_t begin, int64_t end) {
-    abft::correct_cpu(v.correction.k, f64, begin, end);
-  });
-  return v.correction.found;
-}
-
-#ifdef ABFT_CUDA_KERNELS
 // What verify_correct and verify_correct_tally run on CUDA: C's block sums, screened by their
 // tiles, then the correction, or, given a guard's ledger (written in place), the correction and
 // the tally of what it found in one launch.
@@ -900,6 +938,14 @@ TORCH_LIBRARY(megatron_abft, m) {
       "add_bias(Tensor col, Tensor col_magnitude, Tensor row, Tensor row_magnitude, Tensor bias, "
       "int m, int block) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
+}
+
+// The ops that write no input take no part in autograd (checksums are not differentiated): they
+// fall through its key, not into its boxed fallback, which costs a check's host time per call.
+TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
+  for (const char* name : {"block_sums", "row_products", "operand_pass", "screen", "add_bias"}) {
+    m.impl(name, torch::CppFunction::makeFallthrough());
+  }
 }
 
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {

@@ -286,6 +286,11 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
       {at::Tag::pt2_compliant_tag});
 }
 
+// As abft_ops.cpp's kernels: softmax_check writes no input, and takes no part in autograd.
+TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
+  m.impl("softmax_check", torch::CppFunction::makeFallthrough());
+}
+
 TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
   m.impl("softmax_check", ABFT_CPU_IMPL(softmax_check));
   m.impl("softmax_correct_tally", ABFT_CPU_IMPL(softmax_correct_tally));

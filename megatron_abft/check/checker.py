@@ -9,8 +9,9 @@ output (kernel 3, the softmax of the scores, through ``Reader``).
   validates its inputs and derives the ops' constant arguments (blocks, threshold terms,
   capacity) on every call, in Python: more host time than the ops take to dispatch.
 - ``CompiledChecker``: the compiled ops called directly with those arguments, derived once:
-  encode_pair (and add_bias with a bias) unless the references are given, then verify_correct,
-  or verify_correct_tally into the ledger where the check is sync-free. Its results are the
+  check_gemm (encode_pair, add_bias with a bias, verify_correct, as one call) unless the
+  references are given, else verify_correct; their tallying forms (check_gemm_tally,
+  verify_correct_tally) into the ledger where the check is sync-free. Its results are the
   reference's, bit for bit; a matrix its kernels could not settle, on a check that may read the
   host, goes to the reference.
 
@@ -251,7 +252,6 @@ class CompiledChecker:
             return self.reference.run(output, operands, refs, ledger)
         return failed
 
-    @torch.no_grad()
     def settle(
         self,
         output: Tensor,
@@ -261,24 +261,45 @@ class CompiledChecker:
     ) -> Tensor | None | object:
         """``run`` by the kernels alone: as ``run``, or GENERAL where a matrix is left for the
         reference."""
-        ops = torch.ops.megatron_abft
-        a, b, bias = operands.a, operands.b, operands.bias
-        sides = self._sides(operands, refs)
+        if refs is None:  # encoded, biased and verified in one call, outside autograd
+            found = self._check(output, operands, ledger)
+        else:
+            with torch.no_grad():
+                found = self._verify(output, operands, refs, ledger)
         if self.sync_free:
-            found = ops.verify_correct_tally.default(
-                output, *sides, a, b, self.alpha, bias, self.near_inf, self.capacity,
-                *compiled._ledger_args(ledger),
-            )  # fmt: skip
             return found[5]
-        found = ops.verify_correct.default(
-            output, *sides, a, b, self.alpha, bias, self.near_inf, self.capacity
-        )
-        worst = int(found[0].max()) if found[0].numel() else CLEAN
+        status = found[0]
+        worst = int(status if status.dim() == 0 else status.max()) if status.numel() else CLEAN
         if worst == CLEAN:
             return None
         if worst == UNCORRECTABLE:
             return GENERAL
         return ledger.tally(EECResult(*found))
+
+    def _check(self, output: Tensor, operands: GemmOperands, ledger: Ledger) -> tuple:
+        """check_gemm, or check_gemm_tally into ``ledger`` where the check is sync-free."""
+        ops, a, b, bias = torch.ops.megatron_abft, operands.a, operands.b, operands.bias
+        arguments = (output, a, b, self.alpha, bias, self.block, *self.bounds)
+        arguments += (self.near_inf, self.capacity)
+        if self.sync_free:
+            return ops.check_gemm_tally.default(*arguments, *compiled._ledger_args(ledger))
+        return ops.check_gemm.default(*arguments)
+
+    def _verify(
+        self,
+        output: Tensor,
+        operands: GemmOperands,
+        refs: tuple[Checksums, Checksums],
+        ledger: Ledger,
+    ) -> tuple:
+        """verify_correct against ``refs``, or verify_correct_tally into ``ledger`` where the
+        check is sync-free."""
+        ops, a, b, bias = torch.ops.megatron_abft, operands.a, operands.b, operands.bias
+        arguments = (output, *self._sides(operands, refs), a, b, self.alpha, bias)
+        arguments += (self.near_inf, self.capacity)
+        if self.sync_free:
+            return ops.verify_correct_tally.default(*arguments, *compiled._ledger_args(ledger))
+        return ops.verify_correct.default(*arguments)
 
 
 def choose(

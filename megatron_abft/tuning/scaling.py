@@ -66,12 +66,12 @@ the smaller); and the fused path (the softmax pass verifies S and sums P, so tho
 go)."""
 IMPLEMENTATIONS = (*UNFUSED, "flash")
 """UNFUSED, and the flash attention's checks inside its kernels (qkv and proj as ``kernels``)."""
-CHECK_OPS = {"torch": 124, "kernels": 4, "fused": 4}
-"""Top-level tensor ops of one clean check (encode both sides, verify, read whether anything
-was found) of a batched GEMM on a CPU, as a guard runs it once it has chosen the checker of its
-shape (megatron_abft.check.checker). The torch and kernels figures are the code's own,
-counted with torch.profiler by tests/tuning/test_scaling.py; the fused path removes passes, not
-ops."""
+CHECK_OPS = {"torch": 124, "kernels": 3, "fused": 4}
+"""Top-level tensor ops of one clean check of a batched GEMM on a CPU, as a guard runs it once it
+has chosen the checker of its shape (megatron_abft.check.checker): with the kernels, check_gemm
+(both sides encoded and verified) and the read of whether anything was found. The torch and
+kernels figures are the code's own, counted with torch.profiler by tests/tuning/test_scaling.py;
+the fused path removes passes, not ops."""
 CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 5, "fused": 3}
 """GPU kernels one clean check launches sync-free (the default where the kernels serve the GPU).
 Measured on an H200 (tools/bench_overhead.py's check_kernels, docs/benchmarks.md): 5, one more
@@ -80,7 +80,7 @@ code: encode_pair 2 (both operands' block sums, then both
 products, alpha applied as they are written; a column-major operand, as V^T is for the context,
 read column by column) and verify_correct_tally 2 (C's block sums, each tile screening the
 vectors it completes; the correction and the guard's tally in one thread block). A GEMM with a
-bias (GPT's qkv) adds 1 (BIAS_OPS). A smaller operand shared by more heads than its products
+bias (GPT's qkv) adds 1 (BIAS_KERNELS). A smaller operand shared by more heads than its products
 kernel takes vectors (16: GQA at long sequences) takes BLAS for its products, a few launches
 more: not modelled. The fused path drops C's block sums: the scores' check is encode_pair 2
 and softmax_correct_tally's correction 1 (its screen in the softmax's own launch); the
@@ -92,10 +92,13 @@ encode_pair_from (a launch each, as many as encode_pair's two), and it verifies 
 verify_correct_tally (two launches, where the scores' correction is one): 4, as many as a check
 of today's kernels. A CPU is charged the same one op more (its two ops where encode_pair is one;
 the views of P's pass that make the row side are ops there too, of next to no cost)."""
-BIAS_OPS = {"torch": 30, "kernels": 1, "fused": 1}
-"""What a bias adds to a check (GPT's qkv; ModelShape.bias), in ops on a CPU and in launches on a
-GPU: the kernels' add_bias, which adds the bias's terms to the sums in one op; the torch path's
-terms, counted with torch.profiler by tests/tuning/test_scaling.py."""
+BIAS_OPS = {"torch": 30, "kernels": 0, "fused": 0}
+"""What a bias adds to a check (GPT's qkv; ModelShape.bias) in ops on a CPU: the torch path's
+terms, counted with torch.profiler by tests/tuning/test_scaling.py; none with the kernels, whose
+check_gemm adds them (add_bias) inside its one op."""
+BIAS_KERNELS = {"torch": 30, "kernels": 1, "fused": 1}
+"""What a bias adds to a check in launches on a GPU (and in ops on the code before check_gemm):
+the kernels' add_bias, one launch."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,8 @@ class DeviceProfile:
     where a parameter's Adam passes run from the cache."""
     check_ops: dict[str, float] | None = None
     """Ops of one clean check per implementation, each at ``check_op`` (default CHECK_OPS)."""
+    bias_ops: dict[str, float] | None = None
+    """What a bias adds to a check, in those ops (default BIAS_OPS)."""
     check_bandwidth: float | None = None
     """Rate at which the checks' kernels read a matrix that is in no cache, as a check reads its
     GEMM's output in a step (default: bandwidth). Calibrated apart on CPUs, where the kernels
@@ -264,6 +269,9 @@ class DeviceProfile:
     def ops_per_check(self, impl: str) -> float:
         return (self.check_ops or CHECK_OPS)[impl]
 
+    def ops_per_bias(self, impl: str) -> float:
+        return (self.bias_ops or BIAS_OPS)[impl]
+
     def time(self, work: Work, dtype: str) -> float:
         return sum(self._terms(work, dtype, self.bandwidth, self.launch).values())
 
@@ -312,6 +320,7 @@ DEVICES = {
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM3)",
         check_ops=CHECK_KERNELS,
+        bias_ops=BIAS_KERNELS,
         vector=0.7 * 67e12 / 2,
         exp=0.7 * 3.9e12,
     ),
@@ -322,6 +331,7 @@ DEVICES = {
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM3e)",
         check_ops=CHECK_KERNELS,
+        bias_ops=BIAS_KERNELS,
         vector=0.7 * 67e12 / 2,
         exp=0.7 * 3.9e12,
     ),
@@ -332,6 +342,7 @@ DEVICES = {
         5e-6,
         "datasheet x 0.7 (GEMM) / 0.85 (HBM2e)",
         check_ops=CHECK_KERNELS,
+        bias_ops=BIAS_KERNELS,
         vector=0.7 * 19.5e12 / 2,
         exp=0.7 * 16 * 108 * 1.41e9,
     ),
@@ -349,7 +360,8 @@ DEVICES = {
         "its micro-benchmarks in a run on an H200, 2026-11-26",
         check_op=6.32255e-5,
         optimizer_bandwidth=5.35630e12,
-        check_ops={**CHECK_OPS, "fused": 3},
+        check_ops={"torch": 124, "kernels": 4, "fused": 3},  # the code it ran: ops, not launches
+        bias_ops=BIAS_KERNELS,
         check_bandwidth=5.09760e11,
         softmax={
             "forward": 1.02715e-11,
@@ -662,11 +674,14 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
 
 
 def protection_forward(
-    shape: ModelShape, impl: str = "torch", ops: float | None = None
+    shape: ModelShape,
+    impl: str = "torch",
+    ops: float | None = None,
+    bias_ops: float | None = None,
 ) -> dict[str, Work]:
     """Extra forward work of each checked section, one layer, one rank, on a clean step, with
-    ``ops`` ops a check (default CHECK_OPS[impl]), BIAS_OPS more for a bias and
-    FUSED_CONTEXT_OPS more for the fused path's context. The unfused attention's (UNFUSED): the
+    ``ops`` ops a check (default CHECK_OPS[impl]), ``bias_ops`` more for a bias (default
+    BIAS_OPS[impl]) and FUSED_CONTEXT_OPS more for the fused path's context. The unfused attention's (UNFUSED): the
     flash path's checks are flash_protection's and flash_shared's."""
     if impl not in UNFUSED:
         raise ValueError(
@@ -682,7 +697,7 @@ def protection_forward(
         verify = Work(bytes=0 if impl == "torch" or in_softmax else g.batch * g.m * g.n * e)
         launched = CHECK_OPS[impl] if ops is None else ops
         if section == "qkv" and shape.bias:  # the only checked GEMM with a bias
-            launched += BIAS_OPS[impl]
+            launched += BIAS_OPS[impl] if bias_ops is None else bias_ops
         if impl == "fused" and g.softmax_operand:  # the context's references from P's pass
             launched += FUSED_CONTEXT_OPS
         out[section] = col + row + verify + Work(ops=launched)
@@ -895,7 +910,9 @@ def predict(
         return _predict_flash(shape, device, sections, intervals)
     extra = {
         s: device.check_time(w, shape.dtype) * shape.layers
-        for s, w in protection_forward(shape, impl, device.ops_per_check(impl)).items()
+        for s, w in protection_forward(
+            shape, impl, device.ops_per_check(impl), device.ops_per_bias(impl)
+        ).items()
     }
     # kernel 3 replaces Megatron's softmax on the steps that check the scores or the context
     swap = dict.fromkeys(("forward", "backward"), 0.0)
@@ -929,7 +946,9 @@ def _predict_flash(
 ) -> Prediction:
     """predict for the flash path: qkv and proj as ``kernels``, the flash sections' own work
     (flash_protection) on the steps that check each, flash_shared on the steps that check any."""
-    kernels = protection_forward(shape, "kernels", device.ops_per_check("kernels"))
+    kernels = protection_forward(
+        shape, "kernels", device.ops_per_check("kernels"), device.ops_per_bias("kernels")
+    )
     own = {s: kernels[s] for s in FORWARD_SECTIONS if s not in FLASH_SECTIONS}
     own |= flash_protection(shape)
     extra = {s: device.check_time(own[s], shape.dtype) * shape.layers for s in SECTIONS}

@@ -14,6 +14,8 @@ import torch
 from mcore import Shape, build_gpt, loss_and_grads, spawn
 
 RECORDED = (
+    "check_gemm",
+    "check_gemm_tally",
     "encode_pair",
     "encode_pair_from",
     "pair_vectors",
@@ -38,7 +40,14 @@ DERIVED = (
 """The other ops, on inputs made from the recorded calls."""
 
 
-COMPOSITES = ("encode_pair", "encode_pair_split", "encode_pair_from", "pair_vectors")
+COMPOSITES = (
+    "check_gemm",
+    "check_gemm_tally",
+    "encode_pair",
+    "encode_pair_split",
+    "encode_pair_from",
+    "pair_vectors",
+)
 """Ops made of the others (CompositeImplicitAutograd): traced, they decompose into them."""
 
 FAKE_STRIDES = frozenset(RECORDED + DERIVED)

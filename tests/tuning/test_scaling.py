@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from megatron_abft.config import BACKWARD_SECTIONS, FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
 from megatron_abft.tuning.scaling import (
+    BIAS_KERNELS,
     BIAS_OPS,
     BYTES,
     CATALOGUE,
@@ -504,31 +505,18 @@ def test_the_op_counts_the_model_assumes_are_the_code_s(impl):
 @pytest.mark.parametrize("impl", ["kernels", "torch"])
 def test_a_bias_adds_the_ops_the_model_counts(impl):
     """BIAS_OPS follows the code: a guard's clean check of a GEMM with a bias launches that many
-    ops more than without, within 15%; the model adds them to the qkv check of a model with
-    biases only."""
+    ops more than without on a CPU, within 15% (none with the kernels: check_gemm adds the
+    bias's terms inside its op); the model adds them to the qkv check of a model with biases
+    only, and a GPU's profile its add_bias launch (BIAS_KERNELS)."""
     from contextlib import nullcontext
 
-    from megatron_abft.check.eec import GemmOperands
-    from megatron_abft.config import ABFTConfig
     from megatron_abft.ops import compiled
-    from megatron_abft.runtime.guard import SectionGuard
-    from tools.bench_overhead import count_ops
+    from tools.bench_overhead import bias_ops
 
     if impl == "kernels" and not compiled.available():
         pytest.skip(compiled.backend())
-    x, w, bias = torch.randn(32, 64), torch.randn(192, 64), torch.randn(192)
-    counted = []
-    for b in (None, bias):
-        with compiled.disabled() if impl == "torch" else nullcontext():
-            guard, operands = SectionGuard("qkv", ABFTConfig(), 0), GemmOperands(x, w.t(), 1.0, b)
-            y = x @ w.t() + (0 if b is None else b)
-            for _ in range(3):  # planned after the first
-                guard.check(y, operands)
-            cpu = [torch.profiler.ProfilerActivity.CPU]
-            with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
-                guard.check(y, operands)
-            counted.append(count_ops(profile))
-    assert counted[1] - counted[0] == pytest.approx(BIAS_OPS[impl], rel=0.15)
+    with compiled.disabled() if impl == "torch" else nullcontext():
+        assert bias_ops(torch.device("cpu")) == pytest.approx(BIAS_OPS[impl], rel=0.15)
     gpt = SHAPES["GPT-3 350M"]
     for shape, more in ((gpt, BIAS_OPS[impl]), (replace(gpt, bias=False), 0)):
         ops = {s: w.ops for s, w in protection_forward(shape, impl).items()}
@@ -536,6 +524,9 @@ def test_a_bias_adds_the_ops_the_model_counts(impl):
             **dict.fromkeys(FORWARD_SECTIONS, CHECK_OPS[impl]),
             "qkv": CHECK_OPS[impl] + more,
         }
+    h200 = DEVICES["H200"]
+    on_gpu = protection_forward(gpt, impl, h200.ops_per_check(impl), h200.ops_per_bias(impl))
+    assert on_gpu["qkv"].ops == CHECK_KERNELS[impl] + BIAS_KERNELS[impl]
     assert not SHAPES["Llama-3 8B"].bias
 
 
@@ -570,7 +561,7 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
 def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     """The GPU profiles cost a check's kernel launches (CHECK_KERNELS), a CPU its top-level ops
     (CHECK_OPS); a benchmark run is predicted with the ops its own code launched, as counted in
-    that run."""
+    that run (a bias's too, where the run counted them)."""
     from tools.overhead_report import calibrated, measured_shape
 
     assert DEVICES["H100"].ops_per_check("kernels") == CHECK_KERNELS["kernels"]
@@ -578,7 +569,9 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     device = calibrated(run)
     assert device.ops_per_check("kernels") == run["machine"]["check_ops"] == 13
     assert device.ops_per_check("torch") == CHECK_OPS["torch"]
-    work = protection_forward(measured_shape(run["args"]), "kernels", 13)
+    assert device.ops_per_bias("kernels") == 1  # its code's add_bias, an op of its own then
+    shape = measured_shape(run["args"])
+    work = protection_forward(shape, "kernels", 13, device.ops_per_bias("kernels"))
     assert {s: w.ops for s, w in work.items()} == {**dict.fromkeys(FORWARD_SECTIONS, 13), "qkv": 14}
     llama = protection_forward(SHAPES["Llama-2 7B"], "kernels")  # no bias
     assert {w.ops for w in llama.values()} == {CHECK_OPS["kernels"]}
@@ -973,7 +966,9 @@ def test_the_flash_path_predicts_every_section_and_its_shared_work_once_a_step()
     assert every.shared > 0 and all(own[s] > 0 for s in SECTIONS)
     assert every.step == pytest.approx(sum(own.values()) + every.shared)
     assert 0 < every.step < every.attention
-    kernels = protection_forward(shape, "kernels", device.ops_per_check("kernels"))
+    kernels = protection_forward(
+        shape, "kernels", device.ops_per_check("kernels"), device.ops_per_bias("kernels")
+    )
     outside = tuple(s for s in SECTIONS if s not in FLASH_SECTIONS)
     for s in outside:
         assert own[s] == pytest.approx(device.check_time(kernels[s], "bf16") * shape.layers / base)

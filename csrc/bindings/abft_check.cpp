@@ -1,0 +1,377 @@
+// check_gemm: a GEMM's whole check in one call from Python. C = alpha * A @ B + bias is verified
+// and corrected in place against references encoded from its operands: encode_pair, add_bias and
+// verify_correct (check_gemm_tally: verify_correct_tally into a guard's ledger), composed of those
+// ops on every device, which is what torch.compile traces.
+//
+// On the CPU a check's host time is mostly the code it runs through, not its arithmetic: some
+// thirty tensors and forty dispatches, with cold caches in a training step. So the CPU takes the
+// composite's kernels on one workspace of its thread (2-d operands, the common case): the same
+// kernel calls on the same values, so the same sums bit for bit, with no tensor made but the
+// results. A matrix its screen flags, and every other input, goes to the composite, which
+// corrects it (and raises for bad input).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "bindings/abft_binding.h"
+#include "kernels/abft.h"
+
+namespace {
+
+using Five = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Six = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Both sides' references of alpha * a @ b + bias as verify_correct takes them: encode_pair's
+// sums and magnitudes, with add_bias's terms where there is a bias.
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> references(
+    const at::Tensor& a, const at::Tensor& b, double alpha, const std::optional<at::Tensor>& bias,
+    int64_t block) {
+  const auto [col, col_magnitude, row, row_magnitude] =
+      abft_binding::encode_pair(a, b, alpha, block);
+  if (!bias.has_value()) return {{col, col_magnitude}, {row, row_magnitude}};
+  static auto add_bias =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("megatron_abft::add_bias", "")
+          .typed<Six(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, int64_t, int64_t)>();
+  const auto [c0, c1, r0, r1, c2, r2] =
+      add_bias.call(col, col_magnitude, row, row_magnitude, *bias,
+                    a.sym_size(-2).guard_int(__FILE__, __LINE__), block);
+  return {{c0, c1, c2}, {r0, r1, r2}};
+}
+
+Five check_gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
+                const std::optional<at::Tensor>& bias, int64_t block,
+                at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds, double near_inf,
+                int64_t capacity) {
+  static auto verify =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("megatron_abft::verify_correct", "")
+          .typed<Five(const at::Tensor&, int64_t, int64_t, at::TensorList, at::TensorList,
+                      at::ArrayRef<double>, at::ArrayRef<double>, const at::Tensor&,
+                      const at::Tensor&, double, const std::optional<at::Tensor>&, double,
+                      int64_t)>();
+  const at::NoGradGuard no_grad;
+  const at::Tensor x = a.detach(), y = b.detach();  // their views then carry no autograd state
+  const auto [col, row] = references(x, y, alpha, bias, block);
+  return verify.call(c, block, block, col, row, col_bounds, row_bounds, x, y, alpha, bias,
+                     near_inf, capacity);
+}
+
+Six check_gemm_tally(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
+                     const std::optional<at::Tensor>& bias, int64_t block,
+                     at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                     double near_inf, int64_t capacity, at::Tensor& counts,
+                     const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
+  static auto verify =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("megatron_abft::verify_correct_tally", "")
+          .typed<Six(const at::Tensor&, int64_t, int64_t, at::TensorList, at::TensorList,
+                     at::ArrayRef<double>, at::ArrayRef<double>, const at::Tensor&,
+                     const at::Tensor&, double, const std::optional<at::Tensor>&, double, int64_t,
+                     at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&)>();
+  const at::NoGradGuard no_grad;
+  const at::Tensor x = a.detach(), y = b.detach();
+  const auto [col, row] = references(x, y, alpha, bias, block);
+  return verify.call(c, block, block, col, row, col_bounds, row_bounds, x, y, alpha, bias,
+                     near_inf, capacity, counts, step, log, logged);
+}
+
+// --- the CPU's fused screen --------------------------------------------------------------------
+
+bool kernel_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// A single matrix in the kernels' view.
+abft::MatrixBatch matrix(const void* data, abft::DType dtype, int64_t rows, int64_t cols,
+                         int64_t row_stride, int64_t col_stride) {
+  abft::MatrixBatch m{};
+  m.data = data;
+  m.dtype = dtype;
+  m.batch = 1;
+  m.rows = rows;
+  m.cols = cols;
+  m.row_stride = row_stride;
+  m.col_stride = col_stride;
+  return m;
+}
+
+// The calling thread's workspace of at least `count` elements of Acc, reused by its next checks.
+template <typename Acc>
+Acc* workspace(int64_t count) {
+  thread_local std::vector<double> words;
+  const size_t needed = (size_t(count) * sizeof(Acc) + sizeof(double) - 1) / sizeof(double);
+  if (words.size() < needed) words.resize(needed);
+  return reinterpret_cast<Acc*>(words.data());
+}
+
+void block_sums(const abft::MatrixBatch& c, abft::BlockSums out,
+                const abft::RowProducts* products = nullptr) {
+  const auto [matrices, sums] = abft_binding::plan_block_sums(c, out);
+  at::parallel_for(0, abft::block_sums_tasks(matrices, sums), 1, [&](int64_t b, int64_t e) {
+    abft::block_sums_cpu(matrices, sums, b, e, products);
+  });
+}
+
+void row_products(const abft::MatrixBatch& a, const abft::RowProducts& out) {
+  at::parallel_for(0, abft::row_products_tasks(a), 1,
+                   [&](int64_t b, int64_t e) { abft::row_products_cpu(a, out, b, e); });
+}
+
+// One side of the screen: references `ref` [nb, 2, n] and `magnitude` [nb, n] (and `bias`), with
+// their strides in elements, against C's sums and sizes; `bounds` as verify_correct's.
+abft::ScreenSide side(void* sums, void* sizes, int64_t nb, int64_t n, const void* ref,
+                      std::initializer_list<int64_t> ref_strides, const void* magnitude,
+                      std::initializer_list<int64_t> magnitude_strides, const void* bias,
+                      std::initializer_list<int64_t> bias_strides,
+                      at::ArrayRef<double> bounds) {
+  abft::ScreenSide s{};
+  s.sums = sums;
+  s.sizes = sizes;
+  s.nb = nb;
+  s.n = n;
+  s.ref_sums = ref;
+  std::copy(ref_strides.begin(), ref_strides.end(), s.ref_strides);
+  s.magnitude = magnitude;
+  std::copy(magnitude_strides.begin(), magnitude_strides.end(), s.magnitude_strides);
+  s.bias = bias;
+  std::copy(bias_strides.begin(), bias_strides.end(), s.bias_strides);
+  s.out = bounds[0];
+  s.gemm = bounds[1];
+  s.floor = bounds[2];
+  s.length = bounds[3];
+  return s;
+}
+
+// Whether the fused screen takes this check: 2-d operands the kernels read, on the CPU's own
+// kernels, references and C in one accumulation type, a block the kernels take, whole bounds.
+bool fused_screen_applies(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                          const std::optional<at::Tensor>& bias, int64_t block,
+                          at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds) {
+  if (abft_binding::emulating_cuda() || !c.is_cpu() || !a.is_cpu() || !b.is_cpu()) return false;
+  if (c.dim() != 2 || a.dim() != 2 || b.dim() != 2 || c.numel() == 0 || a.numel() == 0 ||
+      b.numel() == 0) {
+    return false;
+  }
+  if (a.size(0) != c.size(0) || b.size(1) != c.size(1) || a.size(1) != b.size(0)) return false;
+  if (!kernel_dtype(c.scalar_type()) || !kernel_dtype(a.scalar_type()) ||
+      a.scalar_type() != b.scalar_type()) {
+    return false;
+  }
+  if ((a.scalar_type() == at::kDouble) != (c.scalar_type() == at::kDouble)) return false;
+  if (block < 2 || col_bounds.size() != 4 || row_bounds.size() != 4) return false;
+  if (a.layout() != at::kStrided || b.layout() != at::kStrided || c.layout() != at::kStrided) {
+    return false;
+  }
+  if (bias.has_value()) {
+    const at::Tensor& v = *bias;
+    if (!v.is_cpu() || v.dim() != 1 || v.size(0) != c.size(1) || !kernel_dtype(v.scalar_type())) {
+      return false;
+    }
+  }
+  // the larger operand's pass reads its rows (operand_pass)
+  const bool x_big = a.numel() >= b.numel();
+  const abft::MatrixBatch big = x_big ? matrix(nullptr, abft::DType::F32, a.size(0), a.size(1),
+                                               a.stride(0), a.stride(1))
+                                      : matrix(nullptr, abft::DType::F32, b.size(1), b.size(0),
+                                               b.stride(1), b.stride(0));
+  return !abft::column_major(big);
+}
+
+// check_gemm's screen on the CPU (fused_screen_applies): whether C passes it, every vector of
+// both sides within its bound. The steps and kernel calls are the composite's (abft_encode.cpp:
+// small_vectors, operand_pass, project; add_bias; verify_correct's block sums and screen).
+template <typename Acc>
+bool passes_fused_screen(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                         double alpha, const std::optional<at::Tensor>& bias, int64_t block,
+                         at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds) {
+  const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
+  const abft::DType acc = std::is_same_v<Acc, double> ? abft::DType::F64 : abft::DType::F32;
+  const abft::DType dtype = abft_binding::kernel_dtype(a);
+  // the operands as rows of length k: A [m, k], B^T [n, k]
+  const abft::MatrixBatch x = matrix(a.data_ptr(), dtype, m, k, a.stride(0), a.stride(1));
+  const abft::MatrixBatch y = matrix(b.data_ptr(), dtype, n, k, b.stride(1), b.stride(0));
+  const bool x_big = a.numel() >= b.numel();
+  const abft::MatrixBatch& big = x_big ? x : y;
+  const abft::MatrixBatch& small = x_big ? y : x;
+  const int64_t p = big.rows, q = small.rows;
+  const int64_t nbp = abft::ceil_div(p, block), nbq = abft::ceil_div(q, block);
+  const int64_t nbm = abft::ceil_div(m, block), nbn = abft::ceil_div(n, block);
+
+  const int64_t sizes[] = {
+      2 * nbq * k, 2 * nbq * k, 2 * nbp * k, 2 * nbp * k,  // small's, big's block sums
+      p * 2 * nbq, p * nbq, q * 2 * nbp, q * nbp,          // big's, small's products
+      2 * nbm * n, 2 * nbm * n, 2 * nbn * m, 2 * nbn * m,  // C's block sums
+      2 * nbm * n, nbm * n, 2 * nbn * m, nbn * m,          // the biased references
+      2 * nbm * n, nbm * n, 2 * nbn * m, nbn * m,          // their inputs, contiguous
+      nbm * n, nbn};                                       // the bias's magnitudes
+  const int parts = bias.has_value() ? 22 : 12;
+  int64_t total = 0;
+  for (int i = 0; i < parts; ++i) total += sizes[i];
+  Acc* at = workspace<Acc>(total);
+  Acc* part[22] = {};
+  for (int i = 0; i < parts; ++i) {
+    part[i] = at;
+    at += sizes[i];
+  }
+  Acc *small_w = part[0], *small_size = part[1], *big_w = part[2], *big_size = part[3];
+  Acc *big_products = part[4], *big_magnitudes = part[5];
+  Acc *small_products = part[6], *small_magnitudes = part[7];
+
+  // the smaller operand's block sums: u [2 nbq, k], z [nbq, k] (the sizes' plain rows)
+  block_sums(small, {small_w, small_size, block, nullptr, nullptr, 0});
+  const abft::RowProducts on_big{matrix(small_w, acc, 2 * nbq, k, k, 1),
+                                 matrix(small_size, acc, nbq, k, 2 * k, 1), big_products,
+                                 big_magnitudes, alpha};
+  // the larger one's pass: its block sums, and its products with u, z
+  block_sums(big, {big_w, big_size, block, nullptr, nullptr, 0}, &on_big);
+  // the smaller one's products with the larger one's block sums
+  row_products(small, {matrix(big_w, acc, 2 * nbp, k, k, 1),
+                       matrix(big_size, acc, nbp, k, 2 * k, 1), small_products,
+                       small_magnitudes, alpha});
+  // C's columns are B's: the products of the operand whose rows they are, [n, 2 nbm] and
+  // [n, nbm]; C's rows the other's, [m, 2 nbn] and [m, nbn]
+  const Acc* by_column = x_big ? small_products : big_products;
+  const Acc* by_column_size = x_big ? small_magnitudes : big_magnitudes;
+  const Acc* by_row = x_big ? big_products : small_products;
+  const Acc* by_row_size = x_big ? big_magnitudes : small_magnitudes;
+
+  Acc *c_col = part[8], *c_col_size = part[9], *c_row = part[10], *c_row_size = part[11];
+  block_sums(matrix(c.data_ptr(), abft_binding::kernel_dtype(c), m, n, c.stride(0), c.stride(1)),
+             {c_col, c_col_size, block, c_row, c_row_size, block});
+
+  abft::Screen screen{};
+  screen.batch = 1;
+  screen.sides = 2;
+  int32_t flagged = 0;
+  screen.flagged = &flagged;
+  screen.slots = 1;
+  if (!bias.has_value()) {  // the products read where they are: [nb, 2, n] and [nb, n] views
+    screen.side[0] = side(c_col, c_col_size, nbm, n, by_column, {2, 1, 2 * nbm}, by_column_size,
+                          {1, nbm}, nullptr, {0, 0}, col_bounds);
+    screen.side[1] = side(c_row, c_row_size, nbn, m, by_row, {2, 1, 2 * nbn}, by_row_size,
+                          {1, nbn}, nullptr, {0, 0}, row_bounds);
+  } else {  // add_bias reads contiguous sums
+    Acc *col_in = part[16], *col_size_in = part[17], *row_in = part[18], *row_size_in = part[19];
+    for (int64_t blk = 0; blk < nbm; ++blk) {
+      for (int64_t j = 0; j < n; ++j) {
+        col_in[(2 * blk) * n + j] = by_column[j * 2 * nbm + 2 * blk];
+        col_in[(2 * blk + 1) * n + j] = by_column[j * 2 * nbm + 2 * blk + 1];
+        col_size_in[blk * n + j] = by_column_size[j * nbm + blk];
+      }
+    }
+    for (int64_t blk = 0; blk < nbn; ++blk) {
+      for (int64_t i = 0; i < m; ++i) {
+        row_in[(2 * blk) * m + i] = by_row[i * 2 * nbn + 2 * blk];
+        row_in[(2 * blk + 1) * m + i] = by_row[i * 2 * nbn + 2 * blk + 1];
+        row_size_in[blk * m + i] = by_row_size[i * nbn + blk];
+      }
+    }
+    const at::Tensor& v = *bias;
+    abft::BiasTerms t{};
+    t.bias = v.data_ptr();
+    t.dtype = abft_binding::kernel_dtype(v, "megatron_abft::check_gemm: bias");
+    t.stride = v.stride(0);
+    t.n = n;
+    t.m = m;
+    t.block = block;
+    t.batch = 1;
+    t.f64 = std::is_same_v<Acc, double>;
+    t.col_in = col_in;
+    t.col_size_in = col_size_in;
+    t.row_in = row_in;
+    t.row_size_in = row_size_in;
+    t.col_out = part[12];
+    t.col_size_out = part[13];
+    t.row_out = part[14];
+    t.row_size_out = part[15];
+    t.col_bias = part[20];
+    t.row_bias = part[21];
+    abft::bias_terms_cpu(t);
+    screen.side[0] = side(c_col, c_col_size, nbm, n, part[12], {2 * n, n, 1}, part[13], {n, 1},
+                          part[20], {n, 1}, col_bounds);
+    screen.side[1] = side(c_row, c_row_size, nbn, m, part[14], {2 * m, m, 1}, part[15], {m, 1},
+                          part[21], {1, 0}, row_bounds);
+  }
+  abft::screen_cpu(screen, std::is_same_v<Acc, double>, 0, 1);
+  return flagged == 0;
+}
+
+// Whether the fused screen takes this check and C passes it.
+bool passes_on_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
+                   const std::optional<at::Tensor>& bias, int64_t block,
+                   at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                   int64_t capacity) {
+  if (!fused_screen_applies(c, a, b, bias, block, col_bounds, row_bounds)) return false;
+  abft_binding::check_correct_inputs(c, a, b, bias, capacity);
+  if (c.scalar_type() == at::kDouble) {
+    return passes_fused_screen<double>(c, a, b, alpha, bias, block, col_bounds, row_bounds);
+  }
+  return passes_fused_screen<float>(c, a, b, alpha, bias, block, col_bounds, row_bounds);
+}
+
+Five check_gemm_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
+                    const std::optional<at::Tensor>& bias, int64_t block,
+                    at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                    double near_inf, int64_t capacity) {
+  if (passes_on_cpu(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity)) {
+    return abft_binding::all_clean(c);
+  }
+  return check_gemm(c, a, b, alpha, bias, block, col_bounds, row_bounds, near_inf, capacity);
+}
+
+Six check_gemm_tally_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                         double alpha, const std::optional<at::Tensor>& bias, int64_t block,
+                         at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                         double near_inf, int64_t capacity, at::Tensor& counts,
+                         const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
+  if (passes_on_cpu(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity)) {
+    const auto [status, kind, rows, cols, magnitude] = abft_binding::all_clean(c);
+    const at::Tensor failed = abft_binding::tally_cpu(status, kind, rows, cols, magnitude, counts,
+                                                      step, log, logged);
+    return {status, kind, rows, cols, magnitude, failed};
+  }
+  return check_gemm_tally(c, a, b, alpha, bias, block, col_bounds, row_bounds, near_inf,
+                          capacity, counts, step, log, logged);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
+  m.def(
+      "check_gemm(Tensor(a!) c, Tensor a, Tensor b, float alpha, Tensor? bias, int block, "
+      "float[] col_bounds, float[] row_bounds, float near_inf, int capacity) -> (Tensor, Tensor, "
+      "Tensor, Tensor, Tensor)");
+  m.def(
+      "check_gemm_tally(Tensor(a!) c, Tensor a, Tensor b, float alpha, Tensor? bias, int block, "
+      "float[] col_bounds, float[] row_bounds, float near_inf, int capacity, Tensor(b!) counts, "
+      "Tensor step, Tensor(c!) log, Tensor(d!) logged) -> (Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor)");
+}
+
+// Traced (torch.compile, meta) the two decompose into their ops, whose fakes give the outputs'
+// layouts.
+TORCH_LIBRARY_IMPL(megatron_abft, CompositeImplicitAutograd, m) {
+  m.impl("check_gemm", &check_gemm);
+  m.impl("check_gemm_tally", &check_gemm_tally);
+}
+
+TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
+  m.impl("check_gemm", &check_gemm_cpu);
+  m.impl("check_gemm_tally", &check_gemm_tally_cpu);
+}
+
+// Checksums take no part in autograd, and the CPU's kernels would otherwise go through its boxed
+// fallback; a correction writes C in place without a version bump, as no consumer of C has read
+// it before its check.
+TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
+  m.impl("check_gemm", torch::CppFunction::makeFallthrough());
+  m.impl("check_gemm_tally", torch::CppFunction::makeFallthrough());
+}

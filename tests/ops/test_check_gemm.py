@@ -1,0 +1,131 @@
+"""check_gemm on the CPU (csrc/bindings/abft_check.cpp) against its composite, the ops it is made
+of (encode_pair, add_bias, verify_correct), which torch.compile traces and every other device
+runs: the same results and the same output, bit for bit, for clean and faulty GEMMs of every
+layout; the CPU's fused screen takes 2-d operands, every other input goes to the composite."""
+
+import re
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_ext import DTYPES, PROPERTY, corrupted, needs_ext
+from test_ext_correct import bits
+
+from megatron_abft.check.ledger import Ledger
+from megatron_abft.check.sides import Check, side_bounds
+from megatron_abft.check.tolerance import gemm_rounding
+
+
+def _operands(dtype, batch, m, k, n, bias, seed, layout):
+    """alpha = -0.5 and a @ b (+ bias) rounded once to ``dtype``; b a transposed weight, or
+    stored row by row, a column-major (``layout``)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(*batch, m, k, generator=g).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    if layout in ("weight", "both"):
+        b = b.mT.contiguous().mT
+    if layout in ("column-major a", "both"):
+        a = a.mT.contiguous().mT
+    bias_t = torch.randn(n, generator=g).to(dtype) if bias else None
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    c = -0.5 * (a.to(wide) @ b.to(wide)) + (0 if bias_t is None else bias_t.to(wide))
+    return a, b, bias_t, c.to(dtype)
+
+
+def _arguments(c, a, b, bias, block):
+    check = Check(gemm_rounding(c.dtype, c.device), 1.0, 0, 0, None)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    bounds = [side_bounds(check, block, length, k) for length in (m, n)]
+    return (a, b, -0.5, bias, block, *bounds, 1e30, max(m, n))
+
+
+def _both(c, arguments, tally: bool):
+    """The op's results and output (the CPU kernel) and its composite's, each on its own copy
+    of ``c`` (and its own ledger)."""
+    op = torch.ops.megatron_abft.check_gemm_tally if tally else torch.ops.megatron_abft.check_gemm
+    runs = []
+    for run in (op.default, op.default.decompose):
+        out = c.clone()
+        ledger = Ledger.on(c.device, 3)
+        extra = (ledger.counts, ledger.clock, ledger.log, ledger.logged) if tally else ()
+        found = run(out, *arguments, *extra)
+        runs.append((found, out, ledger))
+    return runs
+
+
+@needs_ext
+@PROPERTY
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.sampled_from([(), (), (2,)]),
+    m=st.integers(2, 90),
+    k=st.integers(1, 40),
+    n=st.integers(2, 90),
+    block=st.sampled_from([2, 16, 64]),
+    bias=st.booleans(),
+    layout=st.sampled_from(["contiguous", "weight", "column-major a", "both"]),
+    kind=st.sampled_from(["none", "none", "inf", "nan", "value", "bitflip"]),
+    pattern=st.sampled_from(["0d", "row", "2d"]),
+    tally=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_check_gemm_on_the_cpu_equals_its_composite(
+    dtype, batch, m, k, n, block, bias, layout, kind, pattern, tally, seed
+):
+    a, b, bias_t, c = _operands(dtype, batch, m, k, n, bias, seed, layout)
+    c = corrupted(c, kind, pattern, "contiguous", seed)
+    arguments = _arguments(c, a, b, bias_t, block)
+    try:
+        (found, out, ledger), (want, want_out, want_ledger) = _both(c, arguments, tally)
+    except RuntimeError as error:  # operands the kernels refuse: refused by both
+        with pytest.raises(RuntimeError, match=re.escape(str(error).splitlines()[0])):
+            torch.ops.megatron_abft.check_gemm.default.decompose(c.clone(), *arguments)
+        return
+    for got, expected in zip(found, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(bits(out), bits(want_out))
+    for name in ("counts", "logged", "log"):
+        torch.testing.assert_close(
+            getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
+        )
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_fault_the_fused_screen_finds_is_corrected_by_the_composite(dtype):
+    """A 2-d check's faulty output: flagged by the CPU's fused screen and corrected, as the
+    composite corrects it; the clean one passes untouched."""
+    a, b, bias, clean = _operands(dtype, (), 70, 24, 50, True, 3, "weight")
+    arguments = _arguments(clean, a, b, bias, 32)
+    out = clean.clone()
+    status = torch.ops.megatron_abft.check_gemm(out, *arguments)[0]
+    assert int(status) == 0 and torch.equal(bits(out), bits(clean))
+    faulty = clean.clone()
+    faulty[40, 7] = 1e4
+    status = torch.ops.megatron_abft.check_gemm(faulty, *arguments)[0]
+    assert int(status) == 1  # corrected
+    torch.testing.assert_close(faulty.float(), clean.float(), rtol=0.05, atol=0.05)
+
+
+def _ops_run(call) -> set[str]:
+    """The megatron_abft ops that ``call`` runs (the profiler's record of them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    return {e.name for e in prof.events() if e.name.startswith("megatron_abft::")}
+
+
+@needs_ext
+def test_a_clean_2d_check_runs_no_op_but_its_own_on_the_cpu():
+    """The CPU's fused screen settles a clean check of 2-d operands alone; a flagged one, or a
+    batched one, goes through the composite's ops."""
+    a, b, bias, clean = _operands(torch.float32, (), 64, 32, 48, True, 1, "weight")
+    arguments = _arguments(clean, a, b, bias, 16)
+    op = torch.ops.megatron_abft.check_gemm.default
+    assert _ops_run(lambda: op(clean.clone(), *arguments)) == {"megatron_abft::check_gemm"}
+    faulty = clean.clone()
+    faulty[3, 5] = float("inf")
+    assert "megatron_abft::verify_correct" in _ops_run(lambda: op(faulty, *arguments))
+    a, b, bias, clean = _operands(torch.float32, (2,), 64, 32, 48, True, 1, "weight")
+    arguments = _arguments(clean, a, b, bias, 16)
+    assert "megatron_abft::verify_correct" in _ops_run(lambda: op(clean.clone(), *arguments))
