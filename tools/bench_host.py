@@ -146,7 +146,8 @@ def main() -> None:
     )
     print(
         f"with cold caches: the check {check['check_cold'] * us:.1f} us, its op alone"
-        f" {check['ops_alone_cold'] * us:.1f} us, the GEMM it checks {check['gemm_cold'] * us:.1f} us"
+        f" {check['ops_alone_cold'] * us:.1f} us, the GEMM it checks"
+        f" {check['gemm_cold'] * us:.1f} us"
     )
     print(
         f"{args.layers} layers ({step['modules']} modules): set_step {step['set_step'] * 1e3:.2f}"

@@ -681,8 +681,8 @@ def protection_forward(
 ) -> dict[str, Work]:
     """Extra forward work of each checked section, one layer, one rank, on a clean step, with
     ``ops`` ops a check (default CHECK_OPS[impl]), ``bias_ops`` more for a bias (default
-    BIAS_OPS[impl]) and FUSED_CONTEXT_OPS more for the fused path's context. The unfused attention's (UNFUSED): the
-    flash path's checks are flash_protection's and flash_shared's."""
+    BIAS_OPS[impl]) and FUSED_CONTEXT_OPS more for the fused path's context. The unfused
+    attention's (UNFUSED): the flash path's checks are flash_protection's and flash_shared's."""
     if impl not in UNFUSED:
         raise ValueError(
             f"impl {impl!r}; choose from {', '.join(UNFUSED)} (the flash path: flash_protection)"
