@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import statistics
-import time
 import timeit
 
 import torch
@@ -24,6 +23,7 @@ from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import compiled
 from megatron_abft.runtime.guard import SectionGuard
+from tools.bench_kernels import timed
 
 
 def per_call(fn, device: torch.device, number: int, repeat: int = 7) -> float:
@@ -52,13 +52,7 @@ def per_call_cold(fn, device: torch.device, number: int = 300) -> float:
         target.copy_(source)
         for _ in range(20):
             mlp(x).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        begin = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - begin)
+        times.append(timed(fn, device) / 1e3)
     return statistics.median(times)
 
 
