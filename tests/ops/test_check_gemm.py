@@ -65,16 +65,17 @@ def _both(c, arguments, tally: bool):
     block=st.sampled_from([2, 16, 64]),
     bias=st.booleans(),
     layout=st.sampled_from(["contiguous", "weight", "column-major a", "both"]),
+    c_layout=st.sampled_from(["contiguous", "column-major"]),
     kind=st.sampled_from(["none", "none", "inf", "nan", "value", "bitflip"]),
     pattern=st.sampled_from(["0d", "row", "2d"]),
     tally=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_check_gemm_on_the_cpu_equals_its_composite(
-    dtype, batch, m, k, n, block, bias, layout, kind, pattern, tally, seed
+    dtype, batch, m, k, n, block, bias, layout, c_layout, kind, pattern, tally, seed
 ):
     a, b, bias_t, c = _operands(dtype, batch, m, k, n, bias, seed, layout)
-    c = corrupted(c, kind, pattern, "contiguous", seed)
+    c = corrupted(c, kind, pattern, c_layout, seed)
     arguments = _arguments(c, a, b, bias_t, block)
     try:
         (found, out, ledger), (want, want_out, want_ledger) = _both(c, arguments, tally)
