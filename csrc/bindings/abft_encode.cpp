@@ -360,14 +360,14 @@ TORCH_LIBRARY_IMPL(megatron_abft, CompositeImplicitAutograd, m) {
   m.impl("encode_pair_from", &encode_pair_from);
 }
 
-// On every backend, from the ops they are composed of; their fakes (torch.compile) are in
-// ops/compiled.py.
 // As abft_ops.cpp's kernels: outside autograd.
 TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
   m.impl("block_sums_pair", torch::CppFunction::makeFallthrough());
   m.impl("row_products_pair", torch::CppFunction::makeFallthrough());
 }
 
+// On every backend, from the ops they are composed of; their fakes (torch.compile) are in
+// ops/compiled.py.
 TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
   m.impl("block_sums_pair", &block_sums_pair);
   m.impl("row_products_pair", &row_products_pair);
