@@ -24,7 +24,7 @@ from megatron_abft.flash.launch import Blocks
 
 CANDIDATES: dict[tuple[str, int], list[Blocks]] = {
     ("forward", 64): [Blocks(128, 64, 8, 2), Blocks(128, 128, 8, 3), Blocks(64, 64, 4, 2)],
-    ("forward", 128): [Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2)],
+    ("forward", 128): [Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2)],
     ("dkdv", 64): [Blocks(64, 128, 8, 3), Blocks(64, 64, 4, 2), Blocks(32, 128, 8, 2)],
     ("dkdv", 128): [Blocks(32, 64, 4, 2)],
     ("dq", 64): [Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2)],

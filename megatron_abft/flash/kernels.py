@@ -12,18 +12,22 @@ split into input-dtype parts (megatron_abft.flash.checksums, made before the lau
 ``tol * mass + FLOOR``; the mass bounds ``|A| (|B| e)`` from the operands only, so a corrupted
 output never widens its own bound, and the comparison is written so that NaN flags.
 
-- Tile GEMMs (S, S^T, dP^T): each tile's row sums against a 16-wide reference MMA, folded into
-  the rows' largest excess over the bound.
+- Tile GEMMs (S, S^T, dP^T): the rows' sums over the block's tiles, started from minus one
+  reference MMA made before the loop (the block's rows against the other operand's column sums
+  over those tiles), so that the loop adds each element once, into partial sums that stay in
+  the thread (``_partial_sums``), and the residual is compared after it under the tiles'
+  Cauchy-Schwarz masses summed.
 - Accumulating GEMMs (the context P~V, dV, dK, dQ): the reference accumulates beside the output
   (an MMA of the same A against each tile's W, rescaled with the output in the forward) and the
   output's row sums are compared once, after the loop, under the summed masses grown by
   ``sqrt(tiles / 16)``. Where A is non-negative (P~ for the context, P for dV) W's columns 3 to 5
-  hold ``|B| e`` and the same MMA gives the mass exactly.
+  hold ``|B| e`` and the same MMA gives the mass exactly; for dQ a second MMA, of ``|dS|``,
+  gives it.
 - Identities over whole rows: ``1 <= l <= #keys`` in the forward, ``sum P = 1`` and
   ``sum dS = 0`` in the dQ kernel, which checks its S and dP through them (a fault there moves
   P or dS, or does not matter to dQ), and its dS K through the accumulated reference.
 
-The loops only fold per-row excesses, with no branch and no reduction across warps. A program
+The loops only add and accumulate, with no branch and no reduction across threads. A program
 that flagged anything computes its whole block again, once, after its loop (its query block, or
 in dK/dV its key block over every query head of its group): a transient fault is gone the
 second time, and what is flagged again is uncorrectable.
@@ -103,6 +107,17 @@ def _lo(x, dtype: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _abs16(x):
+    """``|x|`` of a 16-bit float tile, two elements a 32-bit AND (ptxas splits fp16's abs into
+    halves and repacks them)."""
+    if INTERPRETER:
+        return tl.abs(x)
+    return tl.inline_asm_elementwise(
+        "and.b32 $0, $1, 0x7FFF7FFF;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=2
+    )
 
 
 @triton.jit
@@ -235,6 +250,18 @@ def _stat_sum(ST, first, count, which: tl.constexpr, STRIDE: tl.constexpr):
 
 
 @triton.jit
+def _partial_sums(x, acc):
+    """``acc + `` the row sums of ``x [R, C]`` over its columns ``G = acc.shape[1]`` apart, ``[R,
+    G]``. With G = 8, on a GPU, a thread's columns of an MMA fragment are 8 apart, so the sums
+    stay in the thread (no shuffle, twice the rows' registers); ``tl.sum(acc, 1)`` finishes
+    them once, after the loop. G = 1 is the rows' sums."""
+    G: tl.constexpr = acc.shape[1]
+    if G == 1:
+        return acc + tl.sum(x, 1, keep_dims=True)
+    return acc + tl.sum(tl.reshape(x, [x.shape[0], x.shape[1] // G, G]), 1)
+
+
+@triton.jit
 def _norm(x, axis: tl.constexpr):
     return tl.sqrt(tl.sum(x * x, axis))
 
@@ -307,8 +334,8 @@ def _fwd_tiles(
         s = _mma(q, tl.trans(k), None)
         if INJECT:
             s = _corrupt(s, offs_m[:, None], cols[None, :], bh, SCORES, first_pass, INJ)
-        if CHECK_S:  # S e, against Q (K^T e) over the keys after the loop
-            srow += tl.sum(s, 1)
+        if CHECK_S:  # S e, from minus Q (K^T e) over the keys
+            srow = _partial_sums(s, srow)
         if MASKED:
             visible = cols[None, :] < N_K
             if CAUSAL:
@@ -322,14 +349,14 @@ def _fwd_tiles(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         p_lo = _lo(p, q.dtype)
+        if CHECK_C:  # (P~ V) e = P~ (V e), and the mass P~ (|V| e)
+            w = _read(vr_src, start_n, N_K, W, W, BLOCK_N, W, TMA)
+            cref = _accumulate_ref(cref * alpha[:, None], p_lo, w, vrs_tile, SCALED)
         acc = _mma(p_lo, v, acc * alpha[:, None])
         if INJECT:  # the first tile's P~V: the accumulator holds it alone
             fresh = first_pass & (start_n == 0)
             offs_d = tl.arange(0, HEAD_DIM)
             acc = _corrupt(acc, offs_m[:, None], offs_d[None, :], bh, CONTEXT, fresh, INJ)
-        if CHECK_C:  # (P~ V) e = P~ (V e), and the mass P~ (|V| e)
-            w = _read(vr_src, start_n, N_K, W, W, BLOCK_N, W, TMA)
-            cref = _accumulate_ref(cref * alpha[:, None], p_lo, w, vrs_tile, SCALED)
         m_i = m_new
         vrs_tile += 3
     return acc, m_i, l_i, cref, srow
@@ -346,11 +373,22 @@ def _fwd_pass(
     rows' fault kinds in S (its row sums against one MMA with the prefix of K's column sums over
     the block's keys, under the tiles' masses summed; and 1 <= l <= #keys) and in the context,
     and their ratios."""
+    tiles = tl.cdiv(hi, BLOCK_N)
+    srow = tl.zeros([BLOCK_M], tl.float32)
+    mass = tl.zeros([BLOCK_M], tl.float32)
+    if CHECK_S:  # S e = Q (K^T e) over the keys [0, hi), Cauchy-Schwarz masses summed, from Q
+        # before the loop (after it, Q in registers would be held through the loop): the row
+        # sums start from minus the reference and end as the residual
+        last = tiles - 1
+        offs = tl.arange(0, HEAD_DIM)[:, None] * W + tl.arange(0, W)[None, :]
+        w = tl.load(KC + last.to(tl.int64) * (HEAD_DIM * W) + offs)
+        srow = -_column_ref(q, w, KCS + last * 3, SCALED)
+        mass = _norm(q.to(tl.float32), 1) * tl.load(KCS + last * 3 + 1)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     m_i = tl.full([BLOCK_M], -INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     cref = tl.zeros([BLOCK_M, W], tl.float32)
-    srow = tl.zeros([BLOCK_M], tl.float32)
+    srow = tl.where(tl.arange(0, 8)[None, :] == 0, srow[:, None], 0.0)  # as _partial_sums add
     acc, m_i, l_i, cref, srow = _fwd_tiles(
         acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, VRS, INJ, qk_scale, bh, N_K, D,
         skn, svn, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_C,
@@ -365,15 +403,9 @@ def _fwd_pass(
     state_c = tl.zeros([BLOCK_M], tl.int32)
     ratio_s = tl.zeros([BLOCK_M], tl.float32)
     ratio_c = tl.zeros([BLOCK_M], tl.float32)
-    tiles = tl.cdiv(hi, BLOCK_N)
-    if CHECK_S:  # S e = Q (K^T e) over the keys [0, hi), Cauchy-Schwarz masses summed
-        last = tiles - 1
-        offs = tl.arange(0, HEAD_DIM)[:, None] * W + tl.arange(0, W)[None, :]
-        w = tl.load(KC + last.to(tl.int64) * (HEAD_DIM * W) + offs)
-        want = _column_ref(q, w, KCS + last * 3, SCALED)
-        mass = _norm(q.to(tl.float32), 1) * tl.load(KCS + last * 3 + 1)
+    if CHECK_S:
         none = tl.full([BLOCK_M], -INF, tl.float32)
-        worst_s, ratio_s = _fold(srow, want, mass, tol, none, ratio_s, CALIBRATE)
+        worst_s, ratio_s = _fold(tl.sum(srow, 1), 0.0, mass, tol, none, ratio_s, CALIBRATE)
         # 1 <= l <= #keys: the row's largest term is exp2(0) = 1
         keys = tl.full([BLOCK_M], N_K, tl.int32)
         if CAUSAL:
@@ -515,8 +547,8 @@ def _dkdv_tiles(
         st = _mma(k, tl.trans(q), None)
         if INJECT:
             st = _corrupt(st, offs_m[None, :], offs_n[:, None], bh, BWD_SCORES, first_pass, INJ)
-        if CHECK_S:  # S^T e, against K (Q^T e) after the head's tiles
-            srow += tl.sum(st, 1)
+        if CHECK_S:  # S^T e, from minus K (Q^T e) over the head's tiles
+            srow = _partial_sums(st, srow)
         pt = tl.exp2(st * qk_scale - lse[None, :])
         if MASKED and CAUSAL:
             pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
@@ -531,8 +563,8 @@ def _dkdv_tiles(
         dpt = _mma(v, tl.trans(do), None)
         if INJECT:
             dpt = _corrupt(dpt, offs_m[None, :], offs_n[:, None], bh, GRAD_PROBS, first_pass, INJ)
-        if CHECK_P:  # dP^T e, against V (dO^T e) after the head's tiles
-            prow += tl.sum(dpt, 1)
+        if CHECK_P:  # dP^T e, from minus V (dO^T e)
+            prow = _partial_sums(dpt, prow)
         dst = pt * (dpt - delta[None, :])
         dst_lo = _lo(dst, q.dtype)
         dk = _mma(dst_lo, q, dk)
@@ -566,9 +598,9 @@ def _bwd_dkdv_kernel(
 
     The query tiles run in two loops: the causal diagonal's (masked), then the interior's (and
     without a causal mask the first tile in the masked loop: with the interior loop first,
-    ptxas serialised its wgmma, C7515). After them, S^T and dP^T: each row's sum against one MMA
-    with the column sums of Q and dO over those tiles, under the tiles' masses summed; dV and dK
-    against their references. AGAIN and RETRY as in _fwd_kernel."""
+    ptxas serialised its wgmma, C7515). After them, S^T and dP^T: each row's sum from minus one
+    MMA with the column sums of Q and dO over those tiles, under the tiles' masses summed; dV
+    and dK against their references. AGAIN and RETRY as in _fwd_kernel."""
     CHECK_S: tl.constexpr = (tl.constexpr(DUE) >> BWD_SCORES) & 1 != 0
     CHECK_P: tl.constexpr = (tl.constexpr(DUE) >> GRAD_PROBS) & 1 != 0
     CHECK_V: tl.constexpr = (tl.constexpr(DUE) >> GRAD_V) & 1 != 0
@@ -611,18 +643,37 @@ def _bwd_dkdv_kernel(
         diagonal = tl.minimum(start + BLOCK_N, interior)
     first_pass: tl.constexpr = not RETRY
     outcome: tl.constexpr = 1 + RETRY
-    kn = tl.zeros([BLOCK_N], tl.float32)  # the rows' norms for the masses, taken before the loop
+    # S^T e = K (Q^T e) and dP^T e = V (dO^T e) over the head's tiles, against one MMA with the
+    # column sums of Q and dO from its first tile on, made before the loop: the row sums start
+    # from minus their references and end as the residuals, under Cauchy-Schwarz masses summed
     vn = tl.zeros([BLOCK_N], tl.float32)
-    if CHECK_S:
-        kn = _norm(k.to(tl.float32), 1)
     if CHECK_P or CHECK_K:
         vn = _norm(v.to(tl.float32), 1)
+    srow = tl.zeros([BLOCK_N], tl.float32)
+    prow = tl.zeros([BLOCK_N], tl.float32)
+    mass_s = tl.zeros([BLOCK_N], tl.float32)
+    if CHECK_S or CHECK_P:
+        first_tile = lo // BLOCK_M
+        some = first_tile < TILES_Q  # (a key block that no query sees: none, zeros)
+        offs = tl.arange(0, HEAD_DIM)[:, None] * W + tl.arange(0, W)[None, :]
+        at = (bh.to(tl.int64) * TILES_Q + first_tile) * (HEAD_DIM * W)
+        w = tl.load(CP + at + offs, mask=some, other=0.0)
+        stats = ST + first_tile * 8
+        scale = tl.load(stats + 2, mask=some, other=1.0) if SCALED else 1.0
+        if CHECK_S:
+            srow = -_columns(_mma(k, w, None), 0) * scale
+            mass_s = _norm(k.to(tl.float32), 1) * tl.load(stats + 3, mask=some, other=0.0)
+        if CHECK_P:
+            prow = -_columns(_mma(v, w, None), 3) * scale
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     vref = tl.zeros([BLOCK_N, W], tl.float32)
     kref = tl.zeros([BLOCK_N, W], tl.float32)
-    srow = tl.zeros([BLOCK_N], tl.float32)
-    prow = tl.zeros([BLOCK_N], tl.float32)
+    # the row sums' partials (_partial_sums), but where the registers are short: bf16 at 128
+    SUMS: tl.constexpr = 1 if HEAD_DIM > 64 and not SCALED else 8
+    first_column = tl.arange(0, SUMS)[None, :] == 0
+    srow = tl.where(first_column, srow[:, None], 0.0)  # as _partial_sums accumulate
+    prow = tl.where(first_column, prow[:, None], 0.0)
     dk, dv, vref, kref, srow, prow = _dkdv_tiles(
         dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, w_again, LSE, DELTA,
         ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, lo, diagonal, lo, first_pass, BLOCK_M, BLOCK_N,
@@ -639,33 +690,18 @@ def _bwd_dkdv_kernel(
         state_p = tl.zeros([BLOCK_N], tl.int32)
         none = tl.full([BLOCK_N], -INF, tl.float32)
         flagged = N_Q < 0  # False, as a scalar
-        if CHECK_S or CHECK_P:  # the head's column sums of Q and dO from its first tile on
-            first_tile = lo // BLOCK_M
-            some = first_tile < TILES_Q  # (a key block that no query sees: none, zeros)
-            offs = tl.arange(0, HEAD_DIM)[:, None] * W + tl.arange(0, W)[None, :]
-            at = (bh.to(tl.int64) * TILES_Q + first_tile) * (HEAD_DIM * W)
-            w = tl.load(CP + at + offs, mask=some, other=0.0)
-            stats = ST + first_tile * 8
-            scale = tl.load(stats + 2, mask=some, other=1.0)
-        if CHECK_S:  # S^T e = K (Q^T e), Cauchy-Schwarz masses summed over the tiles
-            want = _columns(_mma(k, w, None), 0)
-            if SCALED:
-                want = want * scale
-            mass = kn * tl.load(stats + 3, mask=some, other=0.0)
+        if CHECK_S:
             ratio_s = tl.zeros([BLOCK_N], tl.float32)
-            worst, ratio_s = _fold(srow, want, mass, tol, none, ratio_s, CALIBRATE)
+            worst, ratio_s = _fold(tl.sum(srow, 1), 0.0, mass_s, tol, none, ratio_s, CALIBRATE)
             state_s = tl.where(n_ok, _kinds(worst, near_inf), 0)
             flagged |= _report(
                 CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_n, ratio_s, n_ok,
                 outcome, True, CALIBRATE,
             )
-        if CHECK_P:  # dP^T e = V (dO^T e)
-            want = _columns(_mma(v, w, None), 3)
-            if SCALED:
-                want = want * scale
+        if CHECK_P:
             ratio_p = tl.zeros([BLOCK_N], tl.float32)
-            mass = vn * tl.load(stats + 4, mask=some, other=0.0)
-            worst, ratio_p = _fold(prow, want, mass, tol, none, ratio_p, CALIBRATE)
+            mass_p = vn * tl.load(stats + 4, mask=some, other=0.0)
+            worst, ratio_p = _fold(tl.sum(prow, 1), 0.0, mass_p, tol, none, ratio_p, CALIBRATE)
             state_p = tl.where(n_ok & (state_s == 0), _kinds(worst, near_inf), 0)
             flagged |= _report(
                 CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_n, ratio_p, n_ok,
@@ -711,18 +747,18 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(
-    dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, KR, KRS, INJ, wr_offs, D,
+    dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, KRS, INJ, D,
     skn, svn, qk_scale, bh, N_K, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr,
     CHECK_Q: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
 ):
     """The query block's key tiles ``[lo, hi)``: S = Q K^T, dP = dO V^T, dQ += dS K, with
-    dQ's reference accumulated beside it, ``sum |dS|`` a row for its mass, and the sums of the
-    row identities."""
+    dQ's reference and its mass ``|dS| (|K| e)`` accumulated beside it, and the partial sums
+    of the row identities."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     first = lo // BLOCK_N  # loads in the loop only through pointers that step a tile a time
-    kr_tile, krs_tile = KR + first * (BLOCK_N * W), KRS + first * 3
+    krs_tile = KRS + first * 3
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -748,51 +784,57 @@ def _dq_tiles(
             fresh = first_pass & (start_n == 0)
             dq = _corrupt(dq, offs_m[:, None], offs_d[None, :], bh, GRAD_Q, fresh, INJ)
         if CHECK_S or CHECK_P:
-            psum += tl.sum(p, 1)
+            psum = _partial_sums(p, psum)
         if CHECK_P:
-            dssum += tl.sum(ds, 1)
-        if CHECK_Q:  # (dS K) e = dS (K e)
-            w = tl.load(kr_tile + wr_offs)
+            dssum = _partial_sums(ds, dssum)
+        if CHECK_Q:  # (dS K) e = dS (K e), and the mass |dS| (|K| e) (fp16: unscaled)
+            w = _read(kr_src, start_n, N_K, W, W, BLOCK_N, W, TMA)
             qref = _accumulate_ref(qref, ds_lo, w, krs_tile, SCALED)
-            dsabs += tl.sum(tl.abs(ds), 1)
-        kr_tile += BLOCK_N * W
+            dsabs += _mma(_abs16(ds_lo), w, None)
         krs_tile += 3
     return dq, qref, dsabs, psum, dssum
 
 
 @triton.jit
 def _dq_pass(
-    q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, k_src, v_src, KR, KRS, VRS, INJ, wr_offs,
-    skn, svn, qk_scale, tol, near_inf, bh, N_K, D, first_pass, interior, hi, BLOCK_M: tl.constexpr,
+    q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, k_src, v_src, kr_src, KRS, VRS, INJ, skn,
+    svn, qk_scale, tol, near_inf, bh, N_K, D, first_pass, interior, hi, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr,
     CHECK_P: tl.constexpr, CHECK_Q: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
     CALIBRATE: tl.constexpr, TMA: tl.constexpr,
 ):
     """One pass of a query block over its keys for dQ, and the rows' fault kinds: S through
-    sum P = 1, dP through sum dS = 0, dS K through its accumulated reference."""
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    qref = tl.zeros([BLOCK_M, W], tl.float32)
-    dsabs = tl.zeros([BLOCK_M], tl.float32)
-    psum = tl.zeros([BLOCK_M], tl.float32)
-    dssum = tl.zeros([BLOCK_M], tl.float32)
-    dq, qref, dsabs, psum, dssum = _dq_tiles(
-        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, KR, KRS, INJ,
-        wr_offs, D, skn, svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False,
-        CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, TMA,
-    )
-    dq, qref, dsabs, psum, dssum = _dq_tiles(
-        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, KR, KRS, INJ,
-        wr_offs, D, skn, svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True,
-        CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, TMA,
-    )
+    sum P = 1, dP through sum dS = 0, dS K through its accumulated reference. The identities'
+    bounds are made before the loop, which then holds two vectors for them."""
     count = tl.cdiv(hi, BLOCK_N)
     tiles = count.to(tl.float32)
-    kmax = 0.0  # the largest ||k_n||, ||v_n|| the rows met
-    vmax = 0.0
-    if CHECK_S or CHECK_P:
+    bound_p = tl.zeros([BLOCK_M], tl.float32)
+    bound_ds = tl.zeros([BLOCK_M], tl.float32)
+    if CHECK_S or CHECK_P:  # sum_n P = 1 within the rounding of S, lse and exp2, with
+        # ||k_n|| at most the largest the rows meet
         kmax = _stat_max(KRS, 0, count, 2)
+        bound_p = tol * (tiles + 1.0 + tl.abs(lse) + qk_scale * (D + 1.0) * qn * kmax)
     if CHECK_P:
-        vmax = _stat_max(VRS, 0, count, 2)
+        # sum_n dS = 0 within the rounding of dP, Delta (from the stored O) and P, with
+        # |dP_mn| <= ||dO_m|| ||v_n||: the magnitudes of P dP and P Delta, per row; sum P at
+        # most 1 + bound_p where the S check passes (a row it flags counts there)
+        scale = don * _stat_max(VRS, 0, count, 2) + tl.abs(delta)
+        bound_ds = 2.0 * u_out * odo + (tol * (1.0 + bound_p + FLOOR) + bound_p) * scale
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qref = tl.zeros([BLOCK_M, W], tl.float32)
+    dsabs = tl.zeros([BLOCK_M, W], tl.float32)
+    psum = tl.zeros([BLOCK_M, 8], tl.float32)  # as _partial_sums add
+    dssum = tl.zeros([BLOCK_M, 8], tl.float32)
+    dq, qref, dsabs, psum, dssum = _dq_tiles(
+        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, KRS, INJ,
+        D, skn, svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False,
+        CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, TMA,
+    )
+    dq, qref, dsabs, psum, dssum = _dq_tiles(
+        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, KRS, INJ,
+        D, skn, svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True,
+        CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, TMA,
+    )
     state_s = tl.zeros([BLOCK_M], tl.int32)
     state_p = tl.zeros([BLOCK_M], tl.int32)
     state_q = tl.zeros([BLOCK_M], tl.int32)
@@ -800,20 +842,19 @@ def _dq_pass(
     ratio_p = tl.zeros([BLOCK_M], tl.float32)
     ratio_q = tl.zeros([BLOCK_M], tl.float32)
     none = tl.full([BLOCK_M], -INF, tl.float32)
-    # sum_n P = 1 within the rounding of S, lse and exp2
-    bound_p = tol * (tiles + 1.0 + tl.abs(lse) + qk_scale * (D + 1.0) * qn * kmax)
+    psum = tl.sum(psum, 1)
+    dssum = tl.sum(dssum, 1)
     if CHECK_S:
         worst, ratio_s = _fold(psum, 1.0, bound_p / tol, tol, none, ratio_s, CALIBRATE)
         state_s = tl.where(m_ok, _kinds(worst, near_inf), 0)
     if CHECK_P:
-        # sum_n dS = 0 within the rounding of dP, Delta (from the stored O) and P, with
-        # |dP_mn| <= ||dO_m|| ||v_n||: the magnitudes of P dP and P Delta, per row
-        scale = don * vmax + tl.abs(delta)
-        bound_ds = 2.0 * u_out * odo + (tol * psum + bound_p) * scale
         worst, ratio_p = _fold(dssum, 0.0, bound_ds / tol, tol, none, ratio_p, CALIBRATE)
         state_p = tl.where(m_ok & (state_s == 0), _kinds(worst, near_inf), 0)
-    if CHECK_Q:  # the mass sum |dS| max |K| e, 1% for dS's rounding
-        qmass = 1.01 * dsabs * _stat_max(KRS, 0, count, 1)
+    if CHECK_Q:  # the mass |dS| (|K| e), 1% for dS's rounding; fp16's tiles scaled by their
+        # largest scale, an upper bound (each tile's is non-negative)
+        qmass = 1.01 * _columns(dsabs, 3)
+        if SCALED:
+            qmass = qmass * _stat_max(KRS, 0, count, 0)
         worst, ratio_q = _deferred_check(dq, qref, 0, qmass, tiles, tol, ratio_q, CALIBRATE)
         # a row flagged upstream fails downstream too: it counts once, where it began
         state_q = tl.where(m_ok & (state_s == 0) & (state_p == 0), _kinds(worst, near_inf), 0)
@@ -874,15 +915,15 @@ def _bwd_dq_kernel(
     KR += bhk.to(tl.int64) * TILES_K * (BLOCK_N * W)
     KRS += bhk.to(tl.int64) * TILES_K * 3
     VRS += bhk.to(tl.int64) * TILES_K * 3
-    wr_offs = tl.arange(0, BLOCK_N)[:, None] * W + tl.arange(0, W)[None, :]
+    kr_src = _tiles(KR, N_K, W, W, BLOCK_N, W, TMA)  # K's row-sum tiles, as K's
     hi = N_K
     interior = (N_K // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
         interior = tl.minimum(interior, pid_m * BLOCK_M)
     dq, state_s, state_p, state_q, ratio_s, ratio_p, ratio_q = _dq_pass(
-        q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, k_src, v_src, KR, KRS, VRS, INJ,
-        wr_offs, skn, svn, qk_scale, tol, near_inf, bh, N_K, D, not RETRY, interior, hi, BLOCK_M,
+        q, do, qn, don, lse, delta, odo, u_out, offs_m, m_ok, k_src, v_src, kr_src, KRS, VRS, INJ,
+        skn, svn, qk_scale, tol, near_inf, bh, N_K, D, not RETRY, interior, hi, BLOCK_M,
         BLOCK_N, HEAD_DIM, CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, CALIBRATE, TMA,
     )
     if CHECK_S or CHECK_P or CHECK_Q:
