@@ -725,9 +725,11 @@ class FlashCheck:
     against the B tile's checksums accumulates the reference (16 / head_dim of the GEMM), and
     the program compares it with its output's row sums. ``identity``: the dQ kernel checks S and
     dP through sum P = 1 and sum dS = 0 (flash_shared's identities), a comparison a row."""
-    mass: int = 0
-    """CUDA-core ops an element of S for the bound's mass beyond the row's own norms: sum |dS|
-    for dQ."""
+    mass: float = 0
+    """CUDA-core ops an element of S for the bound's mass beyond the row's own norms: dQ's
+    ``|dS|``, two 16-bit values an AND."""
+    mass_mma: bool = False
+    """The mass comes from a second 16-wide MMA beside the reference (dQ's, of ``|dS|``)."""
     rescaled: bool = False
     """The reference is rescaled as the output is (the forward's online softmax): 16 ops a row
     a tile."""
@@ -742,7 +744,7 @@ FLASH_CHECKS = (
     FlashCheck(_GRAD_K, "dkdv", "accumulated"),
     FlashCheck(_BWD_SCORES, "dq", "identity"),
     FlashCheck(_GRAD_PROBS, "dq", "identity"),
-    FlashCheck(_GRAD_Q, "dq", "accumulated", mass=2),
+    FlashCheck(_GRAD_Q, "dq", "accumulated", mass=0.5, mass_mma=True),
 )
 """Every tile check of the flash kernels, in the order they run (megatron_abft.flash.kernels):
 S and dP are computed, and checked, in both backward kernels. dK's masses come with dV's
@@ -829,9 +831,9 @@ def flash_protection(shape: ModelShape) -> dict[str, Work]:
         mass = check.mass + WIDTH / loop * check.rescaled
         if check.kind == "summed":  # one MMA [head_dim, 16] a row
             work = Work(flops=rows * 2 * WIDTH * f.width, vector=elements + rows * CHECK_ROW_OPS)
-        elif check.kind == "accumulated":  # an MMA [loop, 16] a row a tile
+        elif check.kind == "accumulated":  # an MMA [loop, 16] a row a tile (two: dQ)
             work = Work(
-                flops=elements * 2 * WIDTH,
+                flops=elements * 2 * WIDTH * (1 + check.mass_mma),
                 vector=elements * mass + rows * (f.width + CHECK_ROW_OPS),
             )
         else:

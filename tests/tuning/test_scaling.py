@@ -880,9 +880,10 @@ def test_each_flash_check_costs_its_reference_mma_row_sums_and_comparisons():
     adds C's rows up (an add an element) and compares them once a program with one 16-wide MMA
     of the program's head_dim-wide tile: 16 x head_dim x 2 FLOPs and CHECK_ROW_OPS a row. An
     accumulating GEMM's check (the context, dV, dK, dQ) runs a 16-wide MMA a tile (16 over
-    head_dim of the GEMM), its mass (sum |dS| for dQ) or the forward's rescale, and compares the
-    output's row sums once a program. The dQ kernel checks S and dP by its identities (their
-    sums are flash_shared's): a comparison a row. No bytes, no launches."""
+    head_dim of the GEMM), its mass (for dQ a second MMA, of |dS|: an AND for two elements) or
+    the forward's rescale, and compares the output's row sums once a program. The dQ kernel
+    checks S and dP by its identities (their sums are flash_shared's): a comparison a row. No
+    bytes, no launches."""
     shape = replace(FLASH_SHAPE, seq=512)  # head dim 48, padded to 64
     width = 64
     (fwd, f), (dkdv, k), (dq, q) = (_kernel_tiles(shape, kernel) for kernel in FLASH_KERNELS)
@@ -903,7 +904,7 @@ def test_each_flash_check_costs_its_reference_mma_row_sums_and_comparisons():
         grad_probs: summed,
         grad_v: 16 / width * gemm(dkdv),
         grad_k: 16 / width * gemm(dkdv),
-        grad_q: 16 / width * gemm(dq),
+        grad_q: 2 * 16 / width * gemm(dq),
     }
     r = CHECK_ROW_OPS
     compared = rows * r
@@ -915,7 +916,7 @@ def test_each_flash_check_costs_its_reference_mma_row_sums_and_comparisons():
         grad_probs: dkdv + compared + compared,
         grad_v: deferred,
         grad_k: deferred,
-        grad_q: 2 * dq + deferred,
+        grad_q: dq / 2 + deferred,
     }
     for section, work in own.items():
         assert work.flops == pytest.approx(flops[section]), section
