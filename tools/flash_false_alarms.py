@@ -110,7 +110,7 @@ def sweep(dtype_name: str, target: int, seq: int, device: str) -> dict:
         for kind in KINDS:
             for causal in (True, False):
                 q, k, v, do = inputs(kind, shape, dtype, seed, device)
-                found = launch.Found.empty(shape[0] * shape[1], q.device, calibrate=True)
+                found = launch.Findings.empty(shape[0] * shape[1], q.device, calibrate=True)
                 o, lse = launch.forward(q, k, v, causal, shape[-1] ** -0.5, checks, found)
                 launch.backward(do, q, k, v, o, lse, causal, shape[-1] ** -0.5, checks, found)
                 call_ratio = found.ratio.double().amax(1).cpu()

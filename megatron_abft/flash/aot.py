@@ -128,7 +128,7 @@ def capture(case: Case) -> list[tuple]:
     inputs in Megatron's [seq, batch, heads, dim] layout; nothing runs."""
     from megatron_abft.faults import TensorFault
     from megatron_abft.flash import FlashFault, FlashLedger, flash_attention
-    from megatron_abft.flash.launch import Checks, Found
+    from megatron_abft.flash.launch import Checks, Findings
 
     dtype = case.torch_dtype
 
@@ -142,7 +142,7 @@ def capture(case: Case) -> list[tuple]:
     with _recording(launches):
         if case.variant == "calibrate":
             checks = Checks((1 << len(FLASH_SECTIONS)) - 1, 2.0**-24, 1e10)
-            found = Found.empty(case.batch * case.heads, q.device, calibrate=True)
+            found = Findings.empty(case.batch * case.heads, q.device, calibrate=True)
             o, lse = launch.forward(q, k, v, case.causal, 0.125, checks, found)
             launch.backward(do, q, k, v, o, lse, case.causal, 0.125, checks, found)
             return launches

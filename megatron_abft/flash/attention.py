@@ -95,11 +95,11 @@ def _(do, q, k, v, o, lse, counts, clock, log, logged, inject, causal, scale, du
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _found(checked: bool, q: Tensor) -> launch.Found:
+def _found(checked: bool, q: Tensor) -> launch.Findings:
     """Where a call's kernels report: a zeroed buffer when they check, else placeholders."""
     if checked:
-        return launch.Found.empty(q.shape[0] * q.shape[1], q.device)
-    return launch.Found.unchecked(q.device)
+        return launch.Findings.empty(q.shape[0] * q.shape[1], q.device)
+    return launch.Findings.unchecked(q.device)
 
 
 class _FlashAttention(torch.autograd.Function):

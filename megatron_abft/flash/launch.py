@@ -187,7 +187,7 @@ out, and makes no checksum vectors."""
 
 
 @dataclass
-class Found:
+class Findings:
     """What one launch's checks found, one entry a section and (batch, head) matrix, on the
     device: ``codes``, and the first flagged row and column (as ``kernels.NO_ROW - row``, 0
     none) as kernels.py describes them, and, in calibration runs, the largest clean residual
@@ -205,7 +205,7 @@ class Found:
         return self.codes, self.rows, self.cols, ratio
 
     @classmethod
-    def empty(cls, matrices: int, device: torch.device, calibrate: bool = False) -> Found:
+    def empty(cls, matrices: int, device: torch.device, calibrate: bool = False) -> Findings:
         """Nothing found yet, in one zeroed buffer (one launch)."""
         shape = (kernels.N_SECTIONS.value, matrices)
         codes, rows, cols = torch.zeros(3, *shape, dtype=torch.int32, device=device)
@@ -213,7 +213,7 @@ class Found:
         return cls(codes, rows, cols, ratio)
 
     @classmethod
-    def unchecked(cls, device: torch.device) -> Found:
+    def unchecked(cls, device: torch.device) -> Findings:
         """Placeholders for a call that checks nothing (no launch)."""
         nothing = torch.empty(0, dtype=torch.int32, device=device)
         return cls(nothing, nothing, nothing)
@@ -226,7 +226,7 @@ def forward(
     causal: bool,
     scale: float,
     checks: Checks,
-    found: Found,
+    found: Findings,
     inject: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """O [B, H, Nq, D] (laid out as q, or as its TMA-ready copy) and LSE [B, H, rows] (fp32, log2
@@ -267,7 +267,7 @@ def backward(
     causal: bool,
     scale: float,
     checks: Checks,
-    found: Found,
+    found: Findings,
     inject: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV, laid out as q, k and v (or as their TMA-ready copies)."""
@@ -408,7 +408,7 @@ def _constants(
     width: int,
     causal: bool,
     checks: Checks,
-    found: Found,
+    found: Findings,
     inject: Tensor | None,
     q: Tensor,
 ) -> dict:

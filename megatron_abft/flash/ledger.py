@@ -18,7 +18,7 @@ from megatron_abft.check.eec import KINDS, OUTCOMES
 from megatron_abft.check.ledger import EVENT_FIELDS, LOG_CAPACITY, Ledger
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.flash import build
-from megatron_abft.flash.launch import Found
+from megatron_abft.flash.launch import Findings
 
 RECORD_BLOCK = 128
 """Matrices _record_kernel reads at a time: one shape, so that one build serves every call."""
@@ -73,7 +73,7 @@ class FlashLedger:
         }
 
 
-def record(found: Found, counts: Tensor, clock: Tensor, log: Tensor, logged: Tensor) -> None:
+def record(found: Findings, counts: Tensor, clock: Tensor, log: Tensor, logged: Tensor) -> None:
     """Fold one launch's findings into a ledger's tensors, one Triton launch (a program a
     section): a matrix counts once a section, by its outcome and kind; a section that found
     something logs its worst matrix. No host synchronisation."""
@@ -89,7 +89,7 @@ def _record_kernel(
     CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS, NO_POSITION,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Section ``program_id``'s codes (launch.Found) into COUNTS [3, 4] (detected, corrected,
+    """Section ``program_id``'s codes (launch.Findings) into COUNTS [3, 4] (detected, corrected,
     uncorrectable by kind), and its worst matrix into LOG when there is one."""
     s = tl.program_id(0)
     kinds = tl.arange(0, 4)

@@ -793,7 +793,7 @@ computes Delta anyway (checksums.backward: one tile of dO's and Q's rows, their 
 sums, from one more read of Q and one launch of running sums), tiled by its block_m; dQ's of K
 and V (rows), one launch, by its block_n."""
 FOUND_OPS = 1
-"""Launches of one call's findings buffer (launch.Found.empty: one zero fill), made by each of
+"""Launches of one call's findings buffer (launch.Findings.empty: one zero fill), made by each of
 the forward's and the backward's ops when they check anything."""
 RECORD_OPS = 1
 """GPU launches of one ledger update (megatron_abft.flash.ledger.record: one Triton launch after

@@ -53,7 +53,7 @@ def test_no_tensor_on_its_path_is_the_size_of_the_scores():
     ledger = FlashLedger.on(q.device)
     with _Sizes() as watched:
         for run in ("forward", "backward"):
-            found = launch.Found.empty(1, q.device)
+            found = launch.Findings.empty(1, q.device)
             if run == "forward":
                 o, lse = launch.forward(q, k, v, True, dim**-0.5, checks, found)
             else:

@@ -795,14 +795,14 @@ def test_a_ledger_update_launches_what_the_model_counts(monkeypatch):
     from megatron_abft.flash.ledger import FlashLedger, record
 
     ledger = FlashLedger.on(torch.device("cpu"))
-    found = launch.Found.empty(6, torch.device("cpu"))
+    found = launch.Findings.empty(6, torch.device("cpu"))
     kernels = _NoKernels()
     monkeypatch.setattr(build, "for_device", lambda module, device: kernels)
     with _Launches() as mode:
         record(found, *ledger.tensors)
     assert mode.ops + kernels.launches == RECORD_OPS
     with _Launches() as mode:
-        launch.Found.empty(6, torch.device("cpu"))
+        launch.Findings.empty(6, torch.device("cpu"))
     assert mode.ops == FOUND_OPS
     # forward and backward
     assert flash_shared(FLASH_SHAPE)["ledger"].ops == 2 * (FOUND_OPS + RECORD_OPS)
