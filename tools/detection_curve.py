@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--highest", type=float, default=1e2, help="largest r")
     parser.add_argument("--dtypes", default="fp32,bf16,fp16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("docs/figures/detection_curve.png"))
+    parser.add_argument("--out", type=Path, default=Path("out/detection_curve.png"))
     return parser.parse_args()
 
 
