@@ -50,6 +50,8 @@ from megatron_abft.tuning.scaling import (
 )
 
 SHAPES = {shape.name: shape for shape in CATALOGUE}
+RUN4 = Path(__file__).with_name("bench_cpu_run4.json")
+"""A CPU run of tools/bench_overhead (200 repetitions, docs/runs.md) the report's tests read."""
 
 
 @pytest.mark.parametrize(
@@ -164,7 +166,7 @@ def test_the_benchmark_measures_what_the_model_calibrates_on():
         assert 0 < rate < 1e13
     with compiled.disabled():
         assert check_read_rate((2, 64, 64), torch.float32, cpu, 32) is None
-    run = json.loads((Path(__file__).parents[2] / "docs/figures/bench_cpu_run4.json").read_text())
+    run = json.loads(RUN4.read_text())
     assert calibrated(run).check_bandwidth is None  # a run from before the rate was measured
     assert calibrated(run).check_dot == 0
     run["machine"].update(check_bandwidth=3e9, check_dot=4e-9)
@@ -318,7 +320,7 @@ def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
     )
     with compiled.disabled():
         assert set(softmax_costs(module, args, cpu)) == {"forward", "backward"}
-    run = json.loads((Path(__file__).parents[2] / "docs/figures/bench_cpu_run4.json").read_text())
+    run = json.loads(RUN4.read_text())
     assert calibrated(run).softmax is None  # from before the softmax was timed
     run["machine"]["softmax"] = costs
     assert calibrated(run).softmax == costs
@@ -463,8 +465,7 @@ def test_a_benchmark_run_calibrates_the_baseline_on_its_unprotected_steps():
     roofline's own step is kept for its row."""
     from tools.overhead_report import calibrated, measured_shape, roofline, validation_rows
 
-    path = Path(__file__).parents[2] / "docs/figures/bench_cpu_run4.json"
-    run = json.loads(path.read_text())
+    run = json.loads(RUN4.read_text())
     shape, off = measured_shape(run["args"]), run["median"]["off"]
     device = calibrated(run)
     assert device.baseline_scale != 1.0 and roofline(run).baseline_scale == 1.0
@@ -473,7 +474,7 @@ def test_a_benchmark_run_calibrates_the_baseline_on_its_unprotected_steps():
     )
     adam = step_time(shape, device) - device.baseline_scale * forward_backward_time(shape, device)
     assert adam == pytest.approx(off["optimizer"], rel=0.05)  # its bandwidth is the run's
-    (row,) = [r for r in validation_rows([path]) if r["what"] == "baseline step, roofline"]
+    (row,) = [r for r in validation_rows([RUN4]) if r["what"] == "baseline step, roofline"]
     assert row["predicted"] == step_time(shape, roofline(run)) and row["ok"] is None
     assert row["measured"] == off["step"]
 
@@ -536,8 +537,7 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
     the rows that agree."""
     from tools.overhead_report import summary, validation_rows
 
-    run = Path(__file__).parents[2] / "docs" / "figures" / "bench_cpu_run4.json"
-    rows = validation_rows([run])
+    rows = validation_rows([RUN4])
     judged = [r for r in rows if r["ok"] is not None]
     assert [r["what"] for r in judged] == [
         *FORWARD_SECTIONS,
@@ -565,7 +565,7 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     from tools.overhead_report import calibrated, measured_shape
 
     assert DEVICES["H100"].ops_per_check("kernels") == CHECK_KERNELS["kernels"]
-    run = json.loads((Path(__file__).parents[2] / "docs/figures/bench_cpu_run4.json").read_text())
+    run = json.loads(RUN4.read_text())
     device = calibrated(run)
     assert device.ops_per_check("kernels") == run["machine"]["check_ops"] == 13
     assert device.ops_per_check("torch") == CHECK_OPS["torch"]
