@@ -24,11 +24,10 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_abft.check.checker import NO_SCREEN
 from megatron_abft.check.checksum import encode
 from megatron_abft.check.eec import GemmOperands, _kernel_check, verify_and_correct
 from megatron_abft.check.ledger import Ledger
-from megatron_abft.check.sides import Check, kernel_sides, screen
+from megatron_abft.check.sides import NO_SCREEN, Check, kernel_sides, screen
 from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.config import DTYPES
 from megatron_abft.ops import compiled

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft.check.checker import NO_SCREEN
 from megatron_abft.check.checksum import encode
+from megatron_abft.check.sides import NO_SCREEN
 from megatron_abft.config import DTYPES, FORWARD_SECTIONS, SECTIONS, ABFTConfig
 from megatron_abft.ops import compiled, fused_softmax
 from megatron_abft.tuning.scaling import ADAM_BYTES_PER_PARAMETER

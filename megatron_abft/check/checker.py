@@ -38,14 +38,12 @@ from megatron_abft.check.eec import (
     verify_and_correct,
 )
 from megatron_abft.check.ledger import Ledger
-from megatron_abft.check.sides import Check, kernel_sides, side_bounds
+from megatron_abft.check.sides import Check, KernelSides, kernel_sides, side_bounds
 from megatron_abft.check.tolerance import cuda_matmul_switches, gemm_rounding
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import compiled
 
-NO_SCREEN = (0, 0, [], [], [], [])
-"""The sides of a screen that screens nothing (a Reader's read of an output not due)."""
-GENERAL = object()
+LEFT_TO_REFERENCE = object()
 """CompiledChecker.settle's answer where only the reference gives the result: a matrix the
 kernels could not settle (and put back as it was), on a check that may read the host."""
 
@@ -107,7 +105,7 @@ class Checker(Protocol):
         host may be read)."""
         ...
 
-    def sides(self, output: Tensor, operands: GemmOperands) -> tuple | None:
+    def sides(self, output: Tensor, operands: GemmOperands) -> KernelSides | None:
         """Both sides' references of ``output``, encoded from ``operands``, as the kernels take
         them (sides.kernel_sides), for a screen run elsewhere; None where the kernels do not
         take them."""
@@ -144,7 +142,7 @@ class ReferenceChecker:
             return None
         return result.tallied if result.tallied is not None else ledger.tally(result)
 
-    def sides(self, output: Tensor, operands: GemmOperands) -> tuple | None:
+    def sides(self, output: Tensor, operands: GemmOperands) -> KernelSides | None:
         col, row = self._encode(operands)
         rounding = gemm_rounding(output.dtype, output.device)
         check = Check(rounding, self.config.threshold_scale, self.config.near_inf, 0, None)
@@ -226,10 +224,12 @@ class CompiledChecker:
         )
 
     @torch.no_grad()
-    def sides(self, output: Tensor, operands: GemmOperands) -> tuple:
+    def sides(self, output: Tensor, operands: GemmOperands) -> KernelSides:
         return self._sides(operands, None)
 
-    def _sides(self, operands: GemmOperands, refs: tuple[Checksums, Checksums] | None) -> tuple:
+    def _sides(
+        self, operands: GemmOperands, refs: tuple[Checksums, Checksums] | None
+    ) -> KernelSides:
         if refs is None:
             ops, a, bias = torch.ops.megatron_abft, operands.a, operands.bias
             sums = ops.encode_pair.default(a, operands.b, self.alpha, self.block)
@@ -238,7 +238,7 @@ class CompiledChecker:
             col, row = [sums[0], sums[1], *sums[4:5]], [sums[2], sums[3], *sums[5:6]]
         else:
             col, row = ([r.sums, r.magnitude, *_present(r.bias_magnitude)] for r in refs)
-        return (*self.blocks, col, row, *self.bounds)
+        return KernelSides(*self.blocks, col, row, *self.bounds)
 
     def run(
         self,
@@ -248,7 +248,7 @@ class CompiledChecker:
         ledger: Ledger,
     ) -> Tensor | None:
         failed = self.settle(output, operands, refs, ledger)
-        if failed is GENERAL:
+        if failed is LEFT_TO_REFERENCE:
             return self.reference.run(output, operands, refs, ledger)
         return failed
 
@@ -259,8 +259,8 @@ class CompiledChecker:
         refs: tuple[Checksums, Checksums] | None,
         ledger: Ledger,
     ) -> Tensor | None | object:
-        """``run`` by the kernels alone: as ``run``, or GENERAL where a matrix is left for the
-        reference."""
+        """``run`` by the kernels alone: as ``run``, or LEFT_TO_REFERENCE where a matrix is left
+        for the reference."""
         if refs is None:  # encoded, biased and verified in one call, outside autograd
             found = self._check(output, operands, ledger)
         else:
@@ -273,7 +273,7 @@ class CompiledChecker:
         if worst == CLEAN:
             return None
         if worst == UNCORRECTABLE:
-            return GENERAL
+            return LEFT_TO_REFERENCE
         return ledger.tally(EECResult(*found))
 
     def _check(self, output: Tensor, operands: GemmOperands, ledger: Ledger) -> tuple:

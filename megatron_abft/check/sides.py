@@ -6,6 +6,7 @@ from C, their differences from the references, the rounding thresholds and the f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,6 +25,23 @@ class Check:
     near_inf: float
     capacity: int
     operands: GemmOperands | None
+
+
+class KernelSides(NamedTuple):
+    """Both sides of a check as the kernels take them, the arguments of ``screen`` after C: per
+    side its block (0: the side is not checked), its references ``[sums, magnitude(,
+    bias_magnitude)]`` and its bounds (the threshold terms, then a block's length)."""
+
+    col_block: int
+    row_block: int
+    col: list[Tensor]
+    row: list[Tensor]
+    col_bounds: list[float]
+    row_bounds: list[float]
+
+
+NO_SCREEN = KernelSides(0, 0, [], [], [], [])
+"""The sides of a screen that screens nothing (a Reader's read of an output not due)."""
 
 
 @dataclass
@@ -82,10 +100,9 @@ def screen(c: Tensor, refs: dict[str, Checksums], check: Check) -> Tensor | None
     return None if sides is None else compiled.screen(c, *sides)
 
 
-def kernel_sides(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple | None:
-    """Both sides of a check as the kernels take them: (col_block, row_block, col, row,
-    col_bounds, row_bounds), a side ``[sums, magnitude(, bias_magnitude)]`` with bounds (the
-    threshold terms and length); None where a reference is not in c's accumulation dtype."""
+def kernel_sides(c: Tensor, refs: dict[str, Checksums], check: Check) -> KernelSides | None:
+    """Both sides of a check as the kernels take them; None where a reference is not in c's
+    accumulation dtype."""
     natural = torch.float64 if c.dtype == torch.float64 else torch.float32
     sides, blocks, bounds = {}, {}, {}
     for name in ("col", "row"):
@@ -100,7 +117,9 @@ def kernel_sides(c: Tensor, refs: dict[str, Checksums], check: Check) -> tuple |
             return None
         bounds[name] = side_bounds(check, ref.block, ref.length, ref.inner)
         sides[name], blocks[name] = tensors, ref.block
-    return blocks["col"], blocks["row"], sides["col"], sides["row"], bounds["col"], bounds["row"]
+    return KernelSides(
+        blocks["col"], blocks["row"], sides["col"], sides["row"], bounds["col"], bounds["row"]
+    )
 
 
 def side_bounds(check: Check, block: int, length: int, inner: int) -> list[float]:

@@ -309,7 +309,7 @@ def verify_correct(
 ) -> tuple[Tensor, ...] | None:
     """``screen``, then the flagged matrices of ``c`` located and corrected in place from the
     GEMM's ``operands`` (a, b, alpha, bias) in one op (csrc/kernels/abft_correct.h). ``sides`` are
-    the six arguments of ``screen`` after c (megatron_abft.check.sides.kernel_sides). Per matrix:
+    the arguments of ``screen`` after c (megatron_abft.check.sides.KernelSides). Per matrix:
     status (eec.CLEAN, CORRECTED, or 2: not settled, and put back bit for bit), kind, the most wrong
     flagged row and column, and the largest |d1|. At most ``capacity`` vectors per side and pass are
     corrected (eec's max_corrections, per matrix). With a ``ledger``, the same op also tallies what
@@ -361,8 +361,8 @@ def softmax_check(
 ) -> tuple[Tensor, ...] | None:
     """Kernel 3: Megatron's scale-mask-softmax of the scores ``s [..., sq, sk]`` (rows
     contiguous) in one read of ``s`` that also screens it and gives P's checksum pass, where the
-    kernels apply (else None). ``sides`` are screen's six arguments after c (``(0, 0, [], [], [],
-    [])`` for no screen); masked entries (``mask`` true, broadcast to ``s``, or j > i where
+    kernels apply (else None). ``sides`` are screen's arguments after c (check.sides.KernelSides;
+    its NO_SCREEN for no screen); masked entries (``mask`` true, broadcast to ``s``, or j > i where
     ``causal``) become -10000 before the softmax, as Megatron's attention_mask_func; ``vectors``
     are pair_vectors' (u, z) for P's pass over blocks of ``block`` rows, or None. Returns P (in
     ``s``'s dtype), the screen's flagged counts per matrix, and P's block sums, sizes, products

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from megatron_abft.check.checker import (
-    NO_SCREEN,
     Checker,
     KernelCorrection,
     Reader,
@@ -32,6 +31,7 @@ from megatron_abft.check.checker import (
 from megatron_abft.check.checksum import Checksums
 from megatron_abft.check.eec import KINDS, OUTCOMES, GemmOperands
 from megatron_abft.check.ledger import EVENT_FIELDS, Ledger, drain
+from megatron_abft.check.sides import NO_SCREEN, KernelSides
 from megatron_abft.config import CORRECTED, SECTIONS, UNCORRECTABLE, ABFTConfig, Policy
 from megatron_abft.faults import land
 from megatron_abft.ops import compiled
@@ -295,7 +295,7 @@ class SectionGuard:
             output, operands, refs, lambda checker: checker.run(output, operands, refs, ledger)
         )
 
-    def screen_sides(self, output: Tensor, operands: GemmOperands) -> tuple | None:
+    def screen_sides(self, output: Tensor, operands: GemmOperands) -> KernelSides | None:
         """Both sides' references of ``output``, encoded from ``operands``, as the kernels take
         them, for a Reader's screen (Checker.sides)."""
         return self._with_checker(

@@ -10,7 +10,7 @@ from test_ext import DTYPES, PROPERTY, corrupted, gemm_case, needs_ext
 from test_ext_correct import bits
 
 from megatron_abft.check.checker import (
-    GENERAL,
+    LEFT_TO_REFERENCE,
     CompiledChecker,
     ReferenceChecker,
     choose,
@@ -99,7 +99,7 @@ def test_the_compiled_checker_equals_the_reference(
 def test_a_sync_free_checker_tallies_in_its_op_what_the_host_checker_tallies(dtype, fault):
     """Sync-free (a GPU's default), the checker's verify_correct_tally settles and tallies in
     one op; where a check may read the host it reads the verdict, and hands a matrix the kernels
-    could not settle to the reference (GENERAL), which the sync-free checker counts
+    could not settle to the reference (LEFT_TO_REFERENCE), which the sync-free checker counts
     uncorrectable, with the output put back bit for bit."""
     operands, clean = gemm(dtype, (2, 3), 96, 80, True, seed=5)
     config = ABFTConfig(block_size=32)
@@ -118,7 +118,7 @@ def test_a_sync_free_checker_tallies_in_its_op_what_the_host_checker_tallies(dty
         results[sync_free] = plan.settle(out, operands, None, guard.ledger_on(c.device)), out, guard
     (failed, out, guard), (verdict, host_out, host_guard) = results[True], results[False]
     if fault == "2d":
-        assert verdict is GENERAL
+        assert verdict is LEFT_TO_REFERENCE
         assert bool(failed)
         assert torch.equal(bits(out), bits(faulty))
         assert guard.ledger.counts[2].sum() == 1  # one matrix uncorrectable

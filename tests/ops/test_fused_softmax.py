@@ -7,10 +7,9 @@ import pytest
 import torch
 from cuda_targets import TARGETS
 
-from megatron_abft.check.checker import NO_SCREEN
 from megatron_abft.check.checksum import encode, encode_from_pass
 from megatron_abft.check.eec import CLEAN, CORRECTED, GemmOperands, verify_and_correct
-from megatron_abft.check.sides import Check, kernel_sides
+from megatron_abft.check.sides import NO_SCREEN, Check, kernel_sides
 from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.ops import compiled
 
