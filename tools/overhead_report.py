@@ -8,8 +8,9 @@ parameter count, and a validation table of predicted against measured overhead f
 benchmark result given (tools/bench_overhead.py JSON), each predicted with a device profile
 calibrated from that run's own micro-benchmarks.
 
-    python -m tools.overhead_report --device H100 --measured docs/figures/bench_cpu.json \
-        --out out/scaling.md --plot out/overhead_vs_params.png
+    python -m tools.overhead_report --device H100 --measured docs/figures/bench_cpu.json
+
+writes the report and its plot under out/ (``--out``, ``--plot``: elsewhere).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=DEVICES, default="H100")
     p.add_argument("--measured", type=Path, nargs="*", default=[], help="bench_overhead JSON")
-    p.add_argument("--out", type=Path, default=Path("out/scaling.md"))
+    p.add_argument("--out", type=Path, default=Path("out", "scaling.md"))
     p.add_argument("--plot", type=Path, default=Path("out/overhead_vs_params.png"))
     return p.parse_args()
 
