@@ -251,19 +251,32 @@ def _stat_sum(ST, first, count, which: tl.constexpr, STRIDE: tl.constexpr):
 
 @triton.jit
 def _partial_sums(x, acc):
-    """``acc + `` the row sums of ``x [R, C]`` over its columns ``G = acc.shape[1]`` apart, ``[R,
-    G]``. With G = 8, on a GPU, a thread's columns of an MMA fragment are 8 apart, so the sums
-    stay in the thread (no shuffle, twice the rows' registers); ``tl.sum(acc, 1)`` finishes
-    them once, after the loop. G = 1 is the rows' sums."""
-    G: tl.constexpr = acc.shape[1]
-    if G == 1:
-        return acc + tl.sum(x, 1, keep_dims=True)
-    return acc + tl.sum(tl.reshape(x, [x.shape[0], x.shape[1] // G, G]), 1)
+    """``acc [R, 8] + `` the row sums of ``x [R, C]`` over its columns 8 apart: on a GPU a
+    thread's columns of an MMA fragment are 8 apart, so the sums stay in the thread (no
+    shuffle, twice the rows' registers); ``tl.sum(acc, 1)`` finishes them once, after the
+    loop."""
+    return acc + tl.sum(tl.reshape(x, [x.shape[0], x.shape[1] // 8, 8]), 1)
 
 
 @triton.jit
 def _norm(x, axis: tl.constexpr):
     return tl.sqrt(tl.sum(x * x, axis))
+
+
+@triton.jit
+def _row_norms(X, start, rows, cols, stride, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The L2 norms of the ``BLOCK`` rows of X from row ``start`` (rows past ``rows`` and columns
+    past ``cols`` as zeros), read again 32 columns at a time: after a loop, where the tile whole
+    in registers would spill what the loop's accumulators hold."""
+    r = start + tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], tl.float32)
+    for c0 in tl.static_range(0, HEAD_DIM, 32):
+        c = c0 + tl.arange(0, 32)
+        at = X + r[:, None].to(tl.int64) * stride + c[None, :]
+        x = tl.load(at, mask=(r < rows)[:, None] & (c < cols)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        total += tl.sum(x * x, 1)
+    return tl.sqrt(total)
 
 
 @triton.jit
@@ -518,8 +531,8 @@ def _fwd_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, w_again, LSE, DELTA, ST,
-    INJ, D, sqm, sdom, qk_scale, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr,
+    dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA, ST, INJ, D,
+    sqm, sdom, qk_scale, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_V: tl.constexpr, CHECK_K: tl.constexpr,
     SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
@@ -542,13 +555,14 @@ def _dkdv_tiles(
         # queries past the end and padded head dims read as zeros
         q = _read(q_src, start_m, N_Q, D, sqm, BLOCK_M, HEAD_DIM, TMA)
         do = _read(do_src, start_m, N_Q, D, sdom, BLOCK_M, HEAD_DIM, TMA)
-        lse = tl.load(lse_tile + offs_mb)  # padded: finite past the end
-        delta = tl.load(delta_tile + offs_mb)
         st = _mma(k, tl.trans(q), None)
         if INJECT:
             st = _corrupt(st, offs_m[None, :], offs_n[:, None], bh, BWD_SCORES, first_pass, INJ)
         if CHECK_S:  # S^T e, from minus K (Q^T e) over the head's tiles
             srow = _partial_sums(st, srow)
+        # LSE and Delta read where they are used (padded: finite past the end): read at the
+        # top, the pipeline held the next tile's in registers across the loop
+        lse = tl.load(lse_tile + offs_mb)
         pt = tl.exp2(st * qk_scale - lse[None, :])
         if MASKED and CAUSAL:
             pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
@@ -565,14 +579,13 @@ def _dkdv_tiles(
             dpt = _corrupt(dpt, offs_m[None, :], offs_n[:, None], bh, GRAD_PROBS, first_pass, INJ)
         if CHECK_P:  # dP^T e, from minus V (dO^T e)
             prow = _partial_sums(dpt, prow)
+        delta = tl.load(delta_tile + offs_mb)
         dst = pt * (dpt - delta[None, :])
         dst_lo = _lo(dst, q.dtype)
         dk = _mma(dst_lo, q, dk)
         if INJECT:
             dk = _corrupt(dk, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
         if CHECK_K:  # dS^T (Q e), from the same tile
-            if HEAD_DIM > 64 and not SCALED:  # bf16 at 128 spills holding it: read it again
-                w = _read(w_again, start_m, N_Q, W, W, BLOCK_M, W, TMA)
             kref = _accumulate_ref(kref, dst_lo, w, st_tile + 1, SCALED)
         st_tile += 8
         lse_tile += BLOCK_M
@@ -582,7 +595,7 @@ def _dkdv_tiles(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, RW, RW_AGAIN, CP, ST, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
+    Q, K, V, DO, LSE, DELTA, DK, DV, RW, CP, ST, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
     qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, H, GROUP, N_Q, N_K, D,
     ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -593,8 +606,7 @@ def _bwd_dkdv_kernel(
     each query head's share, into DK and DV of that head (the launch sums a group's). LSE and
     DELTA hold ROWS_Q (>= N_Q) values a head, so that queries past the end read finite values:
     their Q and dO read as zeros and they add nothing, with no mask. RW, CP, ST: the checksum
-    tiles of dO and Q of BLOCK_M queries (checksums.Backward); RW_AGAIN is RW, passed twice so
-    that the compiler keeps a second read of it apart.
+    tiles of dO and Q of BLOCK_M queries (checksums.Backward).
 
     The query tiles run in two loops: the causal diagonal's (masked), then the interior's (and
     without a causal mask the first tile in the masked loop: with the interior loop first,
@@ -631,7 +643,6 @@ def _bwd_dkdv_kernel(
     TILES_Q = tl.cdiv(N_Q, BLOCK_M)
     at = bh.to(tl.int64) * TILES_Q * BLOCK_M * W  # dO's and Q's checksum tiles, as Q's
     w_src = _tiles(RW + at, N_Q, W, W, BLOCK_M, W, TMA)
-    w_again = _tiles(RW_AGAIN + at, N_Q, W, W, BLOCK_M, W, TMA)
     ST += bh.to(tl.int64) * TILES_Q * 8
     LSE += bh.to(tl.int64) * ROWS_Q
     DELTA += bh.to(tl.int64) * ROWS_Q
@@ -646,12 +657,8 @@ def _bwd_dkdv_kernel(
     # S^T e = K (Q^T e) and dP^T e = V (dO^T e) over the head's tiles, against one MMA with the
     # column sums of Q and dO from its first tile on, made before the loop: the row sums start
     # from minus their references and end as the residuals, under Cauchy-Schwarz masses summed
-    vn = tl.zeros([BLOCK_N], tl.float32)
-    if CHECK_P or CHECK_K:
-        vn = _norm(v.to(tl.float32), 1)
     srow = tl.zeros([BLOCK_N], tl.float32)
     prow = tl.zeros([BLOCK_N], tl.float32)
-    mass_s = tl.zeros([BLOCK_N], tl.float32)
     if CHECK_S or CHECK_P:
         first_tile = lo // BLOCK_M
         some = first_tile < TILES_Q  # (a key block that no query sees: none, zeros)
@@ -662,25 +669,22 @@ def _bwd_dkdv_kernel(
         scale = tl.load(stats + 2, mask=some, other=1.0) if SCALED else 1.0
         if CHECK_S:
             srow = -_columns(_mma(k, w, None), 0) * scale
-            mass_s = _norm(k.to(tl.float32), 1) * tl.load(stats + 3, mask=some, other=0.0)
         if CHECK_P:
             prow = -_columns(_mma(v, w, None), 3) * scale
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     vref = tl.zeros([BLOCK_N, W], tl.float32)
     kref = tl.zeros([BLOCK_N, W], tl.float32)
-    # the row sums' partials (_partial_sums), but where the registers are short: bf16 at 128
-    SUMS: tl.constexpr = 1 if HEAD_DIM > 64 and not SCALED else 8
-    first_column = tl.arange(0, SUMS)[None, :] == 0
+    first_column = tl.arange(0, 8)[None, :] == 0
     srow = tl.where(first_column, srow[:, None], 0.0)  # as _partial_sums accumulate
     prow = tl.where(first_column, prow[:, None], 0.0)
     dk, dv, vref, kref, srow, prow = _dkdv_tiles(
-        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, w_again, LSE, DELTA,
+        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA,
         ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, lo, diagonal, lo, first_pass, BLOCK_M, BLOCK_N,
         HEAD_DIM, True, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, TMA,
     )
     dk, dv, vref, kref, srow, prow = _dkdv_tiles(
-        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, w_again, LSE, DELTA,
+        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA,
         ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, diagonal, interior, lo, first_pass, BLOCK_M,
         BLOCK_N, HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, TMA,
     )
@@ -690,7 +694,13 @@ def _bwd_dkdv_kernel(
         state_p = tl.zeros([BLOCK_N], tl.int32)
         none = tl.full([BLOCK_N], -INF, tl.float32)
         flagged = N_Q < 0  # False, as a scalar
+        # the rows' norms for the masses, read again after the loop, which then holds neither
+        vn = tl.zeros([BLOCK_N], tl.float32)
+        if CHECK_P or CHECK_K:
+            vn = _row_norms(V, start, N_K, D, svn, BLOCK_N, HEAD_DIM)
         if CHECK_S:
+            kn = _row_norms(K, start, N_K, D, skn, BLOCK_N, HEAD_DIM)
+            mass_s = kn * tl.load(stats + 3, mask=some, other=0.0)
             ratio_s = tl.zeros([BLOCK_N], tl.float32)
             worst, ratio_s = _fold(tl.sum(srow, 1), 0.0, mass_s, tol, none, ratio_s, CALIBRATE)
             state_s = tl.where(n_ok, _kinds(worst, near_inf), 0)
