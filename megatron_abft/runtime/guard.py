@@ -85,10 +85,10 @@ def host_reads(config: ABFTConfig, device: torch.device) -> bool:
     """Whether a check on ``device`` may read a result on the host: always on CPU, where that
     costs nothing; elsewhere unless ``config.sync_free``, which by default (None) holds where
     the compiled kernels serve the device, as their checks settle faults on the device."""
-    if device.type == "cpu":
-        return not torch.compiler.is_compiling()  # traced: decided on the device, as on a GPU
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # traced: decided on the device, as on a GPU
         return False
+    if device.type == "cpu":
+        return True
     if config.sync_free is None:
         return not compiled._serves_device(device)
     return not config.sync_free
