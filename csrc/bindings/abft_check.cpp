@@ -5,7 +5,7 @@
 //
 // On the CPU a check's host time is mostly the code it runs through, not its arithmetic: some
 // thirty tensors and forty dispatches, with cold caches in a training step. So the CPU takes the
-// composite's kernels on one workspace of its thread (2-d operands, the common case): the same
+// composite's kernels on one workspace of its thread, a matrix of the batch at a time: the same
 // kernel calls on the same values, so the same sums bit for bit, with no tensor made but the
 // results. A matrix its screen flags, and every other input, goes to the composite, which
 // corrects it (and raises for bad input).
@@ -150,17 +150,27 @@ abft::ScreenSide side(void* sums, void* sizes, int64_t nb, int64_t n, const void
   return s;
 }
 
-// Whether the fused screen takes this check: 2-d operands the kernels read, on the CPU's own
-// kernels, references and C in one accumulation type, a block the kernels take, whole bounds.
+// Whether the fused screen takes this check: operands the kernels read, whose batches broadcast
+// to C's as the composite broadcasts them (the smaller operand no more dims than the larger), on
+// the CPU's own kernels, references and C in one accumulation type, a block the kernels take,
+// whole bounds.
 bool fused_screen_applies(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
                           const std::optional<at::Tensor>& bias, int64_t block,
                           at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds) {
   if (abft_binding::emulating_cuda() || !c.is_cpu() || !a.is_cpu() || !b.is_cpu()) return false;
-  if (c.dim() != 2 || a.dim() != 2 || b.dim() != 2 || c.numel() == 0 || a.numel() == 0 ||
-      b.numel() == 0) {
+  if (c.dim() < 2 || a.dim() < 2 || b.dim() < 2 || a.dim() > c.dim() || b.dim() > c.dim() ||
+      c.numel() == 0 || a.numel() == 0 || b.numel() == 0) {
     return false;
   }
-  if (a.size(0) != c.size(0) || b.size(1) != c.size(1) || a.size(1) != b.size(0)) return false;
+  if (a.size(-2) != c.size(-2) || b.size(-1) != c.size(-1) || a.size(-1) != b.size(-2)) {
+    return false;
+  }
+  for (const at::Tensor* t : {&a, &b}) {
+    const int64_t lead = c.dim() - t->dim();
+    for (int64_t d = 0; d + 2 < t->dim(); ++d) {
+      if (t->size(d) != 1 && t->size(d) != c.size(lead + d)) return false;
+    }
+  }
   if (!kernel_dtype(c.scalar_type()) || !kernel_dtype(a.scalar_type()) ||
       a.scalar_type() != b.scalar_type()) {
     return false;
@@ -172,17 +182,28 @@ bool fused_screen_applies(const at::Tensor& c, const at::Tensor& a, const at::Te
   }
   if (bias.has_value()) {
     const at::Tensor& v = *bias;
-    if (!v.is_cpu() || v.dim() != 1 || v.size(0) != c.size(1) || !kernel_dtype(v.scalar_type())) {
+    if (!v.is_cpu() || v.dim() != 1 || v.size(0) != c.size(-1) || !kernel_dtype(v.scalar_type())) {
       return false;
     }
   }
-  // the larger operand's pass reads its rows (operand_pass)
+  // encode_pair's choice of the larger operand, over whole tensors; it reads its rows
+  // (operand_pass)
   const bool x_big = a.numel() >= b.numel();
-  const abft::MatrixBatch big = x_big ? matrix(nullptr, abft::DType::F32, a.size(0), a.size(1),
-                                               a.stride(0), a.stride(1))
-                                      : matrix(nullptr, abft::DType::F32, b.size(1), b.size(0),
-                                               b.stride(1), b.stride(0));
+  if ((x_big ? b : a).dim() > (x_big ? a : b).dim()) return false;
+  const abft::MatrixBatch big =
+      x_big ? matrix(nullptr, abft::DType::F32, a.size(-2), a.size(-1), a.stride(-2), a.stride(-1))
+            : matrix(nullptr, abft::DType::F32, b.size(-1), b.size(-2), b.stride(-1),
+                     b.stride(-2));
   return !abft::column_major(big);
+}
+
+// A tensor's matrix at element `offset`, by its last two dims' sizes and strides (transposed:
+// rows and columns swapped).
+abft::MatrixBatch matrix_at(const at::Tensor& t, int64_t offset, bool transposed = false) {
+  const void* data = static_cast<const char*>(t.const_data_ptr()) + offset * t.element_size();
+  const int r = transposed ? -1 : -2, k = transposed ? -2 : -1;
+  return matrix(data, abft_binding::kernel_dtype(t), t.size(r), t.size(k), t.stride(r),
+                t.stride(k));
 }
 
 // check_gemm's screen on the CPU (fused_screen_applies): whether C passes it, every vector of
@@ -191,13 +212,13 @@ bool fused_screen_applies(const at::Tensor& c, const at::Tensor& a, const at::Te
 template <typename Acc>
 bool passes_fused_screen(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
                          double alpha, const std::optional<at::Tensor>& bias, int64_t block,
-                         at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds) {
-  const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
+                         at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                         const int64_t (&offsets)[3]) {
+  const int64_t m = c.size(-2), n = c.size(-1), k = a.size(-1);
   const abft::DType acc = std::is_same_v<Acc, double> ? abft::DType::F64 : abft::DType::F32;
-  const abft::DType dtype = abft_binding::kernel_dtype(a);
   // the operands as rows of length k: A [m, k], B^T [n, k]
-  const abft::MatrixBatch x = matrix(a.data_ptr(), dtype, m, k, a.stride(0), a.stride(1));
-  const abft::MatrixBatch y = matrix(b.data_ptr(), dtype, n, k, b.stride(1), b.stride(0));
+  const abft::MatrixBatch x = matrix_at(a, offsets[1]);
+  const abft::MatrixBatch y = matrix_at(b, offsets[2], true);
   const bool x_big = a.numel() >= b.numel();
   const abft::MatrixBatch& big = x_big ? x : y;
   const abft::MatrixBatch& small = x_big ? y : x;
@@ -244,8 +265,7 @@ bool passes_fused_screen(const at::Tensor& c, const at::Tensor& a, const at::Ten
   const Acc* by_row_size = x_big ? big_magnitudes : small_magnitudes;
 
   Acc *c_col = part[8], *c_col_size = part[9], *c_row = part[10], *c_row_size = part[11];
-  block_sums(matrix(c.data_ptr(), abft_binding::kernel_dtype(c), m, n, c.stride(0), c.stride(1)),
-             {c_col, c_col_size, block, c_row, c_row_size, block});
+  block_sums(matrix_at(c, offsets[0]), {c_col, c_col_size, block, c_row, c_row_size, block});
 
   abft::Screen screen{};
   screen.batch = 1;
@@ -304,17 +324,38 @@ bool passes_fused_screen(const at::Tensor& c, const at::Tensor& a, const at::Ten
   return flagged == 0;
 }
 
-// Whether the fused screen takes this check and C passes it.
+// Whether the fused screen takes this check and every matrix of C passes it, one matrix at a
+// time on the thread's workspace, the operands' broadcast matrices read where they are.
 bool passes_on_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
                    const std::optional<at::Tensor>& bias, int64_t block,
                    at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
                    int64_t capacity) {
   if (!fused_screen_applies(c, a, b, bias, block, col_bounds, row_bounds)) return false;
   abft_binding::check_correct_inputs(c, a, b, bias, capacity);
-  if (c.scalar_type() == at::kDouble) {
-    return passes_fused_screen<double>(c, a, b, alpha, bias, block, col_bounds, row_bounds);
+  const int64_t dims = c.dim() - 2;
+  std::vector<int64_t> index(dims, 0);
+  const int64_t count = c.numel() / (c.size(-2) * c.size(-1));
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t offsets[3] = {0, 0, 0};
+    for (int64_t d = 0; d < dims; ++d) {
+      offsets[0] += index[d] * c.stride(d);
+      int64_t o = 1;
+      for (const at::Tensor* t : {&a, &b}) {  // a batch dim of size 1 (or none) broadcasts
+        const int64_t td = d - (c.dim() - t->dim());
+        if (td >= 0 && t->size(td) != 1) offsets[o] += index[d] * t->stride(td);
+        ++o;
+      }
+    }
+    const bool passes =
+        c.scalar_type() == at::kDouble
+            ? passes_fused_screen<double>(c, a, b, alpha, bias, block, col_bounds, row_bounds,
+                                          offsets)
+            : passes_fused_screen<float>(c, a, b, alpha, bias, block, col_bounds, row_bounds,
+                                         offsets);
+    if (!passes) return false;
+    for (int64_t d = dims - 1; d >= 0 && ++index[d] == c.size(d); --d) index[d] = 0;
   }
-  return passes_fused_screen<float>(c, a, b, alpha, bias, block, col_bounds, row_bounds);
+  return true;
 }
 
 Five check_gemm_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,

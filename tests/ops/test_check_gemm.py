@@ -1,7 +1,8 @@
 """check_gemm on the CPU (csrc/bindings/abft_check.cpp) against its composite, the ops it is made
 of (encode_pair, add_bias, verify_correct), which torch.compile traces and every other device
 runs: the same results and the same output, bit for bit, for clean and faulty GEMMs of every
-layout; the CPU's fused screen takes 2-d operands, every other input goes to the composite."""
+layout; the CPU's fused screen takes matrices and batches of them that broadcast as the composite
+broadcasts them, every other input goes to the composite."""
 
 import re
 
@@ -18,11 +19,13 @@ from megatron_abft.check.tolerance import gemm_rounding
 
 
 def _operands(dtype, batch, m, k, n, bias, seed, layout):
-    """alpha = -0.5 and a @ b (+ bias) rounded once to ``dtype``; b a transposed weight, or
-    stored row by row, a column-major (``layout``)."""
+    """alpha = -0.5 and a @ b (+ bias) rounded once to ``dtype``, ``batch`` a's and b's batch
+    shapes (or one for a, b a matrix); b a transposed weight, or stored row by row, a
+    column-major (``layout``)."""
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(*batch, m, k, generator=g).to(dtype)
-    b = torch.randn(k, n, generator=g).to(dtype)
+    a_batch, b_batch = batch if batch and isinstance(batch[0], tuple) else (batch, ())
+    a = torch.randn(*a_batch, m, k, generator=g).to(dtype)
+    b = torch.randn(*b_batch, k, n, generator=g).to(dtype)
     if layout in ("weight", "both"):
         b = b.mT.contiguous().mT
     if layout in ("column-major a", "both"):
@@ -58,7 +61,9 @@ def _both(c, arguments, tally: bool):
 @PROPERTY
 @given(
     dtype=st.sampled_from(DTYPES),
-    batch=st.sampled_from([(), (), (2,)]),
+    batch=st.sampled_from(
+        [(), (), (2,), ((2,), (2,)), ((), (2,)), ((2, 3), (2, 1)), ((2, 1), (1, 3)), ((3,), (2, 1))]
+    ),
     m=st.integers(2, 90),
     k=st.integers(1, 40),
     n=st.integers(2, 90),
@@ -117,16 +122,15 @@ def _ops_run(call) -> set[str]:
 
 
 @needs_ext
-def test_a_clean_2d_check_runs_no_op_but_its_own_on_the_cpu():
-    """The CPU's fused screen settles a clean check of 2-d operands alone; a flagged one, or a
-    batched one, goes through the composite's ops."""
-    a, b, bias, clean = _operands(torch.float32, (), 64, 32, 48, True, 1, "weight")
+@pytest.mark.parametrize("batch", [(), ((2, 3), (2, 1))], ids=["matrix", "broadcast batch"])
+def test_a_clean_check_runs_no_op_but_its_own_on_the_cpu(batch):
+    """The CPU's fused screen settles a clean check alone, of a matrix or of a batch whose
+    operands broadcast (as the attention's, K and V shared by a KV group's heads); a flagged
+    one goes through the composite's ops."""
+    a, b, bias, clean = _operands(torch.float32, batch, 64, 32, 48, True, 1, "weight")
     arguments = _arguments(clean, a, b, bias, 16)
     op = torch.ops.megatron_abft.check_gemm.default
     assert _ops_run(lambda: op(clean.clone(), *arguments)) == {"megatron_abft::check_gemm"}
     faulty = clean.clone()
-    faulty[3, 5] = float("inf")
+    faulty[..., 3, 5] = float("inf")
     assert "megatron_abft::verify_correct" in _ops_run(lambda: op(faulty, *arguments))
-    a, b, bias, clean = _operands(torch.float32, (2,), 64, 32, 48, True, 1, "weight")
-    arguments = _arguments(clean, a, b, bias, 16)
-    assert "megatron_abft::verify_correct" in _ops_run(lambda: op(clean.clone(), *arguments))
