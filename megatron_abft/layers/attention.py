@@ -25,7 +25,7 @@ from torch import Tensor
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import fused_softmax
-from megatron_abft.runtime.guard import SectionGuard
+from megatron_abft.runtime.guard import SectionGuard, checks_apart
 from megatron_abft.runtime.model_runtime import runtime_of
 
 
@@ -220,11 +220,13 @@ class ProtectedDotProductAttention(DotProductAttention):
         self, scores: Tensor, v5: Tensor, mask: Tensor | None
     ) -> fused_softmax.SoftmaxReader:
         """The softmax as the reader of the scores (megatron_abft.ops.fused_softmax), with P's
-        pass for the context's references where the context is due and P reaches its GEMM as
-        the softmax wrote it (no dropout, no fault to land in P)."""
+        pass for the context's references where the context is due, P reaches its GEMM as the
+        softmax wrote it (no dropout, no fault to land in P), and the context is not checked
+        apart (guard.checks_apart)."""
         dropout = self.training and self.attention_dropout.p > 0
+        apart = checks_apart(self.abft_config, v5.device)
         values = None
-        if self.context_guard.due and not dropout and not self._probs_faults():
+        if self.context_guard.due and not dropout and not self._probs_faults() and not apart:
             values = v5
         return fused_softmax.SoftmaxReader.of(
             self.scale_mask_softmax, scores, mask, self.softmax_offset, values, self.abft_config

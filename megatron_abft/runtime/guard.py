@@ -94,6 +94,15 @@ def host_reads(config: ABFTConfig, device: torch.device) -> bool:
     return not config.sync_free
 
 
+def checks_apart(config: ABFTConfig, device: torch.device) -> bool:
+    """Whether a GEMM's output that a kernel reads (kernel 3 reading the scores) is checked by
+    its own check rather than by the reader's screen: on the CPU, where the host reads results.
+    There check_gemm's one call reads the output again on the thread's workspace, which costs
+    less host work than the screen and the references it takes; so too the context's check
+    against P's pass (docs/benchmarks.md, "Training-step overhead (CPU)")."""
+    return device.type == "cpu" and host_reads(config, device)
+
+
 def recompute_in_place_possible(t: Tensor) -> bool:
     """Whether a GEMM on ``t``'s device can be recomputed on demand without a host sync (not
     where torch.compile traces it: the recompute would be decided on the host)."""
@@ -215,13 +224,16 @@ class SectionGuard:
         references). Where the reader's kernel reads it, the check is the kernel's screen: where
         the host may be read, a flagged output is verified and corrected here and read again
         without the kernel; where it may not, the kernel corrects and tallies the flagged
-        matrices itself. Elsewhere the output is checked here (``check``) and read without the
-        kernel."""
+        matrices itself. On the CPU (``checks_apart``) the output is checked here and then read
+        by the kernel without a screen. Elsewhere the output is checked here (``check``) and
+        read without the kernel."""
         self.land_faults(output, {self.section: lambda t: t})
         due = self.due
         if not reader.fuses(due):
             return reader.plain(self.check(output, operands, recompute=recompute, masked=masked))
-        if not due:
+        if not due or checks_apart(self.config, output.device):
+            if due:
+                output = self.check(output, operands, recompute=recompute, masked=masked)
             value, _, extra = reader.read(output, NO_SCREEN)
             return value, extra
         sides = self.screen_sides(output, operands)

@@ -1,8 +1,10 @@
 """SectionGuard.check_read with kernel 3 as the reader of the scores (ops.fused_softmax's
 SoftmaxReader): the same P as Megatron's softmax of the clean scores, and the same counts, on
-each route the guard takes: Megatron's softmax of S checked first, kernel 3's screen with the
-host reading its flags (the CPU's), and kernel 3 correcting and tallying the flagged matrices
-itself (a GPU's sync-free check, taken here on the CPU by patching host_reads)."""
+each route the guard takes: Megatron's softmax of S checked first; S checked apart, then read by
+kernel 3 without a screen (the CPU's); kernel 3's screen with the host reading its flags (a
+GPU's check that reads the host, taken here on the CPU by patching checks_apart); and kernel 3
+correcting and tallying the flagged matrices itself (a GPU's sync-free check, taken here on the
+CPU by patching host_reads)."""
 
 import pytest
 import torch
@@ -48,6 +50,8 @@ def read(scores, operands, v, config, route, monkeypatch, with_pass=True):
     """The guard's read of ``scores`` by kernel 3 (or Megatron's softmax where ``route`` is
     "megatron"): P [b, np, sq, sk], the context's references, the guard."""
     monkeypatch.setattr(guard_module, "host_reads", lambda *_: route != "sync-free")
+    if route == "host":
+        monkeypatch.setattr(guard_module, "checks_apart", lambda *_: False)
     if route == "megatron":
         config.fused_softmax = False
     guard = SectionGuard("scores", config, 0)
@@ -64,7 +68,7 @@ def megatron_probs(scores):
     return megatron_module()(scores.view(b, groups * rep, sq, sk).clone(), MASK, None)
 
 
-ROUTES = ["megatron", "host", "sync-free"]
+ROUTES = ["megatron", "apart", "host", "sync-free"]
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -113,4 +117,24 @@ def test_kernel3_reads_only_with_work_to_do(monkeypatch):
     config = ABFTConfig(sections=("qkv",))
     probs, refs, guard = read(scores, operands, v, config, "host", monkeypatch, with_pass=False)
     assert refs is None and guard.ledger is None
+    torch.testing.assert_close(probs, megatron_probs(scores))
+
+
+def test_on_the_cpu_the_scores_are_checked_apart_in_one_call():
+    """The CPU's route, unpatched: after a signature's first check (the reference's), S is
+    checked by check_gemm's one call and kernel 3 reads it without a screen, so nothing encodes
+    the screen's references."""
+    operands, v, scores = attention_case()
+    guard, module = SectionGuard("scores", ABFTConfig(), 0), megatron_module()
+
+    def check():
+        reader = fused_softmax.SoftmaxReader.of(module, scores, MASK, None, None, ABFTConfig())
+        return guard.check_read(scores, operands, reader, recompute=lambda: scores)
+
+    check()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        probs, refs = check()
+    ran = {e.name for e in prof.events() if e.name.startswith("megatron_abft::")}
+    assert {"megatron_abft::check_gemm", "megatron_abft::softmax_check"} <= ran
+    assert "megatron_abft::encode_pair" not in ran and refs is None
     torch.testing.assert_close(probs, megatron_probs(scores))
