@@ -556,9 +556,10 @@ def run(rank: int, args) -> dict | None:
 
 def implementation(args) -> str:
     """How the checks ran, as megatron_abft.tuning.scaling names it: ``flash``; ``fused`` where
-    kernel 3 reads S once for the softmax and both attention checks (on a CPU and on CUDA, where a
-    sync-free check of the scores corrects in the softmax's op); else ``kernels`` or
-    ``torch``."""
+    kernel 3 computes the softmax (on CUDA both attention checks ride on it, and a sync-free
+    check of the scores corrects in the softmax's op; on a CPU the checks run apart,
+    guard.checks_apart, which the model's ``fused`` does not describe: it prices the screen and
+    P's pass); else ``kernels`` or ``torch``."""
     if args.attention == "flash":
         return "flash"
     if not compiled.available():

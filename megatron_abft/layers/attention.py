@@ -25,7 +25,8 @@ from torch import Tensor
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import fused_softmax
-from megatron_abft.runtime.guard import SectionGuard, checks_apart
+from megatron_abft.runtime import guard
+from megatron_abft.runtime.guard import SectionGuard
 from megatron_abft.runtime.model_runtime import runtime_of
 
 
@@ -224,7 +225,7 @@ class ProtectedDotProductAttention(DotProductAttention):
         softmax wrote it (no dropout, no fault to land in P), and the context is not checked
         apart (guard.checks_apart)."""
         dropout = self.training and self.attention_dropout.p > 0
-        apart = checks_apart(self.abft_config, v5.device)
+        apart = guard.checks_apart(self.abft_config, v5.device)
         values = None
         if self.context_guard.due and not dropout and not self._probs_faults() and not apart:
             values = v5

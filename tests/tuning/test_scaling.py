@@ -350,15 +350,19 @@ def _kernel3_swap_worker():
     return swap, calls, any({"_softmax_reader", "forward"} & set(vars(core)) for core in cores)
 
 
-def _time_checks_worker(fused: bool):
+def _time_checks_worker(route: str):
     from mcore import Shape, batch, build_gpt
 
     from megatron_abft import set_step
     from megatron_abft.config import ABFTConfig
+    from megatron_abft.runtime import guard
     from megatron_abft.spec import get_gpt_layer_abft_spec
     from tools.bench_overhead import Timer, per_check, time_checks
 
-    model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(fused_softmax=fused)))
+    if route == "screen":  # kernel 3's screen and P's pass, as on a GPU
+        guard.checks_apart = lambda *_: False
+    config = ABFTConfig(fused_softmax=route != "megatron")
+    model = build_gpt(Shape(), get_gpt_layer_abft_spec(config))
     tokens, positions, mask, labels = batch(Shape(), 0)
     spans = {s: [] for s in FORWARD_SECTIONS}
     timing = {"on": False, "step": 0}
@@ -373,23 +377,24 @@ def _time_checks_worker(fused: bool):
     return counts, spans, {s: per_check(v, Timer(False), layers) for s, v in spans.items()}
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_the_benchmark_times_every_piece_of_a_check(fused):
+@pytest.mark.parametrize("route", ["megatron", "apart", "screen"])
+def test_the_benchmark_times_every_piece_of_a_check(route):
     """Spawns 1 rank. While timing is on, each due check's pieces are timed under its section,
-    a layer each: the guards' checks and, with kernel 3, what runs outside them, the scores'
-    references (screen_sides) and the context's from P's pass (pair_vectors, encode_from_pass);
-    nothing while it is off. A check's time is its pieces summed a step, shared over the
-    layers, the median over the steps."""
+    a layer each: the guards' checks and, with kernel 3's screen (as on a GPU), what runs
+    outside them, the scores' references (screen_sides) and the context's from P's pass
+    (pair_vectors, encode_from_pass); nothing while it is off. On the CPU, with kernel 3 as
+    the softmax, the checks are apart (guard.checks_apart): one piece each. A check's time is
+    its pieces summed a step, shared over the layers, the median over the steps."""
     from megatron_abft.ops import compiled
 
-    if fused and not compiled.available():
+    if route != "megatron" and not compiled.available():
         pytest.skip("kernel 3 needs the compiled kernels")
-    (found,) = spawn(1, 1, _time_checks_worker, fused)
+    (found,) = spawn(1, 1, _time_checks_worker, route)
     if isinstance(found, Exception):
         raise found
     counts, spans, seconds = found
     layers = Shape().layers
-    pieces = {"qkv": 1, "scores": 1, "context": 3 if fused else 1, "proj": 1}
+    pieces = {"qkv": 1, "scores": 1, "context": 3 if route == "screen" else 1, "proj": 1}
     assert counts == [
         dict.fromkeys(FORWARD_SECTIONS, 0),
         {s: layers * n for s, n in pieces.items()},
