@@ -33,6 +33,7 @@ from megatron_abft.check.checksum import encode
 from megatron_abft.check.sides import NO_SCREEN
 from megatron_abft.config import DTYPES, FORWARD_SECTIONS, SECTIONS, ABFTConfig
 from megatron_abft.ops import compiled, fused_softmax
+from megatron_abft.runtime.guard import checks_apart
 from megatron_abft.tuning.scaling import ADAM_BYTES_PER_PARAMETER
 
 
@@ -556,15 +557,18 @@ def run(rank: int, args) -> dict | None:
 
 def implementation(args) -> str:
     """How the checks ran, as megatron_abft.tuning.scaling names it: ``flash``; ``fused`` where
-    kernel 3 computes the softmax (on CUDA both attention checks ride on it, and a sync-free
-    check of the scores corrects in the softmax's op; on a CPU the checks run apart,
-    guard.checks_apart, which the model's ``fused`` does not describe: it prices the screen and
-    P's pass); else ``kernels`` or ``torch``."""
+    kernel 3 computes the softmax and both attention checks ride on it (on CUDA, where a
+    sync-free check of the scores corrects in the softmax's op); ``apart`` where kernel 3
+    computes the softmax and the checks run apart (a CPU's, guard.checks_apart); else
+    ``kernels`` or ``torch``."""
     if args.attention == "flash":
         return "flash"
     if not compiled.available():
         return "torch"
-    return "fused" if args.fused_softmax else "kernels"
+    if not args.fused_softmax:
+        return "kernels"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return "apart" if checks_apart(ABFTConfig(), device) else "fused"
 
 
 def time_checks(model, timer: Timer, spans: dict[str, list], timing: dict) -> None:

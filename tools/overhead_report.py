@@ -39,6 +39,7 @@ from megatron_abft.tuning.scaling import (
     DeviceProfile,
     ModelShape,
     Work,
+    checks_of,
     flash_protection,
     flash_shared,
     forward_backward_time,
@@ -128,8 +129,8 @@ def roofline(result: dict) -> DeviceProfile:
         check_bandwidth=m.get("check_bandwidth"),  # the kernels reading the scores from memory
         check_dot=m.get("check_dot") or 0.0,  # their dot products' own cost (CPU runs)
         # a check's ops and a bias's in its code: the run's own count where it made one
-        check_ops={**code_ops, **({impl: m["check_ops"]} if "check_ops" in m else {})},
-        bias_ops={**code_bias, **({impl: m["bias_ops"]} if "bias_ops" in m else {})},
+        check_ops={**code_ops, **({checks_of(impl): m["check_ops"]} if "check_ops" in m else {})},
+        bias_ops={**code_bias, **({checks_of(impl): m["bias_ops"]} if "bias_ops" in m else {})},
         softmax=m.get("softmax"),  # both softmaxes and kernel 3's checks, timed on the machine
         # the flash kernels' CUDA-core and exp2 rates: not micro-benchmarked, the datasheet's
         **(datasheet_flash_rates(result["device"]) if impl == "flash" else {}),
@@ -200,8 +201,9 @@ def validation_rows(paths: list[Path]) -> list[dict]:
         # the checks' own time, one layer: measured inside the training step, far less noisy
         # on the flash path the projections' checks are the kernels' checks of a linear layer
         linear = "kernels" if impl == "flash" else impl
+        checks = checks_of(linear)
         work = protection_forward(
-            shape, linear, device.ops_per_check(linear), device.ops_per_bias(linear)
+            shape, linear, device.ops_per_check(checks), device.ops_per_bias(checks)
         )
         for section, seconds in result.get("check_seconds", {}).items():
             p = device.check_time(work[section], shape.dtype)
@@ -620,18 +622,21 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "`flops / matmul rate + bytes / bandwidth + ops x op latency`, and for the checks on",
             "a CPU their kernels' dot products (a row of an operand against one checksum vector)",
             "at a fixed cost each beyond the multiply-adds (`check_dot`; for an operand head_dim",
-            "wide, as Q, K and V are, most of their products' time). Three implementations",
+            "wide, as Q, K and V are, most of their products' time). Four implementations",
             "are modelled: `torch`, the PyTorch path (every fp32 copy, abs and reduction",
             "counted); `kernels`, the code as it runs with the compiled kernels (a clean check is",
             "one of their ops, `check_gemm`: `encode_pair` reads the larger operand once and the",
             "smaller twice, `verify_correct` reads C once for both sides and corrects a flagged",
             f"matrix on the device; on a CPU {CHECK_OPS['kernels']} tensor ops per clean check",
             f"and {BIAS_OPS['kernels']} more for a bias, whose terms `add_bias` adds in the same",
-            "op, figures a test keeps equal to the code's); and `fused`, kernel 3 (the softmax,",
+            "op, figures a test keeps equal to the code's); `fused`, kernel 3 (the softmax,",
             "which reads S",
-            "and writes P anyway, verifies S and sums P, so those two reads go; the code on a",
-            "CPU and on CUDA, where a sync-free check corrects a flagged S, redoes its P and",
-            "tallies in one more launch, `softmax_correct_tally`).",
+            "and writes P anyway, verifies S and sums P, so those two reads go; the code on",
+            "CUDA, where a sync-free check corrects a flagged S, redoes its P and",
+            "tallies in one more launch, `softmax_correct_tally`, and on a CPU until commit",
+            "a83ccd3); and `apart`, the code on a CPU since: every GEMM checked as by `kernels`,",
+            "kernel 3 as the softmax, without a screen or a pass, on the steps that check the",
+            "scores.",
             "Kernel 3 also replaces Megatron's softmax, forward and backward, on the steps that",
             "check the scores or the context. Where the benchmark timed both softmaxes and what",
             "kernel 3's screen of S and pass over P add (`softmax` in its JSON, runs 18 on), the",

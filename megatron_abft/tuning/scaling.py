@@ -4,7 +4,7 @@ For a model shape it counts, per layer and tensor-parallel rank, the baseline wo
 step (FLOPs of every GEMM, bytes of the memory-bound ops, number of tensor ops) and the extra
 work of each protected section, then turns work into time with a device profile
 (``time = flops / matmul rate + bytes / bandwidth + ops * launch latency``, each term a roofline
-limit of its own). Four implementations of the checks are modelled (IMPLEMENTATIONS), three of
+limit of its own). Five implementations of the checks are modelled (IMPLEMENTATIONS), four of
 the unfused attention (S and P materialised; UNFUSED) and the flash attention:
 
 - ``torch``: the PyTorch path of megatron_abft.check.eec and .checksum, pass by pass: every
@@ -15,13 +15,16 @@ the unfused attention (S and P materialised; UNFUSED) and the flash attention:
   the differences, thresholds and flags; a clean matrix needs nothing more);
 - ``fused``: kernel 3 (megatron_abft.ops.fused_softmax): the softmax, which reads S and writes P
   anyway, also verifies S and emits P's sums, so the scores' verify pass and the context's read
-  of P go. The code on a CPU, and on CUDA: there a sync-free check of the scores takes
+  of P go. The code on CUDA: there a sync-free check of the scores takes
   softmax_correct_tally, the softmax's one kernel (where a band's column sums fit in a thread
   block) screening S, then one thread block that corrects a flagged matrix, redoes its P and P's
   pass from the corrected S and tallies, with no host read.
   Kernel 3 also replaces Megatron's softmax, forward and backward: where a device profile has
   timed both softmaxes and kernel 3's checks (SOFTMAX_PARTS, on the CPU), the difference is
   part of the cost; elsewhere both run at the bandwidth and the checks in the pass are free.
+- ``apart``: the code on a CPU, where the host reads results (guard.checks_apart): every GEMM
+  checked as by ``kernels``, and kernel 3 in place of Megatron's softmax, without a screen or
+  a pass, on the steps that check the scores.
 - ``flash``: the protected flash attention (megatron_abft.flash), for GPUs only. Its baseline is
   the same Triton kernels with the checks compiled out, in place of the unfused attention's
   scores, softmax and context (flash_baseline): tile GEMMs on the tensor cores, the softmax's
@@ -59,11 +62,11 @@ from megatron_abft.flash.checksums import WIDTH
 from megatron_abft.flash.launch import GPU_DTYPES, blocks, padded_head_dim
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-UNFUSED = ("torch", "kernels", "fused")
+UNFUSED = ("torch", "kernels", "apart", "fused")
 """How the unfused attention's checks run: the PyTorch path; today's code with the compiled
 kernels (one read of C for both sides with the comparisons, one of the larger operand and two of
-the smaller); and the fused path (the softmax pass verifies S and sums P, so those two reads
-go)."""
+the smaller); the same checks with kernel 3 as the softmax (a CPU's); and the fused path (the
+softmax pass verifies S and sums P, so those two reads go)."""
 IMPLEMENTATIONS = (*UNFUSED, "flash")
 """UNFUSED, and the flash attention's checks inside its kernels (qkv and proj as ``kernels``)."""
 CHECK_OPS = {"torch": 124, "kernels": 3, "fused": 4}
@@ -648,6 +651,11 @@ def _checked_gemms(shape: ModelShape) -> dict[str, _Checked]:
     }
 
 
+def checks_of(impl: str) -> str:
+    """The implementation whose checks ``impl``'s GEMMs take: ``apart``'s are ``kernels``'."""
+    return "kernels" if impl == "apart" else impl
+
+
 def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str) -> Work:
     """Work of one side's checks: A's block sums, the checksum products with B, and (torch path)
     C's sums on this side; the kernels read C once for both sides (protection_forward)."""
@@ -687,6 +695,7 @@ def protection_forward(
         raise ValueError(
             f"impl {impl!r}; choose from {', '.join(UNFUSED)} (the flash path: flash_protection)"
         )
+    impl = checks_of(impl)
     e, block = BYTES[shape.dtype], shape.block
     out = {}
     for section, g in _checked_gemms(shape).items():
@@ -910,20 +919,24 @@ def predict(
     intervals = intervals or {}
     if impl == "flash":
         return _predict_flash(shape, device, sections, intervals)
+    checks = checks_of(impl)
     extra = {
         s: device.check_time(w, shape.dtype) * shape.layers
         for s, w in protection_forward(
-            shape, impl, device.ops_per_check(impl), device.ops_per_bias(impl)
+            shape, impl, device.ops_per_check(checks), device.ops_per_bias(checks)
         ).items()
     }
     # kernel 3 replaces Megatron's softmax on the steps that check the scores or the context
+    # (apart: the scores, as P's pass is not made)
     swap = dict.fromkeys(("forward", "backward"), 0.0)
+    swapping = ("scores",) if impl == "apart" else FUSED_SECTIONS
     if impl == "fused":
         extra["scores"] += softmax_seconds(shape, device, "screen") * shape.layers
         extra["context"] += softmax_seconds(shape, device, "pass") * shape.layers
+    if impl in ("fused", "apart"):
         for way in swap:
             swap[way] = softmax_seconds(shape, device, f"kernel3_{way}") * shape.layers
-    fused_share = _share_of_steps([intervals.get(s, 1) for s in sections if s in FUSED_SECTIONS])
+    fused_share = _share_of_steps([intervals.get(s, 1) for s in sections if s in swapping])
     base = step_time(shape, device)
     forward = baseline_forward(shape)
     attention = device.time(sum((forward[p] for p in ATTENTION_PARTS), Work()), shape.dtype)
@@ -936,7 +949,7 @@ def predict(
         shape=shape,
         device=device.name,
         impl=impl,
-        sections={s: (extra[s] + swapped * (s in FUSED_SECTIONS)) / base for s in FORWARD_SECTIONS},
+        sections={s: (extra[s] + swapped * (s in swapping)) / base for s in FORWARD_SECTIONS},
         attention=(sum(extra[s] for s in sections) + attention_swap) / shape.layers / attention,
         step=checked / base,
         step_seconds=base,

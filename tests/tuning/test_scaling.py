@@ -274,6 +274,37 @@ def test_a_timed_softmax_prices_the_baseline_and_what_kernel_3_changes():
     assert predict(shape, checks, "kernels").sections == predict(shape, plain, "kernels").sections
 
 
+def test_the_cpus_checks_apart_are_the_kernels_checks_with_kernel_3_on_scores_steps():
+    """``apart`` (a CPU's route, guard.checks_apart): every GEMM checked as by ``kernels``, no
+    screen or pass priced, and kernel 3's difference to Megatron's softmax on the steps that
+    check the scores, which alone run it."""
+    shape = ModelShape("m", 4, 512, 8, 2048, 1024, seq=512, dtype="fp32")
+    elements = 8 * 512**2
+    timed = _timed_softmax()
+    device = replace(
+        timed,
+        softmax={
+            **timed.softmax,
+            "kernel3_forward": -2e-9,
+            "kernel3_backward": -3e-9,
+            "screen": 1e-9,
+            "pass": 2e-9,
+        },
+    )
+    kernels, apart = predict(shape, device, "kernels"), predict(shape, device, "apart")
+    swap = 4 * elements * (-2e-9 - 3e-9) / step_time(shape, device)
+    for s in FORWARD_SECTIONS:
+        assert apart.sections[s] == pytest.approx(kernels.sections[s] + swap * (s == "scores"))
+    assert apart.step == pytest.approx(kernels.step + swap)
+    assert protection_forward(shape, "apart") == protection_forward(shape, "kernels")
+    # the context alone runs Megatron's softmax; the scores every 2 steps, kernel 3 on half
+    alone = predict(shape, device, "apart", sections=("context",))
+    assert alone.step == pytest.approx(kernels.sections["context"])
+    sparse = predict(shape, device, "apart", intervals={"scores": 2})
+    others = sum(kernels.sections[s] for s in ("qkv", "context", "proj"))
+    assert sparse.step == pytest.approx(others + kernels.sections["scores"] / 2 + swap / 2)
+
+
 @pytest.mark.parametrize("intervals", [[], [1], [2, 3], [4, 6], [3, 3], [5, 7, 2]])
 def test_the_share_of_steps_that_run_kernel_3_counts_the_steps(intervals):
     period = math.lcm(*intervals) if intervals else 1
