@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -324,38 +325,46 @@ bool passes_fused_screen(const at::Tensor& c, const at::Tensor& a, const at::Ten
   return flagged == 0;
 }
 
-// Whether the fused screen takes this check and every matrix of C passes it, one matrix at a
-// time on the thread's workspace, the operands' broadcast matrices read where they are.
+// Whether the fused screen takes this check and every matrix of C passes it, each on the
+// workspace of the thread that screens it, the operands' broadcast matrices read where they are.
+// Matrices run in parallel where each chunk holds at least kParallelElements of C (a matrix's
+// own passes run in parallel inside it where it is alone).
+constexpr int64_t kParallelElements = int64_t(1) << 15;
+
 bool passes_on_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
                    const std::optional<at::Tensor>& bias, int64_t block,
                    at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
                    int64_t capacity) {
   if (!fused_screen_applies(c, a, b, bias, block, col_bounds, row_bounds)) return false;
   abft_binding::check_correct_inputs(c, a, b, bias, capacity);
-  const int64_t dims = c.dim() - 2;
-  std::vector<int64_t> index(dims, 0);
-  const int64_t count = c.numel() / (c.size(-2) * c.size(-1));
-  for (int64_t i = 0; i < count; ++i) {
-    int64_t offsets[3] = {0, 0, 0};
-    for (int64_t d = 0; d < dims; ++d) {
-      offsets[0] += index[d] * c.stride(d);
-      int64_t o = 1;
-      for (const at::Tensor* t : {&a, &b}) {  // a batch dim of size 1 (or none) broadcasts
-        const int64_t td = d - (c.dim() - t->dim());
-        if (td >= 0 && t->size(td) != 1) offsets[o] += index[d] * t->stride(td);
-        ++o;
+  const int64_t dims = c.dim() - 2, elements = c.size(-2) * c.size(-1);
+  const int64_t count = c.numel() / elements;
+  std::atomic<bool> clean{true};
+  const int64_t grain = std::max<int64_t>(1, kParallelElements / elements);
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end && clean.load(std::memory_order_relaxed); ++i) {
+      int64_t offsets[3] = {0, 0, 0};
+      for (int64_t d = dims - 1, rest = i; d >= 0; --d) {  // matrix i's index in C's batch
+        const int64_t position = rest % c.size(d);
+        rest /= c.size(d);
+        offsets[0] += position * c.stride(d);
+        int64_t o = 1;
+        for (const at::Tensor* t : {&a, &b}) {  // a batch dim of size 1 (or none) broadcasts
+          const int64_t td = d - (c.dim() - t->dim());
+          if (td >= 0 && t->size(td) != 1) offsets[o] += position * t->stride(td);
+          ++o;
+        }
       }
+      const bool passes =
+          c.scalar_type() == at::kDouble
+              ? passes_fused_screen<double>(c, a, b, alpha, bias, block, col_bounds,
+                                            row_bounds, offsets)
+              : passes_fused_screen<float>(c, a, b, alpha, bias, block, col_bounds, row_bounds,
+                                           offsets);
+      if (!passes) clean.store(false, std::memory_order_relaxed);
     }
-    const bool passes =
-        c.scalar_type() == at::kDouble
-            ? passes_fused_screen<double>(c, a, b, alpha, bias, block, col_bounds, row_bounds,
-                                          offsets)
-            : passes_fused_screen<float>(c, a, b, alpha, bias, block, col_bounds, row_bounds,
-                                         offsets);
-    if (!passes) return false;
-    for (int64_t d = dims - 1; d >= 0 && ++index[d] == c.size(d); --d) index[d] = 0;
-  }
-  return true;
+  });
+  return clean.load();
 }
 
 Five check_gemm_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,

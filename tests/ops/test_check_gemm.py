@@ -134,3 +134,21 @@ def test_a_clean_check_runs_no_op_but_its_own_on_the_cpu(batch):
     faulty = clean.clone()
     faulty[..., 3, 5] = float("inf")
     assert "megatron_abft::verify_correct" in _ops_run(lambda: op(faulty, *arguments))
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["none", "inf", "value"])
+def test_a_batch_screened_on_several_threads_equals_its_composite(kind):
+    """Matrices large enough that the fused screen takes them on parallel threads (V shared by
+    the batch, as a KV group's): the same results and output as the composite, bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b, bias, c = _operands(torch.float32, ((4,), (1,)), 200, 64, 180, False, 5, "contiguous")
+        c = corrupted(c, kind, "0d", "contiguous", 5)
+        (found, out, _), (want, want_out, _) = _both(c, _arguments(c, a, b, bias, 64), False)
+    finally:
+        torch.set_num_threads(threads)
+    for got, expected in zip(found, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(bits(out), bits(want_out))
