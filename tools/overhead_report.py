@@ -558,7 +558,7 @@ def summary(rows: list[dict]) -> list[str]:
     # without kernel 3, whose softmax changes the step besides its checks
     pairs, last_step = [], None  # each such run's step overhead with its checks' own time
     for r in rows:
-        if "(fused)" in r["config"]:
+        if "(fused)" in r["config"] or "(apart)" in r["config"]:
             continue
         if r["what"] == "step, all":
             last_step = r["measured"]
