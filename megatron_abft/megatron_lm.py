@@ -2,9 +2,11 @@
 Megatron-LM's own ``pretrain_gpt.py`` builds from them.
 
 ``add_abft_args(parser)`` is an ``extra_args_provider`` in Megatron-LM's style (kebab-case flags in
-their own argument group); ``pretrain/pretrain_gpt.py`` uses the same flags. From the parsed
-arguments, ``abft_config_from_args`` builds the ``ABFTConfig`` and ``FaultPlan.from_args`` the
-faults to inject, step by step. For Megatron-LM::
+their own argument group); ``pretrain/pretrain_gpt.py`` uses the same flags. Those of
+``ABFTConfig``'s fields are made from the fields, their help the fields' docstrings
+(``CONFIG_FLAGS``); the others describe the launch: the attention, faults to inject, the
+check-frequency optimizer. From the parsed arguments, ``abft_config_from_args`` builds the
+``ABFTConfig`` and ``FaultPlan.from_args`` the faults to inject, step by step. For Megatron-LM::
 
     --spec megatron_abft.spec get_gpt_layer_abft_spec
 
@@ -17,15 +19,23 @@ Megatron.
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
+import itertools
 import json
 import math
 import os
 import random
 import sys
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import textwrap
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from megatron_abft.check.eec import KINDS
 from megatron_abft.config import (
@@ -196,6 +206,104 @@ def _positive_float(text: str) -> float:
     return value
 
 
+AS_CONFIG = object()
+"""ConfigFlag.default: the config's own default."""
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """How the command line spells one ABFTConfig field. Its help is the field's docstring
+    (``field_docstrings``), then ``note``; a bool field is a switch with a ``--no-`` form, and
+    a field the type or choices do not describe takes a string."""
+
+    type: Callable[[str], Any] | None = None
+    """Parses and checks the value, naming what is wrong (argparse.ArgumentTypeError)."""
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    default: Any = AS_CONFIG
+    """The command line's default, where it is not the config's."""
+    note: str = ""
+    """What the command line adds to the docstring: its own default, what it means there."""
+
+
+CONFIG_FLAGS: dict[str, ConfigFlag] = {
+    "enabled": ConfigFlag(
+        default=False,
+        note="On the command line off by default: without --abft and without faults to inject "
+        "the model is built from Megatron's own local layers.",
+    ),
+    "sections": ConfigFlag(_sections, "LIST"),
+    "check_interval": ConfigFlag(parse_check_interval, "N|SECTION=N,..."),
+    "block_size": ConfigFlag(_block_size, "N"),
+    "threshold_scale": ConfigFlag(_positive_float, "SCALE"),
+    "near_inf": ConfigFlag(_positive_float, "MAGNITUDE"),
+    "sync_free": ConfigFlag(),
+    "fused_softmax": ConfigFlag(),
+    "on_uncorrectable": ConfigFlag(
+        choices=POLICIES,
+        note="Every such fault is printed and recorded. The command line's default: rerun "
+        "under Megatron-LM's own parser (its rerun state machine; there recompute and skip_step "
+        "act as raise, and log trains on), recompute in pretrain_gpt.py (docs/megatron.md).",
+    ),
+    "events_file": ConfigFlag(
+        metavar="PATH",
+        default=None,
+        note="The command line's default: <save>/abft_events.jsonl when --save is set, else "
+        "./abft_events.jsonl, written only when a fault is found.",
+    ),
+}
+"""The flag of every ABFTConfig field the constructor takes: ``--abft`` for ``enabled``,
+``--abft-<field>`` for the others (tests/test_pretrain.py holds the two together)."""
+
+
+def config_flag(name: str) -> str:
+    """The command-line flag of ABFTConfig field ``name``."""
+    return "--abft" if name == "enabled" else "--abft-" + name.replace("_", "-")
+
+
+def config_dest(name: str) -> str:
+    """Where the parsed arguments hold ABFTConfig field ``name`` (``args.abft_block_size``)."""
+    return config_flag(name)[2:].replace("-", "_")
+
+
+@functools.cache
+def field_docstrings() -> dict[str, str]:
+    """ABFTConfig's field docstrings (the string under each field) as plain text: whitespace
+    collapsed, no literal markers."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ABFTConfig)))
+    body = tree.body[0].body
+    docs = {}
+    for statement, following in itertools.pairwise(body):
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            text = following.value.value.replace("``", "")
+            docs[statement.target.id] = " ".join(text.split())
+    return docs
+
+
+def add_config_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag for every field of CONFIG_FLAGS, its help the field's docstring."""
+    defaults = {f.name: f.default for f in fields(ABFTConfig) if f.init}
+    hints = typing.get_type_hints(ABFTConfig)
+    for name, spec in CONFIG_FLAGS.items():
+        default = defaults[name] if spec.default is AS_CONFIG else spec.default
+        if isinstance(default, Enum):
+            default = default.value
+        text = " ".join(filter(None, (field_docstrings()[name], spec.note)))
+        options: dict[str, Any] = {"default": default, "help": text.replace("%", "%%")}
+        if hints[name] in (bool, bool | None):  # --x sets True, --no-x False
+            options["action"] = argparse.BooleanOptionalAction
+            options["help"] += f" ({config_flag(name)}: True, --no-{config_flag(name)[2:]}: False)"
+        else:
+            options.update(type=spec.type, metavar=spec.metavar, choices=spec.choices)
+        group.add_argument(config_flag(name), dest=config_dest(name), **options)
+
+
 def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ABFT flags to ``parser``, in their own group; returns the parser (Megatron-LM's
     ``extra_args_provider`` contract). On Megatron-LM's parser, parsing then also refuses, one
@@ -204,14 +312,7 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(
         title="abft", description="Algorithm-based fault tolerance for attention (megatron_abft)"
     )
-    group.add_argument(
-        "--abft",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Protect the attention GEMMs (QKV, scores, context, output projection) with ABFT: "
-        "detect and correct soft errors in place. --no-abft (the default): Megatron's own local "
-        "layers.",
-    )
+    add_config_flags(group)
     group.add_argument(
         "--abft-attention",
         choices=ATTENTIONS,
@@ -221,67 +322,6 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "unfused (Megatron's unfused attention with its scores and context checked), or auto "
         "(flash where the kernels compile for the GPU and take the layer, unfused elsewhere, "
         "for instance with attention dropout; it prints which and why).",
-    )
-    group.add_argument(
-        "--abft-sections",
-        type=_sections,
-        default=SECTIONS,
-        metavar="LIST",
-        help=f"Comma-separated sections to check (default: all of {','.join(SECTIONS)}).",
-    )
-    group.add_argument(
-        "--abft-check-interval",
-        type=parse_check_interval,
-        default=1,
-        metavar="N|SECTION=N,...",
-        help="Check every N-th step, for all sections or per section (scores=1,qkv=4).",
-    )
-    group.add_argument(
-        "--abft-on-uncorrectable",
-        choices=POLICIES,
-        default=Policy.RECOMPUTE.value,
-        help="What to do with a fault that cannot be corrected in place. It is always printed "
-        "and recorded. Default: rerun under Megatron-LM's own parser (its rerun state machine; "
-        "there recompute and skip_step act as raise, and log trains on), recompute in "
-        "pretrain_gpt.py (docs/megatron.md).",
-    )
-    group.add_argument(
-        "--abft-block-size",
-        type=_block_size,
-        default=ABFTConfig.block_size,
-        help="Length of the checksum blocks along a checked dimension (docs/abft.md).",
-    )
-    group.add_argument(
-        "--abft-threshold-scale",
-        type=_positive_float,
-        default=ABFTConfig.threshold_scale,
-        help="Multiplies every detection threshold (1.0: the rigorous bound, no false alarms).",
-    )
-    group.add_argument(
-        "--abft-sync-free",
-        dest="abft_sync_free",
-        action="store_const",
-        const=True,
-        default=None,
-        help="Never synchronise with the host during a check (CUDA graphs), also where the "
-        "compiled kernels do not serve the GPU: the PyTorch correction path then runs on every "
-        "check. Default: sync-free where the kernels serve the GPU (ABFTConfig.sync_free).",
-    )
-    group.add_argument(
-        "--abft-no-sync-free",
-        dest="abft_sync_free",
-        action="store_const",
-        const=False,
-        help="Synchronise once per check on GPUs, so that a matrix the kernels cannot settle "
-        "takes the PyTorch correction path instead of counting as uncorrectable.",
-    )
-    group.add_argument(
-        "--abft-no-fused-softmax",
-        dest="abft_fused_softmax",
-        action="store_false",
-        help="Keep Megatron's softmax: the scores' check and the context's checksums then read "
-        "S and P on their own, and a clean run equals an unprotected one bit for bit "
-        "(ABFTConfig.fused_softmax).",
     )
     group.add_argument(
         "--abft-inject",
@@ -346,13 +386,6 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=tuple(DEVICES),
         default="H100",
         help="Device profile of check costs for the coverage optimizer (tuning/scaling.py).",
-    )
-    group.add_argument(
-        "--abft-events-file",
-        default=None,
-        metavar="PATH",
-        help="JSON Lines file with one record per fault event (default: <save>/abft_events.jsonl "
-        "when --save is set, else ./abft_events.jsonl, written only when a fault is found).",
     )
     parse = parser.parse_known_args  # parse_args calls it too
 
@@ -545,17 +578,10 @@ def abft_config_from_args(args: argparse.Namespace, enabled: bool | None = None)
         if args.abft_coverage_target > 0:  # the model prices the forward checks only
             sections += BACKWARD_SECTIONS
         interval = {s: n for s, n in chosen.items() if n}
-    return ABFTConfig(
-        enabled=bool(args.abft) if enabled is None else enabled,
-        sections=sections,
-        check_interval=interval,
-        block_size=args.abft_block_size,
-        threshold_scale=args.abft_threshold_scale,
-        sync_free=args.abft_sync_free,
-        fused_softmax=args.abft_fused_softmax,
-        on_uncorrectable=args.abft_on_uncorrectable,
-        events_file=events_file(args),
-    )
+    values = {name: getattr(args, config_dest(name)) for name in CONFIG_FLAGS}
+    values.update(sections=sections, check_interval=interval, events_file=events_file(args))
+    values["enabled"] = bool(args.abft) if enabled is None else enabled
+    return ABFTConfig(**values)
 
 
 def events_file(args: argparse.Namespace) -> str:

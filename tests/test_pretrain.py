@@ -330,18 +330,75 @@ def test_a_coverage_target_sets_the_check_intervals():
     )  # the target overrides --abft-sections
 
 
-def test_the_sync_free_flag_reaches_the_config():
-    from megatron_abft.megatron_lm import abft_config_from_args
-    from pretrain.arguments import parse_args
+def test_every_config_field_is_one_flag_with_its_docstring_as_help(tmp_path):
+    """add_abft_args makes the flags of ABFTConfig's fields from the fields: one flag each, its
+    help the field's docstring, its default the config's (--abft's and the events file's are
+    the command line's own), and a value given on the command line or in a YAML file reaches
+    the config. docs/pretraining.md names every ABFT flag."""
+    import dataclasses
+
+    from megatron_abft.config import ABFTConfig
+    from megatron_abft.megatron_lm import (
+        CONFIG_FLAGS,
+        abft_config_from_args,
+        config_flag,
+        field_docstrings,
+        flag_names,
+    )
+    from pretrain.arguments import build_parser, parse_args
+
+    names = [f.name for f in dataclasses.fields(ABFTConfig) if f.init]
+    assert list(CONFIG_FLAGS) == names
+    parser = build_parser()
+    actions = {o: a for a in parser._actions for o in a.option_strings}
+    for name in names:
+        help_text = " ".join(actions[config_flag(name)].help.split())
+        assert len(field_docstrings()[name]) > 40 and field_docstrings()[name] in help_text, name
 
     def config(*flags):
-        args = parse_args(["--config", str(TINY), "--mock-data", "--abft", *flags], world_size=2)
-        return abft_config_from_args(args)
+        return abft_config_from_args(parse_args(["--mock-data", *flags], world_size=1))
 
-    assert config().sync_free is None  # by device: megatron_abft.runtime.guard.host_reads
-    assert config("--abft-sync-free").sync_free is True
-    assert config("--abft-no-sync-free").sync_free is False
-    assert config().fused_softmax and not config("--abft-no-fused-softmax").fused_softmax
+    by_default = config("--abft")
+    assert os.path.normpath(by_default.events_file) == ABFTConfig().events_file
+    assert dataclasses.replace(by_default, events_file=ABFTConfig().events_file) == ABFTConfig()
+    assert not config().enabled  # --abft is off by default on the command line
+    events = str(tmp_path / "events.jsonl")
+    given = {
+        "enabled": (["--no-abft"], False),
+        "sections": (["--abft-sections", "scores,qkv"], ("qkv", "scores")),
+        "check_interval": (["--abft-check-interval", "scores=2"], {"scores": 2}),
+        "block_size": (["--abft-block-size", "64"], 64),
+        "threshold_scale": (["--abft-threshold-scale", "2.5"], 2.5),
+        "near_inf": (["--abft-near-inf", "1e6"], 1e6),
+        "sync_free": (["--no-abft-sync-free"], False),
+        "fused_softmax": (["--no-abft-fused-softmax"], False),
+        "on_uncorrectable": (["--abft-on-uncorrectable", "raise"], "raise"),
+        "events_file": (["--abft-events-file", events], events),
+    }
+    assert list(given) == names
+    for name, (flags, value) in given.items():
+        assert getattr(config("--abft", *flags), name) == value, name
+        assert value != getattr(ABFTConfig(), name), name
+    assert config("--abft", "--abft-sync-free").sync_free is True
+
+    yaml_file = tmp_path / "abft.yaml"
+    yaml_file.write_text(
+        "abft:\n  enabled: true\n  sync_free: false\n  fused_softmax: false\n"
+        "  near_inf: 1.0e+6\n  block_size: 64\n"
+    )
+    made = abft_config_from_args(parse_args(["--mock-data", "--config", str(yaml_file)], 1))
+    assert (made.sync_free, made.fused_softmax, made.near_inf, made.block_size) == (
+        False,
+        False,
+        1e6,
+        64,
+    )
+
+    docs = (ROOT / "docs" / "pretraining.md").read_text()
+    flags = [f for f in flag_names(parser) if f.startswith(("--abft", "--no-abft"))]
+    assert len(flags) > len(names)
+    for flag in flags:
+        assert f"`{flag}" in docs, flag
 
 
 BAD = [
