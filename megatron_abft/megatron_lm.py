@@ -24,6 +24,7 @@ import functools
 import inspect
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -52,6 +53,8 @@ from megatron_abft.runtime.model_runtime import runtime_of
 from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig, say_once
 from megatron_abft.tuning.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
 from megatron_abft.tuning.scaling import DEVICES, ModelShape, baseline_forward, predict
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "FaultPlan",
@@ -456,9 +459,11 @@ def _megatron_lm_policy(args: argparse.Namespace, given: bool) -> None:
         args.abft_on_uncorrectable = Policy.RERUN if machine else Policy.RAISE
     elif args.abft_on_uncorrectable in (Policy.RECOMPUTE, Policy.SKIP_STEP):
         say_once(
+            _log,
             f"[abft] --abft-on-uncorrectable {args.abft_on_uncorrectable}: Megatron-LM's loop "
             "cannot recompute a GEMM or skip a step for ABFT, so an uncorrectable fault raises; "
-            "rerun hands it to Megatron's rerun state machine"
+            "rerun hands it to Megatron's rerun state machine",
+            logging.WARNING,
         )
 
 
@@ -837,7 +842,7 @@ def abft_from_megatron_lm() -> tuple[ABFTConfig | None, str, dict]:
     plan = FaultPlan.from_args(args)
     config = abft_config_from_args(args)
     if note := unchecked_note(config):
-        say_once(note)
+        say_once(_log, note, logging.WARNING)
     runtime = runtime_of(config)
     runtime.fault_plan = plan
     runtime.log_at_optimizer_steps(args.log_interval, partial(megatron_lm_telemetry, args))

@@ -10,6 +10,7 @@ the flash kernels compile for this machine's GPU and can run the layer, unfused 
 from __future__ import annotations
 
 import copy
+import logging
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -29,6 +30,8 @@ from megatron_abft.layers.flash_attention import (
 from megatron_abft.layers.linear import ProtectedColumnParallelLinear, ProtectedRowParallelLinear
 from megatron_abft.layers.norm import with_sequence_parallel_norms
 from megatron_abft.runtime.telemetry import say_once
+
+_log = logging.getLogger(__name__)
 
 _LINEARS = {
     "linear_qkv": (ColumnParallelLinear, ProtectedColumnParallelLinear),
@@ -62,7 +65,7 @@ class AutoProtectedAttention:
             chosen, why = ProtectedDotProductAttention, refusal[0]
         else:
             chosen, why = ProtectedFlashAttention, "the flash kernels compile for this GPU"
-        say_once(f"[abft] attention=auto: {chosen.__name__}, since {why}")
+        say_once(_log, f"[abft] attention=auto: {chosen.__name__}, since {why}")
         return chosen(
             config=config,
             layer_number=layer_number,

@@ -37,7 +37,7 @@ from megatron_abft.megatron_lm import (
     unchecked_note,
 )
 from megatron_abft.runtime.guard import iter_guards
-from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig
+from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig, log_to_console
 from pretrain.arguments import parse_args
 
 
@@ -461,6 +461,7 @@ def train_step(args, gpt, model, optimizer, scheduler, step_func, batches: list)
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    log_to_console()
     device = initialize_distributed(args)
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import (

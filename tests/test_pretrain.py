@@ -573,8 +573,10 @@ def test_the_random_fault_stream_is_seeded_correctable_and_spans_the_sections():
 # --- Megatron-LM's own training script -----------------------------------------------------------
 
 MEGATRON_LM = """
-import os, sys
+import logging, os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+from megatron.training.log_handler import CustomHandler
+logging.basicConfig(handlers=[CustomHandler()], level=logging.INFO)  # as megatron.training does
 from megatron_abft.cpu import enable_cpu_mode
 enable_cpu_mode()
 import torch
@@ -663,7 +665,7 @@ def test_megatron_lm_refuses_at_parse_what_the_layers_cannot_run(flags, message,
             assert code == 0 and not lines, lines
 
 
-def test_megatron_lm_defaults_to_rerun_and_says_what_a_policy_does_there(monkeypatch, capsys):
+def test_megatron_lm_defaults_to_rerun_and_says_what_a_policy_does_there(monkeypatch, caplog):
     """Megatron-LM's loop makes no ABFT call: recompute and skip_step cannot act there."""
     from mcore import MEGATRON_LM_FLAGS
     from megatron.training.arguments import parse_args
@@ -685,7 +687,7 @@ def test_megatron_lm_defaults_to_rerun_and_says_what_a_policy_does_there(monkeyp
         "--abft-on-uncorrectable skip_step": "skip_step",
         "--abft-on-uncorrectable=log": "log",
     }
-    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[abft]")]
+    said = [r.getMessage() for r in caplog.records if r.name == "megatron_abft.megatron_lm"]
     assert said == [
         "[abft] --abft-on-uncorrectable skip_step: Megatron-LM's loop cannot recompute a GEMM or "
         "skip a step for ABFT, so an uncorrectable fault raises; rerun hands it to Megatron's "
@@ -714,16 +716,16 @@ def test_megatron_lm_builds_the_protected_model_from_its_flags_and_spec(tmp_path
     built = [
         line
         for line in done.stdout.splitlines()
-        if line.startswith(("BUILT", "POLICY", "REFUSED", "[abft] attention=auto"))
+        if line.startswith(("BUILT", "POLICY", "REFUSED", "INFO:megatron_abft.spec:"))
     ]
     assert built == [
         "POLICY skip_step scores",
-        "[abft] attention=auto: ProtectedDotProductAttention, since no GPU here compiles the "
-        "flash kernels",
+        "INFO:megatron_abft.spec:[abft] attention=auto: ProtectedDotProductAttention, since no GPU "
+        "here compiles the flash kernels",
         "BUILT True ProtectedDotProductAttention ProtectedColumnParallelLinear",
         "BUILT False DotProductAttention ColumnParallelLinear",
-        "[abft] attention=auto: ProtectedDotProductAttention, since attention dropout (0.1) is "
-        "not supported by the flash kernels",
+        "INFO:megatron_abft.spec:[abft] attention=auto: ProtectedDotProductAttention, since "
+        "attention dropout (0.1) is not supported by the flash kernels",
         "BUILT auto ProtectedDotProductAttention",  # the README's launch line, on a GPU
         "REFUSED True",
         "BUILT flash ProtectedFlashAttention",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -45,6 +46,8 @@ from megatron_abft.check.ledger import set_clocks
 from megatron_abft.config import ABFTConfig, Policy
 from megatron_abft.faults import Fault, arm, disarm
 from megatron_abft.runtime.guard import ABFTUncorrectableError, SectionGuard, iter_guards
+
+_log = logging.getLogger(__name__)
 
 WITHOUT_LOOP = {
     Policy.RECOMPUTE: "raised (the recompute did not help, or needs the loop's finish_step)",
@@ -129,15 +132,14 @@ def fault_line(where: dict, outcome: str) -> str:
 
 
 def report(config: ABFTConfig, where: list[dict], outcome: str) -> None:
-    """Print each uncorrectable fault of ``where`` on this rank's stderr, at once (the one line
-    a fault gets: a Telemetry prints only the faults it alone sees, recomputed or masked), and
-    append it to ``config.events_file`` (a JSON line each), unless a Telemetry writes the
-    events."""
+    """Log each uncorrectable fault of ``where`` as an error, at once: the one line a fault
+    gets (a Telemetry prints only the faults it alone sees, recomputed or masked), on stderr
+    where no logging is set up. Append it to ``config.events_file`` (a JSON line each), unless
+    a Telemetry writes the events."""
     if not where:
         return
     for w in where:
-        line = fault_line(w, f"policy {config.on_uncorrectable}: {outcome}")
-        print(line, file=sys.stderr, flush=True)
+        _log.error(fault_line(w, f"policy {config.on_uncorrectable}: {outcome}"))
     path = config.events_file
     if path and not runtime_of(config).telemetry_writes_events:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

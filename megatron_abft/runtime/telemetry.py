@@ -19,6 +19,7 @@ megatron_abft.runtime.model_runtime.report), appends the events to the JSONL fil
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -398,11 +399,39 @@ class Telemetry:
 _SAID: set[str] = set()
 
 
-def say_once(line: str) -> None:
-    """Print ``line`` once a process, on the first rank only where ranks are up: for what the
+def say_once(logger: logging.Logger, line: str, level: int = logging.INFO) -> None:
+    """Log ``line`` once a process, from the first rank only where ranks are up: for what the
     launch decided (the attention ``auto`` chose, what a check interval leaves unchecked)."""
     if line in _SAID:
         return
     _SAID.add(line)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(line, flush=True)
+        logger.log(level, line)
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+def log_to_console(level: int = logging.INFO) -> None:
+    """Show the ``megatron_abft`` loggers' records on the console, each as its bare message:
+    notes on stdout, warnings and faults on stderr, and not again through the root logger. For
+    scripts that own the console (pretrain_gpt.py); a program with a logging set-up of its own
+    (Megatron-LM's) leaves this out, and with none at all Python still prints the warnings and
+    faults on stderr. Calling it again changes nothing but the level."""
+    logger = logging.getLogger("megatron_abft")
+    logger.setLevel(level)
+    logger.propagate = False
+    if any(getattr(h, "megatron_abft_console", False) for h in logger.handlers):
+        return
+    notes, problems = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+    notes.addFilter(_Below(logging.WARNING))
+    problems.setLevel(logging.WARNING)
+    for handler in (notes, problems):
+        handler.megatron_abft_console = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)

@@ -3,9 +3,9 @@
 faults in every section on either rank. Distributed tests spawn gloo ranks on CPU
 (tests/mcore.py), the kernels in Triton's interpreter; each test says how many ranks."""
 
-import contextlib
 import dataclasses
 import io
+import logging
 
 import pytest
 import torch
@@ -151,14 +151,16 @@ def _construction_worker():
 
     built = {name: core(name) for name in ("flash", "unfused", "auto")}
     said = io.StringIO()
-    with contextlib.redirect_stdout(said):
-        spec_module.kernels_compile_here = lambda: True  # as on a GPU: auto weighs the config
-        for dropout in (0.1, 0.0, 0.1):
-            model = build_gpt(Shape(dropout=dropout), get_gpt_layer_abft_spec(ABFTConfig()))
-            layers = model.decoder.layers
-            built[f"auto, GPU, dropout {dropout}"] = {
-                type(layer.self_attention.core_attention) for layer in layers
-            }
+    logger = logging.getLogger("megatron_abft.spec")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(logging.StreamHandler(said))
+    spec_module.kernels_compile_here = lambda: True  # as on a GPU: auto weighs the config
+    for dropout in (0.1, 0.0, 0.1):
+        model = build_gpt(Shape(dropout=dropout), get_gpt_layer_abft_spec(ABFTConfig()))
+        layers = model.decoder.layers
+        built[f"auto, GPU, dropout {dropout}"] = {
+            type(layer.self_attention.core_attention) for layer in layers
+        }
     errors = {"said": said.getvalue()}
     spec = get_gpt_layer_abft_spec(ABFTConfig(), attention="flash")
     for name, shape in {"dropout": Shape(dropout=0.1)}.items():
