@@ -42,8 +42,8 @@ EMULATOR_SOURCES = [
 # OpenMP: at::parallel_for runs its tasks on torch's threads only where _OPENMP is defined (it
 # is serial otherwise). libgomp.so.1 resolves to the copy torch has already loaded.
 # -fno-trapping-math lets GCC turn the selects of a loop's body into vector blends (it changes no
-# result, only the assumption that a comparison may trap): without it kernel 3's exponential
-# stays scalar.
+# result, only the assumption that a comparison may trap): without it the fused softmax's
+# exponential stays scalar.
 CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
 LINK_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]

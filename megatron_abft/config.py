@@ -111,11 +111,11 @@ class ABFTConfig:
     (megatron_abft.runtime.guard.host_reads). On CPUs reading costs nothing and always happens."""
 
     fused_softmax: bool = True
-    """Compute the attention softmax with kernel 3 (megatron_abft.ops.fused_softmax) where the
-    compiled kernels apply: the scores' check and the context's checksum pass then ride on the
-    softmax's one read of the scores. Its probabilities equal Megatron's softmax to rounding (a
-    few units in the last place), not bit for bit; False keeps Megatron's softmax, and a clean
-    protected run bit for bit equal to an unprotected one."""
+    """Compute the attention softmax in one compiled op, the fused softmax
+    (megatron_abft.ops.fused_softmax), where the compiled kernels apply: the scores' check and
+    the context's checksum pass then ride on the softmax's one read of the scores. Its probabilities
+    equal Megatron's softmax to rounding (a few units in the last place), not bit for bit; False
+    keeps Megatron's softmax, and a clean protected run bit for bit equal to an unprotected one."""
 
     on_uncorrectable: Policy = Policy.RECOMPUTE
     """Policy for a fault that cannot be corrected in place: recompute (run the work once more,

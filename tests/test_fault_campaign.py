@@ -174,7 +174,7 @@ def test_a_tiny_campaign_runs_in_two_workers_resumes_and_reports(tmp_path):
     assert sorted(t["id"] for t in trials) == list(range(6))
     assert next(t for t in trials if t["id"] == 0) == earlier
     assert len(sessions) == 1 and sessions[0]["trials"] == 5
-    assert sessions[0]["kernels"] == compiled.backend() and sessions[0]["softmax"] == "kernel 3"
+    assert sessions[0]["kernels"] == compiled.backend() and sessions[0]["softmax"] == "fused"
     ran = [t for t in trials if t["id"]]
     assert {t["worker"] for t in ran} == {0, 1}
     for t in ran:
@@ -193,7 +193,7 @@ def test_a_tiny_campaign_runs_in_two_workers_resumes_and_reports(tmp_path):
     assert summary["trials"] == 6 and summary["non_trainable_off"]["all"]["all"][1] == 5
     doc = (tmp_path / "doc.md").read_text()
     assert doc.count(BEGIN) == 1 and "Protection off" in doc
-    assert f"Checks ran with kernels: {compiled.backend()}, softmax: kernel 3." in doc
+    assert f"Checks ran with kernels: {compiled.backend()}, softmax: fused." in doc
     vulnerability = json.loads((tmp_path / "vulnerability.json").read_text())
     assert set(vulnerability) == set(VULNERABILITY_SECTIONS)
     assert (tmp_path / "campaign.png").stat().st_size > 0

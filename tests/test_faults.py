@@ -55,8 +55,8 @@ def _difference(result, reference) -> float:
 
 
 def _correction_worker(cases, policy, fused_softmax=True, no_host_reads=False, emulated=False):
-    """no_host_reads: every check sync-free, as on a GPU (kernel 3 corrects the scores itself);
-    emulated: that, with the CUDA kernels' source run through the CUDA emulator
+    """no_host_reads: every check sync-free, as on a GPU (the fused softmax corrects the scores
+    itself); emulated: that, with the CUDA kernels' source run through the CUDA emulator
     (megatron_abft.ops.compiled.emulated_cuda)."""
     from megatron_abft import inject, reset_stats, stats
     from megatron_abft.ops import compiled
@@ -68,7 +68,7 @@ def _correction_worker(cases, policy, fused_softmax=True, no_host_reads=False, e
             return _correction_worker(cases, policy, fused_softmax, no_host_reads, False)
 
     fused_checks = []
-    if no_host_reads:  # every check as on a GPU: kernel 3 corrects S, no host read
+    if no_host_reads:  # every check as on a GPU: the fused softmax corrects S, no host read
         guard.host_reads = lambda config, device: False
         real = compiled.softmax_correct_tally
 
@@ -159,7 +159,9 @@ def test_the_same_with_megatrons_softmax(unfused_corrections, case):
 @pytest.mark.parametrize(
     "case", ATTENTION_CASES, ids=["-".join(map(str, c)) for c in ATTENTION_CASES]
 )
-def test_the_same_with_kernel_3_correcting_the_scores_sync_free(sync_free_corrections, case):
+def test_the_same_with_the_fused_softmax_correcting_the_scores_sync_free(
+    sync_free_corrections, case
+):
     """The path of a GPU's sync-free check: softmax_correct_tally corrects S and redoes P."""
     assert_corrected(sync_free_corrections, ATTENTION_CASES, case)
     for results in sync_free_corrections:
@@ -171,7 +173,7 @@ def test_the_same_with_kernel_3_correcting_the_scores_sync_free(sync_free_correc
 )
 def test_the_same_on_the_emulated_cuda_kernels_sync_free(emulated_corrections, case):
     """As a GPU runs the model: every check sync-free, by the CUDA kernels (the emulator's),
-    kernel 3 correcting the scores."""
+    the fused softmax correcting the scores."""
     assert_corrected(emulated_corrections, EMULATED_CASES, case)
     for results in emulated_corrections:
         result = results[EMULATED_CASES.index(case)]

@@ -54,7 +54,7 @@ def _equality_worker(shapes):
 def test_clean_protected_runs_are_bitwise_equal_to_megatron(tp):
     """Spawns ``tp`` ranks. Protected (with Megatron's softmax) and disabled-protection models
     give exactly the stock model's losses and TP-gathered gradients, for every case of
-    EQUALITY_CASES[tp]; with the fused softmax (kernel 3), the same to its rounding."""
+    EQUALITY_CASES[tp]; with the fused softmax, the same to its rounding."""
     ranks = spawn(tp, tp, _equality_worker, EQUALITY_CASES[tp])
     for rank, result in enumerate(ranks):
         if isinstance(result, Exception):

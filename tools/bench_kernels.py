@@ -11,8 +11,8 @@ softmax over S (the unprotected work around them), without and with the GEMM's o
 line reports the median. Then each kernel alone (the ops a clean check runs, screen or
 verify_correct and encode_pair, and the kernels they are made of), with its achieved bandwidth
 against a copy of the same tensor on the same device (the bandwidth the device sustains). Last,
-kernel 3 against Megatron's softmax with the checks it replaces, and softmax_correct_tally (the
-GPU's sync-free check of the scores), clean and correcting one fault.
+the fused softmax against Megatron's softmax with the checks it replaces, and softmax_correct_tally
+(the GPU's sync-free check of the scores), clean and correcting one fault.
 """
 
 from __future__ import annotations
@@ -188,8 +188,8 @@ def main() -> None:
 
 
 def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> None:
-    """Kernel 3 against what it replaces: Megatron's causal softmax (masked_fill, softmax in
-    fp32, back to the dtype), the screen of S and P's pass for the context's checksums; and
+    """The fused softmax against what it replaces: Megatron's causal softmax (masked_fill, softmax
+    in fp32, back to the dtype), the screen of S and P's pass for the context's checksums; and
     softmax_correct_tally, the GPU's sync-free check of the scores, clean and correcting one
     fault (S = alpha Q K^T, ``operands`` (Q, K^T, alpha))."""
     sq, sk = scores.shape[-2:]
@@ -239,7 +239,7 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
         "softmax_correct_tally + pass, clean": lambda: corrected(scores),
         "... one 0D fault: corrected, P redone": one_fault,
     }
-    print(f"\n{'kernel 3 (softmax_check)':<38} {'ms':>8}")
+    print(f"\n{'the fused softmax (softmax_check)':<38} {'ms':>8}")
     for name, fn in rows.items():
         print(f"{name:<38} {median(fn):>8.2f}")
 

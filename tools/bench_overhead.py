@@ -236,9 +236,9 @@ def count_ops(profile) -> int:
 def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
     """Seconds per element of S of the scale-mask-softmax's parts (scaling.SOFTMAX_PARTS) at the
     model's scores, each op alone: Megatron's ``module`` (the model's own) forward and
-    backward, and where kernel 3 serves the device (fused_softmax.fusable) what its screen of S
-    and its pass over P add to its forward. Medians of 31. Kernel 3's own difference to
-    Megatron's softmax is measured inside the steps (kernel3_swap)."""
+    backward, and where the fused softmax serves the device (fused_softmax.fusable) what its screen
+    of S and its pass over P add to its forward. Medians of 31. The fused softmax's own difference
+    to Megatron's softmax is measured inside the steps (fused_softmax_swap)."""
     from megatron_abft.check.eec import Check, kernel_sides
     from megatron_abft.check.tolerance import gemm_rounding
 
@@ -281,36 +281,36 @@ def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
         sides = kernel_sides(leaf.detach(), {"col": refs[0], "row": refs[1]}, check)
         vectors = compiled.pair_vectors(leaf.detach(), v, args.block)
 
-        def kernel3(checks=NO_SCREEN, pass_vectors=None):
+        def softmax_with(checks=NO_SCREEN, pass_vectors=None):
             return lambda s: fused_softmax.softmax(
                 module, s, None, checks, args.block, pass_vectors
             )[0]
 
-        alone = timed(kernel3())[0]
-        costs["screen"] = max(timed(kernel3(sides))[0] - alone, 0.0)
-        costs["pass"] = max(timed(kernel3(pass_vectors=vectors))[0] - alone, 0.0)
+        alone = timed(softmax_with())[0]
+        costs["screen"] = max(timed(softmax_with(sides))[0] - alone, 0.0)
+        costs["pass"] = max(timed(softmax_with(pass_vectors=vectors))[0] - alone, 0.0)
     return {part: seconds / leaf.numel() for part, seconds in costs.items()}
 
 
-class Kernel3Alone(fused_softmax.SoftmaxReader):
-    """Kernel 3, with no checks, where the attention would take Megatron's softmax."""
+class FusedSoftmaxAlone(fused_softmax.SoftmaxReader):
+    """The fused softmax, with no checks, where the attention would take Megatron's softmax."""
 
     def plain(self, scores):
         return self.read(scores, NO_SCREEN)[0], None
 
 
-def kernel3_swap(model, forward_backward, pairs: int = 100) -> tuple[float, float]:
+def fused_softmax_swap(model, forward_backward, pairs: int = 100) -> tuple[float, float]:
     """Forward and backward time one layer saves (negative) or loses where its softmax is
-    kernel 3 with no checks instead of Megatron's: medians over ``pairs`` pairs of training
-    steps with protection idle, each kind first in turns. Timed alone, kernel 3's advantage
+    the fused softmax with no checks instead of Megatron's: medians over ``pairs`` pairs of training
+    steps with protection idle, each kind first in turns. Timed alone, the fused softmax's advantage
     comes out larger than inside a step. ``forward_backward`` runs a step's forward and backward
-    and returns their times. A layer whose softmax kernel 3 cannot compute keeps Megatron's."""
+    and returns their times. A layer the fused softmax cannot serve keeps Megatron's."""
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
 
-    def kernel3(core):
+    def unchecked_reader(core):
         def reader(scores, v5, mask):
             made = type(core)._softmax_reader(core, scores, v5, mask)
-            return Kernel3Alone(**vars(made)) if made.kernel3 else made
+            return FusedSoftmaxAlone(**vars(made)) if made.fused else made
 
         return reader
 
@@ -322,7 +322,7 @@ def kernel3_swap(model, forward_backward, pairs: int = 100) -> tuple[float, floa
         for fused in (rep % 2 == 0, rep % 2 == 1):
             for core in cores:  # an instance attribute hides the class's _softmax_reader
                 if fused:
-                    core._softmax_reader = kernel3(core)
+                    core._softmax_reader = unchecked_reader(core)
                 else:
                     core.__dict__.pop("_softmax_reader", None)
             times[fused] = forward_backward()
@@ -336,7 +336,7 @@ def kernel3_swap(model, forward_backward, pairs: int = 100) -> tuple[float, floa
 def micro_benchmarks(args, device: torch.device, softmax) -> dict:
     """Matmul FLOP/s at the model's GEMM size, elementwise bandwidth, one op's latency, the ops
     of one check with their latency, the rate at which the kernels read the scores, and the
-    costs of the model's ``softmax`` (a Megatron FusedScaleMaskSoftmax) and of kernel 3's
+    costs of the model's ``softmax`` (a Megatron FusedScaleMaskSoftmax) and of the fused softmax's
     checks."""
     dtype, hidden = DTYPES[args.dtype], args.hidden
     tokens = args.seq * args.micro_batch
@@ -499,13 +499,14 @@ def run(rank: int, args) -> dict | None:
                 samples[name]["attention"].append(
                     sum(timer.seconds(b, e) for b, e in attention_time)
                 )
-    # kernel 3's difference to Megatron's softmax, a layer, inside steps: after the timed ones,
-    # on a warm model and heap (measured before them, it came out larger)
+    # the fused softmax's difference to Megatron's softmax, a layer, inside steps: after the timed
+    # ones, on a warm model and heap (measured before them, it came out larger)
     swap = None
     unfused = args.attention == "unfused"
-    if unfused and args.fused_softmax and "screen" in rounds[0]["softmax"]:  # kernel 3's scores
+    # the fused softmax reads the scores
+    if unfused and args.fused_softmax and "screen" in rounds[0]["softmax"]:
         config.enabled, config.sections = True, ()
-        swap = kernel3_swap(model, forward_backward)
+        swap = fused_softmax_swap(model, forward_backward)
     rounds.append(micro_benchmarks(args, device, softmax))
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
@@ -527,10 +528,10 @@ def run(rank: int, args) -> dict | None:
             if spans
         },
     }
-    if swap is not None:  # kernel 3's difference in a step, per element of S
+    if swap is not None:  # the fused softmax's difference in a step, per element of S
         elements = args.micro_batch * args.heads // args.tp * args.seq**2
         result["machine"]["softmax"].update(
-            kernel3_forward=swap[0] / elements, kernel3_backward=swap[1] / elements
+            fused_softmax_forward=swap[0] / elements, fused_softmax_backward=swap[1] / elements
         )
     parameters = sum(p.numel() for p in model.parameters())  # this rank's
     result["machine"]["optimizer_bandwidth"] = (
@@ -557,8 +558,8 @@ def run(rank: int, args) -> dict | None:
 
 def implementation(args) -> str:
     """How the checks ran, as megatron_abft.tuning.scaling names it: ``flash``; ``fused`` where
-    kernel 3 computes the softmax and both attention checks ride on it (on CUDA, where a
-    sync-free check of the scores corrects in the softmax's op); ``apart`` where kernel 3
+    the fused softmax computes the softmax and both attention checks ride on it (on CUDA, where a
+    sync-free check of the scores corrects in the softmax's op); ``apart`` where the fused softmax
     computes the softmax and the checks run apart (a CPU's, guard.checks_apart); else
     ``kernels`` or ``torch``."""
     if args.attention == "flash":
@@ -576,7 +577,7 @@ def time_checks(model, timer: Timer, spans: dict[str, list], timing: dict) -> No
     ``(step, begin, end)`` under its section (events on a GPU, read after the run: no extra
     synchronisation): every guard's ``check``, and the pieces of the fused path that run
     outside it, the scores' references (``screen_sides``) and the context's (``pair_vectors``
-    and ``encode_from_pass`` from P's pass). Kernel 3's own screen and pass are timed apart
+    and ``encode_from_pass`` from P's pass). The fused softmax's own screen and pass are timed apart
     (softmax_costs)."""
     from megatron_abft.runtime.guard import iter_guards
 
@@ -726,11 +727,11 @@ def print_table(result: dict) -> None:
     a = result["args"]
     elements = a["micro_batch"] * a["heads"] // a["tp"] * a["seq"] ** 2
     ms = {part: cost * elements * 1e3 for part, cost in (m.get("softmax") or {}).items()}
-    if "kernel3_forward" in ms:
+    if "fused_softmax_forward" in ms:
         print(
             f"a layer's softmax: Megatron's {ms['forward']:.2f} ms forward, {ms['backward']:.2f} "
-            f"ms backward; kernel 3 in a step {ms['kernel3_forward']:+.2f} and "
-            f"{ms['kernel3_backward']:+.2f} ms, its screen +{ms['screen']:.2f} ms, its pass "
+            f"ms backward; the fused softmax in a step {ms['fused_softmax_forward']:+.2f} and "
+            f"{ms['fused_softmax_backward']:+.2f} ms, its screen +{ms['screen']:.2f} ms, its pass "
             f"+{ms['pass']:.2f} ms"
         )
 

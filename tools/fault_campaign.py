@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpus": os.cpu_count(),
                     "date": time.strftime("%Y-%m-%d %H:%M"),
                     "kernels": compiled.backend(),
-                    "softmax": "kernel 3" if launch.abft_fused_softmax else "Megatron's",
+                    "softmax": "fused" if launch.abft_fused_softmax else "Megatron's",
                 }
                 f.write(json.dumps({"session": session}) + "\n")
             print(f"ran {ran} trials in {wall:.0f} s")

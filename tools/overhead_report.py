@@ -131,7 +131,8 @@ def roofline(result: dict) -> DeviceProfile:
         # a check's ops and a bias's in its code: the run's own count where it made one
         check_ops={**code_ops, **({checks_of(impl): m["check_ops"]} if "check_ops" in m else {})},
         bias_ops={**code_bias, **({checks_of(impl): m["bias_ops"]} if "bias_ops" in m else {})},
-        softmax=m.get("softmax"),  # both softmaxes and kernel 3's checks, timed on the machine
+        # both softmaxes and the fused softmax's checks, timed on the machine
+        softmax=m.get("softmax"),
         # the flash kernels' CUDA-core and exp2 rates: not micro-benchmarked, the datasheet's
         **(datasheet_flash_rates(result["device"]) if impl == "flash" else {}),
     )
@@ -222,7 +223,7 @@ def validation_rows(paths: list[Path]) -> list[dict]:
         if set(result.get("check_seconds", {})) == set(FORWARD_SECTIONS):
             # the same checks summed over the layers, as a share of the unprotected step: what
             # the step overhead would be if the step grew by exactly the checks' time (with
-            # kernel 3, its screen and pass and its difference to Megatron's softmax aside)
+            # the fused softmax, its screen and pass and its difference to Megatron's softmax aside)
             own = (
                 a["layers"]
                 * sum(result["check_seconds"].values())
@@ -355,8 +356,8 @@ def largest_term(shape: ModelShape, device: DeviceProfile) -> str:
 
 
 def paths_table(device: DeviceProfile) -> list[str]:
-    """Both attentions' step overheads on every GPU profile (the unfused attention with kernel 3,
-    the flash attention), every section every step, with the unfused attention's S and what
+    """Both attentions' step overheads on every GPU profile (the unfused attention with the fused
+    softmax, the flash attention), every section every step, with the unfused attention's S and what
     dominates the flash path's checks on ``device``."""
     devices = list(DEVICES.values())
     label = next((key for key, d in DEVICES.items() if d == device), device.name)
@@ -448,7 +449,7 @@ def flash_example(device: DeviceProfile) -> list[str]:
         "Delta, the second passes, the ledger) rather than in them; protecting every "
         "section every step costs "
         f"{100 * flash.step:.0f}% of the step, against {100 * unfused.step:.1f}% for the "
-        "unfused attention with kernel 3."
+        "unfused attention with the fused softmax."
     )
     return textwrap.wrap(text, WRAP)
 
@@ -541,11 +542,12 @@ def summary(rows: list[dict]) -> list[str]:
     ]
     if untimed:
         lines += [
-            "With kernel 3 (`fused`), in runs that did not time the softmaxes, the scores and",
-            f"context sections alone measured {span([100 * r['measured'] for r in untimed], '%')}",
-            f"against {span([100 * r['predicted'] for r in untimed], '%')} predicted. On the CPU",
-            "kernel 3 also replaces Megatron's masked_fill and softmax, which torch runs well",
-            "below the bandwidth those runs price a softmax at: a saving the model can only",
+            "With the fused softmax (`fused`), in runs that did not time the softmaxes, the",
+            "scores and context sections alone measured",
+            f"{span([100 * r['measured'] for r in untimed], '%')} against",
+            f"{span([100 * r['predicted'] for r in untimed], '%')} predicted. On the CPU",
+            "the fused softmax also replaces Megatron's masked_fill and softmax, which torch runs",
+            "well below the bandwidth those runs price a softmax at: a saving the model can only",
             "count where the benchmark timed both softmaxes (`softmax` in its JSON).",
         ]
     step = of("step, all", "measured")
@@ -555,7 +557,7 @@ def summary(rows: list[dict]) -> list[str]:
         f"{span(of('attention, all', 'predicted'), '%')} against "
         f"{span(of('attention, all', 'measured'), '%')}.",
     ]
-    # without kernel 3, whose softmax changes the step besides its checks
+    # without the fused softmax, whose softmax changes the step besides its checks
     pairs, last_step = [], None  # each such run's step overhead with its checks' own time
     for r in rows:
         if "(fused)" in r["config"] or "(apart)" in r["config"]:
@@ -569,7 +571,8 @@ def summary(rows: list[dict]) -> list[str]:
         own_time = span([100 * c for _, c in pairs], "%")
         growth = span([100 * s for s, _ in pairs], "%")
         lines += [
-            "Without kernel 3 the model takes a step's overhead to be the time of its checks.",
+            "Without the fused softmax the model takes a step's overhead to be the time of its",
+            "checks.",
             f"Timed inside the steps, the checks add up to {own_time}",
             f"of the unprotected step, and the step grows by {growth}"
             + (
@@ -629,20 +632,21 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "smaller twice, `verify_correct` reads C once for both sides and corrects a flagged",
             f"matrix on the device; on a CPU {CHECK_OPS['kernels']} tensor ops per clean check",
             f"and {BIAS_OPS['kernels']} more for a bias, whose terms `add_bias` adds in the same",
-            "op, figures a test keeps equal to the code's); `fused`, kernel 3 (the softmax,",
-            "which reads S",
-            "and writes P anyway, verifies S and sums P, so those two reads go; the code on",
+            "op, figures a test keeps equal to the code's); `fused`, the fused softmax (the",
+            "softmax, which reads S and writes P anyway, verifies S and sums P, so those two reads",
+            "go; the code on",
             "CUDA, where a sync-free check corrects a flagged S, redoes its P and",
             "tallies in one more launch, `softmax_correct_tally`, and on a CPU until commit",
             "a83ccd3); and `apart`, the code on a CPU since: every GEMM checked as by `kernels`,",
-            "kernel 3 as the softmax, without a screen or a pass, on the steps that check the",
-            "scores.",
-            "Kernel 3 also replaces Megatron's softmax, forward and backward, on the steps that",
-            "check the scores or the context. Where the benchmark timed both softmaxes and what",
-            "kernel 3's screen of S and pass over P add (`softmax` in its JSON, runs 18 on), the",
-            "model takes the softmax at those costs per element of S: the baseline's, kernel 3's",
-            "difference to it, and its checks. Elsewhere, the GPU profiles included, both run at",
-            "the bandwidth and kernel 3's checks cost nothing of their own.",
+            "the fused softmax as the softmax, without a screen or a pass, on the steps that check",
+            "the scores.",
+            "The fused softmax also replaces Megatron's softmax, forward and backward, on the",
+            "steps that check the scores or the context. Where the benchmark timed both softmaxes",
+            "and what the fused softmax's screen of S and pass over P add (`softmax` in its JSON,",
+            "runs 18 on), the model takes the softmax at those costs per element of S: the",
+            "baseline's, the fused softmax's difference to it, and its checks. Elsewhere, the GPU",
+            "profiles included, both run at the bandwidth and the fused softmax's checks cost",
+            "nothing of their own.",
             "The unfused attention's backward pass is not protected (the flash path's is, below).",
             "",
             "On a GPU the launches weigh most below a few billion parameters: a clean check",
@@ -682,12 +686,12 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "inside it agrees with the measurement as far as the measurement can tell. The",
             "`check` rows compare the time of one check of one layer, measured inside the",
             "training steps with every section checked (its pieces summed a step, shared over",
-            "the layers, the median over the steps; with kernel 3 the pieces outside the",
+            "the layers, the median over the steps; with the fused softmax the pieces outside the",
             "guard's check too: the scores' references, and the context's from P's pass), with",
             "the model's `check_time` of that section's work: the model's own quantity, with",
             "none of the step's noise, judged at ±25%. The `checks' own time` row sums those",
             "times over the layers, as a share of the unprotected step, against the model's",
-            "sum of the same (with kernel 3, its screen, its pass and its difference to",
+            "sum of the same (with the fused softmax, its screen, its pass and its difference to",
             "Megatron's softmax are not in it).",
             "",
             *validation,
@@ -719,11 +723,12 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "### Both attentions on every GPU profile",
             "",
             "Step overhead of every section checked every step, bf16: the unfused attention with",
-            "kernel 3 (`fused`, against the unfused step) and the flash attention (predicted,",
-            "against the flash step). `S a layer, unfused` is the scores one layer of the unfused",
-            "attention holds on one rank (P, kept for the backward, as much again): what the",
-            "flash attention never writes, and why it exists. The last column names the kind of",
-            f"work that takes most of the flash attention's checks' time on the {device.name}.",
+            "the fused softmax (`fused`, against the unfused step) and the flash attention",
+            "(predicted, against the flash step). `S a layer, unfused` is the scores one layer of",
+            "the unfused attention holds on one rank (P, kept for the backward, as much again):",
+            "what the flash attention never writes, and why it exists. The last column names the",
+            "kind of work that takes most of the flash attention's checks' time on the",
+            f"{device.name}.",
             "",
             *paths_table(device),
             "",

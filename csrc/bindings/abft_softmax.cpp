@@ -1,4 +1,4 @@
-// Torch binding of softmax_check, kernel 3 (abft.h): Megatron's scale-mask-softmax of the
+// Torch binding of softmax_check, the fused softmax (abft.h): Megatron's scale-mask-softmax of the
 // attention scores in one read of S that also screens S against its reference checksums and gives
 // P's checksum pass for the context GEMM; and of softmax_correct_tally, the same with the flagged
 // matrices of S corrected, their P redone and the outcome tallied into a guard's ledger, with no

@@ -354,7 +354,7 @@ ABFT_HD inline int64_t bias_terms_items(const BiasTerms& t) {
   return bias_column_items(t) + ceil_div(t.n, t.block) * t.m;
 }
 
-// softmax_check, kernel 3: Megatron's scale-mask-softmax of the attention scores S
+// softmax_check, the fused softmax: Megatron's scale-mask-softmax of the attention scores S
 // [*batch, rows, cols] (rows contiguous) in one read of S that also screens S and gives the
 // checksum sums of P, the operand of the context GEMM:
 //   P = softmax(mask(scale S)) row by row, where masked entries (mask nonzero, or j > i when

@@ -587,8 +587,8 @@ __device__ __forceinline__ void write_p_row(const SoftmaxCheck& k, const RowProd
   }
 }
 
-// Kernel 3 in one pass (abft.h's softmax_check): one thread block per band of one matrix, its
-// warps taking the band's rows kWarps at a time, a warp per row. A warp reads its row of S (for
+// The fused softmax in one pass (abft.h's softmax_check): one thread block per band of one matrix,
+// its warps taking the band's rows kWarps at a time, a warp per row. A warp reads its row of S (for
 // its maximum and its sum in SoftmaxRow, then for P: the second and third reads from the cache),
 // writes P, and reduces, reading them back, the row's products with u and z and, where screened,
 // S's row-side block sums, which its lane 0 writes and screens. After a barrier, each thread adds

@@ -3,7 +3,7 @@
 Every check of a GEMM's output goes through a checker: ``run`` verifies and corrects the output
 in place and tallies what it found into the guard's ledger; ``sides`` gives both sides'
 references as the kernels take them, for a screen that runs where another kernel reads the
-output (kernel 3, the softmax of the scores, through ``Reader``).
+output (the fused softmax, the softmax of the scores, through ``Reader``).
 
 - ``ReferenceChecker``: checksum.encode and eec.verify_and_correct, on any device and input. It
   validates its inputs and derives the ops' constant arguments (blocks, threshold terms,
@@ -328,7 +328,7 @@ class KernelCorrection:
 
 
 class Reader(Protocol):
-    """A kernel that reads a GEMM's output and can screen it on the way (kernel 3 reads the
+    """A kernel that reads a GEMM's output and can screen it on the way (the fused softmax reads the
     scores), for SectionGuard.check_read: ``read`` by that kernel, ``plain`` without it."""
 
     def fuses(self, screen: bool) -> bool:

@@ -188,7 +188,8 @@ class ProtectedDotProductAttention(DotProductAttention):
             return scores().view(b, groups, rep, sq, sk)
 
         scores_operands = GemmOperands(q5, k5.mT, alpha=self.softmax_scale)
-        # the scores, checked where the softmax reads them (kernel 3's screen, where it applies)
+        # the scores, checked where the softmax reads them (the fused softmax's screen, where it
+        # applies)
         matmul_result = recompute_scores()
         reader = self._softmax_reader(matmul_result, v5, attention_mask)
         attention_probs, context_refs = self.scores_guard.check_read(

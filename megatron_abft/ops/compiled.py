@@ -359,7 +359,7 @@ def softmax_check(
     block: int,
     vectors: tuple[Tensor, Tensor] | None,
 ) -> tuple[Tensor, ...] | None:
-    """Kernel 3: Megatron's scale-mask-softmax of the scores ``s [..., sq, sk]`` (rows
+    """The fused softmax: Megatron's scale-mask-softmax of the scores ``s [..., sq, sk]`` (rows
     contiguous) in one read of ``s`` that also screens it and gives P's checksum pass, where the
     kernels apply (else None). ``sides`` are screen's arguments after c (check.sides.KernelSides;
     its NO_SCREEN for no screen); masked entries (``mask`` true, broadcast to ``s``, or j > i where

@@ -1,5 +1,5 @@
-"""Kernel 3 in the attention: Megatron's scale-mask-softmax, the scores' screen and the context
-operand's checksum pass in one read of the scores S (csrc/bindings/abft_softmax.cpp).
+"""The fused softmax in the attention: Megatron's scale-mask-softmax, the scores' screen and the
+context operand's checksum pass in one read of the scores S (csrc/bindings/abft_softmax.cpp).
 
 Unfused, a protected attention reads S three times besides the softmax's own pass: the scores'
 verification reads S, the context's encoding reads P for its block sums and its products with
@@ -161,7 +161,7 @@ def softmax(
 @dataclass(frozen=True)
 class SoftmaxReader:
     """The attention's softmax of the scores S ``[b, ng, rep, sq, sk]`` (a Reader of
-    megatron_abft.check.checker): Megatron's ``module`` (``plain``), or kernel 3 where it
+    megatron_abft.check.checker): Megatron's ``module`` (``plain``), or the fused softmax where it
     computes the same (``read``), which screens S as it reads it and, with ``values`` V
     ``[b, ng, 1, sk, hn]``, gives the context's references from P's pass. Both return P as
     ``[b, np, sq, sk]`` and the context's references, or None where they are left to the
@@ -171,7 +171,7 @@ class SoftmaxReader:
     mask: Tensor | None  # as the module takes it, [b|1, np|1, sq|1, sk]
     offset: Tensor | None
     block: int
-    kernel3: bool  # whether kernel 3 computes the module's softmax of these scores
+    fused: bool  # whether the fused softmax computes the module's softmax of these scores
     grouped: Tensor | None  # the mask with its heads split as the scores' KV groups
     values: Tensor | None  # V, where the context's references come from P's pass
     vectors: tuple[Tensor, Tensor] | None  # V's for that pass (compiled.pair_vectors)
@@ -190,16 +190,16 @@ class SoftmaxReader:
         references where ``values`` are given."""
         b, groups, rep, sq, sk = scores.shape
         block, grouped, vectors = config.block_size, None, None
-        kernel3 = config.fused_softmax and fusable(
+        fused = config.fused_softmax and fusable(
             module, scores.view(b, groups * rep, sq, sk), mask, offset
         )
-        if kernel3:
+        if fused:
             grouped = None if mask is None else _grouped(mask, groups, rep)
             if values is not None:
                 vectors = compiled.pair_vectors(scores, values, block)
-            kernel3 = compiled.softmax_check_applies(scores, grouped, vectors)
+            fused = compiled.softmax_check_applies(scores, grouped, vectors)
         values = values if vectors is not None else None
-        return cls(module, mask, offset, block, kernel3, grouped, values, vectors)
+        return cls(module, mask, offset, block, fused, grouped, values, vectors)
 
     def masked(self, scores: Tensor) -> Tensor | None:
         """Where the softmax overwrites ``scores`` ``[b, ng, rep, sq, sk]`` whatever they hold
@@ -207,9 +207,9 @@ class SoftmaxReader:
         return masked_positions(self.module, scores, self.mask, self.offset)
 
     def fuses(self, screen: bool) -> bool:
-        """Whether kernel 3 reads S: where it computes the module's softmax, and has a
+        """Whether the fused softmax reads S: where it computes the module's softmax, and has a
         ``screen`` or P's pass to do."""
-        return self.kernel3 and (screen or self.vectors is not None)
+        return self.fused and (screen or self.vectors is not None)
 
     def plain(self, scores: Tensor) -> tuple[Tensor, None]:
         b, groups, rep, sq, sk = scores.shape
@@ -218,7 +218,7 @@ class SoftmaxReader:
     def read(
         self, scores: Tensor, sides: tuple, correction: KernelCorrection | None = None
     ) -> tuple[Tensor, Tensor, tuple[Checksums, Checksums] | None]:
-        """Kernel 3's P, the screen's finding (see ``softmax``) and the context's
+        """The fused softmax's P, the screen's finding (see ``softmax``) and the context's
         references."""
         b, groups, rep, sq, sk = scores.shape
         probs, found, *passed = softmax(

@@ -95,8 +95,8 @@ def host_reads(config: ABFTConfig, device: torch.device) -> bool:
 
 
 def checks_apart(config: ABFTConfig, device: torch.device) -> bool:
-    """Whether a GEMM's output that a kernel reads (kernel 3 reading the scores) is checked by
-    its own check rather than by the reader's screen: on the CPU, where the host reads results.
+    """Whether a GEMM's output that a kernel reads (the fused softmax reading the scores) is checked
+    by its own check rather than by the reader's screen: on the CPU, where the host reads results.
     There check_gemm's one call reads the output again on the thread's workspace, which costs
     less host work than the screen and the references it takes; so too the context's check
     against P's pass (docs/benchmarks.md, "Training-step overhead (CPU)")."""
@@ -220,7 +220,7 @@ class SectionGuard:
         masked: Masked | None = None,
     ) -> tuple[Tensor, Any]:
         """Land faults, then check ``output`` where ``reader`` reads it and return what it read
-        (Reader.plain, Reader.read: for kernel 3 reading the scores, P and the context's
+        (Reader.plain, Reader.read: for the fused softmax reading the scores, P and the context's
         references). Where the reader's kernel reads it, the check is the kernel's screen: where
         the host may be read, a flagged output is verified and corrected here and read again
         without the kernel; where it may not, the kernel corrects and tallies the flagged

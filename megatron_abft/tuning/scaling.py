@@ -13,18 +13,19 @@ the unfused attention (S and P materialised; UNFUSED) and the flash attention:
   two ops of them, encode_pair (the larger operand read once for its block sums and its
   checksum products, the smaller twice) and verify_correct (C read once for both sides, with
   the differences, thresholds and flags; a clean matrix needs nothing more);
-- ``fused``: kernel 3 (megatron_abft.ops.fused_softmax): the softmax, which reads S and writes P
-  anyway, also verifies S and emits P's sums, so the scores' verify pass and the context's read
-  of P go. The code on CUDA: there a sync-free check of the scores takes
+- ``fused``: the fused softmax (megatron_abft.ops.fused_softmax): the softmax, which reads S
+  and writes P anyway, also verifies S and emits P's sums, so the scores' verify pass and the
+  context's read of P go. The code on CUDA: there a sync-free check of the scores takes
   softmax_correct_tally, the softmax's one kernel (where a band's column sums fit in a thread
   block) screening S, then one thread block that corrects a flagged matrix, redoes its P and P's
   pass from the corrected S and tallies, with no host read.
-  Kernel 3 also replaces Megatron's softmax, forward and backward: where a device profile has
-  timed both softmaxes and kernel 3's checks (SOFTMAX_PARTS, on the CPU), the difference is
-  part of the cost; elsewhere both run at the bandwidth and the checks in the pass are free.
+  The fused softmax also replaces Megatron's softmax, forward and backward: where a device profile
+  has timed both softmaxes and the fused softmax's checks (SOFTMAX_PARTS, on the CPU), the
+  difference is part of the cost; elsewhere both run at the bandwidth and the checks in the pass
+  are free.
 - ``apart``: the code on a CPU, where the host reads results (guard.checks_apart): every GEMM
-  checked as by ``kernels``, and kernel 3 in place of Megatron's softmax, without a screen or
-  a pass, on the steps that check the scores.
+  checked as by ``kernels``, and the fused softmax in place of Megatron's softmax, without a screen
+  or a pass, on the steps that check the scores.
 - ``flash``: the protected flash attention (megatron_abft.flash), for GPUs only. Its baseline is
   the same Triton kernels with the checks compiled out, in place of the unfused attention's
   scores, softmax and context (flash_baseline): tile GEMMs on the tensor cores, the softmax's
@@ -65,8 +66,8 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 UNFUSED = ("torch", "kernels", "apart", "fused")
 """How the unfused attention's checks run: the PyTorch path; today's code with the compiled
 kernels (one read of C for both sides with the comparisons, one of the larger operand and two of
-the smaller); the same checks with kernel 3 as the softmax (a CPU's); and the fused path (the
-softmax pass verifies S and sums P, so those two reads go)."""
+the smaller); the same checks with the fused softmax as the softmax (a CPU's); and the fused path
+(the softmax pass verifies S and sums P, so those two reads go)."""
 IMPLEMENTATIONS = (*UNFUSED, "flash")
 """UNFUSED, and the flash attention's checks inside its kernels (qkv and proj as ``kernels``)."""
 CHECK_OPS = {"torch": 124, "kernels": 3, "fused": 4}
@@ -190,11 +191,18 @@ class Work:
         )
 
 
-SOFTMAX_PARTS = ("forward", "backward", "kernel3_forward", "kernel3_backward", "screen", "pass")
+SOFTMAX_PARTS = (
+    "forward",
+    "backward",
+    "fused_softmax_forward",
+    "fused_softmax_backward",
+    "screen",
+    "pass",
+)
 """What a device profile may time of the scale-mask-softmax, per element of S: Megatron's softmax
-forward and backward; what kernel 3 (megatron_abft.ops.fused_softmax) with no checks adds to each,
-inside a training step (negative where it is faster); and what each of kernel 3's checks adds
-to its forward: the screen of S (the scores' check) and the pass over P (the context's
+forward and backward; what the fused softmax (megatron_abft.ops.fused_softmax) with no checks adds
+to each, inside a training step (negative where it is faster); and what each of the fused softmax's
+checks adds to its forward: the screen of S (the scores' check) and the pass over P (the context's
 encoding)."""
 
 ADAM_BYTES_PER_PARAMETER = 16 * 4
@@ -228,8 +236,9 @@ class DeviceProfile:
     softmax: dict[str, float] | None = None
     """Seconds per element of S of the parts of the scale-mask-softmax (SOFTMAX_PARTS), measured
     on the device by tools/bench_overhead.py; ``forward`` and ``backward`` at least. Without them
-    the softmax is priced by its bytes, kernel 3 as fast as Megatron's, and kernel 3's checks
-    at nothing of their own: the fused path takes its sums while it reads S anyway."""
+    the softmax is priced by its bytes, the fused softmax as fast as Megatron's, and the fused
+    softmax's checks at nothing of their own: the fused path takes its sums while it reads S
+    anyway."""
     check_dot: float = 0.0
     """Seconds of one of the checks' dot products beyond its multiply-adds (Work.dots): on a CPU
     the horizontal sum that ends it and the loop around it, which cost the kernels more than
@@ -353,8 +362,8 @@ DEVICES = {
     # 1, unfused path; docs/figures/gpu/h200_bench_gpt3_350m_unfused.json, the medians of its
     # micro-benchmarks, which tests/tuning/test_scaling.py holds these to): bf16 GEMMs at the
     # model's size, an elementwise pass, an op's launch, a check's op with the Python around it, the
-    # kernels' read of S, the optimizer step, both softmaxes and kernel 3's checks. The flash
-    # kernels' CUDA-core and exp2 rates are the datasheet's (no benchmark measures them).
+    # kernels' read of S, the optimizer step, both softmaxes and the fused softmax's checks. The
+    # flash kernels' CUDA-core and exp2 rates are the datasheet's (no benchmark measures them).
     "H200-measured": DeviceProfile(
         "H200 SXM, measured",
         {"bf16": 4.25750e14},
@@ -371,8 +380,8 @@ DEVICES = {
             "backward": 1.52469e-11,
             "screen": 2.29516e-11,
             "pass": 1.79520e-11,
-            "kernel3_forward": -1.49580e-12,
-            "kernel3_backward": 2.83180e-12,
+            "fused_softmax_forward": -1.49580e-12,
+            "fused_softmax_backward": 2.83180e-12,
         },
         vector=0.7 * 67e12 / 2,
         exp=0.7 * 3.9e12,
@@ -414,7 +423,7 @@ def baseline_forward(shape: ModelShape) -> dict[str, Work]:
 def softmax_seconds(shape: ModelShape, device: DeviceProfile, part: str) -> float:
     """Time of one layer's ``part`` (SOFTMAX_PARTS) of the scale-mask-softmax on one rank: at
     the device's measured cost per element of S where it has one; else Megatron's softmax by
-    its bytes (it reads S and the mask and writes P; backward twice that), and kernel 3 no
+    its bytes (it reads S and the mask and writes P; backward twice that), and the fused softmax no
     faster and its checks free (0)."""
     if part not in SOFTMAX_PARTS:
         raise ValueError(f"softmax part {part!r}; choose from {', '.join(SOFTMAX_PARTS)}")
@@ -926,8 +935,8 @@ def predict(
             shape, impl, device.ops_per_check(checks), device.ops_per_bias(checks)
         ).items()
     }
-    # kernel 3 replaces Megatron's softmax on the steps that check the scores or the context
-    # (apart: the scores, as P's pass is not made)
+    # the fused softmax replaces Megatron's softmax on the steps that check the scores or the
+    # context (apart: the scores, as P's pass is not made)
     swap = dict.fromkeys(("forward", "backward"), 0.0)
     swapping = ("scores",) if impl == "apart" else FUSED_SECTIONS
     if impl == "fused":
@@ -935,7 +944,7 @@ def predict(
         extra["context"] += softmax_seconds(shape, device, "pass") * shape.layers
     if impl in ("fused", "apart"):
         for way in swap:
-            swap[way] = softmax_seconds(shape, device, f"kernel3_{way}") * shape.layers
+            swap[way] = softmax_seconds(shape, device, f"fused_softmax_{way}") * shape.layers
     fused_share = _share_of_steps([intervals.get(s, 1) for s in sections if s in swapping])
     base = step_time(shape, device)
     forward = baseline_forward(shape)
@@ -992,7 +1001,7 @@ def _predict_flash(
 
 
 FUSED_SECTIONS = ("scores", "context")
-"""The sections whose checks run kernel 3 in place of Megatron's softmax."""
+"""The sections whose checks run the fused softmax in place of Megatron's softmax."""
 ATTENTION_PARTS = ("qkv", "scores", "rope", "context", "proj")
 """The parts of baseline_forward in the attention block."""
 

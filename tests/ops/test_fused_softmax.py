@@ -1,4 +1,4 @@
-"""Kernel 3 (csrc/bindings/abft_softmax.cpp, megatron_abft.ops.fused_softmax): Megatron's
+"""The fused softmax (csrc/bindings/abft_softmax.cpp, megatron_abft.ops.fused_softmax): Megatron's
 scale-mask-softmax with the scores' screen and the context operand's checksum pass in one read of S.
 Against Megatron's own softmax, the screen op, operand_pass and encode: on CPU always, on CUDA
 where a GPU is present."""
@@ -287,8 +287,8 @@ def test_cuda_equals_cpu(sq, sk, gpu):
 @needs_cuda
 @pytest.mark.parametrize("screened", [False, True])
 def test_the_single_pass_is_one_launch(screened):
-    """On CUDA, kernel 3 is one kernel (and, with a screen, the sum of its bands' slots): the
-    GPU's sync-free attention asks for P's pass alone."""
+    """On CUDA, the fused softmax is one kernel (and, with a screen, the sum of its bands' slots):
+    the GPU's sync-free attention asks for P's pass alone."""
     _, _, s, sides = scores_case((2, 3), 64, 64, 8, torch.bfloat16, "cuda")
     v = torch.randn(2, 3, 64, 16, device="cuda").to(torch.bfloat16)
     vectors = compiled.pair_vectors(s, v, 16)

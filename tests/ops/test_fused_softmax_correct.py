@@ -1,6 +1,6 @@
-"""softmax_correct_tally (csrc/bindings/abft_softmax.cpp): kernel 3 that also corrects the scores it
-screens, redoes P from them and tallies the outcome into a guard's ledger, with no host read
-(the GPU's sync-free check of the scores). Against its composition from softmax_check,
+"""softmax_correct_tally (csrc/bindings/abft_softmax.cpp): the fused softmax that also corrects the
+scores it screens, redoes P from them and tallies the outcome into a guard's ledger, with no host
+read (the GPU's sync-free check of the scores). Against its composition from softmax_check,
 verify_correct and tally, and against the clean softmax; in the protected attention through
 its sync-free path, on CPU always, on CUDA where a GPU is present."""
 

@@ -1,10 +1,10 @@
-"""SectionGuard.check_read with kernel 3 as the reader of the scores (ops.fused_softmax's
+"""SectionGuard.check_read with the fused softmax as the reader of the scores (ops.fused_softmax's
 SoftmaxReader): the same P as Megatron's softmax of the clean scores, and the same counts, on
 each route the guard takes: Megatron's softmax of S checked first; S checked apart, then read by
-kernel 3 without a screen (the CPU's); kernel 3's screen with the host reading its flags (a
-GPU's check that reads the host, taken here on the CPU by patching checks_apart); and kernel 3
-correcting and tallying the flagged matrices itself (a GPU's sync-free check, taken here on the
-CPU by patching host_reads)."""
+the fused softmax without a screen (the CPU's); the fused softmax's screen with the host reading its
+flags (a GPU's check that reads the host, taken here on the CPU by patching checks_apart); and the
+fused softmax correcting and tallying the flagged matrices itself (a GPU's sync-free check, taken
+here on the CPU by patching host_reads)."""
 
 import pytest
 import torch
@@ -47,7 +47,7 @@ def attention_case(seed=0):
 
 
 def read(scores, operands, v, config, route, monkeypatch, with_pass=True):
-    """The guard's read of ``scores`` by kernel 3 (or Megatron's softmax where ``route`` is
+    """The guard's read of ``scores`` by the fused softmax (or Megatron's softmax where ``route`` is
     "megatron"): P [b, np, sq, sk], the context's references, the guard."""
     monkeypatch.setattr(guard_module, "host_reads", lambda *_: route != "sync-free")
     if route == "host":
@@ -58,7 +58,7 @@ def read(scores, operands, v, config, route, monkeypatch, with_pass=True):
     module = megatron_module()
     values = v if with_pass else None
     reader = fused_softmax.SoftmaxReader.of(module, scores, MASK, None, values, config)
-    assert reader.kernel3 == (route != "megatron")
+    assert reader.fused == (route != "megatron")
     probs, refs = guard.check_read(scores, operands, reader, recompute=lambda: scores)
     return probs, refs, guard
 
@@ -111,7 +111,7 @@ def test_an_uncorrectable_fault_is_pending(route, monkeypatch):
     assert bool(guard.pending)
 
 
-def test_kernel3_reads_only_with_work_to_do(monkeypatch):
+def test_fused_softmax_reads_only_with_work_to_do(monkeypatch):
     """Not due and no pass to make: Megatron's softmax reads S, nothing is checked."""
     operands, v, scores = attention_case()
     config = ABFTConfig(sections=("qkv",))
@@ -122,8 +122,8 @@ def test_kernel3_reads_only_with_work_to_do(monkeypatch):
 
 def test_on_the_cpu_the_scores_are_checked_apart_in_one_call():
     """The CPU's route, unpatched: after a signature's first check (the reference's), S is
-    checked by check_gemm's one call and kernel 3 reads it without a screen, so nothing encodes
-    the screen's references."""
+    checked by check_gemm's one call and the fused softmax reads it without a screen, so nothing
+    encodes the screen's references."""
     operands, v, scores = attention_case()
     guard, module = SectionGuard("scores", ABFTConfig(), 0), megatron_module()
 

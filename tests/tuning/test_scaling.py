@@ -230,10 +230,10 @@ def _timed_softmax(**costs) -> DeviceProfile:
     )
 
 
-def test_a_timed_softmax_prices_the_baseline_and_what_kernel_3_changes():
+def test_a_timed_softmax_prices_the_baseline_and_what_the_fused_softmax_changes():
     """Where the device's softmaxes were timed (tools/bench_overhead.py), the baseline step pays
-    Megatron's softmax at its measured cost, and kernel 3 costs its screen (the scores) and its
-    pass (the context) plus, once on the steps that run it, its difference to Megatron's."""
+    Megatron's softmax at its measured cost, and the fused softmax costs its screen (the scores) and
+    its pass (the context) plus, once on the steps that run it, its difference to Megatron's."""
     shape = ModelShape("m", 4, 512, 8, 2048, 1024, seq=512, dtype="fp32")
     elements = 8 * 512**2
     plain = _timed_softmax()
@@ -242,11 +242,13 @@ def test_a_timed_softmax_prices_the_baseline_and_what_kernel_3_changes():
         softmax_seconds(shape, untimed, p) for p in ("forward", "backward")
     )
     assert step_time(shape, plain) == pytest.approx(baseline + 4 * elements * 12e-9)
-    # kernel 3 as fast as Megatron's softmax, its checks free: the fused figures are the checks'
+    # the fused softmax as fast as Megatron's softmax, its checks free: the fused figures are
+    # the checks'
     even = predict(shape, plain, "fused")
     assert even.step == pytest.approx(sum(even.sections.values()))
     faster = replace(
-        plain, softmax={**plain.softmax, "kernel3_forward": -2e-9, "kernel3_backward": -3e-9}
+        plain,
+        softmax={**plain.softmax, "fused_softmax_forward": -2e-9, "fused_softmax_backward": -3e-9},
     )
     swap = 4 * elements * (-2e-9 - 3e-9) / step_time(shape, plain)
     fast = predict(shape, faster, "fused")
@@ -265,19 +267,19 @@ def test_a_timed_softmax_prices_the_baseline_and_what_kernel_3_changes():
         fast.sections["context"] + 4 * elements * 2e-9 / base
     )
     assert checked.sections["qkv"] == fast.sections["qkv"]
-    # scores every 2 steps, context every 3: kernel 3 runs on 2 steps of 3
+    # scores every 2 steps, context every 3: the fused softmax runs on 2 steps of 3
     sparse = predict(shape, checks, "fused", intervals={"scores": 2, "context": 3})
     others = sum(checked.sections[s] for s in ("qkv", "proj"))
     own = (checked.sections["scores"] - swap) / 2 + (checked.sections["context"] - swap) / 3
     assert sparse.step == pytest.approx(others + own + swap * 2 / 3)
-    # the implementations without kernel 3 keep Megatron's softmax
+    # the implementations without the fused softmax keep Megatron's softmax
     assert predict(shape, checks, "kernels").sections == predict(shape, plain, "kernels").sections
 
 
-def test_the_cpus_checks_apart_are_the_kernels_checks_with_kernel_3_on_scores_steps():
+def test_the_cpus_checks_apart_are_the_kernels_checks_with_the_fused_softmax_on_scores_steps():
     """``apart`` (a CPU's route, guard.checks_apart): every GEMM checked as by ``kernels``, no
-    screen or pass priced, and kernel 3's difference to Megatron's softmax on the steps that
-    check the scores, which alone run it."""
+    screen or pass priced, and the fused softmax's difference to Megatron's softmax on the steps
+    that check the scores, which alone run it."""
     shape = ModelShape("m", 4, 512, 8, 2048, 1024, seq=512, dtype="fp32")
     elements = 8 * 512**2
     timed = _timed_softmax()
@@ -285,8 +287,8 @@ def test_the_cpus_checks_apart_are_the_kernels_checks_with_kernel_3_on_scores_st
         timed,
         softmax={
             **timed.softmax,
-            "kernel3_forward": -2e-9,
-            "kernel3_backward": -3e-9,
+            "fused_softmax_forward": -2e-9,
+            "fused_softmax_backward": -3e-9,
             "screen": 1e-9,
             "pass": 2e-9,
         },
@@ -297,7 +299,7 @@ def test_the_cpus_checks_apart_are_the_kernels_checks_with_kernel_3_on_scores_st
         assert apart.sections[s] == pytest.approx(kernels.sections[s] + swap * (s == "scores"))
     assert apart.step == pytest.approx(kernels.step + swap)
     assert protection_forward(shape, "apart") == protection_forward(shape, "kernels")
-    # the context alone runs Megatron's softmax; the scores every 2 steps, kernel 3 on half
+    # the context alone runs Megatron's softmax; the scores every 2 steps, the fused softmax on half
     alone = predict(shape, device, "apart", sections=("context",))
     assert alone.step == pytest.approx(kernels.sections["context"])
     sparse = predict(shape, device, "apart", intervals={"scores": 2})
@@ -306,7 +308,7 @@ def test_the_cpus_checks_apart_are_the_kernels_checks_with_kernel_3_on_scores_st
 
 
 @pytest.mark.parametrize("intervals", [[], [1], [2, 3], [4, 6], [3, 3], [5, 7, 2]])
-def test_the_share_of_steps_that_run_kernel_3_counts_the_steps(intervals):
+def test_the_share_of_steps_that_run_the_fused_softmax_counts_the_steps(intervals):
     period = math.lcm(*intervals) if intervals else 1
     due = sum(any(step % n == 0 for n in intervals) for step in range(period))
     assert _share_of_steps(intervals) == pytest.approx(due / period)
@@ -325,9 +327,9 @@ def test_a_softmax_profile_names_its_parts():
         softmax_seconds(SHAPES["GPT-3 125M"], DEVICES["H100"], "mask")
 
 
-def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
+def test_the_benchmark_times_both_softmaxes_and_the_fused_ones_checks():
     """bench_overhead's softmax costs, per element of S: Megatron's module both ways, and with
-    the kernels what kernel 3's screen and pass add; the report's profile takes them."""
+    the kernels what the fused softmax's screen and pass add; the report's profile takes them."""
     from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
@@ -357,26 +359,27 @@ def test_the_benchmark_times_both_softmaxes_and_kernel_3s_checks():
     assert calibrated(run).softmax == costs
 
 
-def _kernel3_swap_worker():
+def _fused_softmax_swap_worker():
     from mcore import Shape, batch, build_gpt
 
     from megatron_abft.config import ABFTConfig
     from megatron_abft.spec import get_gpt_layer_abft_spec
-    from tools.bench_overhead import kernel3_swap
+    from tools.bench_overhead import fused_softmax_swap
 
     model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(sections=())))
     tokens, positions, mask, labels = batch(Shape(), 0)
     calls = []
 
     def forward_backward():
-        """A step whose times say which softmax ran: 1 s and 2 s with kernel 3, else 3 and 5."""
+        """A step whose times say which softmax ran: 1 s and 2 s with the fused softmax, else
+        3 and 5."""
         with torch.profiler.profile() as profile:
             model(tokens, positions, mask, labels=labels).float().mean().backward()
         ran = sum(e.name == "megatron_abft::softmax_check" for e in profile.events())
         calls.append(ran)
         return (1.0, 2.0) if ran else (3.0, 5.0)
 
-    swap = kernel3_swap(model, forward_backward, pairs=3)
+    swap = fused_softmax_swap(model, forward_backward, pairs=3)
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
     return swap, calls, any({"_softmax_reader", "forward"} & set(vars(core)) for core in cores)
 
@@ -390,7 +393,7 @@ def _time_checks_worker(route: str):
     from megatron_abft.spec import get_gpt_layer_abft_spec
     from tools.bench_overhead import Timer, per_check, time_checks
 
-    if route == "screen":  # kernel 3's screen and P's pass, as on a GPU
+    if route == "screen":  # the fused softmax's screen and P's pass, as on a GPU
         guard.checks_apart = lambda *_: False
     config = ABFTConfig(fused_softmax=route != "megatron")
     model = build_gpt(Shape(), get_gpt_layer_abft_spec(config))
@@ -411,15 +414,15 @@ def _time_checks_worker(route: str):
 @pytest.mark.parametrize("route", ["megatron", "apart", "screen"])
 def test_the_benchmark_times_every_piece_of_a_check(route):
     """Spawns 1 rank. While timing is on, each due check's pieces are timed under its section,
-    a layer each: the guards' checks and, with kernel 3's screen (as on a GPU), what runs
+    a layer each: the guards' checks and, with the fused softmax's screen (as on a GPU), what runs
     outside them, the scores' references (screen_sides) and the context's from P's pass
-    (pair_vectors, encode_from_pass); nothing while it is off. On the CPU, with kernel 3 as
+    (pair_vectors, encode_from_pass); nothing while it is off. On the CPU, with the fused softmax as
     the softmax, the checks are apart (guard.checks_apart): one piece each. A check's time is
     its pieces summed a step, shared over the layers, the median over the steps."""
     from megatron_abft.ops import compiled
 
     if route != "megatron" and not compiled.available():
-        pytest.skip("kernel 3 needs the compiled kernels")
+        pytest.skip("the fused softmax needs the compiled kernels")
     (found,) = spawn(1, 1, _time_checks_worker, route)
     if isinstance(found, Exception):
         raise found
@@ -437,15 +440,15 @@ def test_the_benchmark_times_every_piece_of_a_check(route):
         assert all(step in (1, 2) and end >= begin for step, begin, end in timed)
 
 
-def test_kernel3_swap_times_steps_with_each_softmax_in_turns():
-    """Spawns 1 rank. Each pair runs one step with kernel 3 as every layer's softmax and one with
-    Megatron's, in turns first; the swap is their difference a layer, and the model is left as
-    it was."""
+def test_fused_softmax_swap_times_steps_with_each_softmax_in_turns():
+    """Spawns 1 rank. Each pair runs one step with the fused softmax as every layer's softmax and
+    one with Megatron's, in turns first; the swap is their difference a layer, and the model is left
+    as it was."""
     from megatron_abft.ops import compiled
 
     if not compiled.available():
-        pytest.skip("kernel 3 needs the compiled kernels")
-    (found,) = spawn(1, 1, _kernel3_swap_worker)
+        pytest.skip("the fused softmax needs the compiled kernels")
+    (found,) = spawn(1, 1, _fused_softmax_swap_worker)
     if isinstance(found, Exception):
         raise found
     swap, calls, left_patched = found
@@ -620,8 +623,8 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
 
 
 def test_the_report_explains_a_fused_section_the_model_misses():
-    """summary() adds why, where kernel 3's sections disagree in a run that did not time the
-    softmaxes, and says nothing of it where they agree or the run timed them."""
+    """summary() adds why, where the fused softmax's sections disagree in a run that did not time
+    the softmaxes, and says nothing of it where they agree or the run timed them."""
     from tools.overhead_report import summary
 
     def row(config, what, predicted, measured, ok):
