@@ -28,7 +28,7 @@ import torch
 
 from megatron_abft.config import DTYPES, FLASH_SECTIONS
 from megatron_abft.config import KINDS as ERROR_KINDS
-from megatron_abft.flash import launch
+from megatron_abft.flash import launch, tiles
 
 OUTCOME = ("clean", "corrected", "uncorrectable")
 """The kernels' outcome codes (megatron_abft.flash.kernels)."""
@@ -71,7 +71,7 @@ def inputs(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, dev
 
 def tiles_checked(n: int, heads: int, batch: int, dim: int, dtype: torch.dtype, causal: bool):
     """Tile GEMMs the forward and the backward check for one call (the kernels' loops)."""
-    width = launch.padded_head_dim(dim)
+    width = tiles.padded_head_dim(dim)
 
     def pairs(rows: int, cols: int) -> int:  # (row block, column block) pairs computed
         count = 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft.flash import aot, launch
+from megatron_abft.flash import aot, tiles
 
 
 def jobs(dtypes: list[str], all_builds: bool) -> list[tuple]:
@@ -30,7 +30,7 @@ def jobs(dtypes: list[str], all_builds: bool) -> list[tuple]:
         cases += aot.other_cases()
     made = []
     for case, launched in aot.launches(cases):
-        attention = launched.kernel in launch.KERNELS
+        attention = launched.kernel in tiles.KERNELS
         if all_builds or (attention and not launched.get("RETRY")):
             made.append((case, launched, 90))
     if all_builds:
@@ -43,7 +43,7 @@ def markdown(builds: list[aot.Build]) -> str:
     """Checked against unchecked, a row per kernel, head dim, dtype and mask (sm_90)."""
     pairs: dict[tuple, dict] = {}
     for b in builds:
-        if b.arch != 90 or b.kernel not in launch.KERNELS or b.launch.get("RETRY"):
+        if b.arch != 90 or b.kernel not in tiles.KERNELS or b.launch.get("RETRY"):
             continue
         if b.case.variant not in ("checked", "unchecked"):
             continue
@@ -64,7 +64,7 @@ def markdown(builds: list[aot.Build]) -> str:
         mma = ", ".join(
             f"{op.split('.')[0]} {op.split('.')[1]} x{n}" for op, n in c.loop.mma.items()
         )
-        budget = launch.budget(kernel, width, getattr(torch, dtype))
+        budget = tiles.budget(kernel, width, getattr(torch, dtype))
         lines.append(
             f"| {kernel} | {width} | {dtype} | {'causal' if causal else 'full'} | {tile} | {mma} "
             f"| {u.registers}/{c.registers} | {u.ctas_per_sm}/{c.ctas_per_sm} "

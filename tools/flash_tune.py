@@ -7,7 +7,7 @@ section checked), the fastest kept. Writes the tuning file the launch reads
     python -m tools.flash_tune --out megatron_abft/flash/tuned_tiles.json   # on a GPU, < 5 min
 
 A kernel's candidates are timed with the others at their current tiles; the first listed is the
-gate's (launch.TILES), so the file changes a kernel's tiles only where another is faster.
+gate's (tiles.TILES), so the file changes a kernel's tiles only where another is faster.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft.flash import flash_attention, launch
-from megatron_abft.flash.launch import Blocks
+from megatron_abft.flash import flash_attention, tiles
+from megatron_abft.flash.tiles import Blocks
 
 CANDIDATES: dict[tuple[str, int], list[Blocks]] = {
     ("forward", 64): [Blocks(128, 64, 8, 2), Blocks(128, 128, 8, 3), Blocks(64, 64, 4, 2)],
@@ -30,7 +30,7 @@ CANDIDATES: dict[tuple[str, int], list[Blocks]] = {
     ("dq", 64): [Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 2)],
     ("dq", 128): [Blocks(128, 64, 8, 2), Blocks(128, 32, 8, 2)],
 }
-"""Besides launch.TILES: shapes that passed the static gate for bf16 when TILES were chosen;
+"""Besides tiles.TILES: shapes that passed the static gate for bf16 when TILES were chosen;
 each is built again before it is timed, and skipped where it spills or leaves wgmma."""
 SHAPES = {64: (4, 16, 2048, 64), 128: (1, 16, 2048, 128)}
 """(batch, heads, seq, head dim): GPT-3 350M's and Llama-2 7B's (TP 2) attention."""
@@ -82,23 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name()
     chosen, timings = {}, {}
     for (kernel, width), others in CANDIDATES.items():
-        best, best_ms = launch.TILES[kernel, width], None
-        for tiles in [launch.TILES[kernel, width], *others]:
-            launch.TILES[kernel, width] = tiles
+        best, best_ms = tiles.TILES[kernel, width], None
+        for candidate in [tiles.TILES[kernel, width], *others]:
+            tiles.TILES[kernel, width] = candidate
             failing = passes_the_gate(kernel, width)
             if failing:
-                print(kernel, width, tiles, "skipped:", *failing)
+                print(kernel, width, candidate, "skipped:", *failing)
                 continue
             try:
                 ms = time_call(width, args.repeats)
             except Exception as error:  # a candidate that fails to launch is skipped
-                print(kernel, width, tiles, "failed:", error)
+                print(kernel, width, candidate, "failed:", error)
                 continue
-            timings[f"{kernel}/{width}/{tiles}"] = ms
-            print(f"{kernel} {width} {tiles}: {ms:.3f} ms", flush=True)
+            timings[f"{kernel}/{width}/{candidate}"] = ms
+            print(f"{kernel} {width} {candidate}: {ms:.3f} ms", flush=True)
             if best_ms is None or ms < best_ms:
-                best, best_ms = tiles, ms
-        launch.TILES[kernel, width] = best
+                best, best_ms = candidate, ms
+        tiles.TILES[kernel, width] = best
         chosen[f"{kernel}/{width}"] = [
             best.block_m,
             best.block_n,

@@ -32,7 +32,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.flash import build as kernel_build
-from megatron_abft.flash import launch, sass
+from megatron_abft.flash import launch, sass, tiles
 
 ARCHS: dict[int, int] = {80: 166912, 90: 232448}
 """Compute capability -> the most shared memory a block may use there, in bytes (A100: 163 KiB,
@@ -43,7 +43,7 @@ checks with fault injection (faults=...), the checks with calibration
 (tools/flash_false_alarms.py). Only the first two are held to the gate's budgets; the others
 must build."""
 ATTENTION = {"_fwd_kernel": "forward", "_bwd_dkdv_kernel": "dkdv", "_bwd_dq_kernel": "dq"}
-"""The attention kernels' functions and launch.KERNELS names; every other launch is a helper
+"""The attention kernels' functions and tiles.KERNELS names; every other launch is a helper
 (Delta, the checksum vectors, the ledger's update)."""
 
 
@@ -52,7 +52,7 @@ class Case:
     """One call of the flash attention, forward and backward, whose launches are built."""
 
     dtype: str
-    """bfloat16 or float16 (launch.GPU_DTYPES)."""
+    """bfloat16 or float16 (tiles.GPU_DTYPES)."""
     head_dim: int
     causal: bool
     variant: str = "checked"
@@ -82,7 +82,7 @@ class Launch:
 
     @property
     def kernel(self) -> str:
-        """launch.KERNELS's name of an attention kernel, else the function's."""
+        """tiles.KERNELS's name of an attention kernel, else the function's."""
         return ATTENTION.get(self.name, self.name.strip("_").removesuffix("_kernel"))
 
     def get(self, name: str, default: object = None) -> object:
@@ -276,7 +276,7 @@ def compile_launch(case: Case, made: Launch, arch: int) -> Build:
     warps = made.get("num_warps")
     shared = compiled.metadata.shared
     loop = None
-    if made.kernel in launch.KERNELS and arch == 90:
+    if made.kernel in tiles.KERNELS and arch == 90:
         found = sass.main_loop(sass.disassemble(compiled.asm["cubin"], _tool("cuobjdump")))
         if found is not None:
             loop = sass.LoopMetrics.of(found, 32 * warps, made.get("BLOCK_M") * made.get("BLOCK_N"))
@@ -313,8 +313,8 @@ def production_cases(**shape) -> list[Case]:
     and unchecked."""
     return [
         Case(str(dtype).removeprefix("torch."), width, causal, variant, **shape)
-        for dtype in launch.GPU_DTYPES
-        for width in launch.HEAD_DIMS
+        for dtype in tiles.GPU_DTYPES
+        for width in tiles.HEAD_DIMS
         for causal in (False, True)
         for variant in ("checked", "unchecked")
     ]
@@ -325,14 +325,14 @@ def other_cases() -> list[Case]:
     and calibration, grouped-query attention, ragged lengths and a padded head dim."""
     cases = [
         Case(str(dtype).removeprefix("torch."), width, causal, variant)
-        for dtype in launch.GPU_DTYPES
-        for width in launch.HEAD_DIMS
+        for dtype in tiles.GPU_DTYPES
+        for width in tiles.HEAD_DIMS
         for causal in (False, True)
         for variant in ("inject", "calibrate")
     ]
     cases += [
         Case("bfloat16", width, True, variant, seq=1000, kv_heads=4)
-        for width in launch.HEAD_DIMS
+        for width in tiles.HEAD_DIMS
         for variant in ("checked", "unchecked")
     ]
     cases += [Case("bfloat16", 80, True, "checked", seq=513)]
@@ -357,7 +357,7 @@ def verdicts(builds: list[Build]) -> list[str]:
     for a flagged block, fault injection and calibration may spill, and sm_80 has no tiles of
     its own yet: they must build); for the production attention
     kernels on sm_90 (first launch, checked and unchecked), a main loop whose GEMMs are not all
-    wgmma, issue slots per element of S above launch.BUDGETS, and checks that add more slots or
+    wgmma, issue slots per element of S above tiles.BUDGETS, and checks that add more slots or
     registers than their budget, or cost CTAs per SM."""
     hot = [  # the launches that run every step: checked or not, sm_90, first launch
         b
@@ -377,13 +377,13 @@ def verdicts(builds: list[Build]) -> list[str]:
         (b.kernel, b.case.head_dim, b.case.dtype, b.case.causal, b.case.variant): b
         for b in builds
         if b.arch == 90
-        and b.kernel in launch.KERNELS
+        and b.kernel in tiles.KERNELS
         and b.case.variant in ("checked", "unchecked")
         and not b.launch.get("RETRY")
-        and b.case.head_dim in launch.HEAD_DIMS
+        and b.case.head_dim in tiles.HEAD_DIMS
     }
     for (kernel, width, dtype, causal, variant), b in production.items():
-        budget = launch.budget(kernel, width, getattr(torch, dtype))
+        budget = tiles.budget(kernel, width, getattr(torch, dtype))
         if b.loop is None:
             found.append(f"{name(b)}: no main loop with an MMA in its SASS")
             continue

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from megatron_abft.config import FLASH_SECTIONS, FORWARD_SECTIONS
-from megatron_abft.flash import checksums, launch
+from megatron_abft.flash import checksums, launch, tiles
 from megatron_abft.flash.faults import FlashFault, kernel_args
 from megatron_abft.flash.ledger import FlashLedger, record
 
@@ -145,7 +145,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
                 f"flash_attention: {name} must be a 4-d tensor [batch, heads, seq, head_dim], "
                 f"got {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
             )
-    if q.dtype not in launch.DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in tiles.DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(
             f"flash_attention: q, k and v must share one dtype of float32, bfloat16, float16; "
             f"got {q.dtype}, {k.dtype}, {v.dtype}"
@@ -155,7 +155,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"flash_attention: q, k, v on {q.device}, {k.device}, {v.device}; the kernels run "
             "on one CUDA device, or on CPU"
         )
-    if q.device.type == "cuda" and q.dtype not in launch.GPU_DTYPES:
+    if q.device.type == "cuda" and q.dtype not in tiles.GPU_DTYPES:
         raise ValueError(
             f"flash_attention: on a GPU the kernels take bfloat16 or float16, not {q.dtype} "
             "(they accumulate in fp32); cast q, k and v, or use the unfused attention"
@@ -174,7 +174,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
     if min(batch, heads, n_q, k.shape[2], dim) < 1:
         raise ValueError(f"flash_attention: empty input, q {tuple(q.shape)} k {tuple(k.shape)}")
-    launch.padded_head_dim(dim)
+    tiles.padded_head_dim(dim)
 
 
 def flash_attention(

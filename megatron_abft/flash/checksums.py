@@ -34,9 +34,8 @@ import triton.language as tl
 from torch import Tensor
 
 from megatron_abft.flash import build
+from megatron_abft.flash.tiles import WIDTH
 
-WIDTH = 16
-"""Columns of W: tl.dot's smallest N."""
 ROWS = 128
 """The LSE's and Delta's rows a head are padded to a multiple of this (every query tile
 divides it), so that the kernels read them past the end with no mask."""

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.faults import Injection, TensorFault, fill_value, flip_mask, locate
-from megatron_abft.flash.launch import blocks, padded_head_dim
+from megatron_abft.flash.tiles import blocks, padded_head_dim
 
 
 @dataclass(frozen=True)

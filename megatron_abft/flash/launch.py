@@ -1,6 +1,6 @@
-"""Launching the flash kernels: tile shapes, grids, the checksum vectors each launch needs, and
-the kernels' arguments, on CUDA tensors compiled and on CPU tensors interpreted
-(megatron_abft.flash.build)."""
+"""Launching the flash kernels: grids, the checksum vectors each launch needs, and the kernels'
+arguments, on CUDA tensors compiled and on CPU tensors interpreted (megatron_abft.flash.build);
+the tile shapes (megatron_abft.flash.tiles), tuned ones where a tuning file has them."""
 
 from __future__ import annotations
 
@@ -15,17 +15,8 @@ import torch
 import triton
 from torch import Tensor
 
-from megatron_abft.flash import build, checksums, kernels
-
-DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-"""Input dtypes the kernels take; they accumulate in fp32 whatever the input."""
-GPU_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-"""Input dtypes the kernels take on GPUs. fp32 operands would take 3xTF32 MMAs to keep the
-checks' fp32 bound, and no tile shape of those built without spilling registers when it was
-tried: fp32 runs in the interpreter only, as FlashAttention takes no fp32."""
-HEAD_DIMS: tuple[int, ...] = (64, 128)
-"""Head widths the kernels are built for; a narrower head is padded to the next."""
-KERNELS: tuple[str, ...] = ("forward", "dkdv", "dq")
+from megatron_abft.flash import build, checksums, kernels, tiles
+from megatron_abft.flash.tiles import Blocks, padded_head_dim
 
 TILE_C = {torch.float32: 64.0, torch.bfloat16: 64.0, torch.float16: 256.0}
 """The tile checks' bound is ``TILE_C[dtype] * threshold_scale * 2**-24 * mass`` (docs/abft.md
@@ -38,81 +29,9 @@ step, 136 units of 2**-24 over a 64-deep tile. Measured on an H200: fp16's clean
 46 units, 2 of 3.0 million backward tiles above 64; bf16's at most 3.8 (docs/benchmarks.md)."""
 
 
-@dataclass(frozen=True)
-class Blocks:
-    """The tile shape and launch options of one kernel."""
-
-    block_m: int
-    """Query rows a tile."""
-    block_n: int
-    """Key rows a tile."""
-    num_warps: int
-    num_stages: int
-    maxnreg: int | None = None
-    """Registers a thread ptxas may use (None: its own choice)."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What the static gate allows a production kernel on sm_90 (megatron_abft.flash.aot,
-    tests/flash/test_flash_gate.py), in its interior loop: issue slots per element of S with
-    the checks compiled out, what the checks may add to them, and the registers a thread the
-    checks may add (CTAs per SM must not drop, nothing may spill). The targets
-    (docs/benchmarks.md) are 10/14 (forward), 16/20 (dK/dV), 14/16 (dQ) slots at head dims
-    64/128, checks +2 forward and +4 backward, +32 registers; where a kernel does not reach one
-    yet, its budget is what it reaches."""
-
-    slots: float
-    checked: float
-    registers: int = 32
-
-
-TILES: dict[tuple[str, int], Blocks] = {
-    ("forward", 64): Blocks(128, 128, 8, 2),
-    ("forward", 128): Blocks(128, 128, 8, 2),
-    ("dkdv", 64): Blocks(64, 128, 8, 2),
-    ("dkdv", 128): Blocks(32, 128, 8, 2),
-    ("dq", 64): Blocks(128, 128, 8, 2),
-    ("dq", 128): Blocks(64, 64, 4, 2),
-}
-"""Tile shapes by kernel and head width, for bf16 and fp16 (the same for both), chosen from the
-checked and unchecked builds on sm_90 (``python -m tools.flash_sass``): every main GEMM on
-wgmma with M >= 64 a warpgroup, no spills, the checked kernel on as many CTAs an SM as the
-unchecked, the fewest issue slots. For dK/dV, block_m is the query block it streams and block_n
-the key block it holds; in dQ and the forward, block_m is the query block held. A tuning file
-(``tuned``) may replace them on a GPU."""
-FP16_TILES: dict[tuple[str, int], Blocks] = {("dkdv", 128): Blocks(16, 128, 8, 2)}
-"""fp16's own tiles where TILES spill for it: its checksum tiles carry a scale a tile (bf16's
-need none), whose loads in the loop take registers."""
-BUDGETS: dict[tuple[str, int], Budget] = {
-    ("forward", 64): Budget(10, 2, registers=64),
-    ("forward", 128): Budget(14, 2, registers=64),
-    ("dkdv", 64): Budget(16, 4, registers=80),
-    ("dkdv", 128): Budget(20, 5, registers=48),
-    ("dq", 64): Budget(14, 4, registers=72),
-    ("dq", 128): Budget(16, 4.2, registers=80),
-}
-"""The gate's budgets for TILES (sm_90, bf16 and fp16, causal or not)."""
-FP16_BUDGETS: dict[tuple[str, int], Budget] = {("dkdv", 128): Budget(25, 8.7, registers=64)}
-"""The budgets of FP16_TILES (dK's bound there adds a floor for subnormal P~, summed after the
-loop, and the loop holds dV's and dK's checksum tile across dP^T: registers, the kernel on one
-CTA an SM either way)."""
-
-
-def budget(kernel: str, head_dim: int, dtype: torch.dtype) -> Budget:
-    """The gate's budget for the tiles ``blocks`` gives."""
-    if dtype == torch.float16 and (kernel, head_dim) in FP16_BUDGETS:
-        return FP16_BUDGETS[kernel, head_dim]
-    return BUDGETS[kernel, head_dim]
-
-
-INTERPRETED = Blocks(64, 64, 4, 2)
-"""fp32's tiles: it runs in the interpreter only (GPU_DTYPES), where larger tiles run faster."""
-
-
 TUNED = Path(__file__).with_name("tuned_tiles.json")
 """bf16's tiles timed on GPUs by tools/flash_tune.py, by device name (``ABFT_FLASH_TILES`` names
-another file); where a device has none, TILES stand."""
+another file); where a device has none, tiles.TILES stand."""
 
 
 @functools.cache
@@ -132,30 +51,13 @@ def tuned(device_name: str) -> dict[tuple[str, int], Blocks]:
 def blocks(
     kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device | None = None
 ) -> Blocks:
-    """The tile shape ``kernel`` launches with for a padded ``head_dim`` and input ``dtype`` (bf16
-    on a CUDA ``device``: a tuned one where the tuning file has it)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown flash kernel {kernel!r}; choose from {', '.join(KERNELS)}")
-    if dtype not in GPU_DTYPES:
-        return INTERPRETED
-    if dtype == torch.float16 and (kernel, head_dim) in FP16_TILES:
-        return FP16_TILES[kernel, head_dim]
+    """The tile shape ``kernel`` launches with for a padded ``head_dim`` and input ``dtype``: a
+    tuned one for bf16 on a CUDA ``device`` where the tuning file has it, else tiles.blocks."""
     if device is not None and device.type == "cuda" and dtype == torch.bfloat16:
         found = tuned(torch.cuda.get_device_name(device)).get((kernel, head_dim))
         if found is not None:
             return found
-    return TILES[kernel, head_dim]
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The kernels' width for ``head_dim``: the smallest of HEAD_DIMS that holds it."""
-    for width in HEAD_DIMS:
-        if head_dim <= width:
-            return width
-    raise ValueError(
-        f"flash attention: head dim {head_dim} is above the largest the kernels take "
-        f"({HEAD_DIMS[-1]}); use the unfused attention (attention='unfused') for wider heads"
-    )
+    return tiles.blocks(kernel, head_dim, dtype)
 
 
 # --- launches --------------------------------------------------------------------------------
@@ -235,14 +137,14 @@ def forward(
     batch, heads, n_q, dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = padded_head_dim(dim)
-    tiles = blocks("forward", width, q.dtype, q.device)
+    tile = blocks("forward", width, q.dtype, q.device)
     o = torch.empty_like(q)
     rows = triton.cdiv(n_q, checksums.ROWS) * checksums.ROWS
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
     kc, _, vr = _key_value_sums(
-        k, v, tiles.block_n, width, checks.has(kernels.SCORES), False, checks.has(kernels.CONTEXT)
+        k, v, tile.block_n, width, checks.has(kernels.SCORES), False, checks.has(kernels.CONTEXT)
     )
-    grid = (triton.cdiv(n_q, tiles.block_m), batch * heads)
+    grid = (triton.cdiv(n_q, tile.block_m), batch * heads)
     # fmt: off
     _twice(
         build.for_device(kernels, q.device)._fwd_kernel, grid,
@@ -251,7 +153,7 @@ def forward(
         scale * math.log2(math.e), checks.tol, checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         heads, heads // kv_heads, n_q, n_k, dim, rows,
-        **_constants("forward", tiles, width, causal, checks, found, inject, q),
+        **_constants("forward", tile, width, causal, checks, found, inject, q),
     )
     # fmt: on
     return o, lse
@@ -276,10 +178,10 @@ def backward(
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = padded_head_dim(dim)
     module = build.for_device(kernels, q.device)
-    tiles = blocks("dkdv", width, q.dtype, q.device)
+    tile = blocks("dkdv", width, q.dtype, q.device)
     # Delta, its rounding (for sum dS = 0, grad_probs) and dK/dV's checksum tiles: one launch
     made = checksums.backward(
-        o, do, q, tiles.block_m, width,
+        o, do, q, tile.block_m, width,
         odo=checks.has(kernels.GRAD_PROBS),
         rows=checks.has(kernels.GRAD_V, kernels.GRAD_K),
         queries=checks.has(kernels.GRAD_K),
@@ -297,7 +199,7 @@ def backward(
     fault = _fault(inject, q.device)
     qk_scale = scale * math.log2(math.e)
     # fmt: off
-    grid = (triton.cdiv(n_k, tiles.block_n), batch * heads)
+    grid = (triton.cdiv(n_k, tile.block_n), batch * heads)
     _twice(
         module._bwd_dkdv_kernel, grid,
         q, k, v, do, lse, delta, dk_heads, dv_heads,
@@ -306,21 +208,21 @@ def backward(
         qk_scale, scale, checks.tol, checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk_heads.stride(),
         *dv_heads.stride(), heads, group, n_q, n_k, dim, rows,
-        **_constants("dkdv", tiles, width, causal, checks, found, inject, q),
+        **_constants("dkdv", tile, width, causal, checks, found, inject, q),
     )
     # fmt: on
     if group > 1:
         dk.copy_(dk_heads.view(batch, kv_heads, group, n_k, dim).sum(2))
         dv.copy_(dv_heads.view(batch, kv_heads, group, n_k, dim).sum(2))
-    tiles = blocks("dq", width, q.dtype, q.device)
+    tile = blocks("dq", width, q.dtype, q.device)
     # K's row sums check dQ; their largest row norm, with V's, bounds sum P = 1 and sum dS = 0
     identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
     _, kr, vr = _key_value_sums(
-        k, v, tiles.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
+        k, v, tile.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
         checks.has(kernels.GRAD_PROBS),
     )  # fmt: skip
     # fmt: off
-    grid = (triton.cdiv(n_q, tiles.block_m), batch * heads)
+    grid = (triton.cdiv(n_q, tile.block_m), batch * heads)
     _twice(
         module._bwd_dq_kernel, grid,
         q, k, v, do, lse, delta, odo, dq, *kr, vr[1], *found.arguments, fault,
@@ -328,7 +230,7 @@ def backward(
         qk_scale, scale, checks.tol, unit_roundoff(o.dtype), checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         heads, heads // kv_heads, n_q, n_k, dim, rows,
-        **_constants("dq", tiles, width, causal, checks, found, inject, q),
+        **_constants("dq", tile, width, causal, checks, found, inject, q),
     )
     # fmt: on
     return dq, dk, dv
@@ -404,7 +306,7 @@ def _key_value_sums(
 
 def _constants(
     kernel: str,
-    tiles: Blocks,
+    tile: Blocks,
     width: int,
     causal: bool,
     checks: Checks,
@@ -414,8 +316,8 @@ def _constants(
 ) -> dict:
     """A launch's constexprs and launch options."""
     return {
-        "BLOCK_M": tiles.block_m,
-        "BLOCK_N": tiles.block_n,
+        "BLOCK_M": tile.block_m,
+        "BLOCK_N": tile.block_n,
         "HEAD_DIM": width,
         "CAUSAL": causal,
         "DUE": checks.due & sum(1 << int(s) for s in KERNEL_SECTIONS[kernel]),
@@ -423,9 +325,9 @@ def _constants(
         "INJECT": inject is not None,
         "CALIBRATE": found.ratio is not None,
         "TMA": tma(q.device),
-        "num_warps": tiles.num_warps,
-        "num_stages": tiles.num_stages,
-        **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
+        "num_warps": tile.num_warps,
+        "num_stages": tile.num_stages,
+        **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     }
 
 

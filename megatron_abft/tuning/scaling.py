@@ -54,13 +54,14 @@ against tools/bench_overhead.py and reports predictions for common model shapes.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from itertools import combinations
+from pathlib import Path
 
 from megatron_abft.config import DTYPE_NAMES, FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
-from megatron_abft.flash.checksums import WIDTH
-from megatron_abft.flash.launch import GPU_DTYPES, blocks, padded_head_dim
+from megatron_abft.flash.tiles import GPU_DTYPES, WIDTH, blocks, padded_head_dim
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 UNFUSED = ("torch", "kernels", "apart", "fused")
@@ -320,73 +321,64 @@ class DeviceProfile:
         return amount / rate
 
 
-# Datasheet peaks (dense, no sparsity) at sustained fractions of 70% for GEMMs and 85% for memory;
-# ``launch`` is the minimum time of a small kernel (launches overlap execution on a busy GPU).
-# The flash kernels' rates at 70% too: CUDA-core ops at half the fp32 FLOP/s (an FMA is one op),
-# exp2 at 16 a clock an SM (H100 SXM: 3.9 T/s, FlashAttention-3; A100: 108 SMs at 1.41 GHz).
-DEVICES = {
-    "H100": DeviceProfile(
-        "H100 SXM",
-        {"bf16": 0.7 * 989e12, "fp16": 0.7 * 989e12, "fp32": 0.7 * 67e12},
-        0.85 * 3.35e12,
-        5e-6,
-        "datasheet x 0.7 (GEMM) / 0.85 (HBM3)",
-        check_ops=CHECK_KERNELS,
-        bias_ops=BIAS_KERNELS,
-        vector=0.7 * 67e12 / 2,
-        exp=0.7 * 3.9e12,
-    ),
-    "H200": DeviceProfile(
-        "H200 SXM",
-        {"bf16": 0.7 * 989e12, "fp16": 0.7 * 989e12, "fp32": 0.7 * 67e12},
-        0.85 * 4.8e12,
-        5e-6,
-        "datasheet x 0.7 (GEMM) / 0.85 (HBM3e)",
-        check_ops=CHECK_KERNELS,
-        bias_ops=BIAS_KERNELS,
-        vector=0.7 * 67e12 / 2,
-        exp=0.7 * 3.9e12,
-    ),
-    "A100": DeviceProfile(
-        "A100 80GB SXM",
-        {"bf16": 0.7 * 312e12, "fp16": 0.7 * 312e12, "fp32": 0.7 * 19.5e12},
-        0.85 * 2.04e12,
-        5e-6,
-        "datasheet x 0.7 (GEMM) / 0.85 (HBM2e)",
-        check_ops=CHECK_KERNELS,
-        bias_ops=BIAS_KERNELS,
-        vector=0.7 * 19.5e12 / 2,
-        exp=0.7 * 16 * 108 * 1.41e9,
-    ),
-    # The H200 as tools/bench_overhead.py measured it (GPT-3 350M, bf16, sequence 2048, micro-batch
-    # 1, unfused path; docs/figures/gpu/h200_bench_gpt3_350m_unfused.json, the medians of its
-    # micro-benchmarks, which tests/tuning/test_scaling.py holds these to): bf16 GEMMs at the
-    # model's size, an elementwise pass, an op's launch, a check's op with the Python around it, the
-    # kernels' read of S, the optimizer step, both softmaxes and the fused softmax's checks. The
-    # flash kernels' CUDA-core and exp2 rates are the datasheet's (no benchmark measures them).
-    "H200-measured": DeviceProfile(
-        "H200 SXM, measured",
-        {"bf16": 4.25750e14},
-        2.73067e12,
-        8.93888e-6,
-        "its micro-benchmarks in a run on an H200, 2026-11-26",
-        check_op=6.32255e-5,
-        optimizer_bandwidth=5.35630e12,
-        check_ops={"torch": 124, "kernels": 4, "fused": 3},  # the code it ran: ops, not launches
-        bias_ops=BIAS_KERNELS,
-        check_bandwidth=5.09760e11,
-        softmax={
-            "forward": 1.02715e-11,
-            "backward": 1.52469e-11,
-            "screen": 2.29516e-11,
-            "pass": 1.79520e-11,
-            "fused_softmax_forward": -1.49580e-12,
-            "fused_softmax_backward": 2.83180e-12,
-        },
-        vector=0.7 * 67e12 / 2,
-        exp=0.7 * 3.9e12,
-    ),
-}
+GEMM_SHARE, MEMORY_SHARE = 0.7, 0.85
+"""The fractions of a datasheet's peaks a device sustains: GEMMs and the flash kernels'
+CUDA-core and exp2 rates, and memory."""
+
+PROFILES = Path(__file__).with_name("devices.json")
+"""The device profiles, each with its provenance: ``datasheet`` ones by their dense peaks
+(``matmul_peak``, ``bandwidth_peak``, ``fp32_peak``, ``exp_peak``), ``measured`` ones by the
+rates a benchmark measured, and the flash rates of the datasheet profile ``flash_rates_of``."""
+
+
+_MEASURED_FIELDS = (
+    "name",
+    "matmul",
+    "bandwidth",
+    "launch",
+    "notes",
+    "check_op",
+    "optimizer_bandwidth",
+    "check_ops",
+    "check_bandwidth",
+    "softmax",
+)
+"""The rates a measured profile gives as they are."""
+
+
+def _profile(entry: dict, datasheets: dict[str, DeviceProfile]) -> DeviceProfile:
+    """A DeviceProfile from one entry of PROFILES: a datasheet's peaks at GEMM_SHARE and
+    MEMORY_SHARE, a launch a check (CHECK_KERNELS, BIAS_KERNELS), CUDA-core ops at half the fp32
+    FLOP/s (an FMA is one op); or a measured profile's rates as they are."""
+    if entry["source"] == "datasheet":
+        return DeviceProfile(
+            entry["name"],
+            {dtype: GEMM_SHARE * peak for dtype, peak in entry["matmul_peak"].items()},
+            MEMORY_SHARE * entry["bandwidth_peak"],
+            entry["launch"],
+            entry["notes"],
+            check_ops=CHECK_KERNELS,
+            bias_ops=BIAS_KERNELS,
+            vector=GEMM_SHARE * entry["fp32_peak"] / 2,
+            exp=GEMM_SHARE * entry["exp_peak"],
+        )
+    flash = datasheets[entry["flash_rates_of"]]
+    rates = {k: v for k, v in entry.items() if k in _MEASURED_FIELDS}
+    return DeviceProfile(**rates, bias_ops=BIAS_KERNELS, vector=flash.vector, exp=flash.exp)
+
+
+def _load_devices() -> dict[str, DeviceProfile]:
+    entries = json.loads(PROFILES.read_text())
+    devices = {k: _profile(e, {}) for k, e in entries.items() if e["source"] == "datasheet"}
+    for key, entry in entries.items():
+        if entry["source"] != "datasheet":
+            devices[key] = _profile(entry, devices)
+    return {key: devices[key] for key in entries}
+
+
+DEVICES: dict[str, DeviceProfile] = _load_devices()
+"""The device profiles of PROFILES, by key: H100, H200 and A100 from their datasheets, and
+H200-measured from a run on an H200."""
 
 
 # --- baseline work --------------------------------------------------------------------------
@@ -503,7 +495,7 @@ FLASH_KERNELS = {
     "dkdv": FlashKernel(4, 9, 2, 2),
     "dq": FlashKernel(3, 8, 1, 1),
 }
-"""By launch.KERNELS. The forward: S = Q K^T and P~ V; S scaled, masked (compare, and, where),
+"""By tiles.KERNELS. The forward: S = Q K^T and P~ V; S scaled, masked (compare, and, where),
 its row max, the shift, P's row sum and its cast; O rescaled as it accumulates. dK/dV: S^T,
 dV += P^T dO, dP^T = V dO^T, dK += dS^T Q; the scale and LSE (an FMA), the mask (two ands, a
 compare, where), P's cast, dS = P (dP - Delta) and its cast; dK and dV accumulate. dQ: S,
@@ -546,7 +538,7 @@ class _FlashShape:
     seq: int
     head_dim: int
     width: int
-    """head_dim padded as the kernels pad it (launch.padded_head_dim)."""
+    """head_dim padded as the kernels pad it (tiles.padded_head_dim)."""
     dtype: str
 
     @classmethod

@@ -3,7 +3,7 @@ pattern. A transient fault gives the clean run's output and gradients, bit for b
 detection and one correction in its section, nothing elsewhere; a persistent one is counted
 uncorrectable in its section. Triton's interpreter, one (batch, head). The whole matrix runs at
 small tiles (SMALL), so that at 80 tokens every section's matrix spans several tiles both ways;
-a case of every section and kind runs again at the production tiles (launch.TILES), over 300
+a case of every section and kind runs again at the production tiles (tiles.TILES), over 300
 tokens. One element's faults run with every section checked (what a fault upsets downstream
 counts once, where it began); the wider patterns with their own section alone, which halves
 their time in the interpreter."""
@@ -14,15 +14,15 @@ from flash_cases import inputs, run
 
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.faults import FAULT_KINDS, TensorFault
-from megatron_abft.flash import FlashFault, launch
+from megatron_abft.flash import FlashFault, tiles
 from megatron_abft.flash.faults import first_computations
 
 SEQ, DIM, DTYPE = 80, 64, torch.bfloat16
 ROW = 64  # a tile's first row for the small tiles (32, 64)
 SMALL = {
-    ("forward", 64): launch.Blocks(64, 32, 4, 1),
-    ("dkdv", 64): launch.Blocks(32, 64, 4, 1),
-    ("dq", 64): launch.Blocks(64, 32, 4, 1),
+    ("forward", 64): tiles.Blocks(64, 32, 4, 1),
+    ("dkdv", 64): tiles.Blocks(32, 64, 4, 1),
+    ("dq", 64): tiles.Blocks(64, 32, 4, 1),
 }
 PATTERNS = {
     "0d": dict(pattern="0d", position=(70, 5)),
@@ -46,7 +46,7 @@ def case(small_case, monkeypatch):
     """Inputs, the clean run, and the first computation of each section's matrix in float64
     (for kind 'value': a finite error of one RMS of its neighbourhood), at the small tiles,
     which the test runs at too."""
-    monkeypatch.setattr(launch, "TILES", {**launch.TILES, **SMALL})
+    monkeypatch.setattr(tiles, "TILES", {**tiles.TILES, **SMALL})
     return small_case
 
 
@@ -56,10 +56,10 @@ def long_case():
     return _case(LONG, {})
 
 
-def _case(seq, tiles):
+def _case(seq, extra):
     q, k, v, do = inputs(1, 1, 1, seq, DIM, DTYPE, seed=11)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launch, "TILES", {**launch.TILES, **tiles})
+        patch.setattr(tiles, "TILES", {**tiles.TILES, **extra})
         clean, ledger = run(q, k, v, do)
     assert ledger.counts.sum() == 0
     return q, k, v, do, clean, first_computations(q, k, v, do)

@@ -2,7 +2,7 @@
 production kernel built for sm_90 on this CPU machine as the launcher specialises it, its SASS
 read. None spills or has ptxas serialise its wgmma; every GEMM of its main loop is a wgmma; its
 issue slots per element of S, and what the checks add to them and to its registers, stay within
-launch.BUDGETS; the checks cost no CTA per SM. What else the flash path launches builds too: the
+tiles.BUDGETS; the checks cost no CTA per SM. What else the flash path launches builds too: the
 second (RETRY) launches, fault injection and calibration, grouped-query attention with ragged
 lengths, a padded head dim, and sm_80. The builds run two at a time: about three minutes on the
 2-core CI machine with Triton's cache cold."""
@@ -10,7 +10,7 @@ lengths, a padded head dim, and sm_80. The builds run two at a time: about three
 import pytest
 import torch
 
-from megatron_abft.flash import aot, launch, sass
+from megatron_abft.flash import aot, launch, sass, tiles
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -50,7 +50,7 @@ def test_the_launches_are_specialised_as_the_launcher_does():
     made = {m.name: m for _, m in aot.launches([case])}
     forward = made["_fwd_kernel"]
     assert (
-        forward.get("GROUP") == 1 and forward.get("BLOCK_M") == launch.TILES["forward", 64].block_m
+        forward.get("GROUP") == 1 and forward.get("BLOCK_M") == tiles.TILES["forward", 64].block_m
     )
     names = forward.signature
     attrs = dict(forward.attrs)
@@ -66,9 +66,9 @@ def test_every_production_kernel_is_within_its_budget():
     jobs = [
         (case, made, 90)
         for case, made in aot.launches(aot.production_cases())
-        if made.kernel in launch.KERNELS and not made.get("RETRY")
+        if made.kernel in tiles.KERNELS and not made.get("RETRY")
     ]
-    assert len(jobs) == len(launch.KERNELS) * len(launch.HEAD_DIMS) * 2 * 2 * 2
+    assert len(jobs) == len(tiles.KERNELS) * len(tiles.HEAD_DIMS) * 2 * 2 * 2
     builds = aot.build_all(jobs, workers=2)
     assert aot.verdicts(builds) == []
     for b in builds:
@@ -89,10 +89,10 @@ def test_what_else_the_flash_path_launches_builds():
     jobs += [
         (case, made, 80)
         for case, made in aot.launches([aot.Case("bfloat16", 64, True)], 80)
-        if made.kernel in launch.KERNELS and not made.get("RETRY")
+        if made.kernel in tiles.KERNELS and not made.get("RETRY")
     ]
     builds = aot.build_all(jobs, workers=2)
-    assert {b.kernel for b in builds} >= {*launch.KERNELS, "backward", "running", "sums", "record"}
+    assert {b.kernel for b in builds} >= {*tiles.KERNELS, "backward", "running", "sums", "record"}
     assert any(b.launch.get("RETRY") for b in builds) and any(b.arch == 80 for b in builds)
     assert aot.verdicts(builds) == []
 
@@ -116,16 +116,16 @@ def test_interpreted_launches_leave_the_compiler_as_they_found_it():
     assert aot.compile_launch(case, record, 90).registers > 0
 
 
-@pytest.mark.parametrize("kernel", launch.KERNELS)
+@pytest.mark.parametrize("kernel", tiles.KERNELS)
 def test_the_tiles_are_those_the_launches_take(kernel):
-    for width in launch.HEAD_DIMS:
-        assert launch.blocks(kernel, width, torch.bfloat16) == launch.TILES[kernel, width]
-        tiles = launch.blocks(kernel, width, torch.float16)
-        assert tiles == launch.FP16_TILES.get((kernel, width), launch.TILES[kernel, width])
+    for width in tiles.HEAD_DIMS:
+        assert launch.blocks(kernel, width, torch.bfloat16) == tiles.TILES[kernel, width]
+        tile = launch.blocks(kernel, width, torch.float16)
+        assert tile == tiles.FP16_TILES.get((kernel, width), tiles.TILES[kernel, width])
         held, streamed = (
-            (tiles.block_n, tiles.block_m) if kernel == "dkdv" else (tiles.block_m, tiles.block_n)
+            (tile.block_n, tile.block_m) if kernel == "dkdv" else (tile.block_m, tile.block_n)
         )
         assert held % streamed == 0  # the causal diagonal is whole tiles
-    assert launch.blocks(kernel, 64, torch.float32) == launch.INTERPRETED
+    assert launch.blocks(kernel, 64, torch.float32) == tiles.INTERPRETED
     with pytest.raises(ValueError, match="unknown flash kernel 'fwd'"):
         launch.blocks("fwd", 64, torch.bfloat16)

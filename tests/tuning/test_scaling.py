@@ -822,7 +822,7 @@ def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtyp
 
 def launch_tiles(kernel: str, dtype) -> int:
     """The rows of the tiles ``kernel``'s checksum tiles are made for (launch.blocks)."""
-    from megatron_abft.flash.launch import blocks
+    from megatron_abft.flash.tiles import blocks
 
     tiles = blocks(kernel, 64, dtype)
     return tiles.block_m if kernel == "dkdv" else tiles.block_n
@@ -861,11 +861,11 @@ def test_the_flash_baseline_computes_what_its_kernels_do_with_no_n2_bytes():
     diagonal), 2 tile GEMMs forward and 7 backward (3.5x, S and dP in both backward kernels), an
     exp2 a kernel, the elementwise ops and accumulators of FLASH_KERNELS; and bytes linear in
     the sequence, where the unfused attention's S (and its softmax) grows with its square."""
-    from megatron_abft.flash.launch import blocks
+    from megatron_abft.flash.tiles import blocks
 
     shape = ModelShape("m", 2, 256, 4, 1024, 1000, seq=512, micro_batch=2)  # head dim 64
     work = flash_baseline(shape)
-    assert list(work) == list(FLASH_KERNELS) == ["forward", "dkdv", "dq"]  # launch.KERNELS
+    assert list(work) == list(FLASH_KERNELS) == ["forward", "dkdv", "dq"]  # tiles.KERNELS
     matrices, width = shape.micro_batch * shape.heads, 64
     for kernel, w in work.items():
         tiles = blocks(kernel, width, torch.bfloat16)
@@ -907,7 +907,7 @@ def test_the_flash_baseline_computes_what_its_kernels_do_with_no_n2_bytes():
 def _kernel_tiles(shape: ModelShape, kernel: str) -> tuple[float, int]:
     """Elements of S ``kernel`` computes for ``shape`` (TP 1, head dim padded to 64, bf16) and
     the side of the tiles its programs loop over."""
-    from megatron_abft.flash.launch import blocks
+    from megatron_abft.flash.tiles import blocks
 
     t = blocks(kernel, 64, torch.bfloat16)
     side, loop = (t.block_n, t.block_m) if kernel == "dkdv" else (t.block_m, t.block_n)
@@ -969,7 +969,7 @@ def test_the_flash_checks_cost_less_as_head_dim_grows_whatever_the_tiles(monkeyp
     reference of a P or dS tile is 16 / head_dim of its GEMM), and hardly moves with the tiles'
     side: the checks of S and dP and every comparison run once a program, not once a tile.
     Tiles of one side for every kernel."""
-    from megatron_abft.flash.launch import Blocks
+    from megatron_abft.flash.tiles import Blocks
     from megatron_abft.tuning import scaling
 
     device = DEVICES["H100"]
@@ -1031,6 +1031,37 @@ def test_the_flash_path_predicts_every_section_and_its_shared_work_once_a_step()
         predict(replace(shape, dtype="fp32"), device, "flash")
     with pytest.raises(ValueError, match="no vector rate"):
         predict(shape, DeviceProfile("cpu", {"bf16": 1e12}, 1e10, 1e-5), "flash")
+
+
+def test_the_model_and_its_tiles_import_no_triton():
+    """The overhead model reads the flash kernels' tile table (megatron_abft.flash.tiles) and its
+    device profiles (devices.json) without importing Triton, which the launcher needs."""
+    code = (
+        "import sys; import megatron_abft.tuning.scaling, megatron_abft.flash.tiles; "
+        "print('triton' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_every_device_profile_says_where_its_rates_come_from():
+    """devices.json: a datasheet profile gives its dense peaks, which the model takes at
+    GEMM_SHARE and MEMORY_SHARE; a measured one its rates as measured, the flash rates of a
+    datasheet profile; each names its source. DEVICES holds one profile an entry, in order."""
+    from megatron_abft.tuning.scaling import GEMM_SHARE, MEMORY_SHARE, PROFILES
+
+    entries = json.loads(PROFILES.read_text())
+    assert list(DEVICES) == list(entries)
+    for key, entry in entries.items():
+        assert entry["source"] in ("datasheet", "measured") and len(entry["provenance"]) > 40
+        profile = DEVICES[key]
+        if entry["source"] == "datasheet":
+            assert profile.matmul["bf16"] == GEMM_SHARE * entry["matmul_peak"]["bf16"]
+            assert profile.bandwidth == MEMORY_SHARE * entry["bandwidth_peak"]
+        else:
+            assert profile.matmul == entry["matmul"] and profile.bandwidth == entry["bandwidth"]
+            flash = DEVICES[entry["flash_rates_of"]]
+            assert (profile.vector, profile.exp) == (flash.vector, flash.exp)
 
 
 def test_gpu_profiles_price_cuda_core_ops_and_exponentials():

@@ -1,0 +1,117 @@
+"""The flash kernels' tile shapes and the static gate's budgets, by kernel, head width and
+dtype: plain data, without Triton, which the launcher (megatron_abft.flash.launch), the gate
+(megatron_abft.flash.aot) and the overhead model (megatron_abft.tuning.scaling) read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+"""Input dtypes the kernels take; they accumulate in fp32 whatever the input."""
+GPU_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+"""Input dtypes the kernels take on GPUs. fp32 operands would take 3xTF32 MMAs to keep the
+checks' fp32 bound, and no tile shape of those built without spilling registers when it was
+tried: fp32 runs in the interpreter only, as FlashAttention takes no fp32."""
+HEAD_DIMS: tuple[int, ...] = (64, 128)
+"""Head widths the kernels are built for; a narrower head is padded to the next."""
+KERNELS: tuple[str, ...] = ("forward", "dkdv", "dq")
+
+WIDTH = 16
+"""Columns of a checksum tile W (megatron_abft.flash.checksums): tl.dot's smallest N."""
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The tile shape and launch options of one kernel."""
+
+    block_m: int
+    """Query rows a tile."""
+    block_n: int
+    """Key rows a tile."""
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None = None
+    """Registers a thread ptxas may use (None: its own choice)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the static gate allows a production kernel on sm_90 (megatron_abft.flash.aot,
+    tests/flash/test_flash_gate.py), in its interior loop: issue slots per element of S with
+    the checks compiled out, what the checks may add to them, and the registers a thread the
+    checks may add (CTAs per SM must not drop, nothing may spill). The targets
+    (docs/benchmarks.md) are 10/14 (forward), 16/20 (dK/dV), 14/16 (dQ) slots at head dims
+    64/128, checks +2 forward and +4 backward, +32 registers; where a kernel does not reach one
+    yet, its budget is what it reaches."""
+
+    slots: float
+    checked: float
+    registers: int = 32
+
+
+TILES: dict[tuple[str, int], Blocks] = {
+    ("forward", 64): Blocks(128, 128, 8, 2),
+    ("forward", 128): Blocks(128, 128, 8, 2),
+    ("dkdv", 64): Blocks(64, 128, 8, 2),
+    ("dkdv", 128): Blocks(32, 128, 8, 2),
+    ("dq", 64): Blocks(128, 128, 8, 2),
+    ("dq", 128): Blocks(64, 64, 4, 2),
+}
+"""Tile shapes by kernel and head width, for bf16 and fp16 (the same for both), chosen from the
+checked and unchecked builds on sm_90 (``python -m tools.flash_sass``): every main GEMM on
+wgmma with M >= 64 a warpgroup, no spills, the checked kernel on as many CTAs an SM as the
+unchecked, the fewest issue slots. For dK/dV, block_m is the query block it streams and block_n
+the key block it holds; in dQ and the forward, block_m is the query block held. A tuning file
+(``tuned``) may replace them on a GPU."""
+FP16_TILES: dict[tuple[str, int], Blocks] = {("dkdv", 128): Blocks(16, 128, 8, 2)}
+"""fp16's own tiles where TILES spill for it: its checksum tiles carry a scale a tile (bf16's
+need none), whose loads in the loop take registers."""
+BUDGETS: dict[tuple[str, int], Budget] = {
+    ("forward", 64): Budget(10, 2, registers=64),
+    ("forward", 128): Budget(14, 2, registers=64),
+    ("dkdv", 64): Budget(16, 4, registers=80),
+    ("dkdv", 128): Budget(20, 5, registers=48),
+    ("dq", 64): Budget(14, 4, registers=72),
+    ("dq", 128): Budget(16, 4.2, registers=80),
+}
+"""The gate's budgets for TILES (sm_90, bf16 and fp16, causal or not)."""
+FP16_BUDGETS: dict[tuple[str, int], Budget] = {("dkdv", 128): Budget(25, 8.7, registers=64)}
+"""The budgets of FP16_TILES (dK's bound there adds a floor for subnormal P~, summed after the
+loop, and the loop holds dV's and dK's checksum tile across dP^T: registers, the kernel on one
+CTA an SM either way)."""
+
+
+def budget(kernel: str, head_dim: int, dtype: torch.dtype) -> Budget:
+    """The gate's budget for the tiles ``blocks`` gives."""
+    if dtype == torch.float16 and (kernel, head_dim) in FP16_BUDGETS:
+        return FP16_BUDGETS[kernel, head_dim]
+    return BUDGETS[kernel, head_dim]
+
+
+INTERPRETED = Blocks(64, 64, 4, 2)
+"""fp32's tiles: it runs in the interpreter only (GPU_DTYPES), where larger tiles run faster."""
+
+
+def blocks(kernel: str, head_dim: int, dtype: torch.dtype) -> Blocks:
+    """The tile shape of ``kernel`` for a padded ``head_dim`` and input ``dtype`` (before any
+    tuning file, launch.blocks)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown flash kernel {kernel!r}; choose from {', '.join(KERNELS)}")
+    if dtype not in GPU_DTYPES:
+        return INTERPRETED
+    if dtype == torch.float16 and (kernel, head_dim) in FP16_TILES:
+        return FP16_TILES[kernel, head_dim]
+    return TILES[kernel, head_dim]
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' width for ``head_dim``: the smallest of HEAD_DIMS that holds it."""
+    for width in HEAD_DIMS:
+        if head_dim <= width:
+            return width
+    raise ValueError(
+        f"flash attention: head dim {head_dim} is above the largest the kernels take "
+        f"({HEAD_DIMS[-1]}); use the unfused attention (attention='unfused') for wider heads"
+    )
