@@ -142,6 +142,20 @@ def test_the_tables_count_the_trials_and_the_vulnerability_file_loads(tmp_path):
     assert set(intervals) == {"qkv", "scores", "context", "proj"}
 
 
+def test_outputs_go_to_out_unless_the_docs_are_asked_for(tmp_path):
+    """A campaign writes to out/fault_campaign/; --update-docs to the files docs/ publishes; a
+    path given by its own flag wins either way."""
+    from tools.campaign_plan import DOCS, OUT, ROOT
+
+    for flags, home in (([], OUT), (["--update-docs"], DOCS)):
+        args = fc.parse_args(flags)
+        assert {name: Path(getattr(args, name)) for name in home} == home
+    assert all(ROOT / "out" in path.parents for path in OUT.values())
+    assert all(ROOT / "docs" in path.parents for path in DOCS.values())
+    mine = tmp_path / "trials.jsonl"
+    assert fc.parse_args(["--update-docs", "--results", str(mine)]).results == mine
+
+
 def test_bad_flags_name_the_value_and_the_fix(capsys):
     with pytest.raises(SystemExit):
         fc.parse_args(["--kinds", "inf,infinity"])

@@ -86,6 +86,15 @@ def test_a_tiny_measurement_fills_every_row(tmp_path):
     assert all(m in doc.read_text() for m in METHODS) and "--reps 2" in doc.read_text()
 
 
+def test_outputs_go_to_out_unless_the_docs_are_asked_for():
+    """The study writes to out/recovery_cost/; --update-docs to the files docs/ publishes."""
+    for flags, home in (([], rc.OUT), (["--update-docs"], rc.DOCS)):
+        args = rc.parse_args(flags)
+        assert {name: Path(getattr(args, name)) for name in home} == home
+    assert all(rc.SCRATCH in path.parents for path in rc.OUT.values())
+    assert all(rc.ROOT / "docs" in path.parents for path in rc.DOCS.values())
+
+
 def test_bad_intervals_name_the_fix(capsys):
     with pytest.raises(SystemExit):
         rc.parse_args(["--intervals", "1,x"])

@@ -19,11 +19,23 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
 CORPUS = ROOT / "out" / "fault_campaign" / "corpus" / "tiny_corpus"
 LOGS = ROOT / "out" / "fault_campaign" / "logs"
-DEFAULT_RESULTS = ROOT / "docs" / "figures" / "campaign_trials.jsonl"
 DEFAULT_DOC = ROOT / "docs" / "fault-campaign.md"
-DEFAULT_FIGURE = ROOT / "docs" / "figures" / "campaign.png"
-DEFAULT_VULNERABILITY = ROOT / "docs" / "figures" / "vulnerability.json"
-DEFAULT_SUMMARY = ROOT / "docs" / "figures" / "campaign_summary.json"
+DOCS = {
+    "results": ROOT / "docs" / "figures" / "campaign_trials.jsonl",
+    "doc": DEFAULT_DOC,
+    "figure": ROOT / "docs" / "figures" / "campaign.png",
+    "vulnerability": ROOT / "docs" / "figures" / "vulnerability.json",
+    "summary": ROOT / "docs" / "figures" / "campaign_summary.json",
+}
+"""The campaign's files where the docs keep them (``--update-docs``)."""
+OUT = {
+    "results": ROOT / "out" / "fault_campaign" / "campaign_trials.jsonl",
+    "doc": ROOT / "out" / "fault_campaign" / "fault-campaign.md",
+    "figure": ROOT / "out" / "fault_campaign" / "campaign.png",
+    "vulnerability": ROOT / "out" / "fault_campaign" / "vulnerability.json",
+    "summary": ROOT / "out" / "fault_campaign" / "campaign_summary.json",
+}
+"""The campaign's files otherwise: out/ holds what a run makes, docs/ what was published."""
 
 SECTIONS = tuple(s for s in MODEL_SECTIONS if s not in BACKWARD_SECTIONS)
 """The fault sections of the unfused attention (megatron_abft.faults.MODEL_SECTIONS), in the

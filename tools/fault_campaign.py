@@ -45,13 +45,10 @@ from pathlib import Path
 from megatron_abft.ops import compiled
 from tools.campaign_plan import (
     CORPUS,
-    DEFAULT_DOC,
-    DEFAULT_FIGURE,
-    DEFAULT_RESULTS,
-    DEFAULT_SUMMARY,
-    DEFAULT_VULNERABILITY,
+    DOCS,
     KINDS,
     LOGS,
+    OUT,
     PATTERNS,
     POLICIES,
     SECTIONS,
@@ -106,19 +103,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help="fault sections to cover")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to cover")
     p.add_argument("--patterns", default=",".join(PATTERNS), help="fault patterns to cover")
-    p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="the trials (JSONL)")
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="results, report, figure and JSON where the docs keep them (docs/fault-campaign.md, "
+        "docs/figures/); without it they go to out/fault_campaign/",
+    )
+    p.add_argument("--results", type=Path, help="the trials (JSONL)")
     p.add_argument("--restart", action="store_true", help="discard the results file first")
     p.add_argument("--report-only", action="store_true", help="only remake the report")
-    p.add_argument("--doc", default=str(DEFAULT_DOC), help="markdown to update ('' = none)")
-    p.add_argument("--figure", default=str(DEFAULT_FIGURE), help="PNG figure ('' = none)")
-    p.add_argument(
-        "--vulnerability", default=str(DEFAULT_VULNERABILITY), help="JSON for the optimizer"
-    )
-    p.add_argument("--summary", default=str(DEFAULT_SUMMARY), help="JSON of the tables")
+    p.add_argument("--doc", help="markdown to update ('' = none)")
+    p.add_argument("--figure", help="PNG figure ('' = none)")
+    p.add_argument("--vulnerability", help="JSON for the optimizer ('' = none)")
+    p.add_argument("--summary", help="JSON of the tables ('' = none)")
     p.add_argument("--corpus", type=Path, default=CORPUS, help="indexed dataset prefix")
     p.add_argument("--worker-plan", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.launch_flags = launch_flags
+    home = DOCS if args.update_docs else OUT
+    for name, path in home.items():  # a path given wins
+        if getattr(args, name) is None:
+            setattr(args, name, path if name == "results" else str(path))
     if args.worker_plan:
         return args
     problems = []
@@ -262,7 +267,9 @@ def _flags_of(settings: Settings, args: argparse.Namespace) -> str:
     for name in ("sections", "kinds", "patterns"):
         if tuple(getattr(settings, name)) != tuple(getattr(defaults, name)):
             flags.append(f"--{name} {','.join(getattr(settings, name))}")
-    if args.results != DEFAULT_RESULTS:
+    if args.update_docs:
+        flags.append("--update-docs")
+    if args.results != (DOCS if args.update_docs else OUT)["results"]:
         flags.append(f"--results {rel(args.results)}")
     if settings.launch_flags:
         flags.append("-- " + " ".join(settings.launch_flags))

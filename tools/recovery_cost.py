@@ -45,9 +45,19 @@ from tools.campaign_plan import CORPUS, DEFAULT_DOC, ROOT, Settings, rel
 from tools.campaign_report import replace_block
 from tools.fault_campaign import split_launch_flags
 
-DEFAULT_JSON = ROOT / "docs" / "figures" / "recovery_cost.json"
-DEFAULT_FIGURE = ROOT / "docs" / "figures" / "recovery_cost.png"
 SCRATCH = ROOT / "out" / "recovery_cost"
+DOCS = {
+    "json": ROOT / "docs" / "figures" / "recovery_cost.json",
+    "doc": DEFAULT_DOC,
+    "figure": ROOT / "docs" / "figures" / "recovery_cost.png",
+}
+"""The study's files where the docs keep them (``--update-docs``)."""
+OUT = {
+    "json": SCRATCH / "recovery_cost.json",
+    "doc": SCRATCH / "fault-campaign.md",
+    "figure": SCRATCH / "recovery_cost.png",
+}
+"""Its files otherwise: out/ holds what a run makes, docs/ what was published."""
 BEGIN, END = "<!-- recovery:begin -->", "<!-- recovery:end -->"
 
 FAULTS = (
@@ -337,7 +347,9 @@ def rows(result: dict, intervals: tuple[int, ...]) -> tuple[list[dict], dict]:
     return out, {"basis": basis, "basis_name": basis_name, "medians": t, "attnchecker": attn}
 
 
-def markdown(result: dict, intervals: tuple[int, ...], command: str) -> tuple[str, dict]:
+def markdown(
+    result: dict, intervals: tuple[int, ...], command: str, json_path: str
+) -> tuple[str, dict]:
     table, extra = rows(result, intervals)
     t = extra["medians"]
     model = result["model"]
@@ -373,7 +385,7 @@ def markdown(result: dict, intervals: tuple[int, ...], command: str) -> tuple[st
         f"{_ms(attn['save_plus_load'])} here: {attn['in_steps']:.1f} training steps and "
         f"{attn['ratio']:,.0f}x (a).",
         "",
-        f"Made by `{command}` (numbers: `{rel(DEFAULT_JSON)}`).",
+        f"Made by `{command}` (numbers: `{json_path}`).",
     ]
     return "\n".join(lines), {"rows": table, **extra}
 
@@ -422,9 +434,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-reps", type=int, default=5, help="checkpoint saves and loads timed")
     p.add_argument("--warmup", type=int, default=5, help="training steps before timing")
     p.add_argument("--intervals", default="1,100", help="checkpoint/snapshot intervals, steps")
-    p.add_argument("--json", default=str(DEFAULT_JSON), help="numbers ('' = none)")
-    p.add_argument("--doc", default=str(DEFAULT_DOC), help="markdown ('' = none)")
-    p.add_argument("--figure", default=str(DEFAULT_FIGURE), help="PNG ('' = none)")
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="numbers, table and figure where the docs keep them (docs/fault-campaign.md, "
+        "docs/figures/); without it they go to out/recovery_cost/",
+    )
+    p.add_argument("--json", help="numbers ('' = none)")
+    p.add_argument("--doc", help="markdown ('' = none)")
+    p.add_argument("--figure", help="PNG ('' = none)")
     p.add_argument("--corpus", type=Path, default=CORPUS, help="indexed dataset prefix")
     p.add_argument(
         "--report-only", action="store_true", help="remake the table from --json, no measuring"
@@ -432,6 +450,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-options", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.launch_flags = launch_flags
+    for name, path in (DOCS if args.update_docs else OUT).items():  # a path given wins
+        if getattr(args, name) is None:
+            setattr(args, name, str(path))
     if args.worker_options:
         return args
     for name in ("reps", "ckpt_reps"):
@@ -513,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         if result is None:
             return 1
         intervals, command = args.intervals, "python -m tools.recovery_cost" + _flags_of(args)
-    text, numbers = markdown(result, intervals, command)
+    text, numbers = markdown(result, intervals, command, rel(Path(args.json)) if args.json else "")
     result.update(numbers, intervals=list(intervals), command=command)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -537,6 +558,8 @@ def _flags_of(args: argparse.Namespace) -> str:
     ]
     if args.intervals != defaults.intervals:
         flags.append(f"--intervals {','.join(map(str, args.intervals))}")
+    if args.update_docs:
+        flags.append("--update-docs")
     if args.launch_flags:
         flags.append("-- " + " ".join(args.launch_flags))
     return "".join(" " + f for f in flags)
