@@ -25,6 +25,8 @@ import resource
 import socket
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -121,14 +123,12 @@ def _small_scores_check(device: torch.device, m: int, k: int, alpha: float, sync
 
 
 def check_cost(device: torch.device, reps: int = 200) -> tuple[int, float]:
-    """The tensor ops one clean check launches (counted by torch.profiler) and the time of one
-    such op, eager dispatch and the Python around it included: a guard checking a tiny batched
-    GEMM, whose time is all op overhead. With the default ABFTConfig.sync_free (by device)."""
+    """The host's calls of one clean check (tensor ops, counted by torch.profiler, and the CPU's
+    screen alone, compiled.screen_passes) and the time of one such call, eager dispatch and the
+    Python around it included: a guard checking a tiny batched GEMM, whose time is all call
+    overhead. With the default ABFTConfig.sync_free (by device)."""
     check = _small_scores_check(device, 16, 8, 1.0, sync_free=None)
-    cpu = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
-        check()
-    ops = count_ops(profile)
+    ops = calls(check)
     timer = Timer(device.type == "cuda")
     begin = timer.start()
     for _ in range(reps):
@@ -149,10 +149,7 @@ def bias_ops(device: torch.device) -> int:
         y = x @ w.t() + (0 if bias is None else bias)
         for _ in range(3):  # the checker is chosen after the first
             guard.check(y, operands)
-        cpu = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
-            guard.check(y, operands)
-        counted.append(count_ops(profile))
+        counted.append(calls(partial(guard.check, y, operands)))
     return counted[1] - counted[0]
 
 
@@ -227,10 +224,26 @@ def check_dot_cost(args, device: torch.device, matmul: float) -> float | None:
     return max(seconds, 0.0) / dots
 
 
-def count_ops(profile) -> int:
-    """Top-level operators of a torch.profiler run (aten ops and the extension's; the ops they
-    call are not counted)."""
-    return sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
+def calls(run: Callable[[], object]) -> int:
+    """The host's calls into compiled code of one ``run``: its top-level operators as
+    torch.profiler counts them (aten ops and the extension's; the ops they call are not
+    counted), and its calls of compiled.screen_passes, which is no op."""
+    screens = 0
+    screen_passes = compiled.screen_passes
+
+    def counted(*args):
+        nonlocal screens
+        screens += 1
+        return screen_passes(*args)
+
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    compiled.screen_passes = counted
+    try:
+        with torch.profiler.profile(activities=cpu, acc_events=True) as profile:
+            run()
+    finally:
+        compiled.screen_passes = screen_passes
+    return screens + sum(1 for e in profile.events() if e.cpu_parent is None and "::" in e.name)
 
 
 def softmax_costs(module, args, device: torch.device) -> dict[str, float]:

@@ -9,6 +9,8 @@
 // kernel calls on the same values, so the same sums bit for bit, with no tensor made but the
 // results. A matrix its screen flags, and every other input, goes to the composite, which
 // corrects it (and raises for bad input).
+#include <torch/csrc/autograd/python_variable.h>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -393,6 +396,81 @@ Six check_gemm_tally_cpu(const at::Tensor& c, const at::Tensor& a, const at::Ten
 }
 
 }  // namespace
+
+namespace {
+
+// Argument i of a screen_passes call as a tensor, or null with a TypeError set.
+const at::Tensor* tensor_arg(PyObject* const* args, int i, const char* name) {
+  if (!THPVariable_Check(args[i])) {
+    PyErr_Format(PyExc_TypeError, "screen_passes: %s must be a tensor", name);
+    return nullptr;
+  }
+  return &THPVariable_Unpack(args[i]);
+}
+
+// A sequence of floats as a vector; false with an error set where it is not one.
+bool doubles_arg(PyObject* object, std::vector<double>& out, const char* name) {
+  PyObject* items = PySequence_Fast(object, name);
+  if (items == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(items, i));
+  }
+  Py_DECREF(items);
+  return !PyErr_Occurred();
+}
+
+}  // namespace
+
+namespace abft_binding {
+
+// _C.screen_passes(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity) -> bool: whether
+// check_gemm's fused screen takes this check on the CPU and every matrix of C passes it, which
+// is check_gemm's finding for such a C (all clean, nothing corrected), with no tensor made and
+// no dispatch. False: call check_gemm, which screens again and corrects. For the checks whose
+// results the host reads (megatron_abft.check.checker.CompiledChecker.settle); the GIL is
+// released while the screen runs.
+PyObject* screen_passes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 9) {
+    PyErr_SetString(PyExc_TypeError, "screen_passes takes 9 arguments");
+    return nullptr;
+  }
+  const at::Tensor* c = tensor_arg(args, 0, "c");
+  const at::Tensor* a = c == nullptr ? nullptr : tensor_arg(args, 1, "a");
+  const at::Tensor* b = a == nullptr ? nullptr : tensor_arg(args, 2, "b");
+  if (b == nullptr) return nullptr;
+  std::optional<at::Tensor> bias;
+  if (args[4] != Py_None) {
+    const at::Tensor* given = tensor_arg(args, 4, "bias");
+    if (given == nullptr) return nullptr;
+    bias = *given;
+  }
+  const double alpha = PyFloat_AsDouble(args[3]);
+  const long long block = PyLong_AsLongLong(args[5]);
+  const long long capacity = PyLong_AsLongLong(args[8]);
+  std::vector<double> col_bounds, row_bounds;
+  if (PyErr_Occurred() || !doubles_arg(args[6], col_bounds, "col_bounds") ||
+      !doubles_arg(args[7], row_bounds, "row_bounds")) {
+    return nullptr;
+  }
+  bool passes = false;
+  std::string error;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    passes = passes_on_cpu(*c, *a, *b, alpha, bias, block, col_bounds, row_bounds, capacity);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (!error.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, error.c_str());
+    return nullptr;
+  }
+  return PyBool_FromLong(passes);
+}
+
+}  // namespace abft_binding
 
 TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
   m.def(

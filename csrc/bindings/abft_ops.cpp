@@ -995,16 +995,26 @@ PyObject* emulate_cuda(PyObject*, PyObject* args) {
   const long long previous = emulator->set_schedule(schedule);
   return Py_BuildValue("(OL)", was ? Py_True : Py_False, previous);
 }
+}  // namespace
+#endif
 
+namespace abft_binding {
+// _C.screen_passes (abft_check.cpp): a function of the module rather than an op.
+PyObject* screen_passes(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+}  // namespace abft_binding
+
+namespace {
 PyMethodDef methods[] = {
+    {"screen_passes", reinterpret_cast<PyCFunction>(abft_binding::screen_passes), METH_FASTCALL,
+     "screen_passes(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity) -> bool: "
+     "whether check_gemm's CPU screen takes the check and C passes it"},
+#ifdef ABFT_WITH_EMULATOR
     {"emulate_cuda", emulate_cuda, METH_VARARGS,
      "emulate_cuda(on, schedule, table) -> (on, schedule) before: run the CUDA kernels on the "
      "CPU, those of megatron_abft._emulator.table()"},
+#endif
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
-#else
-PyMethodDef* const methods = nullptr;
-#endif
 
 // Importing megatron_abft._C registers the ops above; the module says how it was built: cuda = 1
 // when the CUDA kernels are in, emulator = 1 when the ops can run them on the CPU through the

@@ -164,6 +164,9 @@ class CompiledChecker:
     near_inf: float
     capacity: int
     reference: ReferenceChecker  # for what the kernels could not settle, on the host
+    host_screen: bool
+    """Whether a clean check may end at the CPU's screen alone (compiled.screen_passes): CPU
+    tensors whose results the host reads, not emulating the CUDA kernels."""
 
     @property
     def sync_free(self) -> bool:
@@ -221,6 +224,9 @@ class CompiledChecker:
             near_inf=config.near_inf,
             capacity=max(output.shape[-2:]),
             reference=reference,
+            host_screen=(
+                output.device.type == "cpu" and not reference.sync_free and not compiled._emulating
+            ),
         )
 
     @torch.no_grad()
@@ -261,6 +267,12 @@ class CompiledChecker:
     ) -> Tensor | None | object:
         """``run`` by the kernels alone: as ``run``, or LEFT_TO_REFERENCE where a matrix is left
         for the reference."""
+        if refs is None and self.host_screen:  # a clean C ends at the screen: no tensor made
+            a, b, bias, alpha = operands.a, operands.b, operands.bias, self.alpha
+            if compiled.screen_passes(
+                output, a, b, alpha, bias, self.block, *self.bounds, self.capacity
+            ):
+                return None
         if refs is None:  # encoded, biased and verified in one call, outside autograd
             found = self._check(output, operands, ledger)
         else:

@@ -80,6 +80,25 @@ def _load_emulator() -> tuple[ModuleType | None, str]:
     return _emulator, ""
 
 
+def screen_passes(
+    c: Tensor,
+    a: Tensor,
+    b: Tensor,
+    alpha: float,
+    bias: Tensor | None,
+    block: int,
+    col_bounds: list[float],
+    row_bounds: list[float],
+    capacity: int,
+) -> bool:
+    """Whether check_gemm's CPU screen takes the check of ``c = alpha * a @ b + bias`` and ``c``
+    passes it (``_C.screen_passes``): check_gemm's finding for a clean ``c``, in one call that
+    makes no tensor. False: the check is check_gemm's. For CPU tensors whose check results the
+    host reads; never traced."""
+    module = _load()[0]
+    return module.screen_passes(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity)
+
+
 def emulator_available() -> bool:
     """Whether emulated_cuda() can run: the test-only emulator extension is built."""
     return _load_emulator()[0] is not None

@@ -71,12 +71,14 @@ the smaller); the same checks with the fused softmax as the softmax (a CPU's); a
 (the softmax pass verifies S and sums P, so those two reads go)."""
 IMPLEMENTATIONS = (*UNFUSED, "flash")
 """UNFUSED, and the flash attention's checks inside its kernels (qkv and proj as ``kernels``)."""
-CHECK_OPS = {"torch": 124, "kernels": 3, "fused": 4}
-"""Top-level tensor ops of one clean check of a batched GEMM on a CPU, as a guard runs it once it
-has chosen the checker of its shape (megatron_abft.check.checker): with the kernels, check_gemm
-(both sides encoded and verified) and the read of whether anything was found. The torch and
-kernels figures are the code's own, counted with torch.profiler by tests/tuning/test_scaling.py;
-the fused path removes passes, not ops."""
+CHECK_OPS = {"torch": 124, "kernels": 1, "fused": 4}
+"""The host's calls into compiled code of one clean check of a batched GEMM on a CPU (tensor ops,
+and the screen that is none), as a guard runs it once it has chosen the checker of its shape
+(megatron_abft.check.checker): with the kernels, check_gemm's screen alone
+(compiled.screen_passes: both sides encoded and screened in one call; check_gemm follows only
+where it flags). The torch and kernels figures are the code's own, counted by
+tests/tuning/test_scaling.py as tools/bench_overhead.py counts them; the fused path removes
+passes, not ops. Runs of earlier code are priced at the counts their JSON recorded."""
 CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 5, "fused": 3}
 """GPU kernels one clean check launches sync-free (the default where the kernels serve the GPU).
 Measured on an H200 (tools/bench_overhead.py's check_kernels, docs/benchmarks.md): 5, one more

@@ -2,7 +2,8 @@
 of (encode_pair, add_bias, verify_correct), which torch.compile traces and every other device
 runs: the same results and the same output, bit for bit, for clean and faulty GEMMs of every
 layout; the CPU's fused screen takes matrices and batches of them that broadcast as the composite
-broadcasts them, every other input goes to the composite."""
+broadcasts them, every other input goes to the composite. compiled.screen_passes, that screen
+alone, passes only what the composite finds clean, and ends a clean check on the CPU."""
 
 import re
 
@@ -13,9 +14,14 @@ from hypothesis import strategies as st
 from test_ext import DTYPES, PROPERTY, corrupted, needs_ext
 from test_ext_correct import bits
 
+from megatron_abft import _C
+from megatron_abft.check.eec import OUTCOMES, GemmOperands
 from megatron_abft.check.ledger import Ledger
 from megatron_abft.check.sides import Check, side_bounds
 from megatron_abft.check.tolerance import gemm_rounding
+from megatron_abft.config import ABFTConfig
+from megatron_abft.ops import compiled
+from megatron_abft.runtime.guard import SectionGuard
 
 
 def _operands(dtype, batch, m, k, n, bias, seed, layout):
@@ -41,6 +47,11 @@ def _arguments(c, a, b, bias, block):
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     bounds = [side_bounds(check, block, length, k) for length in (m, n)]
     return (a, b, -0.5, bias, block, *bounds, 1e30, max(m, n))
+
+
+def _screen_passes(c, arguments) -> bool:
+    """compiled.screen_passes on ``c`` with check_gemm's ``arguments`` (near_inf aside)."""
+    return compiled.screen_passes(c, *arguments[:7], arguments[8])
 
 
 def _both(c, arguments, tally: bool):
@@ -85,9 +96,13 @@ def test_check_gemm_on_the_cpu_equals_its_composite(
     try:
         (found, out, ledger), (want, want_out, want_ledger) = _both(c, arguments, tally)
     except RuntimeError as error:  # operands the kernels refuse: refused by both
-        with pytest.raises(RuntimeError, match=re.escape(str(error).splitlines()[0])):
+        first = re.escape(str(error).splitlines()[0])
+        with pytest.raises(RuntimeError, match=first):
             torch.ops.megatron_abft.check_gemm.default.decompose(c.clone(), *arguments)
         return
+    if _screen_passes(c, arguments):  # only what both find clean, and leave as it is
+        assert not found[0].any() and not want[0].any()
+        assert torch.equal(bits(out), bits(c))
     for got, expected in zip(found, want, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(bits(out), bits(want_out))
@@ -134,6 +149,38 @@ def test_a_clean_check_runs_no_op_but_its_own_on_the_cpu(batch):
     faulty = clean.clone()
     faulty[..., 3, 5] = float("inf")
     assert "megatron_abft::verify_correct" in _ops_run(lambda: op(faulty, *arguments))
+
+
+@needs_ext
+@pytest.mark.parametrize("batch", [(), ((2, 3), (2, 1))], ids=["matrix", "broadcast batch"])
+def test_a_guards_clean_check_on_the_cpu_ends_at_the_screen(batch):
+    """Where the host reads results (the CPU), a guard's clean check is compiled.screen_passes
+    alone, which runs no op and makes no tensor; a faulty one goes on to check_gemm, which
+    corrects it."""
+    a, b, bias, clean = _operands(torch.float32, batch, 64, 32, 48, True, 2, "weight")
+    operands = GemmOperands(a, b, -0.5, bias)
+    guard = SectionGuard("qkv", ABFTConfig(), 0)
+    guard.check(clean.clone(), operands)  # the first of a signature takes the reference
+    out = clean.clone()
+    assert _ops_run(lambda: guard.check(out, operands)) == set()
+    assert torch.equal(out, clean)
+    assert _screen_passes(clean, _arguments(clean, a, b, bias, ABFTConfig().block_size))
+    faulty = clean.clone()
+    faulty[..., 5, 3] = 1e4
+    assert "megatron_abft::check_gemm" in _ops_run(lambda: guard.check(faulty, operands))
+    torch.testing.assert_close(faulty, clean, rtol=1e-3, atol=1e-3)
+    assert int(guard.counts[OUTCOMES.index("corrected")].sum()) == (6 if batch else 1)
+
+
+@needs_ext
+def test_the_screen_refuses_what_is_not_a_check():
+    """screen_passes names a wrong argument instead of reading it."""
+    a, b, bias, c = _operands(torch.float32, (), 8, 4, 6, True, 0, "contiguous")
+    arguments = _arguments(c, a, b, bias, 16)
+    with pytest.raises(TypeError, match="b must be a tensor"):
+        compiled.screen_passes(c, a, "b", *arguments[2:7], arguments[8])
+    with pytest.raises(TypeError, match="9 arguments"):
+        _C.screen_passes(c, a, b)
 
 
 @needs_ext
