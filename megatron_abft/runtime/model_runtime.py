@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -46,6 +45,11 @@ from megatron_abft.check.ledger import set_clocks
 from megatron_abft.config import ABFTConfig, Policy
 from megatron_abft.faults import Fault, arm, disarm
 from megatron_abft.runtime.guard import ABFTUncorrectableError, SectionGuard, iter_guards
+from megatron_abft.runtime.megatron_state import (
+    megatron_step,
+    microbatches,
+    running_rerun_state_machine,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -73,36 +77,6 @@ def runtimes(guards: Iterable[SectionGuard]) -> list[Runtime]:
         runtime = runtime_of(guard.config)
         found.setdefault(id(runtime), runtime)
     return list(found.values())
-
-
-def megatron_step() -> int | None:
-    """The training step as Megatron logs it (from 1), without a call from the loop: from
-    Megatron-LM's ``args.curr_iteration`` where its arguments are parsed, else from the
-    iteration of Megatron's rerun state machine while it runs a step (both count from 0);
-    None where neither is there."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    args = getattr(global_vars, "_GLOBAL_ARGS", None)
-    if getattr(args, "curr_iteration", None) is not None:
-        return int(args.curr_iteration) + 1
-    machine = running_rerun_state_machine()
-    return None if machine is None else machine.current_iteration + 1
-
-
-def running_rerun_state_machine():
-    """Megatron's rerun state machine while it runs a step's forward-backward, else None. Never
-    makes one (``get_rerun_state_machine`` would, with a warning)."""
-    module = sys.modules.get("megatron.core.rerun_state_machine")
-    machine = getattr(module, "_GLOBAL_RERUN_STATE_MACHINE", None)
-    if machine is None or machine.state.name == "NOT_RUNNING_YET":
-        return None
-    return machine
-
-
-def microbatches() -> int:
-    """Micro-batches a step, where Megatron's calculator knows it; else 1."""
-    module = sys.modules.get("megatron.core.num_microbatches_calculator")
-    calculator = getattr(module, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
-    return 1 if calculator is None else calculator.get()
 
 
 def in_backward() -> bool:
