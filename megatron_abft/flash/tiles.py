@@ -64,7 +64,7 @@ checked and unchecked builds on sm_90 (``python -m tools.flash_sass``): every ma
 wgmma with M >= 64 a warpgroup, no spills, the checked kernel on as many CTAs an SM as the
 unchecked, the fewest issue slots. For dK/dV, block_m is the query block it streams and block_n
 the key block it holds; in dQ and the forward, block_m is the query block held. A tuning file
-(``tuned``) may replace them on a GPU."""
+(megatron_abft.flash.launch.tuned) may replace them on a GPU."""
 FP16_TILES: dict[tuple[str, int], Blocks] = {("dkdv", 128): Blocks(16, 128, 8, 2)}
 """fp16's own tiles where TILES spill for it: its checksum tiles carry a scale a tile (bf16's
 need none), whose loads in the loop take registers."""
