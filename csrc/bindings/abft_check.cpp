@@ -395,10 +395,6 @@ Six check_gemm_tally_cpu(const at::Tensor& c, const at::Tensor& a, const at::Ten
                           capacity, counts, step, log, logged);
 }
 
-}  // namespace
-
-namespace {
-
 // Argument i of a screen_passes call as a tensor, or null with a TypeError set.
 const at::Tensor* tensor_arg(PyObject* const* args, int i, const char* name) {
   if (!THPVariable_Check(args[i])) {

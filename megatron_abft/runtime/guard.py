@@ -97,9 +97,10 @@ def host_reads(config: ABFTConfig, device: torch.device) -> bool:
 def checks_apart(config: ABFTConfig, device: torch.device) -> bool:
     """Whether a GEMM's output that a kernel reads (the fused softmax reading the scores) is checked
     by its own check rather than by the reader's screen: on the CPU, where the host reads results.
-    There check_gemm's one call reads the output again on the thread's workspace, which costs
-    less host work than the screen and the references it takes; so too the context's check
-    against P's pass (docs/benchmarks.md, "Training-step overhead (CPU)")."""
+    There check_gemm's screen, one call (compiled.screen_passes), reads the output again on the
+    thread's workspace, which costs less host work than the reader's screen and the references
+    it takes; so too the context's check against P's pass (docs/benchmarks.md, "Training-step
+    overhead (CPU)")."""
     return device.type == "cpu" and host_reads(config, device)
 
 

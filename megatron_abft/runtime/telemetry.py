@@ -409,15 +409,6 @@ def say_once(logger: logging.Logger, line: str, level: int = logging.INFO) -> No
         logger.log(level, line)
 
 
-class _Below(logging.Filter):
-    def __init__(self, level: int):
-        super().__init__()
-        self.level = level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < self.level
-
-
 def log_to_console(level: int = logging.INFO) -> None:
     """Show the ``megatron_abft`` loggers' records on the console, each as its bare message:
     notes on stdout, warnings and faults on stderr, and not again through the root logger. For
@@ -430,7 +421,7 @@ def log_to_console(level: int = logging.INFO) -> None:
     if any(getattr(h, "megatron_abft_console", False) for h in logger.handlers):
         return
     notes, problems = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
-    notes.addFilter(_Below(logging.WARNING))
+    notes.addFilter(lambda record: record.levelno < logging.WARNING)
     problems.setLevel(logging.WARNING)
     for handler in (notes, problems):
         handler.megatron_abft_console = True  # type: ignore[attr-defined]
