@@ -58,12 +58,21 @@ def signature(
     """Everything the choice of a check's checker depends on but the tensors' values; None for
     inputs that are not tensors (the reference says what is wrong with them)."""
     a, b, bias = operands.a, operands.b, operands.bias
-    if not all(isinstance(t, Tensor) for t in (output, a, b)):
+    if not (isinstance(output, Tensor) and isinstance(a, Tensor) and isinstance(b, Tensor)):
         return None
     key: tuple[Any, ...] = (
-        _layout(output),
-        _layout(a),
-        _layout(b),
+        output.device,
+        output.shape,
+        output.stride(),
+        output.dtype,
+        a.shape,
+        a.stride(),
+        a.dtype,
+        a.device,
+        b.shape,
+        b.stride(),
+        b.dtype,
+        b.device,
         None if bias is None else _layout(bias),
         operands.alpha,
         config.block_size,
