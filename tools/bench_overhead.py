@@ -650,10 +650,9 @@ def pin_malloc() -> str:
     mmap threshold as blocks are freed, so which of a step's large temporaries get fresh pages,
     and pay a page fault per 4 KiB, depends on what else the step allocated: with glibc's
     defaults an unprotected step took 14,096 page faults to a protected one's 8,128, and the
-    step grew 1.4 points less than its checks took (docs/benchmarks.md,
-    bench_cpu_run14_default_malloc.json). The threshold cannot be pinned above 32 MiB, so
-    blocks of that size and more (the scores from sequence 1024 on) are kept off mmap
-    altogether. Returns what was done."""
+    step grew 1.4 points less than its checks took (docs/runs.md, run 14). The threshold
+    cannot be pinned above 32 MiB, so blocks of that size and more (the scores from sequence
+    1024 on) are kept off mmap altogether. Returns what was done."""
     import ctypes
 
     m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
