@@ -26,10 +26,8 @@ import math
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,6 +39,7 @@ from torch import Tensor
 
 from megatron_abft.config import DTYPE_NAMES
 from megatron_abft.tuning.scaling import CATALOGUE
+from tools.timing import Timer
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -144,33 +143,6 @@ def gpu_cases(models: list[str], seqs: list[int]) -> list[Case]:
         for seq in seqs:
             cases.append(Case(name, batch, heads, kv_heads, seq, shape.head_dim, torch.bfloat16))
     return cases
-
-
-class Timer:
-    """Times of regions: CUDA events on a GPU (read after one synchronisation), else
-    perf_counter."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.spans: list[tuple] = []
-
-    def time(self, fn: Callable[[], object]) -> None:
-        if self.cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-        else:
-            begin = time.perf_counter()
-            fn()
-            end = time.perf_counter()
-        self.spans.append((begin, end))
-
-    def median_ms(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return statistics.median(b.elapsed_time(e) for b, e in self.spans)
-        return statistics.median(e - b for b, e in self.spans) * 1e3
 
 
 class Refused(Exception):

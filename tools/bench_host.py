@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import statistics
-import timeit
 
 import torch
 
@@ -23,20 +22,7 @@ from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import compiled
 from megatron_abft.runtime.guard import SectionGuard
-from tools.bench_kernels import timed
-
-
-def per_call(fn, device: torch.device, number: int, repeat: int = 7) -> float:
-    """Seconds per call of ``fn``: the best of ``repeat`` timings of ``number`` calls, the device
-    synchronised at the end of each (the calls are small: the host, not the device, bounds)."""
-
-    def timed():
-        for _ in range(number):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    return min(timeit.repeat(timed, number=1, repeat=repeat)) / number
+from tools.timing import best_per_call, call_ms
 
 
 def per_call_cold(fn, device: torch.device, number: int = 300) -> float:
@@ -52,15 +38,17 @@ def per_call_cold(fn, device: torch.device, number: int = 300) -> float:
         target.copy_(source)
         for _ in range(20):
             mlp(x).sum().backward()
-        times.append(timed(fn, device) / 1e3)
+        times.append(call_ms(fn, device) / 1e3)
     return statistics.median(times)
 
 
 def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     """A guard's clean check of a small GEMM with a bias, as the qkv projection's (32 tokens,
-    hidden 64, 192 outputs: its time is all overhead), and its compiled op called directly with
-    the arguments its checker holds (megatron_abft.check.checker): check_gemm and a read of the
-    worst status (CPU), or check_gemm_tally (GPU)."""
+    hidden 64, 192 outputs: its time is all overhead), and what its checker runs for it called
+    directly with the arguments the checker holds (megatron_abft.check.checker): the screen
+    alone where the host reads results on the CPU (compiled.screen_passes), check_gemm and a
+    read of the worst status elsewhere on the host's route, check_gemm_tally on a GPU's
+    sync-free one."""
     g = torch.Generator().manual_seed(0)
     x, w, bias = (torch.randn(*s, generator=g).to(device) for s in ((32, 64), (192, 64), (192,)))
     operands, y = GemmOperands(x, w.t(), 1.0, bias), torch.addmm(bias, x, w.t())
@@ -74,14 +62,16 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     arguments = (y, x, w.t(), 1.0, bias, plan.block, *plan.bounds, plan.near_inf, plan.capacity)
 
     def alone():
-        if plan.sync_free:
+        if plan.host_screen:
+            compiled.screen_passes(y, x, w.t(), 1.0, bias, plan.block, *plan.bounds, plan.capacity)
+        elif plan.sync_free:
             ops.check_gemm_tally.default(*arguments, *compiled._ledger_args(ledger))
         else:
             int(ops.check_gemm.default(*arguments)[0])
 
     return {
-        "check": per_call(lambda: guard.check(y, operands), device, number),
-        "ops_alone": per_call(alone, device, number),
+        "check": best_per_call(lambda: guard.check(y, operands), device, number),
+        "ops_alone": best_per_call(alone, device, number),
         "check_cold": per_call_cold(lambda: guard.check(y, operands), device),
         "ops_alone_cold": per_call_cold(alone, device),
         "gemm_cold": per_call_cold(lambda: torch.addmm(bias, x, w.t()), device),
@@ -99,8 +89,8 @@ def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, f
     steps = iter(range(10**9))
     return {
         "modules": sum(1 for _ in model.modules()),
-        "set_step": per_call(lambda: set_step(model, next(steps)), device, number),
-        "finish_step": per_call(lambda: finish_step(model), device, number),
+        "set_step": best_per_call(lambda: set_step(model, next(steps)), device, number),
+        "finish_step": best_per_call(lambda: finish_step(model), device, number),
     }
 
 

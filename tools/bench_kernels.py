@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -31,6 +30,7 @@ from megatron_abft.check.sides import NO_SCREEN, Check, kernel_sides, screen
 from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.config import DTYPES
 from megatron_abft.ops import compiled
+from tools.timing import call_ms
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,24 +47,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds for one call (the device synchronised before and after)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3
-
-
 def compare(fn: Callable[[], object], device: torch.device, repeat: int) -> tuple[float, float]:
     """Median ms through the extension and through the PyTorch path, runs interleaved."""
     fused, reference = [], []
     for run in range(repeat + 1):  # the first run of each path warms up
-        f = timed(fn, device)
+        f = call_ms(fn, device)
         with compiled.disabled():
-            r = timed(fn, device)
+            r = call_ms(fn, device)
         if run:
             fused.append(f)
             reference.append(r)
@@ -96,7 +85,7 @@ def main() -> None:
 
     def median(fn: Callable[[], object]) -> float:
         fn()
-        return statistics.median(timed(fn, device) for _ in range(args.repeat))
+        return statistics.median(call_ms(fn, device) for _ in range(args.repeat))
 
     gemms = {"S": median(lambda: q @ k.mT), "PV": median(lambda: probs @ v)}
     operands = GemmOperands(q, k.mT, scale)

@@ -24,7 +24,6 @@ import random
 import resource
 import socket
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -37,6 +36,7 @@ from megatron_abft.config import DTYPES, FORWARD_SECTIONS, SECTIONS, ABFTConfig
 from megatron_abft.ops import compiled, fused_softmax
 from megatron_abft.runtime.guard import checks_apart
 from megatron_abft.tuning.scaling import ADAM_BYTES_PER_PARAMETER
+from tools.timing import Timer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -87,26 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Timer:
-    """Wall time of a region: perf_counter on CPU, CUDA events on a GPU (read after sync)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def start(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, begin, end) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return begin.elapsed_time(end) / 1e3
-        return end - begin
-
-
 def _small_scores_check(device: torch.device, m: int, k: int, alpha: float, sync_free: bool | None):
     """A guard's clean check of a small attention-scores GEMM (K shared by two heads), as a
     call, after the warm-up checks that allocate the guard's counters."""
@@ -129,7 +109,7 @@ def check_cost(device: torch.device, reps: int = 200) -> tuple[int, float]:
     overhead. With the default ABFTConfig.sync_free (by device)."""
     check = _small_scores_check(device, 16, 8, 1.0, sync_free=None)
     ops = calls(check)
-    timer = Timer(device.type == "cuda")
+    timer = Timer.on(device)
     begin = timer.start()
     for _ in range(reps):
         check()
@@ -182,7 +162,7 @@ def check_read_rate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     if compiled.block_sums(c, block, block) is None:
         return None
     flush = torch.ones(64 * 2**20, device=device)  # 256 MiB, read between runs: more than caches
-    timer = Timer(device.type == "cuda")
+    timer = Timer.on(device)
     times = []
     for _ in range(15):
         flush.sum()
@@ -267,7 +247,7 @@ def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
     alpha = hn**-0.5
     leaf = (alpha * (q @ k)).requires_grad_()
     grad = torch.randn_like(leaf)
-    timer = Timer(device.type == "cuda")
+    timer = Timer.on(device)
 
     def timed(softmax) -> tuple[float, float]:
         """Forward and backward of ``softmax`` on a fresh copy of S, as the scores GEMM hands
@@ -353,7 +333,7 @@ def micro_benchmarks(args, device: torch.device, softmax) -> dict:
     checks."""
     dtype, hidden = DTYPES[args.dtype], args.hidden
     tokens = args.seq * args.micro_batch
-    timer = Timer(device.type == "cuda")
+    timer = Timer.on(device)
     a = torch.randn(tokens, hidden, device=device).to(dtype)
     b = torch.randn(hidden, 4 * hidden, device=device).to(dtype)
     matmul = 2 * tokens * hidden * 4 * hidden / median_seconds(lambda: a @ b, timer)
@@ -445,7 +425,7 @@ def run(rank: int, args) -> dict | None:
     model = _build(args, config)
     device = next(model.parameters()).device
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
-    timer = Timer(device.type == "cuda")
+    timer = Timer.on(device)
     attention_time = []
 
     def before(module, _):

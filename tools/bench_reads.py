@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from megatron_abft.ops import compiled
+from tools.timing import Timer
 
 FLUSH_BYTES = 256 * 2**20
 SIZES_MIB = (0.5, 1, 2, 4, 8, 16, 32)
@@ -36,13 +36,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def read_seconds(matrix: torch.Tensor, block: int, reps: int, flush: torch.Tensor) -> dict:
     """Median seconds of the kernels' block sums over ``matrix`` (both sides), cold and warm."""
-    times = {"cold": [], "warm": []}
+    times, timer = {"cold": [], "warm": []}, Timer.on(matrix.device)
     for _ in range(reps):
         flush.sum()
         for state in ("cold", "warm"):
-            begin = time.perf_counter()
+            begin = timer.start()
             compiled.block_sums(matrix, block, block)
-            times[state].append(time.perf_counter() - begin)
+            times[state].append(timer.seconds(begin, timer.start()))
     return {state: statistics.median(t) for state, t in times.items()}
 
 

@@ -391,7 +391,8 @@ def _time_checks_worker(route: str):
     from megatron_abft.config import ABFTConfig
     from megatron_abft.runtime import guard
     from megatron_abft.spec import get_gpt_layer_abft_spec
-    from tools.bench_overhead import Timer, per_check, time_checks
+    from tools.bench_overhead import per_check, time_checks
+    from tools.timing import Timer
 
     if route == "screen":  # the fused softmax's screen and P's pass, as on a GPU
         guard.checks_apart = lambda *_: False
