@@ -466,6 +466,40 @@ PyObject* screen_passes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBool_FromLong(passes);
 }
 
+// _C.layouts(*tensors) -> tuple | None: the layouts of a check's tensors as one tuple of ints,
+// for the signature a guard keeps its checker by (megatron_abft.check.checker.signature), in one
+// call that makes no shape, stride or device object: a tensor as its dims, its sizes and strides,
+// its dtype and its device's type and index, None as -1. None where an argument is neither.
+PyObject* layouts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  std::vector<int64_t> key;
+  key.reserve(static_cast<size_t>(nargs) * 12);
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    if (args[i] == Py_None) {
+      key.push_back(-1);
+      continue;
+    }
+    if (!THPVariable_Check(args[i])) Py_RETURN_NONE;
+    const at::Tensor& t = THPVariable_Unpack(args[i]);
+    key.push_back(t.dim());
+    for (const int64_t size : t.sizes()) key.push_back(size);
+    for (const int64_t stride : t.strides()) key.push_back(stride);
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(static_cast<int64_t>(t.device().type()));
+    key.push_back(t.device().index());
+  }
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(key.size()));
+  if (tuple == nullptr) return nullptr;
+  for (size_t i = 0; i < key.size(); ++i) {
+    PyObject* item = PyLong_FromLongLong(key[i]);
+    if (item == nullptr) {
+      Py_DECREF(tuple);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), item);
+  }
+  return tuple;
+}
+
 }  // namespace abft_binding
 
 TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {

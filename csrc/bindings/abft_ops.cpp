@@ -999,8 +999,9 @@ PyObject* emulate_cuda(PyObject*, PyObject* args) {
 #endif
 
 namespace abft_binding {
-// _C.screen_passes (abft_check.cpp): a function of the module rather than an op.
+// _C.screen_passes and _C.layouts (abft_check.cpp): functions of the module rather than ops.
 PyObject* screen_passes(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* layouts(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace abft_binding
 
 namespace {
@@ -1008,6 +1009,9 @@ PyMethodDef methods[] = {
     {"screen_passes", reinterpret_cast<PyCFunction>(abft_binding::screen_passes), METH_FASTCALL,
      "screen_passes(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity) -> bool: "
      "whether check_gemm's CPU screen takes the check and C passes it"},
+    {"layouts", reinterpret_cast<PyCFunction>(abft_binding::layouts), METH_FASTCALL,
+     "layouts(*tensors) -> tuple | None: the tensors' layouts as ints (None as -1), for a "
+     "check's signature; None where an argument is neither a tensor nor None"},
 #ifdef ABFT_WITH_EMULATOR
     {"emulate_cuda", emulate_cuda, METH_VARARGS,
      "emulate_cuda(on, schedule, table) -> (on, schedule) before: run the CUDA kernels on the "

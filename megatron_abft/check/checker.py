@@ -56,24 +56,18 @@ def signature(
     sync_free: bool,
 ) -> tuple | None:
     """Everything the choice of a check's checker depends on but the tensors' values; None for
-    inputs that are not tensors (the reference says what is wrong with them)."""
-    a, b, bias = operands.a, operands.b, operands.bias
-    if not (isinstance(output, Tensor) and isinstance(a, Tensor) and isinstance(b, Tensor)):
+    inputs that are not tensors (the reference says what is wrong with them). The layouts come
+    from the extension in one call where it is loaded and nothing traces the check: read apart,
+    they are a dozen calls into torch, which with the caches cold from a training step's other
+    work cost a check on the CPU tens of microseconds."""
+    a, b = operands.a, operands.b
+    if output is None or a is None or b is None:
+        return None
+    layouts = _layouts(output, a, b, operands.bias)
+    if layouts is None:
         return None
     key: tuple[Any, ...] = (
-        output.device,
-        output.shape,
-        output.stride(),
-        output.dtype,
-        a.shape,
-        a.stride(),
-        a.dtype,
-        a.device,
-        b.shape,
-        b.stride(),
-        b.dtype,
-        b.device,
-        None if bias is None else _layout(bias),
+        layouts,
         operands.alpha,
         config.block_size,
         config.threshold_scale,
@@ -82,15 +76,20 @@ def signature(
         compiled._disabled,
         compiled._emulating,
     )
-    if refs is not None:
-        key += tuple(
-            (_layout(r.sums), _layout(r.magnitude), r.block, r.length, r.inner)
-            + (None if r.bias_magnitude is None else _layout(r.bias_magnitude),)
-            for r in refs
-        )
-    if output.device.type == "cuda":
+    for r in refs or ():
+        key += (_layouts(r.sums, r.magnitude, r.bias_magnitude), r.block, r.length, r.inner)
+    if output.is_cuda:
         key += cuda_matmul_switches()
     return key
+
+
+def _layouts(*tensors: Tensor | None) -> tuple | None:
+    """The tensors' layouts (None as a layout of its own), or None where one is not a tensor."""
+    if not torch.compiler.is_compiling() and compiled.available():
+        return compiled.layouts(*tensors)
+    if not all(t is None or isinstance(t, Tensor) for t in tensors):
+        return None
+    return tuple(None if t is None else _layout(t) for t in tensors)
 
 
 def _layout(t: Tensor) -> tuple:
@@ -262,6 +261,12 @@ class CompiledChecker:
         refs: tuple[Checksums, Checksums] | None,
         ledger: Ledger,
     ) -> Tensor | None:
+        if refs is None and self.host_screen:  # a clean C ends at the screen: no tensor made
+            a, b, bias = operands.a, operands.b, operands.bias
+            if compiled.screen_passes(
+                output, a, b, self.alpha, bias, self.block, *self.bounds, self.capacity
+            ):
+                return None
         failed = self.settle(output, operands, refs, ledger)
         if failed is LEFT_TO_REFERENCE:
             return self.reference.run(output, operands, refs, ledger)
@@ -274,14 +279,8 @@ class CompiledChecker:
         refs: tuple[Checksums, Checksums] | None,
         ledger: Ledger,
     ) -> Tensor | None | object:
-        """``run`` by the kernels alone: as ``run``, or LEFT_TO_REFERENCE where a matrix is left
-        for the reference."""
-        if refs is None and self.host_screen:  # a clean C ends at the screen: no tensor made
-            a, b, bias, alpha = operands.a, operands.b, operands.bias, self.alpha
-            if compiled.screen_passes(
-                output, a, b, alpha, bias, self.block, *self.bounds, self.capacity
-            ):
-                return None
+        """``run`` by the kernels alone, past the CPU's screen: as ``run``, or LEFT_TO_REFERENCE
+        where a matrix is left for the reference."""
         if refs is None:  # encoded, biased and verified in one call, outside autograd
             found = self._check(output, operands, ledger)
         else:

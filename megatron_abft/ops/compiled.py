@@ -99,6 +99,13 @@ def screen_passes(
     return module.screen_passes(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity)
 
 
+def layouts(*tensors: Tensor | None) -> tuple | None:
+    """The layouts of ``tensors`` (shapes, strides, dtypes, devices) as one tuple of ints, for a
+    check's signature, in one call (``_C.layouts``; None counts as a layout of its own); None
+    where an argument is not a tensor. Needs the extension (``available``)."""
+    return _load()[0].layouts(*tensors)
+
+
 def emulator_available() -> bool:
     """Whether emulated_cuda() can run: the test-only emulator extension is built."""
     return _load_emulator()[0] is not None

@@ -150,6 +150,35 @@ def test_a_changed_layout_or_setting_chooses_afresh():
 
 
 @needs_ext
+def test_a_signature_tells_apart_what_the_python_layouts_tell_apart():
+    """The extension's layouts (one call) key a check as each tensor's shape, strides, dtype
+    and device read apart do: two checks share a signature exactly where those agree, and a
+    check of anything but tensors has none."""
+    config = ABFTConfig()
+    a, b, bias = torch.randn(8, 4), torch.randn(6, 4).t(), torch.randn(6)
+    c = a @ b + bias
+    cases = [
+        (c, GemmOperands(a, b, 1.0, bias)),
+        (c, GemmOperands(a, b.contiguous(), 1.0, bias)),  # the same shape, other strides
+        (c, GemmOperands(a, b, 1.0, None)),
+        (c, GemmOperands(a, b, 1.0, bias.double())),
+        (c, GemmOperands(a, b, 0.5, bias)),
+        (c.double(), GemmOperands(a.double(), b.double(), 1.0, bias.double())),
+        (c[None], GemmOperands(a[None], b, 1.0, bias)),
+        (c.clone(), GemmOperands(a.clone(), b.clone().t().contiguous().t(), 1.0, bias.clone())),
+    ]
+    fast = [signature(out, ops, None, config, False) for out, ops in cases]
+    with compiled.disabled():  # the layouts read apart, as under torch.compile
+        apart = [signature(out, ops, None, config, False) for out, ops in cases]
+    for one, one_apart in zip(fast, apart, strict=True):
+        for other, other_apart in zip(fast, apart, strict=True):
+            assert (one == other) == (one_apart == other_apart)
+    assert fast[0] == fast[-1] and len(set(fast)) == len(cases) - 1  # the same layouts
+    assert signature(c, GemmOperands(a.tolist(), b, 1.0, bias), None, config, False) is None
+    assert signature(c, GemmOperands(a, b, 1.0, 3.0), None, config, False) is None
+
+
+@needs_ext
 def test_bad_operands_are_still_explained_after_a_checker_is_chosen():
     operands, c = gemm(torch.float32, (2,), 64, 48, False, seed=1)
     guard = compiled_guard(operands, c, ABFTConfig(block_size=16))
