@@ -126,13 +126,13 @@ class _ScaleMaskSoftmax(torch.autograd.Function):
         dtype = probs.dtype
         if dtype in (torch.bfloat16, torch.float16):  # in fp32, as Megatron's softmax_in_fp32
             grad, probs = grad.float(), probs.float()
-        grad = torch._softmax_backward_data(grad, probs, -1, probs.dtype)
+        grad = torch._softmax_backward_data(grad, probs, -1, probs.dtype)  # a new tensor: ours
         if ctx.is_causal:
             mask = _causal_mask(*grad.shape[-2:], grad.device)
         if mask is not None:
-            grad = grad.masked_fill(mask, 0.0)
+            grad.masked_fill_(mask, 0.0)
         if ctx.scale != 1.0:
-            grad = grad * ctx.scale
+            grad.mul_(ctx.scale)
         return grad.to(dtype), None, None, None, None, None, None, None
 
 

@@ -166,7 +166,8 @@ class SectionGuard:
         the operands. Returns the output to use: ``output`` itself, or its recomputation. Where
         the host may be read, a fault that lay only where ``masked`` says the reader overwrites
         the output is harmless (``clear_masked``)."""
-        self.land_faults(output, views or {self.section: lambda t: t})
+        if self.faults:
+            self.land_faults(output, views or {self.section: lambda t: t})
         if not self.due:
             return output
         return self.verify(output, operands, recompute, refs, masked)
@@ -182,6 +183,8 @@ class SectionGuard:
         """``check`` of a due section whose faults have landed."""
         self.batch_shape = tuple(output.shape[:-2])
         failed = self._verify(output, operands, refs)
+        if failed is None:  # known clean, with no host synchronisation
+            return output
         if (
             masked is not None
             and recompute is not None
@@ -228,7 +231,8 @@ class SectionGuard:
         matrices itself. On the CPU (``checks_apart``) the output is checked here and then read
         by the kernel without a screen. Elsewhere the output is checked here (``check``) and
         read without the kernel."""
-        self.land_faults(output, {self.section: lambda t: t})
+        if self.faults:
+            self.land_faults(output, {self.section: lambda t: t})
         due = self.due
         if not reader.fuses(due):
             return reader.plain(self.check(output, operands, recompute=recompute, masked=masked))
@@ -303,7 +307,7 @@ class SectionGuard:
         """Verify and correct in place and tally, by this signature's checker (Checker.run):
         whether a matrix stayed uncorrectable (a device bool), or None where the check is known
         clean without a host synchronisation."""
-        ledger = self.ledger_on(output.device)
+        ledger = self.ledger if self.ledger is not None else self.ledger_on(output.device)
         return self._with_checker(
             output, operands, refs, lambda checker: checker.run(output, operands, refs, ledger)
         )
