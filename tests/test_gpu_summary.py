@@ -3,11 +3,13 @@ tools/gpu_check.sh (device, commit, the attention per call, the step at micro-ba
 short leaves nulls."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 
-def test_the_summary_takes_the_figures_the_issues_name(tmp_path, monkeypatch):
-    from tools import gpu_summary
-
+def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "environment.json").write_text(
@@ -26,9 +28,13 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path, monkeypatch):
     (raw / "bench_attention.json").write_text(json.dumps({"rows": rows}))
     step = {"args": {"micro_batch": 8}, "overhead": {"all": {"step": 0.04}}}
     (raw / "bench_gpt3_350m_mb8_flash.json").write_text(json.dumps(step))
-    monkeypatch.setenv("ABFT_COMMIT", "abc123")
     out = tmp_path / "summary.json"
-    assert gpu_summary.main([str(raw), "--out", str(out)]) == 0
+    subprocess.run(
+        [sys.executable, "-m", "tools.gpu_summary", str(raw), "--out", str(out)],
+        check=True,
+        cwd=Path(__file__).parents[1],  # the repository root, where the tools run from
+        env={**os.environ, "ABFT_COMMIT": "abc123"},
+    )
     made = json.loads(out.read_text())
     assert made["device"] == "NVIDIA H100" and made["commit"] == "abc123"
     assert made["attention"]["gpt3_350m_s2048"] == {

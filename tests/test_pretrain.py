@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -63,12 +64,18 @@ def assert_same_curve(a: list[float], b: list[float], rel: float = 1e-5) -> None
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """The shipped text corpus as a Megatron indexed dataset (tools/prepare_data.py)."""
-    from tools import prepare_data
-
+    """The shipped text corpus as a Megatron indexed dataset, by the script
+    (tools/prepare_data.py)."""
     prefix = tmp_path_factory.mktemp("corpus") / "tiny_corpus"
-    count = prepare_data.build(sorted((ROOT / "data" / "tiny_corpus").glob("*.txt")), str(prefix))
-    assert count["documents"] > 10 and count["tokens"] > 10_000
+    texts = [str(p) for p in sorted((ROOT / "data" / "tiny_corpus").glob("*.txt"))]
+    command = [sys.executable, "-m", "tools.prepare_data", "--input", *texts]
+    done = subprocess.run(
+        [*command, "--output-prefix", str(prefix)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    counted = re.search(r"(\d+) documents, (\d+) tokens", done.stdout)
+    assert counted and int(counted[1]) > 10 and int(counted[2]) > 10_000, done.stdout
+    assert prefix.with_suffix(".bin").stat().st_size == 2 * int(counted[2])  # uint16 tokens
     return prefix
 
 
