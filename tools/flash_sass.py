@@ -1,5 +1,5 @@
 """The flash kernels' static speed gate, as a report: every production kernel built for sm_90 as
-the launcher runs it (megatron_abft.flash.aot), with what its SASS says about its main loop, and
+the launcher runs it (megatron_abft.dev.aot), with what its SASS says about its main loop, and
 what fails the gate (tests/flash/test_flash_gate.py fails on the same).
 
     python -m tools.flash_sass --markdown                      # the table for docs/benchmarks.md
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_abft.flash import aot, tiles
+from megatron_abft.dev import aot
+from megatron_abft.flash import tiles
 
 
 def jobs(dtypes: list[str], all_builds: bool) -> list[tuple]:

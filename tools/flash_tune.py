@@ -39,7 +39,7 @@ SHAPES = {64: (4, 16, 2048, 64), 128: (1, 16, 2048, 128)}
 def passes_the_gate(kernel: str, width: int) -> list[str]:
     """What keeps the kernel at its current tiles out of the gate (bf16, causal, checked and
     not, sm_90): spills, serialised wgmma, main-loop GEMMs not on wgmma."""
-    from megatron_abft.flash import aot
+    from megatron_abft.dev import aot
 
     cases = [aot.Case("bfloat16", width, True, variant) for variant in ("checked", "unchecked")]
     jobs = [

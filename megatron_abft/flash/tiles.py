@@ -1,6 +1,6 @@
 """The flash kernels' tile shapes and the static gate's budgets, by kernel, head width and
 dtype: plain data, without Triton, which the launcher (megatron_abft.flash.launch), the gate
-(megatron_abft.flash.aot) and the overhead model (megatron_abft.tuning.scaling) read."""
+(megatron_abft.dev.aot) and the overhead model (megatron_abft.tuning.scaling) read."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Budget:
-    """What the static gate allows a production kernel on sm_90 (megatron_abft.flash.aot,
+    """What the static gate allows a production kernel on sm_90 (megatron_abft.dev.aot,
     tests/flash/test_flash_gate.py), in its interior loop: issue slots per element of S with
     the checks compiled out, what the checks may add to them, and the registers a thread the
     checks may add (CTAs per SM must not drop, nothing may spill). The targets

@@ -1,4 +1,4 @@
-"""The flash kernels' static speed gate (megatron_abft.flash.aot, megatron_abft.flash.sass): every
+"""The flash kernels' static speed gate (megatron_abft.dev.aot, megatron_abft.dev.sass): every
 production kernel built for sm_90 on this CPU machine as the launcher specialises it, its SASS
 read. None spills or has ptxas serialise its wgmma; every GEMM of its main loop is a wgmma; its
 issue slots per element of S, and what the checks add to them and to its registers, stay within
@@ -10,7 +10,8 @@ lengths, a padded head dim, and sm_80. The builds run two at a time: about three
 import pytest
 import torch
 
-from megatron_abft.flash import aot, launch, sass, tiles
+from megatron_abft.dev import aot, sass
+from megatron_abft.flash import launch, tiles
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -129,3 +130,26 @@ def test_the_tiles_are_those_the_launches_take(kernel):
     assert launch.blocks(kernel, 64, torch.float32) == tiles.INTERPRETED
     with pytest.raises(ValueError, match="unknown flash kernel 'fwd'"):
         launch.blocks("fwd", 64, torch.bfloat16)
+
+
+def test_the_library_never_imports_the_gate_machinery():
+    """megatron_abft.dev (the builds that shell out to ptxas and cuobjdump) is the developers':
+    no module of the library outside it imports it."""
+    import ast
+    from pathlib import Path
+
+    package = Path(aot.__file__).parents[1]
+    importers = []
+    for path in package.rglob("*.py"):
+        if path.parent.name == "dev":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "megatron_abft.dev" or n.startswith("megatron_abft.dev.") for n in names):
+                importers.append(str(path.relative_to(package)))
+    assert importers == []
+    assert len(list(package.rglob("*.py"))) > 40  # the walk saw the package

@@ -1,5 +1,5 @@
 """What a cubin's SASS says about a kernel's main loop: the static speed metrics of the flash
-kernels' gate (megatron_abft.flash.aot, tests/flash/test_flash_gate.py).
+kernels' gate (megatron_abft.dev.aot, tests/flash/test_flash_gate.py).
 
 The disassembly (Triton's bundled cuobjdump) is parsed into instructions with their addresses;
 a branch to an earlier address closes a loop. The main loop is an innermost loop that holds

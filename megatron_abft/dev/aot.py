@@ -8,7 +8,7 @@ runs the launcher on CPU tensors with every kernel launch recorded instead of ru
 its own binder specialises the arguments (16-byte alignment, integers divisible by 16, integers
 equal to 1 made constants, as ``GROUP`` is in multi-head attention). Triton then compiles that
 program for a ``GPUTarget`` without a GPU, ptxas reports its registers, stack and warnings, and
-the bundled cuobjdump gives the SASS that megatron_abft.flash.sass measures.
+the bundled cuobjdump gives the SASS that megatron_abft.dev.sass measures.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from megatron_abft.config import FLASH_SECTIONS
+from megatron_abft.dev import sass
 from megatron_abft.flash import build as kernel_build
-from megatron_abft.flash import launch, sass, tiles
+from megatron_abft.flash import launch, tiles
 
 ARCHS: dict[int, int] = {80: 166912, 90: 232448}
 """Compute capability -> the most shared memory a block may use there, in bytes (A100: 163 KiB,
