@@ -13,9 +13,10 @@
 # Phase 3 times, one benchmark at a time: the attention per call (the protected flash kernels,
 # their checks compiled out, SDPA's flash and cuDNN), GPT-3 350M's step on the flash and the
 # unfused path at micro-batch 8, then summary.json (tools/gpu_summary.py), then the step at
-# micro-batch 1 and the checksum kernels. Phase 4 times the flash kernels' tile candidates
-# (tools/flash_tune.py). Each step has a time limit of its own (seconds) and none runs past
-# DEADLINE; a step cut short leaves its log and the next one runs.
+# micro-batch 1, the checksum kernels and the host's time a check (tools/bench_host.py). Phase 4
+# times the flash kernels' tile candidates (tools/flash_tune.py). Each step has a time limit of
+# its own (seconds) and none runs past DEADLINE; a step cut short leaves its log and the next
+# one runs.
 # SKIP="name ..." leaves steps out (a second call that reruns what failed). Logs and JSON go to
 # $OUT/gpu.tar.gz (the device tool brings back at most 8 files), the summary to
 # $OUT/summary.txt. Results of a run: docs/figures/gpu/, docs/benchmarks.md.
@@ -163,5 +164,7 @@ for attention in flash unfused; do
 done
 step bench_kernels 30 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
     --heads 16
+# the host's time a clean check, warm and with cold caches, and set_step/finish_step
+step bench_host 40 $PY -m tools.bench_host --layers 24 --out "$WORK/bench_host.json"
 # --- 4. the flash kernels' tiles, timed (a second call: SKIP the steps above) ----------------
 step flash_tune 300 $PY -m tools.flash_tune --out "$WORK/tuned_tiles.json"
