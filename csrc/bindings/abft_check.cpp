@@ -425,7 +425,7 @@ namespace abft_binding {
 // check_gemm's fused screen takes this check on the CPU and every matrix of C passes it, which
 // is check_gemm's finding for such a C (all clean, nothing corrected), with no tensor made and
 // no dispatch. False: call check_gemm, which screens again and corrects. For the checks whose
-// results the host reads (megatron_abft.check.checker.CompiledChecker.settle); the GIL is
+// results the host reads (megatron_abft.check.checker.CompiledChecker.run); the GIL is
 // released while the screen runs.
 PyObject* screen_passes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 9) {
