@@ -15,6 +15,7 @@ import os
 import sys
 from types import ModuleType
 
+import numpy as np
 import torch
 import triton
 
@@ -32,7 +33,10 @@ def _patch_interpreter(interpreter: ModuleType) -> None:
       one-element array (triton-lang/triton#9171): every scalar in the interpreter is one;
     - a function called inside a launch (a kernel's helpers, tl.sum) skips patching the language
       again, which the launch has done: a third of the kernels' time in the interpreter went to
-      it.
+      it;
+    - its ``tl.fma`` rounds the product and then the sum: it rounds once, as a GPU's FMA does
+      (the exact fp32 product in fp64, then the sum, rounded to fp32: two roundings, which
+      differ from one only at rare ties).
     """
     original = interpreter._patch_lang_tensor
     if getattr(original, "abft_fixes", False):
@@ -81,8 +85,13 @@ def _patch_interpreter(interpreter: ModuleType) -> None:
         except Exception as error:
             raise interpreter.InterpreterError(repr(error)) from error
 
+    def fused_multiply_add(self, x, y, z):
+        exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data
+        return interpreter.TensorHandle(exact.astype(z.data.dtype), z.dtype.scalar)
+
     interpreter.GridExecutor.__call__ = launch
     interpreter.InterpretedFunction.__call__ = call
+    interpreter.InterpreterBuilder.create_fma = fused_multiply_add
 
 
 @contextlib.contextmanager

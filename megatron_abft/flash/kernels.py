@@ -356,9 +356,10 @@ def _fwd_tiles(
             s = tl.where(visible, s * qk_scale, -INF)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
-        else:  # qk_scale > 0: the scaled row max is the row max scaled
+        else:  # qk_scale > 0: the scaled row max is the row max scaled, and the exponent one
+            # FMA (as the compiler would contract it): the max's own term is exp2 of m's rounding
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
+            p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         p_lo = _lo(p, q.dtype)
@@ -419,11 +420,14 @@ def _fwd_pass(
     if CHECK_S:
         none = tl.full([BLOCK_M], -INF, tl.float32)
         worst_s, ratio_s = _fold(tl.sum(srow, 1), 0.0, mass, tol, none, ratio_s, CALIBRATE)
-        # 1 <= l <= #keys: the row's largest term is exp2(0) = 1
+        # 1 <= l <= #keys: the row's largest term is exp2(0) = 1, but for the rounding of the
+        # row max m to fp32 in its exponent (exp2(-d) >= 1 - d, |d| <= u |m|; bf16's outlier
+        # rows reach |m| ~ 5e4, where exp2(-u |m|) is below 1 - 1e-3)
         keys = tl.full([BLOCK_M], N_K, tl.int32)
         if CAUSAL:
             keys = tl.minimum(keys, offs_m + 1)
-        excess = tl.maximum(1.0 - 1e-3 - l_i, l_i - keys * (1.0 + 1e-3))
+        least = 1.0 - 1e-3 - 2.0 * U32 * tl.abs(m_i)
+        excess = tl.maximum(least - l_i, l_i - keys * (1.0 + 1e-3))
         worst_s = tl.maximum(worst_s, excess, propagate_nan=tl.PropagateNan.ALL)
         state_s = tl.where(m_ok, _kinds(worst_s, near_inf), 0)
     if CHECK_C:  # every tile's P~V, the rescales and the sum, at once
