@@ -97,14 +97,14 @@ def measured_shape(args: dict) -> ModelShape:
 
 def calibrated(result: dict) -> DeviceProfile:
     """The device of a benchmark run, from its micro-benchmarks, with the baseline's forward
-    and backward scaled to the run's unprotected steps (DeviceProfile.baseline_scale)."""
+    and backward (the flash attention's, on the flash path) scaled to the run's unprotected
+    steps (DeviceProfile.baseline_scale)."""
     rates = roofline(result)
     off = result["median"]["off"]
     measured = off["step"] - off["optimizer"]
-    return replace(
-        rates,
-        baseline_scale=measured / forward_backward_time(measured_shape(result["args"]), rates),
-    )
+    flash = result.get("impl") == "flash"
+    counted = forward_backward_time(measured_shape(result["args"]), rates, flash)
+    return replace(rates, baseline_scale=measured / counted)
 
 
 EARLIER_OPS = {"torch": 124, "kernels": 4, "fused": 4}
@@ -251,7 +251,7 @@ def validation_rows(paths: list[Path]) -> list[dict]:
                 "config": name,
                 "what": "baseline step, roofline",
                 "unit": "s",
-                "predicted": step_time(shape, roofline(result)),
+                "predicted": step_time(shape, roofline(result), impl == "flash"),
                 "measured": result["median"]["off"]["step"],
                 "interval": None,
                 "ok": None,
@@ -390,7 +390,7 @@ def flash_method() -> list[str]:
     text = (
         "The flash path (`flash`: the protected flash attention, `megatron_abft.flash`) is "
         "priced for the GPU profiles only, its kernels' CUDA-core and exp2 rates from datasheets "
-        "(no benchmark measures them apart); one H200 run of GPT-3 350M on it is in the "
+        "(no benchmark measures them apart); H200 runs of GPT-3 350M on it are in the "
         "validation rows, priced with the H200's datasheet rates for those two. Its baseline is "
         "the unprotected step with the same Triton kernels, the "
         "checks compiled out, in place of the unfused attention's scores, softmax and context. "
