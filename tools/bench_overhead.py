@@ -499,7 +499,9 @@ def run(rank: int, args) -> dict | None:
     # the fused softmax reads the scores
     if unfused and args.fused_softmax and "screen" in rounds[0]["softmax"]:
         config.enabled, config.sections = True, ()
-        swap = fused_softmax_swap(model, forward_backward)
+        # fewer pairs for larger micro-batches: each step is longer and less noisy (at 8, the
+        # default 100 pairs took an H200 over two minutes)
+        swap = fused_softmax_swap(model, forward_backward, max(12, 100 // args.micro_batch))
     rounds.append(micro_benchmarks(args, device, softmax))
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
