@@ -8,11 +8,13 @@ compiled out, PyTorch's SDPA backends, and Megatron-core's unfused attention, pr
 
 For each model's attention on one tensor-parallel rank (heads, KV heads and head dim from
 megatron_abft.tuning.scaling.CATALOGUE, micro-batch from its configs/ file) and sequence length,
-every implementation's median forward and forward+backward times (CUDA events on a GPU, perf_counter
-on CPU), its TFLOP/s (causal: forward 4 B H N^2 D / 2, backward 2.5x that), its peak memory
-beyond the inputs, and its forward's largest error against an fp32 reference: a benchmark of a
-wrong answer is worthless. On a GPU: causal bf16 at 1k to 16k tokens; without one, one tiny
-shape (the flash kernels in Triton's interpreter), so that the tool and its test keep working.
+every implementation's median forward and forward+backward times (CUDA events on a GPU,
+perf_counter on CPU) and the host's time to return from a forward+backward call (where it nears
+the device's, the host bounds the call), its TFLOP/s (causal: forward 4 B H N^2 D / 2, backward
+2.5x that), its peak memory beyond the inputs, and its forward's largest error against an fp32
+reference: a benchmark of a wrong answer is worthless. On a GPU: causal bf16 at 1k to 16k
+tokens; without one, one tiny shape (the flash kernels in Triton's interpreter), so that the tool
+and its test keep working.
 An implementation that runs out of memory is recorded as "oom", a backend that refuses the
 shape as "refused"; the exit code is 1 when an implementation failed or its error is too large.
 """
@@ -332,6 +334,7 @@ def measure(
         "note": None,
         "fwd_ms": None,
         "fwd_bwd_ms": None,
+        "fwd_bwd_host_ms": None,
         "tflops_fwd": None,
         "tflops_fwd_bwd": None,
         "peak_mib": None,
@@ -348,12 +351,14 @@ def measure(
             row["status"] = "wrong"
         for _ in range(args.warmup):
             run.forward_backward()
-        forward, forward_backward = Timer(cuda), Timer(cuda)
+        forward, forward_backward, host = Timer(cuda), Timer(cuda), Timer(cuda=False)
         for _ in range(args.repeats):
             forward.time(run.forward)
-        for _ in range(args.repeats):
-            forward_backward.time(run.forward_backward)
+        for _ in range(args.repeats):  # the host's time to launch it too: near the device's, the
+            # host bounds the call (a GPU's time then measures the launching)
+            forward_backward.time(lambda: host.time(run.forward_backward))
         row["fwd_ms"], row["fwd_bwd_ms"] = forward.median_ms(), forward_backward.median_ms()
+        row["fwd_bwd_host_ms"] = host.median_ms()
         if cuda:  # one more run, from what the inputs and the implementation's state hold
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -446,6 +451,7 @@ COLUMNS = (
     "implementation",
     "fwd ms",
     "fwd+bwd ms",
+    "host ms",
     "TFLOP/s fwd+bwd",
     "peak MiB",
     "max error",
@@ -464,6 +470,7 @@ def table_line(row: dict) -> str:
         row["implementation"],
         num(row["fwd_ms"], 3),
         num(row["fwd_bwd_ms"], 3),
+        num(row["fwd_bwd_host_ms"], 3),
         "-" if row["tflops_fwd_bwd"] is None else f"{row['tflops_fwd_bwd']:.3g}",
         num(row["peak_mib"], 1),
         "-" if row["max_error"] is None else f"{row['max_error']:.1e}",

@@ -38,6 +38,8 @@ def test_cpu_run_times_every_implementation(tmp_path):
         shape = tuple(row[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim"))
         assert shape == (1, 2, 1, 64, 64) and row["dtype"] == "bf16", name
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0, name
+        # on the CPU the host's time is the call's: the same calls, timed by the same clock
+        assert 0.5 * row["fwd_bwd_ms"] < row["fwd_bwd_host_ms"] < 2 * row["fwd_bwd_ms"], name
         assert math.isfinite(row["tflops_fwd_bwd"]) and row["tflops_fwd_bwd"] > 0, name
         assert math.isclose(row["tflops_fwd_bwd"], 3.5 * flops / row["fwd_bwd_ms"] / 1e9)
         assert math.isclose(row["tflops_fwd"], flops / row["fwd_ms"] / 1e9)
