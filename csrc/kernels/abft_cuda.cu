@@ -2,10 +2,13 @@
 // second, and only through intrinsics for fp16/bf16, so that torch's __CUDA_NO_HALF_* flags hold.
 //
 // One thread block owns one tile of one matrix: a block of the column side (rows) by a block of
-// the row side (columns), so every output has one writer and the sums are deterministic. Each
-// thread walks one column of the tile, keeping its column sums in registers; each row's sums are
-// reduced across a warp by shuffles, and across the block's warps in shared memory. A tile
-// completes the vectors it covers, so it can screen them at once, in the same launch.
+// the row side (columns), so every output has one writer and the sums are deterministic. Where
+// the rows are contiguous and aligned, each thread reads four elements of a row at once and a
+// warp owns whole rows: the row sums reduce across the warp by shuffles, the column sums across
+// the block's warps in shared memory. Elsewhere each thread walks one column of the tile, keeping
+// its column sums in registers, and each row's sums are reduced across a warp by shuffles and
+// across the block's warps in shared memory. A tile completes the vectors it covers, so it can
+// screen them at once, in the same launch.
 #ifndef ABFT_CUDA_EMULATOR  // nvcc; cuda_emulator_cuda.h defines these for the CPU's build
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,6 +19,9 @@
 #define ABFT_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #define ABFT_LAUNCHERS cuda_launchers
 #endif
+
+#include <cstring>
+#include <type_traits>
 
 #include "kernels/abft.h"
 #include "kernels/abft_correct.h"
@@ -36,6 +42,49 @@ __device__ __forceinline__ float load(const __half* p) { return __half2float(*p)
 __device__ __forceinline__ float magnitude(float x) { return fabsf(x); }
 __device__ __forceinline__ double magnitude(double x) { return fabs(x); }
 
+// Four consecutive elements of a row, the unit block_sums_tile_vectors reads: 8 bytes of fp16
+// or bf16, 16 of fp32 (eight 2-byte elements a thread would hold more sums than its registers).
+constexpr int kVec = 4;
+#ifdef ABFT_CUDA_EMULATOR
+struct alignas(8) Bytes8 {
+  uint32_t x, y;
+};
+struct alignas(16) Bytes16 {
+  uint32_t x, y, z, w;
+};
+#else
+using Bytes8 = uint2;
+using Bytes16 = uint4;
+#endif
+template <typename T>
+using VectorBits = typename std::conditional<sizeof(T) == 2, Bytes8, Bytes16>::type;
+
+// The kVec elements at p (aligned to their size) in one load, as floats.
+template <typename T>
+__device__ __forceinline__ void load_vector(const T* p, float (&v)[kVec]) {
+  static_assert(kVec * sizeof(T) == sizeof(VectorBits<T>), "one load");
+  const VectorBits<T> bits = *reinterpret_cast<const VectorBits<T>*>(p);
+  T raw[kVec];
+  memcpy(raw, &bits, sizeof(bits));  // not a cast of &bits: that breaks strict aliasing
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) v[k] = load(raw + k);
+}
+
+// Whether the tiles of c can be read kVec elements at a time: 2- and 4-byte elements, rows
+// contiguous, and every matrix's rows, tiles and vectors starting on a vector's boundary. The
+// launchers decide, so that each path is a kernel of its own, with registers of its own.
+template <typename T>
+bool rows_in_vectors(const MatrixBatch& c, const Tiling& tiling) {
+  if (sizeof(T) > 4 || c.col_stride != 1 || c.cols % kVec != 0 || c.row_stride % kVec != 0 ||
+      tiling.width % kVec != 0 || reinterpret_cast<uintptr_t>(c.data) % (kVec * sizeof(T)) != 0) {
+    return false;
+  }
+  for (int d = 0; d < c.batch_dims; ++d) {
+    if (c.batch_sizes[d] > 1 && c.batch_strides[d] % kVec != 0) return false;
+  }
+  return true;
+}
+
 // Whether vector j of block blk of matrix b fails the screen on side `side` of s (0 or 1: each
 // side indexed by a constant, so that it stays in the parameter space).
 template <typename Acc>
@@ -47,14 +96,157 @@ __device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b
   return screen_flags<Acc>(s, s.side[1], screen_matrix<Acc>(s, s.side[1], b), blk, j);
 }
 
+// block_sums_tile where rows_in_vectors: a thread reads kVec consecutive columns of a row in one
+// load, and a warp owns whole rows (every warps-th of the tile), so a row's four sums take one
+// warp reduction per 32 * kVec elements, where the column-per-thread walk below takes one per
+// 32. Each warp keeps its columns' sums over its rows in registers; once a group of columns is
+// done the block adds the warps' sums, in warp order, in shared memory. The same outputs and
+// screen as that walk, summed in another fixed order.
+template <typename T, typename Acc, bool Screened>
+__device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
+                                                        const BlockSums& out,
+                                                        const Tiling& tiling, int64_t tile,
+                                                        const Screen& s, int col_side,
+                                                        int row_side) {
+  constexpr int kGroup = 32 * kVec;  // the columns a warp reads of a row at once
+  __shared__ Acc part[kWarps][4][kGroup];  // per warp: its sums of the group's columns
+  __shared__ int tile_fails;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const bool cols_checked = out.col_block > 0, rows_checked = out.row_block > 0;
+  const int64_t row_tiles = tiling.row_tiles, col_tiles = tiling.col_tiles;
+  const int64_t nbr = rows_checked ? ceil_div(c.cols, out.row_block) : 0;
+  Acc* row_sums = static_cast<Acc*>(out.row_sums);
+  Acc* row_sizes = static_cast<Acc*>(out.row_sizes);
+  const int64_t ct = tile % col_tiles, rt = (tile / col_tiles) % row_tiles;
+  const int64_t b = tile / (col_tiles * row_tiles);
+  const int64_t r0 = rt * tiling.height, r1 = min64(c.rows, r0 + tiling.height);
+  const int64_t c0 = ct * tiling.width, c1 = min64(c.cols, c0 + tiling.width);
+  const T* base = static_cast<const T*>(c.data) + batch_offset(c, b);
+  int fails = 0;  // this thread's failed vectors of the tile
+  if (Screened) {
+    if (threadIdx.x == 0) tile_fails = 0;
+    __syncthreads();
+  }
+  for (int64_t g = c0; g < c1; g += kGroup) {  // one pass per group of columns
+    const int64_t j0 = g + lane * kVec;
+    const bool valid = j0 < c1;  // whole vectors: c1 and j0 are multiples of kVec
+    const bool last_pass = g + kGroup >= c1;
+    Acc s0[kVec], s1[kVec], z0[kVec], z1[kVec];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) s0[k] = s1[k] = z0[k] = z1[k] = Acc(0);
+    const Acc w0 = Acc(j0 - c0 + 1);  // the row side's weight of this thread's first column
+    // this warp's rows (every warps-th) by chunks of 32: lane r keeps the r-th row's sums, and
+    // the lanes write and screen the chunk's rows together
+    for (int64_t i0 = r0 + warp; i0 < r1; i0 += 32 * int64_t(warps)) {
+      const int n = int(min64(32, ceil_div(r1 - i0, warps)));
+      Acc mine[4] = {0, 0, 0, 0};
+#pragma unroll 2  // two loads in flight; four spill at the 80 registers of 3 blocks an SM
+      for (int r = 0; r < n; ++r) {
+        const int64_t i = i0 + int64_t(r) * warps;
+        float v[kVec];
+        if (valid) {
+          load_vector<T>(base + i * c.row_stride + j0, v);
+        } else {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) v[k] = 0.0f;
+        }
+        const Acc wi = Acc(i - r0 + 1);
+        Acc t[4] = {0, 0, 0, 0};  // this thread's share of row i's sums
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const Acc x = Acc(v[k]), a = magnitude(x), wj = w0 + Acc(k);
+          s0[k] += x;
+          s1[k] += wi * x;
+          z0[k] += a;
+          z1[k] += wi * a;
+          t[0] += x;
+          t[1] += wj * x;
+          t[2] += a;
+          t[3] += wj * a;
+        }
+        if (rows_checked) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) {
+              t[k] += __shfl_xor_sync(kFullMask, t[k], offset);
+            }
+          }
+          if (lane == r) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) mine[k] = t[k];
+          }
+        }
+      }
+      if (rows_checked && lane < n) {
+        const int64_t i = i0 + int64_t(lane) * warps;
+        const int64_t at = (b * nbr + c0 / out.row_block) * 2 * c.rows + i;
+        if (g != c0) {  // a later pass over the same rows adds to the earlier ones
+          mine[0] += row_sums[at];
+          mine[1] += row_sums[at + c.rows];
+          mine[2] += row_sizes[at];
+          mine[3] += row_sizes[at + c.rows];
+        }
+        row_sums[at] = mine[0];
+        row_sums[at + c.rows] = mine[1];
+        row_sizes[at] = mine[2];
+        row_sizes[at + c.rows] = mine[3];
+        if (Screened && row_side >= 0 && last_pass) {
+          fails += screen_fails<Acc>(s, row_side, b, ct, i);
+        }
+      }
+    }
+    if (cols_checked) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        part[warp][0][lane * kVec + k] = s0[k];
+        part[warp][1][lane * kVec + k] = s1[k];
+        part[warp][2][lane * kVec + k] = z0[k];
+        part[warp][3][lane * kVec + k] = z1[k];
+      }
+      __syncthreads();
+      for (int col = threadIdx.x; col < kGroup; col += blockDim.x) {
+        const int64_t j = g + col;
+        if (j < c1) {
+          Acc total[4] = {0, 0, 0, 0};
+          for (int w = 0; w < warps; ++w) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) total[k] += part[w][k][col];
+          }
+          const int64_t at = (b * row_tiles + rt) * 2 * c.cols + j;
+          Acc* sums = static_cast<Acc*>(out.col_sums);
+          Acc* sizes = static_cast<Acc*>(out.col_sizes);
+          sums[at] = total[0];
+          sums[at + c.cols] = total[1];
+          sizes[at] = total[2];
+          sizes[at + c.cols] = total[3];
+          if (Screened && col_side >= 0) fails += screen_fails<Acc>(s, col_side, b, rt, j);
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (Screened) {
+    if (fails > 0) atomicAdd(&tile_fails, fails);
+    __syncthreads();
+    if (threadIdx.x == 0) s.flagged[b * s.slots + rt * col_tiles + ct] = tile_fails;
+  }
+}
+
 // One tile of block_sums, by the whole thread block (any multiple of 32 threads up to kThreads),
 // and where Screened the screen of the vectors the tile completes, read back by the thread that
 // wrote them: col_side and row_side say which side of s the tile's columns and rows are (-1: not
-// screened). A template parameter, so that the plain sums keep their registers.
-template <typename T, typename Acc, bool Screened>
+// screened). A template parameter, so that the plain sums keep their registers. Where the rows
+// are read in vectors (Vectors: rows_in_vectors), block_sums_tile_vectors; else each thread walks
+// a column.
+template <typename T, typename Acc, bool Screened, bool Vectors>
 __device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const BlockSums& out,
                                                 const Tiling& tiling, int64_t tile,
                                                 const Screen& s, int col_side, int row_side) {
+  if constexpr (Vectors) {
+    block_sums_tile_vectors<T, Acc, Screened>(c, out, tiling, tile, s, col_side, row_side);
+    return;
+  }
   __shared__ Acc part[kWarps][32][4];  // per warp, per row of a chunk: the warp's row sums
   __shared__ int tile_fails;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -156,12 +348,12 @@ __device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const Bloc
   }
 }
 
-template <typename T, typename Acc, bool Screened>
+template <typename T, typename Acc, bool Screened, bool Vectors>
 __global__ void __launch_bounds__(kThreads, 3)
     block_sums_kernel(MatrixBatch c, BlockSums out, Tiling tiling, int64_t tiles, Screen s,
                       int col_side, int row_side) {
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    block_sums_tile<T, Acc, Screened>(c, out, tiling, tile, s, col_side, row_side);
+    block_sums_tile<T, Acc, Screened, Vectors>(c, out, tiling, tile, s, col_side, row_side);
   }
 }
 
@@ -183,16 +375,17 @@ int64_t block_sums_threads(const BlockSumsJob& job) {
   return min64(kThreads, ceil_div(min64(job.tiling.width, job.c.cols), 32) * 32);
 }
 
-// Two jobs' block sums in one launch: the tiles of the first, then those of the second.
-template <typename T, typename Acc>
+// Two jobs' block sums in one launch: the tiles of the first, then those of the second, each
+// read in vectors or not (First, Second: rows_in_vectors).
+template <typename T, typename Acc, bool First, bool Second>
 __global__ void __launch_bounds__(kThreads, 3)
     block_sums_pair_kernel(BlockSumsJob first, BlockSumsJob second, Screen none) {
   for (int64_t tile = blockIdx.x; tile < first.tiles + second.tiles; tile += gridDim.x) {
     if (tile < first.tiles) {
-      block_sums_tile<T, Acc, false>(first.c, first.out, first.tiling, tile, none, -1, -1);
+      block_sums_tile<T, Acc, false, First>(first.c, first.out, first.tiling, tile, none, -1, -1);
     } else {
-      block_sums_tile<T, Acc, false>(second.c, second.out, second.tiling, tile - first.tiles,
-                                     none, -1, -1);
+      block_sums_tile<T, Acc, false, Second>(second.c, second.out, second.tiling,
+                                             tile - first.tiles, none, -1, -1);
     }
   }
 }
@@ -223,11 +416,24 @@ int launch(const MatrixBatch& c, const BlockSums& out, const Screen* screen, cud
   }
   const int threads = int(block_sums_threads(job));
   const unsigned grid = unsigned(min64(tiles, 0x7fffffff));
-  if (screen != nullptr) {
-    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, true>)
+  const bool screened = screen != nullptr;
+  if constexpr (sizeof(T) <= 4) {
+    if (rows_in_vectors<T>(c, tiling)) {
+      if (screened) {
+        ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, true, true>)
+        (c, out, tiling, tiles, s, col_side, row_side);
+      } else {
+        ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, false, true>)
+        (c, out, tiling, tiles, s, col_side, row_side);
+      }
+      return cudaGetLastError();
+    }
+  }
+  if (screened) {
+    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, true, false>)
     (c, out, tiling, tiles, s, col_side, row_side);
   } else {
-    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, false>)
+    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, false, false>)
     (c, out, tiling, tiles, s, col_side, row_side);
   }
   return cudaGetLastError();
@@ -240,7 +446,27 @@ int launch_pair(const BlockSumsJob& first, const BlockSumsJob& second, cudaStrea
   const int64_t wide = block_sums_threads(first), other = block_sums_threads(second);
   const int threads = int(wide > other ? wide : other);
   const unsigned grid = unsigned(min64(tiles, 0x7fffffff));
-  ABFT_LAUNCH(grid, threads, 0, stream, block_sums_pair_kernel<T, Acc>)(first, second, Screen{});
+  if constexpr (sizeof(T) <= 4) {
+    const bool a = rows_in_vectors<T>(first.c, first.tiling);
+    const bool b = rows_in_vectors<T>(second.c, second.tiling);
+    if (a && b) {
+      ABFT_LAUNCH(grid, threads, 0, stream, block_sums_pair_kernel<T, Acc, true, true>)
+      (first, second, Screen{});
+      return cudaGetLastError();
+    }
+    if (a || b) {
+      if (a) {
+        ABFT_LAUNCH(grid, threads, 0, stream, block_sums_pair_kernel<T, Acc, true, false>)
+        (first, second, Screen{});
+      } else {
+        ABFT_LAUNCH(grid, threads, 0, stream, block_sums_pair_kernel<T, Acc, false, true>)
+        (first, second, Screen{});
+      }
+      return cudaGetLastError();
+    }
+  }
+  ABFT_LAUNCH(grid, threads, 0, stream, block_sums_pair_kernel<T, Acc, false, false>)
+  (first, second, Screen{});
   return cudaGetLastError();
 }
 
