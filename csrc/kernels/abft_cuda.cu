@@ -96,6 +96,59 @@ __device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b
   return screen_flags<Acc>(s, s.side[1], screen_matrix<Acc>(s, s.side[1], b), blk, j);
 }
 
+// t's four values summed over the warp (a butterfly: every lane ends with the totals), and kept
+// in `mine` by lane r.
+template <typename Acc>
+__device__ __forceinline__ void warp_sums(Acc (&t)[4], Acc (&mine)[4], int lane, int r) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      t[k] += __shfl_xor_sync(kFullMask, t[k], offset);
+    }
+  }
+  if (lane == r) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mine[k] = t[k];
+  }
+}
+
+// Column j's four block sums (the plain and weighted sums and sizes) of row tile rt, matrix b.
+template <typename Acc>
+__device__ __forceinline__ void write_column(const BlockSums& out, const MatrixBatch& c,
+                                             int64_t b, int64_t rt, int64_t row_tiles, int64_t j,
+                                             Acc s0, Acc s1, Acc z0, Acc z1) {
+  const int64_t at = (b * row_tiles + rt) * 2 * c.cols + j;
+  Acc* sums = static_cast<Acc*>(out.col_sums);
+  Acc* sizes = static_cast<Acc*>(out.col_sizes);
+  sums[at] = s0;
+  sums[at + c.cols] = s1;
+  sizes[at] = z0;
+  sizes[at + c.cols] = z1;
+}
+
+// Row i's four block sums of column block cb, matrix b, from this pass's `t`: added to what the
+// tile's earlier passes over the block wrote (later: one did).
+template <typename Acc>
+__device__ __forceinline__ void write_row(const BlockSums& out, const MatrixBatch& c, int64_t b,
+                                          int64_t nbr, int64_t cb, int64_t i, const Acc (&t)[4],
+                                          bool later) {
+  const int64_t at = (b * nbr + cb) * 2 * c.rows + i;
+  Acc* sums = static_cast<Acc*>(out.row_sums);
+  Acc* sizes = static_cast<Acc*>(out.row_sizes);
+  Acc total[4] = {t[0], t[1], t[2], t[3]};
+  if (later) {
+    total[0] += sums[at];
+    total[1] += sums[at + c.rows];
+    total[2] += sizes[at];
+    total[3] += sizes[at + c.rows];
+  }
+  sums[at] = total[0];
+  sums[at + c.rows] = total[1];
+  sizes[at] = total[2];
+  sizes[at + c.rows] = total[3];
+}
+
 // block_sums_tile where rows_in_vectors: a thread reads kVec consecutive columns of a row in one
 // load, and a warp owns whole rows (every warps-th of the tile), so a row's four sums take one
 // warp reduction per 32 * kVec elements, where the column-per-thread walk below takes one per
@@ -115,8 +168,6 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
   const bool cols_checked = out.col_block > 0, rows_checked = out.row_block > 0;
   const int64_t row_tiles = tiling.row_tiles, col_tiles = tiling.col_tiles;
   const int64_t nbr = rows_checked ? ceil_div(c.cols, out.row_block) : 0;
-  Acc* row_sums = static_cast<Acc*>(out.row_sums);
-  Acc* row_sizes = static_cast<Acc*>(out.row_sizes);
   const int64_t ct = tile % col_tiles, rt = (tile / col_tiles) % row_tiles;
   const int64_t b = tile / (col_tiles * row_tiles);
   const int64_t r0 = rt * tiling.height, r1 = min64(c.rows, r0 + tiling.height);
@@ -164,33 +215,11 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
           t[2] += a;
           t[3] += wj * a;
         }
-        if (rows_checked) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) {
-              t[k] += __shfl_xor_sync(kFullMask, t[k], offset);
-            }
-          }
-          if (lane == r) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mine[k] = t[k];
-          }
-        }
+        if (rows_checked) warp_sums(t, mine, lane, r);
       }
       if (rows_checked && lane < n) {
         const int64_t i = i0 + int64_t(lane) * warps;
-        const int64_t at = (b * nbr + c0 / out.row_block) * 2 * c.rows + i;
-        if (g != c0) {  // a later pass over the same rows adds to the earlier ones
-          mine[0] += row_sums[at];
-          mine[1] += row_sums[at + c.rows];
-          mine[2] += row_sizes[at];
-          mine[3] += row_sizes[at + c.rows];
-        }
-        row_sums[at] = mine[0];
-        row_sums[at + c.rows] = mine[1];
-        row_sizes[at] = mine[2];
-        row_sizes[at + c.rows] = mine[3];
+        write_row<Acc>(out, c, b, nbr, c0 / out.row_block, i, mine, g != c0);
         if (Screened && row_side >= 0 && last_pass) {
           fails += screen_fails<Acc>(s, row_side, b, ct, i);
         }
@@ -213,13 +242,7 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
 #pragma unroll
             for (int k = 0; k < 4; ++k) total[k] += part[w][k][col];
           }
-          const int64_t at = (b * row_tiles + rt) * 2 * c.cols + j;
-          Acc* sums = static_cast<Acc*>(out.col_sums);
-          Acc* sizes = static_cast<Acc*>(out.col_sizes);
-          sums[at] = total[0];
-          sums[at + c.cols] = total[1];
-          sizes[at] = total[2];
-          sizes[at + c.cols] = total[3];
+          write_column<Acc>(out, c, b, rt, row_tiles, j, total[0], total[1], total[2], total[3]);
           if (Screened && col_side >= 0) fails += screen_fails<Acc>(s, col_side, b, rt, j);
         }
       }
@@ -254,8 +277,6 @@ __device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const Bloc
   const int64_t height = tiling.height, width = tiling.width;
   const int64_t row_tiles = tiling.row_tiles, col_tiles = tiling.col_tiles;
   const int64_t nbr = rows_checked ? ceil_div(c.cols, out.row_block) : 0;
-  Acc* row_sums = static_cast<Acc*>(out.row_sums);
-  Acc* row_sizes = static_cast<Acc*>(out.row_sizes);
   {
     const int64_t ct = tile % col_tiles, rt = (tile / col_tiles) % row_tiles;
     const int64_t b = tile / (col_tiles * row_tiles);
@@ -288,17 +309,7 @@ __device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const Bloc
           z1 += wi * a;
           if (rows_checked) {
             Acc t[4] = {v, wj * v, a, wj * a};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-#pragma unroll
-              for (int offset = 16; offset > 0; offset >>= 1) {
-                t[k] += __shfl_xor_sync(kFullMask, t[k], offset);
-              }
-            }
-            if (lane == r) {
-#pragma unroll
-              for (int k = 0; k < 4; ++k) mine[k] = t[k];
-            }
+            warp_sums(t, mine, lane, r);
           }
         }
         if (rows_checked) {
@@ -311,17 +322,7 @@ __device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const Bloc
 #pragma unroll
               for (int k = 0; k < 4; ++k) total[k] += part[w][lane][k];
             }
-            const int64_t at = (b * nbr + c0 / out.row_block) * 2 * c.rows + q0 + lane;
-            if (g != c0) {  // a later pass over the same rows adds to the earlier ones
-              total[0] += row_sums[at];
-              total[1] += row_sums[at + c.rows];
-              total[2] += row_sizes[at];
-              total[3] += row_sizes[at + c.rows];
-            }
-            row_sums[at] = total[0];
-            row_sums[at + c.rows] = total[1];
-            row_sizes[at] = total[2];
-            row_sizes[at + c.rows] = total[3];
+            write_row<Acc>(out, c, b, nbr, c0 / out.row_block, q0 + lane, total, g != c0);
             if (Screened && row_side >= 0 && last_pass) {
               fails += screen_fails<Acc>(s, row_side, b, ct, q0 + lane);
             }
@@ -330,13 +331,7 @@ __device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const Bloc
         }
       }
       if (cols_checked && valid) {
-        const int64_t at = (b * row_tiles + rt) * 2 * c.cols + j;
-        Acc* sums = static_cast<Acc*>(out.col_sums);
-        Acc* sizes = static_cast<Acc*>(out.col_sizes);
-        sums[at] = s0;
-        sums[at + c.cols] = s1;
-        sizes[at] = z0;
-        sizes[at + c.cols] = z1;
+        write_column<Acc>(out, c, b, rt, row_tiles, j, s0, s1, z0, z1);
         if (Screened && col_side >= 0) fails += screen_fails<Acc>(s, col_side, b, rt, j);
       }
     }
