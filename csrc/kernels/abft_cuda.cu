@@ -191,7 +191,7 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
     for (int64_t i0 = r0 + warp; i0 < r1; i0 += 32 * int64_t(warps)) {
       const int n = int(min64(32, ceil_div(r1 - i0, warps)));
       Acc mine[4] = {0, 0, 0, 0};
-#pragma unroll 2  // two loads in flight; four spill at the 80 registers of 3 blocks an SM
+#pragma unroll 2  // two loads in flight; with four, more registers spill (at 80: 3 blocks an SM)
       for (int r = 0; r < n; ++r) {
         const int64_t i = i0 + int64_t(r) * warps;
         float v[kVec];
