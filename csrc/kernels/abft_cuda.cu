@@ -397,6 +397,21 @@ bool tile_sides(const Screen& screen, const BlockSums& out, const Tiling& tiling
          screen.slots == tiling.row_tiles * tiling.col_tiles;
 }
 
+// block_sums_kernel on one path (Vectors: rows_in_vectors), screened or not.
+template <typename T, typename Acc, bool Vectors>
+int launch_path(unsigned grid, int threads, cudaStream_t stream, bool screened,
+                const MatrixBatch& c, const BlockSums& out, const Tiling& tiling, int64_t tiles,
+                const Screen& s, int col_side, int row_side) {
+  if (screened) {
+    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, true, Vectors>)
+    (c, out, tiling, tiles, s, col_side, row_side);
+  } else {
+    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, false, Vectors>)
+    (c, out, tiling, tiles, s, col_side, row_side);
+  }
+  return cudaGetLastError();
+}
+
 template <typename T, typename Acc>
 int launch(const MatrixBatch& c, const BlockSums& out, const Screen* screen, cudaStream_t stream) {
   const BlockSumsJob job = block_sums_job(c, out);
@@ -414,24 +429,12 @@ int launch(const MatrixBatch& c, const BlockSums& out, const Screen* screen, cud
   const bool screened = screen != nullptr;
   if constexpr (sizeof(T) <= 4) {
     if (rows_in_vectors<T>(c, tiling)) {
-      if (screened) {
-        ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, true, true>)
-        (c, out, tiling, tiles, s, col_side, row_side);
-      } else {
-        ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, false, true>)
-        (c, out, tiling, tiles, s, col_side, row_side);
-      }
-      return cudaGetLastError();
+      return launch_path<T, Acc, true>(grid, threads, stream, screened, c, out, tiling, tiles, s,
+                                       col_side, row_side);
     }
   }
-  if (screened) {
-    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, true, false>)
-    (c, out, tiling, tiles, s, col_side, row_side);
-  } else {
-    ABFT_LAUNCH(grid, threads, 0, stream, block_sums_kernel<T, Acc, false, false>)
-    (c, out, tiling, tiles, s, col_side, row_side);
-  }
-  return cudaGetLastError();
+  return launch_path<T, Acc, false>(grid, threads, stream, screened, c, out, tiling, tiles, s,
+                                    col_side, row_side);
 }
 
 template <typename T, typename Acc>
