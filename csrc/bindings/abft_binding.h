@@ -106,9 +106,6 @@ Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::
                             const at::Tensor& y, double b_scale);
 #endif
 
-// That the CUDA products kernel takes p's vectors (at most kMaxRowProducts of each kind); `op`
-// names the op in the error.
-void check_cuda_products(const char* op, const abft::RowProducts& p);
 
 // The screen of c given its block sums, and its flagged counts [*batch, slots]: without a
 // tiling one slot a matrix, zeros (the CPU kernels); with the tiling of the CUDA block sums that

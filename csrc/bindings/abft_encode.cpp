@@ -1,5 +1,5 @@
 // encode_pair: both sides' checksum sums of C = alpha * A @ B in one op, composed of the kernels
-// (block_sums, operand_pass, row_products, or their pairs) and BLAS. The steps are those of
+// (block_sums, operand_pass, row_products, or their pairs). The steps are those of
 // megatron_abft/check/checksum.py (_both_sides_sums, _project), which stays the reference. On a CPU
 // the larger operand is read once for its block sums and its products with the smaller one's sums,
 // the smaller one twice; on a GPU, where a launch costs more than a read, both operands' block sums
@@ -96,18 +96,6 @@ Four row_products_pair(const at::Tensor& a, const at::Tensor& u, const at::Tenso
 
 // Sizes and strides are read as SymInts throughout: traced with dynamic shapes (torch.compile),
 // the ops decompose on fake tensors whose sizes are symbols; a branch on them guards.
-bool column_major(const at::Tensor& x) {
-  return x.sym_stride(-2) == 1 && x.sym_stride(-1) != 1;
-}
-
-// As compiled._products_apply (megatron_abft/ops): on CUDA the kernels take at most 16 vectors of
-// each kind.
-bool products_apply(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z) {
-  if (u.dim() != a.dim() || z.dim() != a.dim()) return false;
-  return !runs_cuda_kernels(a) ||
-         (u.sym_size(-2) <= abft::kMaxRowProducts && z.sym_size(-2) <= abft::kMaxRowProducts);
-}
-
 using Shape = std::vector<c10::SymInt>;
 
 Shape batch_of(const at::Tensor& t) {
@@ -172,34 +160,16 @@ Projection projection(at::Tensor x, const at::Tensor& sums, const at::Tensor& si
   return {x, fold_rows(sums), fold_rows(sizes), back};
 }
 
-// Whether row_products takes a projection (else project uses BLAS).
-bool kernels_take(const Projection& p) { return products_apply(p.x, p.sums, p.sizes); }
-
 // project's results, [..., q, p] and [..., q', p], from row_products' for a projection (the
 // kernels apply the scale as they write them).
 Pair projected(const Projection& p, const Pair& products) {
   return {p.back(std::get<0>(products).mT()), p.back(std::get<1>(products).mT())};
 }
 
-// project's results by BLAS, where the kernels do not take the projection: x read in its own
-// layout.
-Pair project_by_blas(const Projection& p, double scale) {
-  const at::Tensor x = p.x.to(p.sums.scalar_type());
-  const at::Tensor& sums = p.sums;
-  const at::Tensor& sizes = p.sizes;
-  Pair found = column_major(x) ? Pair{sums.matmul(x.mT()), sizes.matmul(x.abs().mT())}
-                               : Pair{x.matmul(sums.mT()).mT(), x.abs().matmul(sizes.mT()).mT()};
-  if (scale != 1.0) {
-    found = {std::get<0>(found).mul(scale), std::get<1>(found).mul(std::abs(scale))};
-  }
-  return {p.back(std::get<0>(found)), p.back(std::get<1>(found))};
-}
-
 // scale sums @ x^T and |scale| sizes @ |x|^T for an operand x [..., p, k]: [..., q, p] and
 // [..., q', p], as checksum._project, then _scaled.
 Pair project(const at::Tensor& x, const at::Tensor& sums, const at::Tensor& sizes, double scale) {
   const Projection p = projection(x, sums, sizes);
-  if (!kernels_take(p)) return project_by_blas(p, scale);
   return projected(p, row_products(p.x, p.sums, p.sizes, scale));
 }
 
@@ -254,18 +224,13 @@ Four from_pass(bool x_big, const at::Tensor& small, double alpha, const Four& bi
 }
 
 // encode_pair_split's steps: both operands' block sums in one op, then the larger one's products
-// with the smaller one's sums and the smaller one's with the larger one's in another (or by BLAS,
-// where the kernels do not take that projection).
+// with the smaller one's sums and the smaller one's with the larger one's in another.
 Four encode_split(bool x_big, const at::Tensor& big, const at::Tensor& small, double alpha,
                   int64_t block) {
   const auto [s0, s1, s2, s3, big_w, big_sizes, b2, b3] =
       block_sums_pair_op(small, block, 0, big, block, 0);
   const auto [u, z] = vectors_of(big, small, {s0, s1, s2, s3});
   const Projection p = projection(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0));
-  if (!kernels_take(p)) {
-    const auto [products, magnitudes] = row_products(big, u, z, alpha);
-    return both_sides(x_big, project_by_blas(p, alpha), {products.mT(), magnitudes.mT()});
-  }
   const auto [products, magnitudes, small_products, small_magnitudes] =
       row_products_pair_op(big, u, z, alpha, p.x, p.sums, p.sizes, alpha);
   return both_sides(x_big, projected(p, {small_products, small_magnitudes}),

@@ -214,12 +214,6 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
   return {std::move(out), describe(a), products, vectors[0], vectors[1]};
 }
 
-void check_cuda_products(const char* op, const abft::RowProducts& p) {
-  TORCH_CHECK(p.u.rows <= abft::kMaxRowProducts && p.z.rows <= abft::kMaxRowProducts, op,
-              ": at most ", abft::kMaxRowProducts, " vectors of each kind on CUDA; got ", p.u.rows,
-              " and ", p.z.rows);
-}
-
 Products row_products_cpu(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,
                           double scale) {
   auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, scale, at::kCPU);
@@ -268,7 +262,6 @@ Pass operand_pass_cuda(const at::Tensor& a, int64_t block, const at::Tensor& u,
   auto [result, matrices, out, products, u_, z_] =
       prepare_pass(a, block, u, z, scale, launch.device());
   const char* op = "megatron_abft::operand_pass";
-  check_cuda_products(op, products);
   launch.check(launch.kernels().block_sums(matrices, out, launch.stream(), nullptr), op);
   launch.check(
       launch.kernels().row_products(matrices, products, launch.stream(), nullptr, nullptr), op);
@@ -280,7 +273,6 @@ Products row_products_cuda(const at::Tensor& a, const at::Tensor& u, const at::T
   const CudaLaunch launch(a);
   auto [out, matrix, products, u_, z_] = prepare_products(a, u, z, scale, launch.device());
   const char* op = "megatron_abft::row_products";
-  check_cuda_products(op, products);
   launch.check(
       launch.kernels().row_products(matrix, products, launch.stream(), nullptr, nullptr), op);
   return out;
@@ -329,8 +321,6 @@ Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::
       prepare_products(a, u, z, scale, launch.device());
   auto [b_found, b_matrix, b_products, v_, y_] =
       prepare_products(b, v, y, b_scale, launch.device());
-  check_cuda_products(op, a_products);
-  check_cuda_products(op, b_products);
   launch.check(launch.kernels().row_products(a_matrix, a_products, launch.stream(), &b_matrix,
                                              &b_products),
                op);

@@ -162,7 +162,6 @@ Six softmax_check_cuda(const at::Tensor& s, int64_t col_block, int64_t row_block
                   scale, block, u, z, launch.device(), true);
   const abft::SoftmaxCheck& k = out.k;
   const char* op = "megatron_abft::softmax_check";
-  if (k.products != nullptr) abft_binding::check_cuda_products(op, *k.products);
   launch.check(launch.kernels().softmax_check(k, launch.stream()), op);
   return result(out);
 }
@@ -258,7 +257,6 @@ Six softmax_correct_tally_cuda(const at::Tensor& s, int64_t col_block, int64_t r
                         true);
   const abft::SoftmaxCheck& k = c.softmax.k;
   const char* op = "megatron_abft::softmax_correct_tally";
-  if (k.products != nullptr) abft_binding::check_cuda_products(op, *k.products);
   const auto& [status, kind, rows, cols, magnitude] = c.correction.found;
   auto [t, failed, flat] = abft_binding::prepare_tally(status, kind, rows, cols, magnitude,
                                                        {counts, step, log, logged});

@@ -444,8 +444,9 @@ void softmax_check_cpu(const SoftmaxCheck& k, int64_t begin, int64_t end);
 // CPU, matrices [begin, end) of the batch.
 void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);
 
-// The vectors of each kind (u, z) that one launch of the CUDA products kernel takes at most.
-constexpr int kMaxRowProducts = 16;
+// The vectors of each kind (u, z) whose products with a row of A the CUDA products kernel holds
+// in registers: more take more passes over the row.
+constexpr int kProductsPerPass = 16;
 
 // The CUDA kernels' launchers (abft_cuda.cu). Each launches on `stream` (a cudaStream_t) and
 // returns the launch's cudaError_t (0: success). abft_cuda.cu is built twice: by nvcc for GPUs
@@ -462,8 +463,7 @@ struct Launchers {
   // The block sums of two batches of one dtype (unscreened) in one launch.
   int (*block_sums_pair)(const MatrixBatch& a, const BlockSums& a_out, const MatrixBatch& b,
                          const BlockSums& b_out, void* stream);
-  // At most kMaxRowProducts vectors of each kind (u, z); the binding checks it. With b (or
-  // null), b's products (b_out; b of a's dtype) in the same launch.
+  // With b (or null), b's products (b_out; b of a's dtype) in the same launch.
   int (*row_products)(const MatrixBatch& a, const RowProducts& out, void* stream,
                       const MatrixBatch* b, const RowProducts* b_out);
   // One thread block.

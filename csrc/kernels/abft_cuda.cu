@@ -469,50 +469,56 @@ int launch_pair(const BlockSumsJob& first, const BlockSumsJob& second, cudaStrea
 }
 
 // row_products: one warp per row of A (of a column-major A: column_product_tiles below). Each
-// lane walks every 32nd entry of the row, keeping its share of the up to kMaxRowProducts dot
+// lane walks every 32nd entry of the row, keeping its share of up to kProductsPerPass dot
 // products of each kind in registers; the warp then reduces them by shuffles and lane 0 writes
-// the row's results. The rows of the batch are shared by `blocks` thread blocks of kThreads, this
-// one the block-th.
+// the row's results. More vectors take more passes over the row, kProductsPerPass of each kind a
+// pass (the row read again from the cache). The rows of the batch are shared by `blocks` thread
+// blocks of kThreads, this one the block-th.
 template <typename T, typename Acc>
 __device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const RowProducts& out,
                                                  int64_t block, int64_t blocks) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = blocks * kWarps, total_rows = a.batch * a.rows;
-  const int64_t k = a.cols;
+  const int64_t k = a.cols, nu = out.u.rows, nz = out.z.rows;
+  const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
+  const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
   for (int64_t row = block * kWarps + (threadIdx.x >> 5); row < total_rows; row += warps) {
     const int64_t b = row / a.rows, i = row % a.rows;
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + i * a.row_stride;
-    const int64_t nu = out.u.rows, nz = out.z.rows;
-    const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
-    const Acc* u = static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b);
-    const Acc* z = static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b);
-    Acc p[kMaxRowProducts], q[kMaxRowProducts];
+    for (int64_t first = 0; first < nu || first < nz; first += kProductsPerPass) {
+      const int64_t pu = min64(nu - first, kProductsPerPass);
+      const int64_t pz = min64(nz - first, kProductsPerPass);
+      const Acc* u =
+          static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
+      const Acc* z =
+          static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
+      Acc p[kProductsPerPass], q[kProductsPerPass];
 #pragma unroll
-    for (int t = 0; t < kMaxRowProducts; ++t) p[t] = q[t] = Acc(0);
-    for (int64_t j = lane; j < k; j += 32) {
-      const Acc v = Acc(load(x + j * a.col_stride)), m = magnitude(v);
+      for (int t = 0; t < kProductsPerPass; ++t) p[t] = q[t] = Acc(0);
+      for (int64_t j = lane; j < k; j += 32) {
+        const Acc v = Acc(load(x + j * a.col_stride)), m = magnitude(v);
 #pragma unroll
-      for (int t = 0; t < kMaxRowProducts; ++t) {
-        if (t < nu) p[t] += v * u[t * u_stride + j];
-        if (t < nz) q[t] += m * z[t * z_stride + j];
+        for (int t = 0; t < kProductsPerPass; ++t) {
+          if (t < pu) p[t] += v * u[t * u_stride + j];
+          if (t < pz) q[t] += m * z[t * z_stride + j];
+        }
       }
-    }
 #pragma unroll
-    for (int t = 0; t < kMaxRowProducts; ++t) {
+      for (int t = 0; t < kProductsPerPass; ++t) {
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        p[t] += __shfl_xor_sync(kFullMask, p[t], offset);
-        q[t] += __shfl_xor_sync(kFullMask, q[t], offset);
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          p[t] += __shfl_xor_sync(kFullMask, p[t], offset);
+          q[t] += __shfl_xor_sync(kFullMask, q[t], offset);
+        }
       }
-    }
-    if (lane == 0) {
-      Acc* products = static_cast<Acc*>(out.products) + row * nu;
-      Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * nz;
-      const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
+      if (lane == 0) {
+        Acc* products = static_cast<Acc*>(out.products) + row * nu + first;
+        Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * nz + first;
 #pragma unroll
-      for (int t = 0; t < kMaxRowProducts; ++t) {
-        if (t < nu) products[t] = p[t] * scale;
-        if (t < nz) magnitudes[t] = q[t] * size_scale;
+        for (int t = 0; t < kProductsPerPass; ++t) {
+          if (t < pu) products[t] = p[t] * scale;
+          if (t < pz) magnitudes[t] = q[t] * size_scale;
+        }
       }
     }
   }
@@ -521,7 +527,8 @@ __device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const Row
 // row_products of a column-major A: one thread block per 32 rows of one matrix (a tile), a lane
 // per row, so that a warp reads 32 consecutive entries of a column; warp w takes columns w,
 // w + kWarps, ...; the warps' shares of each product are then summed in order in shared memory.
-// The tiles are shared by `blocks` thread blocks, this one the block-th.
+// As row_product_rows, kProductsPerPass vectors of each kind a pass over the tile. The tiles are
+// shared by `blocks` thread blocks, this one the block-th.
 template <typename T, typename Acc>
 __device__ __forceinline__ void column_product_tiles(const MatrixBatch& a,
                                                      const RowProducts& out, int64_t block,
@@ -535,38 +542,45 @@ __device__ __forceinline__ void column_product_tiles(const MatrixBatch& a,
     const int64_t b = tile / row_tiles, i = (tile % row_tiles) * 32 + lane;
     const bool valid = i < a.rows;
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + (valid ? i : 0);
-    const Acc* u = static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b);
-    const Acc* z = static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b);
-    Acc p[kMaxRowProducts], q[kMaxRowProducts];
+    // the same bounds in every thread, so that every thread reaches the same barriers
+    for (int64_t first = 0; first < nu || first < nz; first += kProductsPerPass) {
+      const int64_t pu = min64(nu - first, kProductsPerPass);
+      const int64_t pz = min64(nz - first, kProductsPerPass);
+      const Acc* u =
+          static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
+      const Acc* z =
+          static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
+      Acc p[kProductsPerPass], q[kProductsPerPass];
 #pragma unroll
-    for (int t = 0; t < kMaxRowProducts; ++t) p[t] = q[t] = Acc(0);
-    for (int64_t j = warp; j < a.cols; j += kWarps) {
-      const Acc v = valid ? Acc(load(x + j * a.col_stride)) : Acc(0), m = magnitude(v);
+      for (int t = 0; t < kProductsPerPass; ++t) p[t] = q[t] = Acc(0);
+      for (int64_t j = warp; j < a.cols; j += kWarps) {
+        const Acc v = valid ? Acc(load(x + j * a.col_stride)) : Acc(0), m = magnitude(v);
 #pragma unroll
-      for (int t = 0; t < kMaxRowProducts; ++t) {
-        if (t < nu) p[t] += v * u[t * u_stride + j];
-        if (t < nz) q[t] += m * z[t * z_stride + j];
-      }
-    }
-    // unrolled, so that p[s] and q[s] stay in registers; nu and nz are the same for every
-    // thread, so every thread reaches the same barriers
-#pragma unroll
-    for (int t = 0; t < 2 * kMaxRowProducts; ++t) {
-      const bool product = t < kMaxRowProducts;
-      const int s = product ? t : t - kMaxRowProducts;
-      if (s >= (product ? nu : nz)) continue;
-      part[warp][lane] = product ? p[s] : q[s];
-      __syncthreads();
-      if (warp == 0 && valid) {
-        Acc total = 0;
-        for (int w = 0; w < kWarps; ++w) total += part[w][lane];
-        if (product) {
-          static_cast<Acc*>(out.products)[(b * a.rows + i) * nu + s] = total * scale;
-        } else {
-          static_cast<Acc*>(out.magnitudes)[(b * a.rows + i) * nz + s] = total * size_scale;
+        for (int t = 0; t < kProductsPerPass; ++t) {
+          if (t < pu) p[t] += v * u[t * u_stride + j];
+          if (t < pz) q[t] += m * z[t * z_stride + j];
         }
       }
-      __syncthreads();
+      // unrolled, so that p[s] and q[s] stay in registers
+#pragma unroll
+      for (int t = 0; t < 2 * kProductsPerPass; ++t) {
+        const bool product = t < kProductsPerPass;
+        const int s = product ? t : t - kProductsPerPass;
+        if (s >= (product ? pu : pz)) continue;
+        part[warp][lane] = product ? p[s] : q[s];
+        __syncthreads();
+        if (warp == 0 && valid) {
+          Acc total = 0;
+          for (int w = 0; w < kWarps; ++w) total += part[w][lane];
+          if (product) {
+            static_cast<Acc*>(out.products)[(b * a.rows + i) * nu + first + s] = total * scale;
+          } else {
+            static_cast<Acc*>(out.magnitudes)[(b * a.rows + i) * nz + first + s] =
+                total * size_scale;
+          }
+        }
+        __syncthreads();
+      }
     }
   }
 }
@@ -1086,12 +1100,6 @@ int tally_cuda(const Tally& t, void* stream) {
 
 int row_products_cuda(const MatrixBatch& a, const RowProducts& out, void* stream,
                       const MatrixBatch* b = nullptr, const RowProducts* b_out = nullptr) {
-  const RowProducts* outs[] = {&out, b_out};
-  for (const RowProducts* o : outs) {
-    if (o != nullptr && (o->u.rows > kMaxRowProducts || o->z.rows > kMaxRowProducts)) {
-      return cudaErrorInvalidValue;
-    }
-  }
   if (b != nullptr && b->dtype != a.dtype) return cudaErrorInvalidValue;
   return with_dtype(a.dtype, [&](auto types) {
     using Types = decltype(types);

@@ -209,7 +209,7 @@ class CompiledChecker:
         config = reference.config
         block = config.block_size
         if refs is None:  # encoded here: the shapes encode gives its Checksums
-            if not compiled.encode_pair_applies(a, b, block):
+            if not compiled.encode_pair_applies(a, b):
                 return None
             if bias is not None and not compiled.add_bias_applies(bias):
                 return None

@@ -164,12 +164,6 @@ def emulated_cuda(schedule: int = 0) -> Iterator[None]:
         _emulating = previous
 
 
-def _runs_cuda_kernels(device: torch.device) -> bool:
-    """Whether the kernels on ``device`` are the CUDA ones: a GPU's, or the CPU's while
-    emulated_cuda() is on."""
-    return device.type == "cuda" or (_emulating and device.type == "cpu")
-
-
 def _serves(c: Tensor) -> bool:
     if c.dtype not in _KERNEL_DTYPES or not 2 <= c.dim() <= _MAX_DIMS:
         return False
@@ -236,9 +230,6 @@ def block_sums(
     return torch.ops.megatron_abft.block_sums(c, col_block, row_block)
 
 
-_MAX_CUDA_PRODUCTS = 16  # vectors of each kind per row_products call on CUDA (csrc/kernels/abft.h)
-
-
 def row_products(a: Tensor, u: Tensor, z: Tensor) -> tuple[Tensor, Tensor] | None:
     """One read of the operand ``a [..., m, k]`` for the products the checksums of its GEMM need:
     ``a @ u^T`` and ``|a| @ z^T`` as ``[..., m, r]`` in ``u``'s dtype (fp32, fp64 for fp64),
@@ -250,9 +241,7 @@ def row_products(a: Tensor, u: Tensor, z: Tensor) -> tuple[Tensor, Tensor] | Non
 
 
 def _products_apply(a: Tensor, u: Tensor, z: Tensor) -> bool:
-    if not _serves(a) or u.dim() != a.dim() or z.dim() != a.dim():
-        return False
-    return not _runs_cuda_kernels(a.device) or max(u.shape[-2], z.shape[-2]) <= _MAX_CUDA_PRODUCTS
+    return _serves(a) and u.dim() == a.dim() and z.dim() == a.dim()
 
 
 def _column_major(t: Tensor) -> bool:
@@ -260,7 +249,7 @@ def _column_major(t: Tensor) -> bool:
     return t.stride(-2) == 1 and t.stride(-1) != 1 and t.shape[-2] > 1
 
 
-def encode_pair_applies(a: Tensor, b: Tensor, block: int) -> bool:
+def encode_pair_applies(a: Tensor, b: Tensor) -> bool:
     """Whether encode_pair's kernels take these operands."""
     if not (_serves(a) and _serves(b)) or a.dtype != b.dtype or a.device != b.device:
         return False
@@ -271,10 +260,7 @@ def encode_pair_applies(a: Tensor, b: Tensor, block: int) -> bool:
     aligned = big.shape[big.dim() - small.dim() : -2]  # big's batch dims under small's
     if any(s not in (1, g) for s, g in zip(small.shape[:-2], aligned, strict=True)):
         return False  # small's batch dims must broadcast to big's
-    if _column_major(big):
-        return False  # operand_pass reads rows
-    too_many = 2 * -(-small.shape[-2] // block) > _MAX_CUDA_PRODUCTS
-    return not (_runs_cuda_kernels(big.device) and too_many)
+    return not _column_major(big)  # operand_pass reads rows
 
 
 def encode_pair(
@@ -284,7 +270,7 @@ def encode_pair(
     read once: column sums ``[..., nb(m), 2, n]`` and magnitudes ``[..., nb(m), n]``, row sums
     ``[..., nb(n), 2, m]`` and magnitudes, as megatron_abft.check.checksum computes them. None where
     the kernels do not take these operands."""
-    if not encode_pair_applies(a, b, block):
+    if not encode_pair_applies(a, b):
         return None
     return torch.ops.megatron_abft.encode_pair(a, b, alpha, block)
 
@@ -454,7 +440,7 @@ def pair_vectors(a: Tensor, b: Tensor, block: int) -> tuple[Tensor, Tensor] | No
     """encode_pair's first half, for a pass over ``a`` made elsewhere (softmax_check): the
     smaller operand ``b``'s block sums (u, z) as that pass takes them. None where encode_pair
     would not take these operands or ``a`` is not the larger one."""
-    if a.numel() < b.numel() or not encode_pair_applies(a, b, block):
+    if a.numel() < b.numel() or not encode_pair_applies(a, b):
         return None
     return torch.ops.megatron_abft.pair_vectors(a, b, block)
 

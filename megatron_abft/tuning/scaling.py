@@ -87,9 +87,9 @@ code: encode_pair 2 (both operands' block sums, then both
 products, alpha applied as they are written; a column-major operand, as V^T is for the context,
 read column by column) and verify_correct_tally 2 (C's block sums, each tile screening the
 vectors it completes; the correction and the guard's tally in one thread block). A GEMM with a
-bias (GPT's qkv) adds 1 (BIAS_KERNELS). A smaller operand shared by more heads than its products
-kernel takes vectors (16: GQA at long sequences) takes BLAS for its products, a few launches
-more: not modelled. The fused path drops C's block sums: the scores' check is encode_pair 2
+bias (GPT's qkv) adds 1 (BIAS_KERNELS). Where the other operand has more than 8 blocks (16
+vectors of a kind), the products kernel reads a row again for each 16 more, from the cache: not
+modelled. The fused path drops C's block sums: the scores' check is encode_pair 2
 and softmax_correct_tally's correction 1 (its screen in the softmax's own launch); the
 context's takes one more (FUSED_CONTEXT_OPS); the torch path is taken at its op count."""
 FUSED_CONTEXT_OPS = 1

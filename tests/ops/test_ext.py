@@ -104,19 +104,19 @@ def matrices(draw, device: str = "cpu"):
 
 
 @st.composite
-def products_cases(draw, device: str = "cpu", cuda: bool = False):
+def products_cases(draw, device: str = "cpu"):
     """An operand from ``matrices`` and the vectors of row_products: u [..., r, k] (finite, any
     sign) and z [..., r', k] (non-negative, as magnitudes are), sometimes broadcast over a batch
     dim of a, and laid out contiguously, as rows of a wider tensor (one of a pair, as encoding
-    takes the plain sums of magnitudes) or transposed; up to 16 of each for the CUDA kernels
-    (``cuda``: their limit), more for the C++ ones."""
+    takes the plain sums of magnitudes) or transposed; up to 40 of each (the CUDA kernels hold
+    16 of each kind a pass over a row)."""
     a, _, _ = draw(matrices(device))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     batch, k = list(a.shape[:-2]), a.shape[-1]
     if batch and draw(st.booleans()):
         batch[draw(st.integers(0, len(batch) - 1))] = 1
-    top = 16 if cuda else 40
+    top = 40
 
     def vectors(make) -> torch.Tensor:
         rows = draw(st.integers(0, top))
@@ -133,13 +133,15 @@ def products_cases(draw, device: str = "cpu", cuda: bool = False):
 
 
 # a column-major operand, as V^T is for the context GEMM, read column by column: 70 rows, a
-# partial band of rows on CPU and a partial 32-row tile on CUDA; 16 vectors of each kind, the
-# most the CUDA kernels take
+# partial band of rows on CPU and a partial 32-row tile on CUDA; 40 vectors of one kind and 21 of
+# the other, three and two passes of the CUDA kernels (16 of each kind a pass), the last partial
 COLUMN_MAJOR_PRODUCTS = (
     torch.randn(2, 3, 300, 70).bfloat16().mT,
-    torch.randn(2, 1, 16, 300),
-    torch.rand(1, 3, 16, 300),
+    torch.randn(2, 1, 40, 300),
+    torch.rand(1, 3, 21, 300),
 )
+# the same read row by row
+ROW_MAJOR_PRODUCTS = (torch.randn(2, 3, 70, 300).bfloat16(), *COLUMN_MAJOR_PRODUCTS[1:])
 
 
 def check_row_products(a: torch.Tensor, u: torch.Tensor, z: torch.Tensor) -> None:
@@ -184,6 +186,7 @@ def test_cpu_kernels_equal_the_fp64_sums(case):
 @given(case=products_cases())
 @example(case=(torch.randn(8, 512, 512), torch.randn(8, 2, 512), torch.rand(1, 1, 512)))
 @example(case=COLUMN_MAJOR_PRODUCTS)
+@example(case=ROW_MAJOR_PRODUCTS)
 def test_cpu_row_products_equal_the_fp64_products(case):
     check_row_products(*case)
 
@@ -463,8 +466,9 @@ def test_cuda_kernels_equal_the_fp64_sums(case):
 
 @needs_cuda
 @PROPERTY
-@given(case=products_cases(device="cuda", cuda=True))
+@given(case=products_cases(device="cuda"))
 @example(case=COLUMN_MAJOR_PRODUCTS)
+@example(case=ROW_MAJOR_PRODUCTS)
 def test_cuda_row_products_equal_the_fp64_products(case):
     check_row_products(*(t.cuda() for t in case))  # the example is made on the CPU
 
@@ -481,8 +485,9 @@ def test_emulated_cuda_kernels_equal_the_fp64_sums(case):
 
 @needs_emulator
 @EMULATED_PROPERTY
-@given(case=products_cases(cuda=True))
+@given(case=products_cases())
 @example(case=COLUMN_MAJOR_PRODUCTS)
+@example(case=ROW_MAJOR_PRODUCTS)
 def test_emulated_cuda_row_products_equal_the_fp64_products(case):
     with compiled.emulated_cuda():
         check_row_products(*case)
@@ -983,11 +988,10 @@ def test_a_bias_is_one_op_of_a_check():
 @pytest.mark.parametrize("gpu", TARGETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_add_bias_equals_the_cpu_op(dtype, gpu):
-    """500 columns in blocks of 64: 16 vectors, the most the CUDA products kernel takes (with
-    700, as this test had until it first ran, encode_pair does not apply on CUDA)."""
+    """700 columns in blocks of 64: 22 vectors, two passes of the CUDA products kernel."""
     g = torch.Generator().manual_seed(4)
-    a, b = torch.randn(3, 300, 16, generator=g).to(dtype), torch.randn(16, 500, generator=g)
-    bias = torch.randn(1000, generator=g).to(dtype)[::2]
+    a, b = torch.randn(3, 300, 16, generator=g).to(dtype), torch.randn(16, 700, generator=g)
+    bias = torch.randn(1400, generator=g).to(dtype)[::2]
     b = b.to(dtype)
     cpu = compiled.add_bias(compiled.encode_pair(a, b, 1.0, 64), bias, 300, 64)
     d = gpu.device
