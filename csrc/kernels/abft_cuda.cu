@@ -468,136 +468,134 @@ int launch_pair(const BlockSumsJob& first, const BlockSumsJob& second, cudaStrea
   return cudaGetLastError();
 }
 
-// row_products: one warp per row of A (of a column-major A: column_product_tiles below). Each
-// lane walks every 32nd entry of the row, keeping its share of up to kProductsPerPass dot
-// products of each kind in registers; the warp then reduces them by shuffles and lane 0 writes
-// the row's results. More vectors take more passes over the row, kProductsPerPass of each kind a
-// pass (the row read again from the cache). The rows of the batch are shared by `blocks` thread
-// blocks of kThreads, this one the block-th.
+// row_products: one warp per row of A (of a column-major A: column_product_tiles below), for
+// the pass of the vectors from `first` on, kProductsPerPass of each kind at most (more vectors
+// take more passes: ProductsJob). Each lane walks every 32nd entry of the row, keeping its share
+// of the pass's dot products in registers; the warp then reduces them by shuffles and lane 0
+// writes the row's results. The rows of the batch are shared by `blocks` thread blocks of
+// kThreads, this one the block-th.
 template <typename T, typename Acc>
 __device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const RowProducts& out,
-                                                 int64_t block, int64_t blocks) {
+                                                 int64_t block, int64_t blocks, int64_t first) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = blocks * kWarps, total_rows = a.batch * a.rows;
   const int64_t k = a.cols, nu = out.u.rows, nz = out.z.rows;
+  const int pu = int(min64(nu - first, kProductsPerPass));
+  const int pz = int(min64(nz - first, kProductsPerPass));
   const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
-  const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
   for (int64_t row = block * kWarps + (threadIdx.x >> 5); row < total_rows; row += warps) {
     const int64_t b = row / a.rows, i = row % a.rows;
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + i * a.row_stride;
-    for (int64_t first = 0; first < nu || first < nz; first += kProductsPerPass) {
-      const int64_t pu = min64(nu - first, kProductsPerPass);
-      const int64_t pz = min64(nz - first, kProductsPerPass);
-      const Acc* u =
-          static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
-      const Acc* z =
-          static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
-      Acc p[kProductsPerPass], q[kProductsPerPass];
+    const Acc* u = static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
+    const Acc* z = static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
+    Acc p[kProductsPerPass], q[kProductsPerPass];
 #pragma unroll
-      for (int t = 0; t < kProductsPerPass; ++t) p[t] = q[t] = Acc(0);
-      for (int64_t j = lane; j < k; j += 32) {
-        const Acc v = Acc(load(x + j * a.col_stride)), m = magnitude(v);
-#pragma unroll
-        for (int t = 0; t < kProductsPerPass; ++t) {
-          if (t < pu) p[t] += v * u[t * u_stride + j];
-          if (t < pz) q[t] += m * z[t * z_stride + j];
-        }
-      }
+    for (int t = 0; t < kProductsPerPass; ++t) p[t] = q[t] = Acc(0);
+    for (int64_t j = lane; j < k; j += 32) {
+      const Acc v = Acc(load(x + j * a.col_stride)), m = magnitude(v);
 #pragma unroll
       for (int t = 0; t < kProductsPerPass; ++t) {
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-          p[t] += __shfl_xor_sync(kFullMask, p[t], offset);
-          q[t] += __shfl_xor_sync(kFullMask, q[t], offset);
-        }
+        if (t < pu) p[t] += v * u[t * u_stride + j];
+        if (t < pz) q[t] += m * z[t * z_stride + j];
       }
-      if (lane == 0) {
-        Acc* products = static_cast<Acc*>(out.products) + row * nu + first;
-        Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * nz + first;
+    }
 #pragma unroll
-        for (int t = 0; t < kProductsPerPass; ++t) {
-          if (t < pu) products[t] = p[t] * scale;
-          if (t < pz) magnitudes[t] = q[t] * size_scale;
-        }
+    for (int t = 0; t < kProductsPerPass; ++t) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        p[t] += __shfl_xor_sync(kFullMask, p[t], offset);
+        q[t] += __shfl_xor_sync(kFullMask, q[t], offset);
+      }
+    }
+    if (lane == 0) {
+      Acc* products = static_cast<Acc*>(out.products) + row * nu + first;
+      Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * nz + first;
+      const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
+#pragma unroll
+      for (int t = 0; t < kProductsPerPass; ++t) {
+        if (t < pu) products[t] = p[t] * scale;
+        if (t < pz) magnitudes[t] = q[t] * size_scale;
       }
     }
   }
 }
 
-// row_products of a column-major A: one thread block per 32 rows of one matrix (a tile), a lane
-// per row, so that a warp reads 32 consecutive entries of a column; warp w takes columns w,
-// w + kWarps, ...; the warps' shares of each product are then summed in order in shared memory.
-// As row_product_rows, kProductsPerPass vectors of each kind a pass over the tile. The tiles are
-// shared by `blocks` thread blocks, this one the block-th.
+// row_products of a column-major A, the pass from `first` on as row_product_rows: one thread
+// block per 32 rows of one matrix (a tile), a lane per row, so that a warp reads 32 consecutive
+// entries of a column; warp w takes columns w, w + kWarps, ...; the warps' shares of each product
+// are then summed in order in shared memory. The tiles are shared by `blocks` thread blocks, this
+// one the block-th.
 template <typename T, typename Acc>
 __device__ __forceinline__ void column_product_tiles(const MatrixBatch& a,
                                                      const RowProducts& out, int64_t block,
-                                                     int64_t blocks) {
+                                                     int64_t blocks, int64_t first) {
   __shared__ Acc part[kWarps][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nu = out.u.rows, nz = out.z.rows, row_tiles = ceil_div(a.rows, 32);
+  const int pu = int(min64(nu - first, kProductsPerPass));
+  const int pz = int(min64(nz - first, kProductsPerPass));
   const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
   const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
   for (int64_t tile = block; tile < a.batch * row_tiles; tile += blocks) {
     const int64_t b = tile / row_tiles, i = (tile % row_tiles) * 32 + lane;
     const bool valid = i < a.rows;
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + (valid ? i : 0);
-    // the same bounds in every thread, so that every thread reaches the same barriers
-    for (int64_t first = 0; first < nu || first < nz; first += kProductsPerPass) {
-      const int64_t pu = min64(nu - first, kProductsPerPass);
-      const int64_t pz = min64(nz - first, kProductsPerPass);
-      const Acc* u =
-          static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
-      const Acc* z =
-          static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
-      Acc p[kProductsPerPass], q[kProductsPerPass];
+    const Acc* u = static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
+    const Acc* z = static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
+    Acc p[kProductsPerPass], q[kProductsPerPass];
 #pragma unroll
-      for (int t = 0; t < kProductsPerPass; ++t) p[t] = q[t] = Acc(0);
-      for (int64_t j = warp; j < a.cols; j += kWarps) {
-        const Acc v = valid ? Acc(load(x + j * a.col_stride)) : Acc(0), m = magnitude(v);
+    for (int t = 0; t < kProductsPerPass; ++t) p[t] = q[t] = Acc(0);
+    for (int64_t j = warp; j < a.cols; j += kWarps) {
+      const Acc v = valid ? Acc(load(x + j * a.col_stride)) : Acc(0), m = magnitude(v);
 #pragma unroll
-        for (int t = 0; t < kProductsPerPass; ++t) {
-          if (t < pu) p[t] += v * u[t * u_stride + j];
-          if (t < pz) q[t] += m * z[t * z_stride + j];
+      for (int t = 0; t < kProductsPerPass; ++t) {
+        if (t < pu) p[t] += v * u[t * u_stride + j];
+        if (t < pz) q[t] += m * z[t * z_stride + j];
+      }
+    }
+    // unrolled, so that p[s] and q[s] stay in registers; pu and pz are the same for every
+    // thread, so every thread reaches the same barriers
+#pragma unroll
+    for (int t = 0; t < 2 * kProductsPerPass; ++t) {
+      const bool product = t < kProductsPerPass;
+      const int s = product ? t : t - kProductsPerPass;
+      if (s >= (product ? pu : pz)) continue;
+      part[warp][lane] = product ? p[s] : q[s];
+      __syncthreads();
+      if (warp == 0 && valid) {
+        Acc total = 0;
+        for (int w = 0; w < kWarps; ++w) total += part[w][lane];
+        if (product) {
+          static_cast<Acc*>(out.products)[(b * a.rows + i) * nu + first + s] = total * scale;
+        } else {
+          static_cast<Acc*>(out.magnitudes)[(b * a.rows + i) * nz + first + s] =
+              total * size_scale;
         }
       }
-      // unrolled, so that p[s] and q[s] stay in registers
-#pragma unroll
-      for (int t = 0; t < 2 * kProductsPerPass; ++t) {
-        const bool product = t < kProductsPerPass;
-        const int s = product ? t : t - kProductsPerPass;
-        if (s >= (product ? pu : pz)) continue;
-        part[warp][lane] = product ? p[s] : q[s];
-        __syncthreads();
-        if (warp == 0 && valid) {
-          Acc total = 0;
-          for (int w = 0; w < kWarps; ++w) total += part[w][lane];
-          if (product) {
-            static_cast<Acc*>(out.products)[(b * a.rows + i) * nu + first + s] = total * scale;
-          } else {
-            static_cast<Acc*>(out.magnitudes)[(b * a.rows + i) * nz + first + s] =
-                total * size_scale;
-          }
-        }
-        __syncthreads();
-      }
+      __syncthreads();
     }
   }
 }
 
 // The products of one batch of operands, as a job of a launch: its first thread block and how
-// many it has.
+// many it has. Its vectors are split into passes of kProductsPerPass of each kind (one pass where
+// there are none), each pass on its own `per_pass` thread blocks, so that a pass's bounds come
+// from the block's index, not from a loop that would hold them in registers.
 struct ProductsJob {
   MatrixBatch a;
   RowProducts out;
-  int64_t first_block, blocks;
+  int64_t first_block, per_pass, blocks;
 };
 
-// A job's thread blocks: a tile of 32 rows each for a column-major A, else kWarps rows each.
-int64_t products_blocks(const MatrixBatch& a) {
+// A job of `out` over `a` from thread block `first_block` on: a tile of 32 rows each pass for a
+// column-major A, else kWarps rows.
+ProductsJob products_job(const MatrixBatch& a, const RowProducts& out, int64_t first_block) {
   const int64_t units =
       column_major(a) ? a.batch * ceil_div(a.rows, 32) : ceil_div(a.batch * a.rows, kWarps);
-  return min64(units, 0x3fffffff);
+  const int64_t vectors = out.u.rows > out.z.rows ? out.u.rows : out.z.rows;
+  const int64_t passes = vectors > 0 ? ceil_div(vectors, kProductsPerPass) : 1;
+  const int64_t per_pass = min64(units, 0x3fffffff / passes);
+  return {a, out, first_block, per_pass, per_pass * passes};
 }
 
 // row_products of one or two jobs in one launch, each on its own range of thread blocks.
@@ -606,20 +604,20 @@ __global__ void __launch_bounds__(kThreads, 3)
     products_kernel(ProductsJob first, ProductsJob second) {
   const ProductsJob& job = blockIdx.x < second.first_block ? first : second;
   const int64_t block = int64_t(blockIdx.x) - job.first_block;
+  const int64_t pass = block / job.per_pass, at = block % job.per_pass;
   if (column_major(job.a)) {
-    column_product_tiles<T, Acc>(job.a, job.out, block, job.blocks);
+    column_product_tiles<T, Acc>(job.a, job.out, at, job.per_pass, pass * kProductsPerPass);
   } else {
-    row_product_rows<T, Acc>(job.a, job.out, block, job.blocks);
+    row_product_rows<T, Acc>(job.a, job.out, at, job.per_pass, pass * kProductsPerPass);
   }
 }
 
 template <typename T, typename Acc>
 int launch_products(const MatrixBatch& a, const RowProducts& out, const MatrixBatch* b,
                     const RowProducts* b_out, cudaStream_t stream) {
-  const ProductsJob first{a, out, 0, products_blocks(a)};
-  const ProductsJob second = b == nullptr
-                                 ? ProductsJob{a, out, first.blocks, 0}
-                                 : ProductsJob{*b, *b_out, first.blocks, products_blocks(*b)};
+  const ProductsJob first = products_job(a, out, 0);
+  const ProductsJob second = b == nullptr ? ProductsJob{a, out, first.blocks, 1, 0}
+                                          : products_job(*b, *b_out, first.blocks);
   const int64_t blocks = first.blocks + second.blocks;
   if (blocks == 0) return cudaSuccess;
   ABFT_LAUNCH(unsigned(blocks), kThreads, 0, stream, products_kernel<T, Acc>)(first, second);
