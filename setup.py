@@ -30,6 +30,7 @@ SOURCES = [
     "csrc/bindings/abft_encode.cpp",
     "csrc/bindings/abft_softmax.cpp",
     "csrc/bindings/abft_check.cpp",
+    "csrc/bindings/abft_matrix_check.cpp",
     "csrc/kernels/abft_cpu.cpp",
 ]
 # The test-only extension: the CUDA kernels (abft_cuda.cu) built by the C++ compiler, and the

@@ -11,6 +11,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/abft.h"
@@ -165,10 +166,69 @@ struct LedgerArgs {
   const at::Tensor& logged;
 };
 
+// That `ledger` is one tally writes, on the device of the results `status` (raises otherwise).
+void check_ledger(const LedgerArgs& ledger, const at::Tensor& status);
+
+// tally's kernel arguments for contiguous results (checked by the caller) and failed.
+abft::Tally tally_of(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                     const at::Tensor& col, const at::Tensor& magnitude, const at::Tensor& failed,
+                     const LedgerArgs& ledger);
+
 // tally's kernel arguments (checked), its output (failed) and the flattened results it reads.
 using TallyArgs = std::tuple<abft::Tally, at::Tensor, std::vector<at::Tensor>>;
 TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
                         const at::Tensor& col, const at::Tensor& magnitude,
                         const LedgerArgs& ledger);
+
+// One matrix's whole check in the kernels' view, on a workspace: C = alpha * X @ Y^T (+ bias),
+// X [m, k] and Y [n, k] the operands as rows of length k, both sides in blocks of `block`. The
+// kernels take, in order: the smaller operand's block sums (small_sums), the larger one's
+// (big_sums) and its products with the smaller one's (on_big; the CPU reads the larger operand
+// once for both), the smaller one's products with the larger one's (on_small), the bias's terms
+// (where `biased`) and C's block sums (c_sums; block_sums and the screen plan them with
+// plan_block_sums), compared with the references by `screen`, whose flagged and slots are the
+// caller's. Every pointer but the operands', C's and the bias's is into the workspace.
+struct MatrixCheck {
+  abft::MatrixBatch small, big, c;
+  abft::BlockSums small_sums, big_sums, c_sums;
+  abft::RowProducts on_big, on_small;
+  bool biased;
+  abft::BiasTerms bias;
+  abft::Screen screen;
+};
+
+// The workspace a MatrixCheck of C [m, n] = X [m, k] Y^T takes, in elements of the accumulation
+// type (either operand the larger).
+int64_t matrix_check_elements(int64_t m, int64_t n, int64_t k, int64_t block, bool biased);
+
+// A MatrixCheck of c = alpha * x @ y^T (+ bias [n], or null) on `workspace`
+// (matrix_check_elements of the accumulation type: double where f64, else float); x_big: x is
+// the larger operand, as encode_pair chooses it over the whole tensors.
+MatrixCheck plan_matrix_check(const abft::MatrixBatch& c, const abft::MatrixBatch& x,
+                              const abft::MatrixBatch& y, bool x_big, double alpha,
+                              const at::Tensor* bias, int64_t block,
+                              at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                              void* workspace, bool f64);
+
+// The matrix of t's last two dims at element `offset` (transposed: rows and columns swapped).
+abft::MatrixBatch single_matrix(const at::Tensor& t, int64_t offset, bool transposed = false);
+
+// Whether the kernels take check_gemm's check of c = alpha * a @ b (+ bias) a matrix at a time:
+// operands the kernels read, on c's device, whose batches broadcast to c's as the composite
+// broadcasts them (the smaller operand no more dims than the larger, and read by rows),
+// references and c in one accumulation type, a block the kernels take, whole bounds.
+bool takes_matrices(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                    const std::optional<at::Tensor>& bias, int64_t block,
+                    at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds);
+
+#ifdef ABFT_CUDA_KERNELS
+// check_gemm (ledger null) or check_gemm_tally of a 2-D GEMM by the CUDA kernels (on a GPU, or
+// emulated) on one scratch tensor: verify_correct's five results, and tally's failed where
+// there is a ledger; nullopt where takes_matrices does not take it (the composite does).
+std::optional<std::pair<Found, at::Tensor>> check_matrix_cuda(
+    const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
+    const std::optional<at::Tensor>& bias, int64_t block, at::ArrayRef<double> col_bounds,
+    at::ArrayRef<double> row_bounds, double near_inf, int64_t capacity, const LedgerArgs* ledger);
+#endif
 
 }  // namespace abft_binding

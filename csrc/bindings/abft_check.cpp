@@ -8,7 +8,9 @@
 // composite's kernels on one workspace of its thread, a matrix of the batch at a time: the same
 // kernel calls on the same values, so the same sums bit for bit, with no tensor made but the
 // results. A matrix its screen flags, and every other input, goes to the composite, which
-// corrects it (and raises for bad input).
+// corrects it (and raises for bad input). CUDA takes a 2-D GEMM (the linear layers' projections)
+// the same way, its whole check in five launches on one scratch tensor (check_matrix_cuda,
+// abft_matrix_check.cpp); any other input goes to the composite.
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/ATen.h>
@@ -89,24 +91,6 @@ Six check_gemm_tally(const at::Tensor& c, const at::Tensor& a, const at::Tensor&
 
 // --- the CPU's fused screen --------------------------------------------------------------------
 
-bool kernel_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
-}
-
-// A single matrix in the kernels' view.
-abft::MatrixBatch matrix(const void* data, abft::DType dtype, int64_t rows, int64_t cols,
-                         int64_t row_stride, int64_t col_stride) {
-  abft::MatrixBatch m{};
-  m.data = data;
-  m.dtype = dtype;
-  m.batch = 1;
-  m.rows = rows;
-  m.cols = cols;
-  m.row_stride = row_stride;
-  m.col_stride = col_stride;
-  return m;
-}
-
 // The calling thread's workspace of at least `count` elements of Acc, reused by its next checks.
 template <typename Acc>
 Acc* workspace(int64_t count) {
@@ -129,201 +113,37 @@ void row_products(const abft::MatrixBatch& a, const abft::RowProducts& out) {
                    [&](int64_t b, int64_t e) { abft::row_products_cpu(a, out, b, e); });
 }
 
-// One side of the screen: references `ref` [nb, 2, n] and `magnitude` [nb, n] (and `bias`), with
-// their strides in elements, against C's sums and sizes; `bounds` as verify_correct's.
-abft::ScreenSide side(void* sums, void* sizes, int64_t nb, int64_t n, const void* ref,
-                      std::initializer_list<int64_t> ref_strides, const void* magnitude,
-                      std::initializer_list<int64_t> magnitude_strides, const void* bias,
-                      std::initializer_list<int64_t> bias_strides,
-                      at::ArrayRef<double> bounds) {
-  abft::ScreenSide s{};
-  s.sums = sums;
-  s.sizes = sizes;
-  s.nb = nb;
-  s.n = n;
-  s.ref_sums = ref;
-  std::copy(ref_strides.begin(), ref_strides.end(), s.ref_strides);
-  s.magnitude = magnitude;
-  std::copy(magnitude_strides.begin(), magnitude_strides.end(), s.magnitude_strides);
-  s.bias = bias;
-  std::copy(bias_strides.begin(), bias_strides.end(), s.bias_strides);
-  s.out = bounds[0];
-  s.gemm = bounds[1];
-  s.floor = bounds[2];
-  s.length = bounds[3];
-  return s;
-}
-
-// Whether the fused screen takes this check: operands the kernels read, whose batches broadcast
-// to C's as the composite broadcasts them (the smaller operand no more dims than the larger), on
-// the CPU's own kernels, references and C in one accumulation type, a block the kernels take,
-// whole bounds.
+// Whether the CPU's fused screen takes this check: takes_matrices, on the CPU's own kernels.
 bool fused_screen_applies(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
                           const std::optional<at::Tensor>& bias, int64_t block,
                           at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds) {
-  if (abft_binding::emulating_cuda() || !c.is_cpu() || !a.is_cpu() || !b.is_cpu()) return false;
-  if (c.dim() < 2 || a.dim() < 2 || b.dim() < 2 || a.dim() > c.dim() || b.dim() > c.dim() ||
-      c.numel() == 0 || a.numel() == 0 || b.numel() == 0) {
-    return false;
-  }
-  if (a.size(-2) != c.size(-2) || b.size(-1) != c.size(-1) || a.size(-1) != b.size(-2)) {
-    return false;
-  }
-  for (const at::Tensor* t : {&a, &b}) {
-    const int64_t lead = c.dim() - t->dim();
-    for (int64_t d = 0; d + 2 < t->dim(); ++d) {
-      if (t->size(d) != 1 && t->size(d) != c.size(lead + d)) return false;
-    }
-  }
-  if (!kernel_dtype(c.scalar_type()) || !kernel_dtype(a.scalar_type()) ||
-      a.scalar_type() != b.scalar_type()) {
-    return false;
-  }
-  if ((a.scalar_type() == at::kDouble) != (c.scalar_type() == at::kDouble)) return false;
-  if (block < 2 || col_bounds.size() != 4 || row_bounds.size() != 4) return false;
-  if (a.layout() != at::kStrided || b.layout() != at::kStrided || c.layout() != at::kStrided) {
-    return false;
-  }
-  if (bias.has_value()) {
-    const at::Tensor& v = *bias;
-    if (!v.is_cpu() || v.dim() != 1 || v.size(0) != c.size(-1) || !kernel_dtype(v.scalar_type())) {
-      return false;
-    }
-  }
-  // encode_pair's choice of the larger operand, over whole tensors; it reads its rows
-  // (operand_pass)
-  const bool x_big = a.numel() >= b.numel();
-  if ((x_big ? b : a).dim() > (x_big ? a : b).dim()) return false;
-  const abft::MatrixBatch big =
-      x_big ? matrix(nullptr, abft::DType::F32, a.size(-2), a.size(-1), a.stride(-2), a.stride(-1))
-            : matrix(nullptr, abft::DType::F32, b.size(-1), b.size(-2), b.stride(-1),
-                     b.stride(-2));
-  return !abft::column_major(big);
-}
-
-// A tensor's matrix at element `offset`, by its last two dims' sizes and strides (transposed:
-// rows and columns swapped).
-abft::MatrixBatch matrix_at(const at::Tensor& t, int64_t offset, bool transposed = false) {
-  const void* data = static_cast<const char*>(t.const_data_ptr()) + offset * t.element_size();
-  const int r = transposed ? -1 : -2, k = transposed ? -2 : -1;
-  return matrix(data, abft_binding::kernel_dtype(t), t.size(r), t.size(k), t.stride(r),
-                t.stride(k));
+  return c.is_cpu() && !abft_binding::emulating_cuda() &&
+         abft_binding::takes_matrices(c, a, b, bias, block, col_bounds, row_bounds);
 }
 
 // check_gemm's screen on the CPU (fused_screen_applies): whether C passes it, every vector of
-// both sides within its bound. The steps and kernel calls are the composite's (abft_encode.cpp:
-// small_vectors, operand_pass, project; add_bias; verify_correct's block sums and screen).
+// both sides within its bound, on the thread's workspace (plan_matrix_check).
 template <typename Acc>
 bool passes_fused_screen(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
                          double alpha, const std::optional<at::Tensor>& bias, int64_t block,
                          at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
                          const int64_t (&offsets)[3]) {
   const int64_t m = c.size(-2), n = c.size(-1), k = a.size(-1);
-  const abft::DType acc = std::is_same_v<Acc, double> ? abft::DType::F64 : abft::DType::F32;
-  // the operands as rows of length k: A [m, k], B^T [n, k]
-  const abft::MatrixBatch x = matrix_at(a, offsets[1]);
-  const abft::MatrixBatch y = matrix_at(b, offsets[2], true);
-  const bool x_big = a.numel() >= b.numel();
-  const abft::MatrixBatch& big = x_big ? x : y;
-  const abft::MatrixBatch& small = x_big ? y : x;
-  const int64_t p = big.rows, q = small.rows;
-  const int64_t nbp = abft::ceil_div(p, block), nbq = abft::ceil_div(q, block);
-  const int64_t nbm = abft::ceil_div(m, block), nbn = abft::ceil_div(n, block);
-
-  const int64_t sizes[] = {
-      2 * nbq * k, 2 * nbq * k, 2 * nbp * k, 2 * nbp * k,  // small's, big's block sums
-      p * 2 * nbq, p * nbq, q * 2 * nbp, q * nbp,          // big's, small's products
-      2 * nbm * n, 2 * nbm * n, 2 * nbn * m, 2 * nbn * m,  // C's block sums
-      2 * nbm * n, nbm * n, 2 * nbn * m, nbn * m,          // the biased references
-      2 * nbm * n, nbm * n, 2 * nbn * m, nbn * m,          // their inputs, contiguous
-      nbm * n, nbn};                                       // the bias's magnitudes
-  const int parts = bias.has_value() ? 22 : 12;
-  int64_t total = 0;
-  for (int i = 0; i < parts; ++i) total += sizes[i];
-  Acc* at = workspace<Acc>(total);
-  Acc* part[22] = {};
-  for (int i = 0; i < parts; ++i) {
-    part[i] = at;
-    at += sizes[i];
-  }
-  Acc *small_w = part[0], *small_size = part[1], *big_w = part[2], *big_size = part[3];
-  Acc *big_products = part[4], *big_magnitudes = part[5];
-  Acc *small_products = part[6], *small_magnitudes = part[7];
-
-  // the smaller operand's block sums: u [2 nbq, k], z [nbq, k] (the sizes' plain rows)
-  block_sums(small, {small_w, small_size, block, nullptr, nullptr, 0});
-  const abft::RowProducts on_big{matrix(small_w, acc, 2 * nbq, k, k, 1),
-                                 matrix(small_size, acc, nbq, k, 2 * k, 1), big_products,
-                                 big_magnitudes, alpha};
-  // the larger one's pass: its block sums, and its products with u, z
-  block_sums(big, {big_w, big_size, block, nullptr, nullptr, 0}, &on_big);
-  // the smaller one's products with the larger one's block sums
-  row_products(small, {matrix(big_w, acc, 2 * nbp, k, k, 1),
-                       matrix(big_size, acc, nbp, k, 2 * k, 1), small_products,
-                       small_magnitudes, alpha});
-  // C's columns are B's: the products of the operand whose rows they are, [n, 2 nbm] and
-  // [n, nbm]; C's rows the other's, [m, 2 nbn] and [m, nbn]
-  const Acc* by_column = x_big ? small_products : big_products;
-  const Acc* by_column_size = x_big ? small_magnitudes : big_magnitudes;
-  const Acc* by_row = x_big ? big_products : small_products;
-  const Acc* by_row_size = x_big ? big_magnitudes : small_magnitudes;
-
-  Acc *c_col = part[8], *c_col_size = part[9], *c_row = part[10], *c_row_size = part[11];
-  block_sums(matrix_at(c, offsets[0]), {c_col, c_col_size, block, c_row, c_row_size, block});
-
-  abft::Screen screen{};
-  screen.batch = 1;
-  screen.sides = 2;
+  Acc* work = workspace<Acc>(abft_binding::matrix_check_elements(m, n, k, block, bias.has_value()));
+  const abft_binding::MatrixCheck p = abft_binding::plan_matrix_check(
+      abft_binding::single_matrix(c, offsets[0]), abft_binding::single_matrix(a, offsets[1]),
+      abft_binding::single_matrix(b, offsets[2], true), a.numel() >= b.numel(), alpha,
+      bias.has_value() ? &*bias : nullptr, block, col_bounds, row_bounds, work,
+      std::is_same_v<Acc, double>);
+  block_sums(p.small, p.small_sums);
+  block_sums(p.big, p.big_sums, &p.on_big);  // the larger operand's pass: its sums and products
+  row_products(p.small, p.on_small);
+  if (p.biased) abft::bias_terms_cpu(p.bias);
+  block_sums(p.c, p.c_sums);
+  abft::Screen screen = p.screen;
   int32_t flagged = 0;
   screen.flagged = &flagged;
   screen.slots = 1;
-  if (!bias.has_value()) {  // the products read where they are: [nb, 2, n] and [nb, n] views
-    screen.side[0] = side(c_col, c_col_size, nbm, n, by_column, {2, 1, 2 * nbm}, by_column_size,
-                          {1, nbm}, nullptr, {0, 0}, col_bounds);
-    screen.side[1] = side(c_row, c_row_size, nbn, m, by_row, {2, 1, 2 * nbn}, by_row_size,
-                          {1, nbn}, nullptr, {0, 0}, row_bounds);
-  } else {  // add_bias reads contiguous sums
-    Acc *col_in = part[16], *col_size_in = part[17], *row_in = part[18], *row_size_in = part[19];
-    for (int64_t blk = 0; blk < nbm; ++blk) {
-      for (int64_t j = 0; j < n; ++j) {
-        col_in[(2 * blk) * n + j] = by_column[j * 2 * nbm + 2 * blk];
-        col_in[(2 * blk + 1) * n + j] = by_column[j * 2 * nbm + 2 * blk + 1];
-        col_size_in[blk * n + j] = by_column_size[j * nbm + blk];
-      }
-    }
-    for (int64_t blk = 0; blk < nbn; ++blk) {
-      for (int64_t i = 0; i < m; ++i) {
-        row_in[(2 * blk) * m + i] = by_row[i * 2 * nbn + 2 * blk];
-        row_in[(2 * blk + 1) * m + i] = by_row[i * 2 * nbn + 2 * blk + 1];
-        row_size_in[blk * m + i] = by_row_size[i * nbn + blk];
-      }
-    }
-    const at::Tensor& v = *bias;
-    abft::BiasTerms t{};
-    t.bias = v.data_ptr();
-    t.dtype = abft_binding::kernel_dtype(v, "megatron_abft::check_gemm: bias");
-    t.stride = v.stride(0);
-    t.n = n;
-    t.m = m;
-    t.block = block;
-    t.batch = 1;
-    t.f64 = std::is_same_v<Acc, double>;
-    t.col_in = col_in;
-    t.col_size_in = col_size_in;
-    t.row_in = row_in;
-    t.row_size_in = row_size_in;
-    t.col_out = part[12];
-    t.col_size_out = part[13];
-    t.row_out = part[14];
-    t.row_size_out = part[15];
-    t.col_bias = part[20];
-    t.row_bias = part[21];
-    abft::bias_terms_cpu(t);
-    screen.side[0] = side(c_col, c_col_size, nbm, n, part[12], {2 * n, n, 1}, part[13], {n, 1},
-                          part[20], {n, 1}, col_bounds);
-    screen.side[1] = side(c_row, c_row_size, nbn, m, part[14], {2 * m, m, 1}, part[15], {m, 1},
-                          part[21], {1, 0}, row_bounds);
-  }
   abft::screen_cpu(screen, std::is_same_v<Acc, double>, 0, 1);
   return flagged == 0;
 }
@@ -370,10 +190,45 @@ bool passes_on_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b
   return clean.load();
 }
 
+#ifdef ABFT_CUDA_KERNELS
+// On CUDA (or emulated): a 2-D GEMM on one scratch tensor (check_matrix_cuda), else the composite.
+Five check_gemm_cuda(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
+                     const std::optional<at::Tensor>& bias, int64_t block,
+                     at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                     double near_inf, int64_t capacity) {
+  if (const auto found = abft_binding::check_matrix_cuda(c, a, b, alpha, bias, block, col_bounds,
+                                                         row_bounds, near_inf, capacity, nullptr)) {
+    return found->first;
+  }
+  return check_gemm(c, a, b, alpha, bias, block, col_bounds, row_bounds, near_inf, capacity);
+}
+
+Six check_gemm_tally_cuda(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
+                          double alpha, const std::optional<at::Tensor>& bias, int64_t block,
+                          at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
+                          double near_inf, int64_t capacity, at::Tensor& counts,
+                          const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
+  const abft_binding::LedgerArgs ledger{counts, step, log, logged};
+  if (const auto found = abft_binding::check_matrix_cuda(c, a, b, alpha, bias, block, col_bounds,
+                                                         row_bounds, near_inf, capacity, &ledger)) {
+    const auto& [status, kind, rows, cols, magnitude] = found->first;
+    return {status, kind, rows, cols, magnitude, found->second};
+  }
+  return check_gemm_tally(c, a, b, alpha, bias, block, col_bounds, row_bounds, near_inf,
+                          capacity, counts, step, log, logged);
+}
+#endif
+
 Five check_gemm_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, double alpha,
                     const std::optional<at::Tensor>& bias, int64_t block,
                     at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
                     double near_inf, int64_t capacity) {
+#ifdef ABFT_CUDA_KERNELS
+  if (abft_binding::emulating_cuda()) {
+    return check_gemm_cuda(c, a, b, alpha, bias, block, col_bounds, row_bounds, near_inf,
+                           capacity);
+  }
+#endif
   if (passes_on_cpu(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity)) {
     return abft_binding::all_clean(c);
   }
@@ -385,6 +240,12 @@ Six check_gemm_tally_cpu(const at::Tensor& c, const at::Tensor& a, const at::Ten
                          at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
                          double near_inf, int64_t capacity, at::Tensor& counts,
                          const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
+#ifdef ABFT_CUDA_KERNELS
+  if (abft_binding::emulating_cuda()) {
+    return check_gemm_tally_cuda(c, a, b, alpha, bias, block, col_bounds, row_bounds, near_inf,
+                                 capacity, counts, step, log, logged);
+  }
+#endif
   if (passes_on_cpu(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity)) {
     const auto [status, kind, rows, cols, magnitude] = abft_binding::all_clean(c);
     const at::Tensor failed = abft_binding::tally_cpu(status, kind, rows, cols, magnitude, counts,
@@ -525,6 +386,13 @@ TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
   m.impl("check_gemm", &check_gemm_cpu);
   m.impl("check_gemm_tally", &check_gemm_tally_cpu);
 }
+
+#ifdef ABFT_WITH_CUDA
+TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
+  m.impl("check_gemm", &check_gemm_cuda);
+  m.impl("check_gemm_tally", &check_gemm_tally_cuda);
+}
+#endif
 
 // Checksums take no part in autograd, and the CPU's kernels would otherwise go through its boxed
 // fallback; a correction writes C in place without a version bump, as no consumer of C has read

@@ -684,27 +684,7 @@ Found verify_correct_cuda(const at::Tensor& c, int64_t col_block, int64_t row_bl
 }
 #endif
 
-// tally (abft.h): the per-matrix results of verify_correct (or of the PyTorch path), flattened,
-// into a ledger written in place. Returns failed (bool).
-TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
-                        const at::Tensor& col, const at::Tensor& magnitude,
-                        const LedgerArgs& ledger) {
-  const int64_t batch = status.numel();
-  TORCH_CHECK(batch >= 1, "megatron_abft::tally: no matrices");
-  const std::pair<const at::Tensor*, at::ScalarType> fields[] = {
-      {&status, at::kChar}, {&kind, at::kChar}, {&row, at::kLong}, {&col, at::kLong}};
-  const char* names[] = {"status", "kind", "row", "col"};
-  for (int i = 0; i < 4; ++i) {
-    const at::Tensor& t = *fields[i].first;
-    TORCH_CHECK(t.scalar_type() == fields[i].second && t.numel() == batch &&
-                    t.device() == status.device(),
-                "megatron_abft::tally: ", names[i], " ", t.sizes(), " ", t.scalar_type(), " on ",
-                t.device(), "; want ", batch, " ", fields[i].second, " on ", status.device());
-  }
-  TORCH_CHECK((magnitude.scalar_type() == at::kFloat || magnitude.scalar_type() == at::kDouble) &&
-                  magnitude.numel() == batch && magnitude.device() == status.device(),
-              "megatron_abft::tally: magnitude ", magnitude.sizes(), " ",
-              magnitude.scalar_type(), "; want ", batch, " float or double on ", status.device());
+void check_ledger(const LedgerArgs& ledger, const at::Tensor& status) {
   const at::Tensor& counts = ledger.counts;
   TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 2 && counts.size(0) == 3 &&
                   counts.size(1) >= 1 && counts.size(1) <= abft::kMaxKinds &&
@@ -727,17 +707,48 @@ TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const 
                   logged.device() == status.device(),
               "megatron_abft::tally: logged ", logged.sizes(), " ", logged.scalar_type(),
               "; want one int64 on ", status.device());
+}
+
+// tally (abft.h): the per-matrix results of verify_correct (or of the PyTorch path), flattened,
+// into a ledger written in place. Returns failed (bool).
+TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                        const at::Tensor& col, const at::Tensor& magnitude,
+                        const LedgerArgs& ledger) {
+  const int64_t batch = status.numel();
+  TORCH_CHECK(batch >= 1, "megatron_abft::tally: no matrices");
+  const std::pair<const at::Tensor*, at::ScalarType> fields[] = {
+      {&status, at::kChar}, {&kind, at::kChar}, {&row, at::kLong}, {&col, at::kLong}};
+  const char* names[] = {"status", "kind", "row", "col"};
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor& t = *fields[i].first;
+    TORCH_CHECK(t.scalar_type() == fields[i].second && t.numel() == batch &&
+                    t.device() == status.device(),
+                "megatron_abft::tally: ", names[i], " ", t.sizes(), " ", t.scalar_type(), " on ",
+                t.device(), "; want ", batch, " ", fields[i].second, " on ", status.device());
+  }
+  TORCH_CHECK((magnitude.scalar_type() == at::kFloat || magnitude.scalar_type() == at::kDouble) &&
+                  magnitude.numel() == batch && magnitude.device() == status.device(),
+              "megatron_abft::tally: magnitude ", magnitude.sizes(), " ",
+              magnitude.scalar_type(), "; want ", batch, " float or double on ", status.device());
+  check_ledger(ledger, status);
   std::vector<at::Tensor> flat = {status.reshape(-1).contiguous(), kind.reshape(-1).contiguous(),
                                   row.reshape(-1).contiguous(), col.reshape(-1).contiguous(),
                                   magnitude.reshape(-1).contiguous()};
   at::Tensor failed = at::empty({}, status.options().dtype(at::kBool));
-  abft::Tally t{flat[0].data_ptr<int8_t>(), flat[1].data_ptr<int8_t>(),
-                flat[2].data_ptr<int64_t>(), flat[3].data_ptr<int64_t>(),
-                flat[4].data_ptr(), magnitude.scalar_type() == at::kDouble,
-                batch, int(counts.size(1)), counts.data_ptr<int64_t>(),
-                failed.data_ptr<bool>(), step.data_ptr<double>(), log.data_ptr<double>(),
-                logged.data_ptr<int64_t>(), log.size(0)};
+  const abft::Tally t = tally_of(flat[0], flat[1], flat[2], flat[3], flat[4], failed, ledger);
   return {t, failed, std::move(flat)};
+}
+
+abft::Tally tally_of(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
+                     const at::Tensor& col, const at::Tensor& magnitude, const at::Tensor& failed,
+                     const LedgerArgs& ledger) {
+  return {status.data_ptr<int8_t>(), kind.data_ptr<int8_t>(),
+          row.data_ptr<int64_t>(),   col.data_ptr<int64_t>(),
+          magnitude.data_ptr(),      magnitude.scalar_type() == at::kDouble,
+          status.numel(),            int(ledger.counts.size(1)),
+          ledger.counts.data_ptr<int64_t>(), failed.data_ptr<bool>(),
+          ledger.step.data_ptr<double>(),    ledger.log.data_ptr<double>(),
+          ledger.logged.data_ptr<int64_t>(), ledger.log.size(0)};
 }
 
 at::Tensor tally_cpu(const at::Tensor& status, const at::Tensor& kind, const at::Tensor& row,
@@ -804,7 +815,7 @@ Six verify_correct_tally_cuda(const at::Tensor& c, int64_t col_block, int64_t ro
 
 struct BiasAdd {
   abft::BiasTerms t;
-  std::vector<at::Tensor> keep;  // the inputs, made contiguous
+  std::vector<at::Tensor> keep;  // the inputs, as the kernels read them
   Six out;
 };
 
@@ -843,8 +854,13 @@ BiasAdd prepare_bias(const at::Tensor& col, const at::Tensor& col_magnitude,
               col_magnitude.sizes(), ", ", row_magnitude.sizes(),
               " do not share their batch dims, or a magnitude is not its sums' shape");
   BiasAdd add;
-  add.keep = {col.contiguous(), col_magnitude.contiguous(), row.contiguous(),
-              row_magnitude.contiguous()};
+  // the inputs read where they are, their batch dims as one (copied only where those dims do
+  // not flatten to one stride)
+  const int64_t count = c10::multiply_integers(batch);
+  add.keep = {col.reshape({count, col_blocks, 2, n}),
+              col_magnitude.reshape({count, col_blocks, n}),
+              row.reshape({count, row_blocks, 2, m}),
+              row_magnitude.reshape({count, row_blocks, m})};
   const auto options = col.options();
   add.out = {at::empty(col.sizes(), options),     at::empty(col_magnitude.sizes(), options),
              at::empty(row.sizes(), options),     at::empty(row_magnitude.sizes(), options),
@@ -857,12 +873,16 @@ BiasAdd prepare_bias(const at::Tensor& col, const at::Tensor& col_magnitude,
   t.n = n;
   t.m = m;
   t.block = block;
-  t.batch = c10::multiply_integers(batch);
+  t.batch = count;
   t.f64 = acc == at::kDouble;
   t.col_in = add.keep[0].data_ptr();
   t.col_size_in = add.keep[1].data_ptr();
   t.row_in = add.keep[2].data_ptr();
   t.row_size_in = add.keep[3].data_ptr();
+  std::copy_n(add.keep[0].strides().begin(), 4, t.col_in_strides);
+  std::copy_n(add.keep[1].strides().begin(), 3, t.col_size_in_strides);
+  std::copy_n(add.keep[2].strides().begin(), 4, t.row_in_strides);
+  std::copy_n(add.keep[3].strides().begin(), 3, t.row_size_in_strides);
   t.col_out = col_out.data_ptr();
   t.col_size_out = col_size_out.data_ptr();
   t.row_out = row_out.data_ptr();

@@ -322,12 +322,14 @@ ABFT_HD inline void tally_event(const Tally& t, int64_t b) {
 // add_bias: what a bias [n] adds to both sides' checksums of C = alpha * A @ B + bias, C with m
 // rows (megatron_abft/check/checksum.py, _columns and _rows), added to the sums of alpha * A @ B:
 // per block of rows, (rows, sum of their weights) x bias_j and rows x |bias_j|; per block of
-// columns, (sum bias_j, sum w_j bias_j) and sum |bias_j|, the same for every row. All contiguous,
-// in the accumulation type (double where f64, else float), over `batch` matrices:
+// columns, (sum bias_j, sum w_j bias_j) and sum |bias_j|, the same for every row. In the
+// accumulation type (double where f64, else float), over `batch` matrices:
 //   col_in, col_out [batch, ceil(m / block), 2, n], col_size_in, col_size_out [.., n]
 //   row_in, row_out [batch, ceil(n / block), 2, m], row_size_in, row_size_out [.., m]
-// and the bias's magnitudes col_bias [ceil(m / block), n], row_bias [ceil(n / block)].
-// One item per column term, then one per block of columns and row of C (bias_terms_items).
+// and the bias's magnitudes col_bias [ceil(m / block), n], row_bias [ceil(n / block)]; the
+// inputs at their strides in elements (the products as encode_pair leaves them, transposed),
+// the outputs contiguous. One item per column term, then one per block of columns and row of C
+// (bias_terms_items).
 struct BiasTerms {
   const void* bias;
   DType dtype;
@@ -335,9 +337,13 @@ struct BiasTerms {
   int64_t n, m, block, batch;
   bool f64;
   const void* col_in;
+  int64_t col_in_strides[4];  // batch, block, pair, column
   const void* col_size_in;
+  int64_t col_size_in_strides[3];  // batch, block, column
   const void* row_in;
+  int64_t row_in_strides[4];  // batch, block, pair, row
   const void* row_size_in;
+  int64_t row_size_in_strides[3];  // batch, block, row
   void* col_out;
   void* col_size_out;
   void* row_out;

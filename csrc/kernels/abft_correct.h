@@ -120,13 +120,15 @@ ABFT_HD inline void bias_column_term(const BiasTerms& t, int64_t item) {
   const Acc weighted = rounded_product(rows * (rows + 1) / 2, x);
   const Acc size = rounded_product(rows, x < 0 ? -x : x);
   static_cast<Acc*>(t.col_bias)[item] = size;
+  const int64_t *in = t.col_in_strides, *size_in = t.col_size_in_strides;
   for (int64_t b = 0; b < t.batch; ++b) {
     const int64_t at = (b * nb + blk) * 2 * t.n + j, size_at = (b * nb + blk) * t.n + j;
-    static_cast<Acc*>(t.col_out)[at] = static_cast<const Acc*>(t.col_in)[at] + sum;
-    static_cast<Acc*>(t.col_out)[at + t.n] =
-        static_cast<const Acc*>(t.col_in)[at + t.n] + weighted;
+    const Acc* x = static_cast<const Acc*>(t.col_in) + b * in[0] + blk * in[1] + j * in[3];
+    static_cast<Acc*>(t.col_out)[at] = x[0] + sum;
+    static_cast<Acc*>(t.col_out)[at + t.n] = x[in[2]] + weighted;
     static_cast<Acc*>(t.col_size_out)[size_at] =
-        static_cast<const Acc*>(t.col_size_in)[size_at] + size;
+        static_cast<const Acc*>(t.col_size_in)[b * size_in[0] + blk * size_in[1] + j * size_in[2]] +
+        size;
   }
 }
 
@@ -155,13 +157,15 @@ ABFT_HD inline void bias_row_term(const BiasTerms& t, int64_t blk, int64_t i,
                                   const BiasBlock<Acc>& s) {
   const int64_t nbr = ceil_div(t.n, t.block);
   if (i == 0) static_cast<Acc*>(t.row_bias)[blk] = s.size;
+  const int64_t *in = t.row_in_strides, *size_in = t.row_size_in_strides;
   for (int64_t b = 0; b < t.batch; ++b) {
     const int64_t at = (b * nbr + blk) * 2 * t.m + i, size_at = (b * nbr + blk) * t.m + i;
-    static_cast<Acc*>(t.row_out)[at] = static_cast<const Acc*>(t.row_in)[at] + s.sum;
-    static_cast<Acc*>(t.row_out)[at + t.m] =
-        static_cast<const Acc*>(t.row_in)[at + t.m] + s.weighted;
+    const Acc* x = static_cast<const Acc*>(t.row_in) + b * in[0] + blk * in[1] + i * in[3];
+    static_cast<Acc*>(t.row_out)[at] = x[0] + s.sum;
+    static_cast<Acc*>(t.row_out)[at + t.m] = x[in[2]] + s.weighted;
     static_cast<Acc*>(t.row_size_out)[size_at] =
-        static_cast<const Acc*>(t.row_size_in)[size_at] + s.size;
+        static_cast<const Acc*>(t.row_size_in)[b * size_in[0] + blk * size_in[1] + i * size_in[2]] +
+        s.size;
   }
 }
 

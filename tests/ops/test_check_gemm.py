@@ -1,9 +1,10 @@
-"""check_gemm on the CPU (csrc/bindings/abft_check.cpp) against its composite, the ops it is made
-of (encode_pair, add_bias, verify_correct), which torch.compile traces and every other device
-runs: the same results and the same output, bit for bit, for clean and faulty GEMMs of every
+"""check_gemm on the CPU and on CUDA (csrc/bindings/abft_check.cpp, abft_matrix_check.cpp) against
+its composite, the ops it is made of (encode_pair, add_bias, verify_correct), which torch.compile
+traces: the same results and the same output, bit for bit, for clean and faulty GEMMs of every
 layout; the CPU's fused screen takes matrices and batches of them that broadcast as the composite
-broadcasts them, every other input goes to the composite. compiled.screen_passes, that screen
-alone, passes only what the composite finds clean, and ends a clean check on the CPU."""
+broadcasts them, CUDA (emulated) a 2-D GEMM on one scratch tensor, every other input goes to the
+composite. compiled.screen_passes, the CPU's screen alone, passes only what the composite finds
+clean, and ends a clean check on the CPU."""
 
 import re
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_ext import DTYPES, PROPERTY, corrupted, needs_ext
+from test_ext import DTYPES, EMULATED_PROPERTY, PROPERTY, corrupted, needs_emulator, needs_ext
 from test_ext_correct import bits
 
 from megatron_abft import _C
@@ -109,6 +110,66 @@ def test_check_gemm_on_the_cpu_equals_its_composite(
     for name in ("counts", "logged", "log"):
         torch.testing.assert_close(
             getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
+        )
+
+
+@needs_emulator
+@EMULATED_PROPERTY
+@given(
+    dtype=st.sampled_from(DTYPES),
+    m=st.integers(2, 90),
+    k=st.integers(1, 40),
+    n=st.integers(2, 90),
+    block=st.sampled_from([2, 16, 64]),
+    bias=st.booleans(),
+    layout=st.sampled_from(["contiguous", "weight", "column-major a", "both"]),
+    c_layout=st.sampled_from(["contiguous", "column-major"]),
+    kind=st.sampled_from(["none", "inf", "nan", "value", "bitflip"]),
+    pattern=st.sampled_from(["0d", "row", "2d"]),
+    tally=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_matrix_check_on_cuda_equals_its_composite(
+    dtype, m, k, n, block, bias, layout, c_layout, kind, pattern, tally, seed
+):
+    """A 2-D GEMM's check on CUDA (emulated) on one scratch tensor: the composite's results,
+    ledger and output, bit for bit."""
+    a, b, bias_t, c = _operands(dtype, (), m, k, n, bias, seed, layout)
+    c = corrupted(c, kind, pattern, c_layout, seed)
+    arguments = _arguments(c, a, b, bias_t, block)
+    with compiled.emulated_cuda():
+        (found, out, ledger), (want, want_out, want_ledger) = _both(c, arguments, tally)
+    for got, expected in zip(found, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(bits(out), bits(want_out))
+    for name in ("counts", "logged", "log"):
+        torch.testing.assert_close(
+            getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
+        )
+
+
+@needs_emulator
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_matrix_check_on_cuda_makes_seven_tensors_and_calls_no_op(bias):
+    """On CUDA a 2-D GEMM's sync-free check (the projections') makes its five results, tally's
+    verdict and one scratch tensor, and calls no other op; a batch goes to the composite."""
+    a, b, bias_t, c = _operands(torch.bfloat16, (), 96, 64, 80, bias, 4, "weight")
+    arguments = _arguments(c, a, b, bias_t, 32)
+    ledger = Ledger.on(c.device, 3)
+    extra = (ledger.counts, ledger.clock, ledger.log, ledger.logged)
+    op = torch.ops.megatron_abft.check_gemm_tally.default
+    with compiled.emulated_cuda():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            op(c.clone(), *arguments, *extra)
+        names = [e.name for e in prof.events()]
+        assert names.count("aten::empty") == 7, names
+        assert [n for n in names if n.startswith("megatron_abft::")] == [
+            "megatron_abft::check_gemm_tally"
+        ]
+        batch = _operands(torch.bfloat16, (2,), 96, 64, 80, bias, 4, "weight")
+        arguments = _arguments(batch[3], *batch[:3], 32)
+        assert "megatron_abft::verify_correct_tally" in _ops_run(
+            lambda: op(batch[3].clone(), *arguments, *extra)
         )
 
 
