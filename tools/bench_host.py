@@ -10,6 +10,7 @@ counts device time only (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -17,7 +18,7 @@ import statistics
 
 import torch
 
-from megatron_abft.check.checker import CompiledChecker
+from megatron_abft.check.checker import CompiledChecker, ReferenceChecker
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import compiled
@@ -78,6 +79,39 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     }
 
 
+def torch_calls(fn) -> dict[str, int]:
+    """What one call of ``fn`` asks of torch (the profiler's record of a second call): its calls
+    into ATen and the tensors it makes, the part of an op's host time that is torch's."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events()]
+    return {
+        "aten_calls": sum(name.startswith("aten::") for name in names),
+        "tensors": sum(name in ("aten::empty", "aten::empty_strided") for name in names),
+    }
+
+
+def sync_free_calls(device: torch.device) -> dict[str, int]:
+    """torch_calls of the op of a sync-free check (a GPU's) of clean_check's GEMM, by the CUDA
+    kernels: on a GPU, or on a CPU through the CUDA emulator (its counts only: the emulator's
+    time is not a GPU's)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = (torch.randn(*s, generator=g).to(device) for s in ((32, 64), (192, 64), (192,)))
+    y = torch.addmm(bias, x, w.t())
+    guard = SectionGuard("qkv", ABFTConfig(), 0)
+    emulated = device.type == "cpu"
+    if emulated and not compiled.emulator_available():
+        return {}
+    with compiled.emulated_cuda() if emulated else contextlib.nullcontext():
+        reference = ReferenceChecker(ABFTConfig(), sync_free=True)
+        plan = CompiledChecker.make(y, GemmOperands(x, w.t(), 1.0, bias), None, reference)
+        arguments = (y, x, w.t(), 1.0, bias, plan.block, *plan.bounds, plan.near_inf)
+        ledger = compiled._ledger_args(guard.ledger_on(device))
+        call = torch.ops.megatron_abft.check_gemm_tally.default
+        return torch_calls(lambda: call(*arguments, plan.capacity, *ledger))
+
+
 def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, float]:
     """set_step and finish_step on a GPT model of ``layers`` protected layers (small ones: the
     two walk the model's modules and its guards, whatever their size)."""
@@ -115,11 +149,13 @@ def main() -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     check = clean_check(device)
+    calls = sync_free_calls(device)
     step = per_step(args.layers, device)
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "clean_check": check,
+        "sync_free_check_calls": calls,
         "per_step": {"layers": args.layers, **step},
     }
     us = 1e6
@@ -133,6 +169,11 @@ def main() -> None:
         f" {check['ops_alone_cold'] * us:.1f} us, the GEMM it checks"
         f" {check['gemm_cold'] * us:.1f} us"
     )
+    if calls:
+        print(
+            f"a sync-free check's op on the CUDA kernels ({'on the GPU' if cuda else 'emulated'}):"
+            f" {calls['aten_calls']} calls into ATen, {calls['tensors']} tensors made"
+        )
     print(
         f"{args.layers} layers ({step['modules']} modules): set_step {step['set_step'] * 1e3:.2f}"
         f" ms, finish_step {step['finish_step'] * 1e3:.2f} ms"

@@ -236,6 +236,8 @@ def test_the_host_benchmark_times_a_compiled_check_and_its_ops_alone(tmp_path):
         "gemm_cold",
     }
     assert all(0 < t < 1 for t in result["clean_check"].values())
+    if compiled.emulator_available():  # the GPU's route, a 2-D check on one scratch tensor
+        assert result["sync_free_check_calls"] == {"aten_calls": 7, "tensors": 7}
     step = result["per_step"]
     assert step["layers"] == 2 and step["modules"] > 10
     assert 0 < step["set_step"] < 1 and 0 < step["finish_step"] < 1
