@@ -75,8 +75,10 @@ using Products = std::tuple<at::Tensor, at::Tensor>;
 // The kernels' dtype of c; `what` names the tensor in the error message.
 abft::DType kernel_dtype(const at::Tensor& c, const char* what = "megatron_abft::block_sums: c");
 
-// The kernels' view of a dense strided [*batch, rows, cols] tensor.
+// The kernels' view of a dense strided [*batch, rows, cols] tensor; with `shape`, of c broadcast
+// to it (as c.expand(shape), without the view).
 abft::MatrixBatch describe(const at::Tensor& c);
+abft::MatrixBatch describe(const at::Tensor& c, at::IntArrayRef shape);
 
 // block_sums' outputs for c, and the kernels' view of c and of them.
 std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c,
@@ -110,14 +112,13 @@ Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::
 
 // The screen of c given its block sums, and its flagged counts [*batch, slots]: without a
 // tiling one slot a matrix, zeros (the CPU kernels); with the tiling of the CUDA block sums that
-// screen, one slot a tile, which each tile writes. The expanded reference views are kept alive in
-// `keep`.
+// screen, one slot a tile, which each tile writes. The references are read where they are,
+// broadcast over c's batch.
 std::tuple<abft::Screen, at::Tensor> prepare_screen(const at::Tensor& c, const Sums& sums,
                                                     int64_t col_block, int64_t row_block,
                                                     at::TensorList col, at::TensorList row,
                                                     at::ArrayRef<double> col_bounds,
                                                     at::ArrayRef<double> row_bounds,
-                                                    std::vector<at::Tensor>& keep,
                                                     const abft::Tiling* tiling = nullptr);
 
 // The flagged counts per matrix [*batch] of a screen's slots [*batch, slots], once they are
@@ -130,7 +131,7 @@ using Found = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Ten
 struct Correction {
   abft::Correct k;
   Found found;
-  std::vector<at::Tensor> keep;  // the expanded operands and the logs
+  at::Tensor scratch;  // the sums the correction keeps and the log of its writes
 };
 
 // The correction (abft.h's Correct) of the matrices of c that `screen` flags, from c's block sums

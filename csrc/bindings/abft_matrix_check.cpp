@@ -83,10 +83,10 @@ MatrixCheck plan_matrix_check(const abft::MatrixBatch& c, const abft::MatrixBatc
   const int64_t m = c.rows, n = c.cols, k = x.cols;
   const abft::DType acc = f64 ? abft::DType::F64 : abft::DType::F32;
   const int64_t size = f64 ? 8 : 4;
-  char* at = static_cast<char*>(workspace);
+  char* cursor = static_cast<char*>(workspace);
   auto take = [&](int64_t elements) {
-    void* part = at;
-    at += elements * size;
+    void* part = cursor;
+    cursor += elements * size;
     return part;
   };
   MatrixCheck p{};
@@ -233,10 +233,10 @@ std::optional<std::pair<Found, at::Tensor>> check_matrix_cuda(
   const int64_t slots = tiling.row_tiles * tiling.col_tiles;
   const at::Tensor scratch =
       at::empty({2 * log * 8 + plan_bytes + kept_bytes + slots * 4}, c.options().dtype(at::kByte));
-  char* at = static_cast<char*>(scratch.data_ptr());
+  char* cursor = static_cast<char*>(scratch.data_ptr());
   auto take = [&](int64_t bytes) {
-    char* part = at;
-    at += bytes;
+    char* part = cursor;
+    cursor += bytes;
     return part;
   };
   int64_t* log_at = reinterpret_cast<int64_t*>(take(log * 8));

@@ -105,25 +105,38 @@ void check_inputs(const at::Tensor& c, int64_t col_block, int64_t row_block,
               "megatron_abft::block_sums: give col_block or row_block (both are 0)");
 }
 
-// The kernels' view of a dense strided [*batch, rows, cols] tensor.
-abft::MatrixBatch describe(const at::Tensor& c) {
-  const int64_t dims = c.dim();
+// The strides of t broadcast to `shape` (which it broadcasts to), as t.expand(shape) has them:
+// the kernels' view of a broadcast without the view (a tensor and two calls into ATen).
+std::vector<int64_t> broadcast_strides(const at::Tensor& t, at::IntArrayRef shape) {
+  std::vector<int64_t> strides(shape.size(), 0);
+  const int64_t lead = int64_t(shape.size()) - t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    strides[lead + d] = t.size(d) == 1 && shape[lead + d] != 1 ? 0 : t.stride(d);
+  }
+  return strides;
+}
+
+abft::MatrixBatch describe(const at::Tensor& c, at::IntArrayRef shape) {
+  const std::vector<int64_t> strides = broadcast_strides(c, shape);
+  const int64_t dims = int64_t(shape.size());
   abft::MatrixBatch matrices{};
   matrices.data = c.data_ptr();
   matrices.dtype = kernel_dtype(c);
   matrices.batch_dims = int(dims - 2);
   matrices.batch = 1;
   for (int64_t d = 0; d < dims - 2; ++d) {
-    matrices.batch_sizes[d] = c.size(d);
-    matrices.batch_strides[d] = c.stride(d);
-    matrices.batch *= c.size(d);
+    matrices.batch_sizes[d] = shape[d];
+    matrices.batch_strides[d] = strides[d];
+    matrices.batch *= shape[d];
   }
-  matrices.rows = c.size(-2);
-  matrices.cols = c.size(-1);
-  matrices.row_stride = c.stride(-2);
-  matrices.col_stride = c.stride(-1);
+  matrices.rows = shape[dims - 2];
+  matrices.cols = shape[dims - 1];
+  matrices.row_stride = strides[dims - 2];
+  matrices.col_stride = strides[dims - 1];
   return matrices;
 }
+
+abft::MatrixBatch describe(const at::Tensor& c) { return describe(c, c.sizes()); }
 
 // The outputs, and the kernels' view of C and of the outputs (plan_block_sums).
 std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c,
@@ -330,12 +343,11 @@ Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::
 }
 #endif
 
-// screen: one side's references checked against c and expanded to its batch, in the kernels' view.
-// refs is [sums, magnitude] or [sums, magnitude, bias_magnitude]; bounds is (out, gemm, floor,
-// length) of abft.h's ScreenSide. The expanded views are kept alive in `keep`.
+// screen: one side's references checked against c and broadcast to its batch, in the kernels'
+// view. refs is [sums, magnitude] or [sums, magnitude, bias_magnitude]; bounds is (out, gemm,
+// floor, length) of abft.h's ScreenSide.
 abft::ScreenSide screen_side(const at::Tensor& c, const char* name, int64_t block, int64_t checked,
-                             int64_t across, at::TensorList refs, at::ArrayRef<double> bounds,
-                             std::vector<at::Tensor>& keep) {
+                             int64_t across, at::TensorList refs, at::ArrayRef<double> bounds) {
   TORCH_CHECK(refs.size() == 2 || refs.size() == 3, "megatron_abft::screen: ", name,
               " must be [sums, magnitude] or [sums, magnitude, bias_magnitude]; got ",
               refs.size(), " tensors");
@@ -348,7 +360,7 @@ abft::ScreenSide screen_side(const at::Tensor& c, const char* name, int64_t bloc
   sums_shape.insert(sums_shape.end(), {nb, 2, across});
   vector_shape.insert(vector_shape.end(), {nb, across});
   const char* parts[] = {"sums", "magnitude", "bias_magnitude"};
-  std::vector<at::Tensor> views;
+  std::vector<int64_t> strides[3];
   for (size_t k = 0; k < refs.size(); ++k) {
     const at::Tensor& ref = refs[k];
     const auto& shape = k == 0 ? sums_shape : vector_shape;
@@ -361,24 +373,21 @@ abft::ScreenSide screen_side(const at::Tensor& c, const char* name, int64_t bloc
                 "megatron_abft::screen: ", name, " ", parts[k], " of shape ", ref.sizes(),
                 " does not broadcast to ", at::IntArrayRef(shape), " for c of shape ", c.sizes(),
                 " and block ", block);
-    views.push_back(ref.expand(shape));
+    strides[k] = broadcast_strides(ref, shape);
   }
   abft::ScreenSide side{};
   side.nb = nb;
   side.n = across;
-  side.ref_sums = views[0].data_ptr();
-  side.magnitude = views[1].data_ptr();
-  side.bias = views.size() == 3 ? views[2].data_ptr() : nullptr;
-  for (int64_t d = 0; d < views[0].dim(); ++d) side.ref_strides[d] = views[0].stride(d);
-  for (int64_t d = 0; d < views[1].dim(); ++d) {
-    side.magnitude_strides[d] = views[1].stride(d);
-    if (views.size() == 3) side.bias_strides[d] = views[2].stride(d);
-  }
+  side.ref_sums = refs[0].data_ptr();
+  side.magnitude = refs[1].data_ptr();
+  side.bias = refs.size() == 3 ? refs[2].data_ptr() : nullptr;
+  std::copy(strides[0].begin(), strides[0].end(), side.ref_strides);
+  std::copy(strides[1].begin(), strides[1].end(), side.magnitude_strides);
+  std::copy(strides[2].begin(), strides[2].end(), side.bias_strides);
   side.out = bounds[0];
   side.gemm = bounds[1];
   side.floor = bounds[2];
   side.length = bounds[3];
-  keep.insert(keep.end(), views.begin(), views.end());
   return side;
 }
 
@@ -388,7 +397,6 @@ std::tuple<abft::Screen, at::Tensor> prepare_screen(const at::Tensor& c, const S
                                                     at::TensorList col, at::TensorList row,
                                                     at::ArrayRef<double> col_bounds,
                                                     at::ArrayRef<double> row_bounds,
-                                                    std::vector<at::Tensor>& keep,
                                                     const abft::Tiling* tiling) {
   const int64_t m = c.size(-2), n = c.size(-1);
   abft::Screen screen{};
@@ -412,7 +420,7 @@ std::tuple<abft::Screen, at::Tensor> prepare_screen(const at::Tensor& c, const S
     }
     abft::ScreenSide side =
         screen_side(c, name, block, is_col ? m : n, is_col ? n : m, refs,
-                    is_col ? col_bounds : row_bounds, keep);
+                    is_col ? col_bounds : row_bounds);
     side.sums = found[2 * k]->data_ptr();
     side.sizes = found[2 * k + 1]->data_ptr();
     screen.side[screen.sides++] = side;
@@ -434,9 +442,8 @@ at::Tensor screen_cpu(const at::Tensor& c, int64_t col_block, int64_t row_block,
                       at::TensorList col, at::TensorList row, at::ArrayRef<double> col_bounds,
                       at::ArrayRef<double> row_bounds) {
   const Sums sums = block_sums_cpu(c, col_block, row_block);
-  std::vector<at::Tensor> keep;
   auto [screen, flagged] =
-      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
+      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds);
   const bool f64 = c.scalar_type() == at::kDouble;
   at::parallel_for(0, screen.batch, 1, [&, &screen = screen](int64_t begin, int64_t end) {
     abft::screen_cpu(screen, f64, begin, end);
@@ -452,9 +459,8 @@ at::Tensor screen_cuda(const at::Tensor& c, int64_t col_block, int64_t row_block
   check_inputs(c, col_block, row_block, launch.device());
   const auto [sums, matrices, out] = prepare(c, col_block, row_block);
   const abft::Tiling tiling = abft::block_sums_tiling(matrices, out);
-  std::vector<at::Tensor> keep;
   auto [screen, flagged] = prepare_screen(c, sums, col_block, row_block, col, row, col_bounds,
-                                          row_bounds, keep, &tiling);
+                                          row_bounds, &tiling);
   launch.check(launch.kernels().block_sums(matrices, out, launch.stream(), &screen),
                "megatron_abft::screen");
   return flagged_per_matrix(flagged);
@@ -517,7 +523,6 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
     return s;
   };
   Correction out;
-  out.keep = {a.expand(shape(m, a.size(-1))), b.expand(shape(b.size(-2), n))};
   abft::Correct& k = out.k;
   k.screen = screen;
   k.col_side = k.row_side = -1;
@@ -528,8 +533,8 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   k.row_block = row_block;
   k.c = describe(c);
   k.data = c.data_ptr();
-  k.a = describe(out.keep[0]);
-  k.b = describe(out.keep[1]);
+  k.a = describe(a, shape(m, a.size(-1)));  // the operands broadcast to c's batch
+  k.b = describe(b, shape(b.size(-2), n));
   k.alpha = alpha;
   k.bias = nullptr;
   if (bias.has_value()) {
@@ -542,22 +547,25 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   k.vectors = capacity;
   // a pass writes at most `capacity` single elements, or about as many in whole blocks
   k.capacity = 2 * std::min(capacity, m * n) + 2 * std::max(col_block, row_block);
+  // one scratch: the sums and sizes the correction keeps, each side's shaped as its block sums,
+  // then the log of its writes
   const at::Tensor* found[] = {&std::get<0>(sums), &std::get<1>(sums), &std::get<2>(sums),
                                &std::get<3>(sums)};
+  int64_t bytes = 2 * screen.batch * k.capacity * 8;
+  for (const at::Tensor* t : found) bytes += t->numel() * t->element_size();
+  out.scratch = at::empty({bytes}, c.options().dtype(at::kByte));
+  char* cursor = static_cast<char*>(out.scratch.data_ptr());
+  k.log_at = reinterpret_cast<int64_t*>(cursor);
+  k.log_bits = reinterpret_cast<uint64_t*>(cursor + screen.batch * k.capacity * 8);
+  cursor += 2 * screen.batch * k.capacity * 8;
   for (int s = 0, side = 0; s < 2; ++s) {
     if ((s == 0 ? col_block : row_block) == 0) continue;
-    at::Tensor kept_sums = at::empty_like(*found[2 * s]);
-    at::Tensor kept_sizes = at::empty_like(*found[2 * s + 1]);
-    k.initial_sums[side] = kept_sums.data_ptr();
-    k.initial_sizes[side++] = kept_sizes.data_ptr();
-    out.keep.insert(out.keep.end(), {kept_sums, kept_sizes});
+    k.initial_sums[side] = cursor;
+    cursor += found[2 * s]->numel() * found[2 * s]->element_size();
+    k.initial_sizes[side++] = cursor;
+    cursor += found[2 * s + 1]->numel() * found[2 * s + 1]->element_size();
   }
   const auto index = c.options().dtype(at::kLong);
-  at::Tensor log_at = at::empty({screen.batch, k.capacity}, index);
-  at::Tensor log_bits = at::empty({screen.batch, k.capacity}, index);
-  out.keep.insert(out.keep.end(), {log_at, log_bits});
-  k.log_at = log_at.data_ptr<int64_t>();
-  k.log_bits = reinterpret_cast<uint64_t*>(log_bits.data_ptr<int64_t>());
   const auto acc = c.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   out.found = {at::empty(batch, c.options().dtype(at::kChar)),
                at::empty(batch, c.options().dtype(at::kChar)), at::empty(batch, index),
@@ -590,9 +598,8 @@ Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_blo
                          double near_inf, int64_t capacity) {
   check_correct_inputs(c, a, b, bias, capacity);
   const Sums sums = block_sums_cpu(c, col_block, row_block);
-  std::vector<at::Tensor> keep;
   const auto [screen, flagged] =
-      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds, keep);
+      prepare_screen(c, sums, col_block, row_block, col, row, col_bounds, row_bounds);
   const bool f64 = c.scalar_type() == at::kDouble;
   at::parallel_for(0, screen.batch, 1, [&, &screen = screen](int64_t begin, int64_t end) {
     abft::screen_cpu(screen, f64, begin, end);
@@ -615,7 +622,6 @@ Found verify_correct_cpu(const at::Tensor& c, int64_t col_block, int64_t row_blo
 struct Verification {
   abft::Screen screen;
   at::Tensor flagged;
-  std::vector<at::Tensor> keep;
   Correction correction;
 };
 
@@ -628,7 +634,7 @@ Verification prepare_verification(const at::Tensor& c, const Sums& sums, int64_t
                                   int64_t capacity, const abft::Tiling* tiling) {
   Verification v;
   std::tie(v.screen, v.flagged) = prepare_screen(c, sums, col_block, row_block, col, row,
-                                                 col_bounds, row_bounds, v.keep, tiling);
+                                                 col_bounds, row_bounds, tiling);
   v.correction = prepare_correct(c, sums, v.screen, col_block, row_block, a, b, alpha, bias,
                                  near_inf, capacity);
   return v;
@@ -731,9 +737,10 @@ TallyArgs prepare_tally(const at::Tensor& status, const at::Tensor& kind, const 
               "megatron_abft::tally: magnitude ", magnitude.sizes(), " ",
               magnitude.scalar_type(), "; want ", batch, " float or double on ", status.device());
   check_ledger(ledger, status);
-  std::vector<at::Tensor> flat = {status.reshape(-1).contiguous(), kind.reshape(-1).contiguous(),
-                                  row.reshape(-1).contiguous(), col.reshape(-1).contiguous(),
-                                  magnitude.reshape(-1).contiguous()};
+  std::vector<at::Tensor> flat = {status, kind, row, col, magnitude};
+  for (at::Tensor& t : flat) {  // as the kernel reads them (the correction's are already)
+    if (!t.is_contiguous()) t = t.contiguous();
+  }
   at::Tensor failed = at::empty({}, status.options().dtype(at::kBool));
   const abft::Tally t = tally_of(flat[0], flat[1], flat[2], flat[3], flat[4], failed, ledger);
   return {t, failed, std::move(flat)};

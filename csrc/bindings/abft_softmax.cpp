@@ -94,7 +94,7 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
                                             : abft::block_sums_tiling(matrices, block_sums);
     auto [screen, found] =
         abft_binding::prepare_screen(s, sums, col_block, row_block, col, row, col_bounds,
-                                     row_bounds, out.keep, cuda_kernels ? &tiling : nullptr);
+                                     row_bounds, cuda_kernels ? &tiling : nullptr);
     out.keep.insert(out.keep.end(), {std::get<0>(sums), std::get<1>(sums), std::get<2>(sums),
                                      std::get<3>(sums)});
     k.s_sums = block_sums;

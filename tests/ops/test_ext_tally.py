@@ -7,7 +7,7 @@ import torch
 from cuda_targets import TARGETS
 from hypothesis import example, given
 from hypothesis import strategies as st
-from test_ext import PROPERTY, needs_cuda, needs_ext
+from test_ext import PROPERTY, needs_cuda, needs_emulator, needs_ext
 from test_ext_correct import _sides, bits, case, recompute_tolerance
 
 from megatron_abft.check.checksum import encode
@@ -387,3 +387,29 @@ def test_cuda_verify_correct_tally_equals_the_cpu_op(gpu):
     assert int(cpu_ledger.counts[1].sum()) == 1 and bool(found[5]) == bool(cpu[5])
     assert int(gpu_ledger.logged) == int(cpu_ledger.logged) == 1
     assert torch.equal(gpu_ledger.log[0, :6].cpu(), cpu_ledger.log[0, :6])
+
+
+@needs_emulator
+def test_on_cuda_verify_correct_tally_makes_no_view():
+    """The references and operands are read where they are, broadcast over the batch (the
+    operands b and the bias shared by its 6 matrices), and the correction's scratch is one
+    tensor: the op's calls into ATen are its allocations alone."""
+    c, refs, operands = faulty_case(torch.bfloat16, 4, "nan", "row")
+    ledger = Ledger.on(c.device, 9)
+    with compiled.emulated_cuda():
+        checked(c.clone(), refs, operands, ledger)  # the references encoded, the checker chosen
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            checked(c, refs, operands, ledger)
+    inside = [e.name for e in prof.events() if _under(e, "megatron_abft::verify_correct_tally")]
+    assert inside and set(inside) <= {"aten::empty"}, inside
+    assert int(ledger.counts[1].sum()) == 2  # corrected, both times
+
+
+def _under(event, name: str) -> bool:
+    """Whether a profiler event runs inside op ``name`` (not the op itself)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
