@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from cuda_targets import TARGETS
 from hypothesis import given
 from hypothesis import strategies as st
 from test_ext import DTYPES, EMULATED_PROPERTY, PROPERTY, corrupted, needs_emulator, needs_ext
@@ -146,6 +147,37 @@ def test_a_matrix_check_on_cuda_equals_its_composite(
         torch.testing.assert_close(
             getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
         )
+
+
+@pytest.mark.parametrize("gpu", TARGETS)
+@pytest.mark.parametrize(
+    "dtype, bias, kind, pattern",
+    [
+        (torch.bfloat16, True, "value", "0d"),
+        (torch.float16, False, "nan", "row"),
+        (torch.float32, True, "bitflip", "2d"),
+        (torch.bfloat16, False, "none", "0d"),
+    ],
+)
+def test_a_projection_check_on_cuda_equals_its_composite(gpu, dtype, bias, kind, pattern):
+    """A projection's shapes (tokens x hidden by a transposed weight, 12 and 8 blocks of 32: more
+    vectors than one pass of the products kernel): the one-scratch check's results, ledger and
+    output are the composite's, bit for bit, on a GPU as emulated."""
+    a, b, bias_t, c = _operands(dtype, (), 384, 64, 256, bias, 5, "weight")
+    c = corrupted(c, kind, pattern, "contiguous", 5)
+    d = gpu.device
+    on = [t if t is None else t.to(d) for t in (a, b, bias_t, c)]
+    arguments = _arguments(on[3], *on[:3], 32)
+    with gpu.kernels():
+        (found, out, ledger), (want, want_out, want_ledger) = _both(on[3], arguments, True)
+    for got, expected in zip(found, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(bits(out.cpu()), bits(want_out.cpu()))
+    for name in ("counts", "logged", "log"):
+        torch.testing.assert_close(
+            getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
+        )
+    assert (kind == "none") == (int(ledger.counts[0].sum()) == 0)
 
 
 @needs_emulator
