@@ -75,6 +75,9 @@ using Products = std::tuple<at::Tensor, at::Tensor>;
 // The kernels' dtype of c; `what` names the tensor in the error message.
 abft::DType kernel_dtype(const at::Tensor& c, const char* what = "megatron_abft::block_sums: c");
 
+// The strides of t broadcast to `shape` (which it broadcasts to), as t.expand(shape) has them.
+std::vector<int64_t> broadcast_strides(const at::Tensor& t, at::IntArrayRef shape);
+
 // The kernels' view of a dense strided [*batch, rows, cols] tensor; with `shape`, of c broadcast
 // to it (as c.expand(shape), without the view).
 abft::MatrixBatch describe(const at::Tensor& c);
@@ -90,8 +93,8 @@ std::tuple<Sums, abft::MatrixBatch, abft::BlockSums> prepare(const at::Tensor& c
 std::pair<abft::MatrixBatch, abft::BlockSums> plan_block_sums(abft::MatrixBatch c,
                                                               abft::BlockSums out);
 
-// row_products' outputs for a and the vectors u, z (checked); the views are kept alive by the
-// last two tensors.
+// row_products' outputs for a and the vectors u, z (checked), broadcast over a's batch; the
+// vectors the kernels read (a copy of one whose entries are strided) are the last two tensors.
 std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tensor> prepare_products(
     const at::Tensor& a, const at::Tensor& u, const at::Tensor& z, double scale,
     at::DeviceType device);

@@ -196,7 +196,8 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
   const auto acc = a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   kernel_dtype(a, "megatron_abft::row_products: a");
   auto batch = a.sizes().slice(0, a.dim() - 2).vec();
-  std::vector<at::Tensor> vectors;
+  std::vector<at::Tensor> vectors;  // read where they are, unless a vector is strided
+  std::vector<abft::MatrixBatch> views;
   for (auto [name, v] : {std::pair{"u", &u}, std::pair{"z", &z}}) {
     TORCH_CHECK(v->device() == a.device(), "megatron_abft::row_products: ", name, " is on ",
                 v->device(), " but a is on ", a.device());
@@ -211,10 +212,10 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
       TORCH_CHECK(v->size(d) == 1 || v->size(d) == a.size(d), "megatron_abft::row_products: ",
                   name, " ", v->sizes(), " does not broadcast to the batch of a ", a.sizes());
     }
-    const at::Tensor view = v->expand(shape);  // read where it is, unless a vector is strided
-    vectors.push_back(view.size(-1) > 1 && view.stride(-1) != 1 ? view.contiguous() : view);
+    vectors.push_back(v->size(-1) > 1 && v->stride(-1) != 1 ? v->contiguous() : *v);
+    views.push_back(describe(vectors.back(), shape));
   }
-  const int64_t nu = vectors[0].size(-2), nz = vectors[1].size(-2);
+  const int64_t nu = u.size(-2), nz = z.size(-2);
   auto shape = [&](int64_t r) {
     auto s = batch;
     s.insert(s.end(), {a.size(-2), r});
@@ -222,8 +223,8 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
   };
   Products out{at::empty(shape(nu), a.options().dtype(acc)),
                at::empty(shape(nz), a.options().dtype(acc))};
-  abft::RowProducts products{describe(vectors[0]), describe(vectors[1]),
-                             std::get<0>(out).data_ptr(), std::get<1>(out).data_ptr(), scale};
+  abft::RowProducts products{views[0], views[1], std::get<0>(out).data_ptr(),
+                             std::get<1>(out).data_ptr(), scale};
   return {std::move(out), describe(a), products, vectors[0], vectors[1]};
 }
 

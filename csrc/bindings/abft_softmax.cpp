@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -76,10 +77,9 @@ void prepare_softmax(Prepared& out, const at::Tensor& s, int64_t col_block, int6
     TORCH_CHECK(mask->layout() == at::kStrided && at::is_expandable_to(mask->sizes(), s.sizes()),
                 "megatron_abft::softmax_check: mask of shape ", mask->sizes(),
                 " does not broadcast to s ", s.sizes());
-    const at::Tensor view = mask->expand(s.sizes());
-    out.keep.push_back(view);
-    k.mask = static_cast<const uint8_t*>(view.data_ptr());
-    for (int64_t d = 0; d < view.dim(); ++d) k.mask_strides[d] = view.stride(d);
+    k.mask = static_cast<const uint8_t*>(mask->data_ptr());  // read where it is, broadcast
+    const std::vector<int64_t> strides = abft_binding::broadcast_strides(*mask, s.sizes());
+    std::copy(strides.begin(), strides.end(), k.mask_strides);
   }
   const at::Tensor p = at::empty(s.sizes(), s.options());  // contiguous
   k.p = p.data_ptr();
