@@ -70,24 +70,43 @@ def _both(c, arguments, tally: bool):
     return runs
 
 
+# a GEMM's settings and its output's fault, for the property tests
+GEMMS = {
+    "dtype": st.sampled_from(DTYPES),
+    "m": st.integers(2, 90),
+    "k": st.integers(1, 40),
+    "n": st.integers(2, 90),
+    "block": st.sampled_from([2, 16, 64]),
+    "bias": st.booleans(),
+    "layout": st.sampled_from(["contiguous", "weight", "column-major a", "both"]),
+    "c_layout": st.sampled_from(["contiguous", "column-major"]),
+    "kind": st.sampled_from(["none", "none", "inf", "nan", "value", "bitflip"]),
+    "pattern": st.sampled_from(["0d", "row", "2d"]),
+    "tally": st.booleans(),
+    "seed": st.integers(0, 2**16),
+}
+
+
+def _assert_same(runs) -> None:
+    """The op's results, output and ledger (``_both``'s first run) are its composite's, bit for
+    bit."""
+    (found, out, ledger), (want, want_out, want_ledger) = runs
+    for got, expected in zip(found, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(bits(out.cpu()), bits(want_out.cpu()))
+    for name in ("counts", "logged", "log"):
+        torch.testing.assert_close(
+            getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
+        )
+
+
 @needs_ext
 @PROPERTY
 @given(
-    dtype=st.sampled_from(DTYPES),
     batch=st.sampled_from(
         [(), (), (2,), ((2,), (2,)), ((), (2,)), ((2, 3), (2, 1)), ((2, 1), (1, 3)), ((3,), (2, 1))]
     ),
-    m=st.integers(2, 90),
-    k=st.integers(1, 40),
-    n=st.integers(2, 90),
-    block=st.sampled_from([2, 16, 64]),
-    bias=st.booleans(),
-    layout=st.sampled_from(["contiguous", "weight", "column-major a", "both"]),
-    c_layout=st.sampled_from(["contiguous", "column-major"]),
-    kind=st.sampled_from(["none", "none", "inf", "nan", "value", "bitflip"]),
-    pattern=st.sampled_from(["0d", "row", "2d"]),
-    tally=st.booleans(),
-    seed=st.integers(0, 2**16),
+    **GEMMS,
 )
 def test_check_gemm_on_the_cpu_equals_its_composite(
     dtype, batch, m, k, n, block, bias, layout, c_layout, kind, pattern, tally, seed
@@ -96,40 +115,22 @@ def test_check_gemm_on_the_cpu_equals_its_composite(
     c = corrupted(c, kind, pattern, c_layout, seed)
     arguments = _arguments(c, a, b, bias_t, block)
     try:
-        (found, out, ledger), (want, want_out, want_ledger) = _both(c, arguments, tally)
+        runs = _both(c, arguments, tally)
     except RuntimeError as error:  # operands the kernels refuse: refused by both
         first = re.escape(str(error).splitlines()[0])
         with pytest.raises(RuntimeError, match=first):
             torch.ops.megatron_abft.check_gemm.default.decompose(c.clone(), *arguments)
         return
+    (found, out, _), (want, _, _) = runs
     if _screen_passes(c, arguments):  # only what both find clean, and leave as it is
         assert not found[0].any() and not want[0].any()
         assert torch.equal(bits(out), bits(c))
-    for got, expected in zip(found, want, strict=True):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(bits(out), bits(want_out))
-    for name in ("counts", "logged", "log"):
-        torch.testing.assert_close(
-            getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
-        )
+    _assert_same(runs)
 
 
 @needs_emulator
 @EMULATED_PROPERTY
-@given(
-    dtype=st.sampled_from(DTYPES),
-    m=st.integers(2, 90),
-    k=st.integers(1, 40),
-    n=st.integers(2, 90),
-    block=st.sampled_from([2, 16, 64]),
-    bias=st.booleans(),
-    layout=st.sampled_from(["contiguous", "weight", "column-major a", "both"]),
-    c_layout=st.sampled_from(["contiguous", "column-major"]),
-    kind=st.sampled_from(["none", "inf", "nan", "value", "bitflip"]),
-    pattern=st.sampled_from(["0d", "row", "2d"]),
-    tally=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**GEMMS)
 def test_a_matrix_check_on_cuda_equals_its_composite(
     dtype, m, k, n, block, bias, layout, c_layout, kind, pattern, tally, seed
 ):
@@ -139,14 +140,7 @@ def test_a_matrix_check_on_cuda_equals_its_composite(
     c = corrupted(c, kind, pattern, c_layout, seed)
     arguments = _arguments(c, a, b, bias_t, block)
     with compiled.emulated_cuda():
-        (found, out, ledger), (want, want_out, want_ledger) = _both(c, arguments, tally)
-    for got, expected in zip(found, want, strict=True):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(bits(out), bits(want_out))
-    for name in ("counts", "logged", "log"):
-        torch.testing.assert_close(
-            getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
-        )
+        _assert_same(_both(c, arguments, tally))
 
 
 @pytest.mark.parametrize("gpu", TARGETS)
@@ -169,15 +163,9 @@ def test_a_projection_check_on_cuda_equals_its_composite(gpu, dtype, bias, kind,
     on = [t if t is None else t.to(d) for t in (a, b, bias_t, c)]
     arguments = _arguments(on[3], *on[:3], 32)
     with gpu.kernels():
-        (found, out, ledger), (want, want_out, want_ledger) = _both(on[3], arguments, True)
-    for got, expected in zip(found, want, strict=True):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(bits(out.cpu()), bits(want_out.cpu()))
-    for name in ("counts", "logged", "log"):
-        torch.testing.assert_close(
-            getattr(ledger, name), getattr(want_ledger, name), rtol=0, atol=0, equal_nan=True
-        )
-    assert (kind == "none") == (int(ledger.counts[0].sum()) == 0)
+        runs = _both(on[3], arguments, True)
+    _assert_same(runs)
+    assert (kind == "none") == (int(runs[0][2].counts[0].sum()) == 0)
 
 
 @needs_emulator
