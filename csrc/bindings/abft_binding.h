@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -145,6 +146,13 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
                            const at::Tensor& b, double alpha,
                            const std::optional<at::Tensor>& bias, double near_inf,
                            int64_t capacity);
+
+// The writes a correction can undo in each matrix of an m x n C (abft.h's Correct::capacity),
+// with `capacity` vectors per side and pass in blocks of at most `block`: a pass writes at most
+// that many single elements, or about as many in whole blocks.
+inline int64_t correction_log(int64_t capacity, int64_t m, int64_t n, int64_t block) {
+  return 2 * std::min(capacity, m * n) + 2 * block;
+}
 
 // verify_correct's checks of the operands a, b and bias of c, and of capacity.
 void check_correct_inputs(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,

@@ -224,7 +224,7 @@ std::optional<std::pair<Found, at::Tensor>> check_matrix_cuda(
   const abft::MatrixBatch c_matrix = single_matrix(c, 0);
   // the scratch: the correction's log, the plan's parts, the sums the correction keeps, the
   // screen's slots (one a tile of C's block sums)
-  const int64_t log = 2 * std::min(capacity, m * n) + 2 * block;  // as prepare_correct's
+  const int64_t log = correction_log(capacity, m, n, block);
   const int64_t plan_bytes = matrix_check_elements(m, n, k, block, bias.has_value()) * size;
   const int64_t kept_bytes = 4 * (nbm * n + nbn * m) * size;
   const auto [planned_c, planned_sums] =

@@ -546,8 +546,7 @@ Correction prepare_correct(const at::Tensor& c, const Sums& sums, const abft::Sc
   }
   k.near_inf = near_inf;
   k.vectors = capacity;
-  // a pass writes at most `capacity` single elements, or about as many in whole blocks
-  k.capacity = 2 * std::min(capacity, m * n) + 2 * std::max(col_block, row_block);
+  k.capacity = correction_log(capacity, m, n, std::max(col_block, row_block));
   // one scratch: the sums and sizes the correction keeps, each side's shaped as its block sums,
   // then the log of its writes
   const at::Tensor* found[] = {&std::get<0>(sums), &std::get<1>(sums), &std::get<2>(sums),
