@@ -203,4 +203,6 @@ class ABFTConfig:
 
     def checks(self, section: str, step: int) -> bool:
         """Whether ``section`` is checked on training step ``step`` (counted from 0)."""
-        return self.enabled and section in self.sections and step % self.interval(section) == 0
+        if not self.enabled or section not in self.sections:
+            return False
+        return step % self._intervals[section] == 0

@@ -76,8 +76,9 @@ class _CheckedLocalGemm:
         if not (self.abft_guard.due or self.abft_guard.faults):
             return output
         width = output.shape[-1]
+        flat = output.view(-1, width)
         checked = self.abft_guard.check(
-            output.view(-1, width),
+            flat,
             GemmOperands(input.reshape(-1, input.shape[-1]), weight.t(), 1.0, kwargs.get("bias")),
             views=self.fault_views,
             recompute=lambda: (
@@ -86,7 +87,8 @@ class _CheckedLocalGemm:
                 .view(-1, width)
             ),
         )
-        return checked.view(output.shape)
+        # corrected in place: the output itself (a view of the view costs autograd a node)
+        return output if checked is flat else checked.view(output.shape)
 
 
 class ProtectedColumnParallelLinear(_CheckedLocalGemm, ColumnParallelLinear):
