@@ -18,13 +18,14 @@ through and after the timed steps, and their medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import resource
 import socket
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from megatron_abft.check.checksum import encode
 from megatron_abft.check.sides import NO_SCREEN
 from megatron_abft.config import DTYPES, FORWARD_SECTIONS, SECTIONS, ABFTConfig
 from megatron_abft.ops import compiled, fused_softmax
-from megatron_abft.runtime.guard import checks_apart
+from megatron_abft.runtime.guard import SectionGuard, checks_apart
 from megatron_abft.tuning.scaling import ADAM_BYTES_PER_PARAMETER
 from tools.timing import Timer
 
@@ -72,6 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--no-per-section", action="store_true", help="time only off and all")
     p.add_argument(
+        "--decompose",
+        action="store_true",
+        help=f"unfused: also time 'all' with its checks skipped and with its CPU screens "
+        f"passing unread ({', '.join(DECOMPOSED)}): what the protected layers, the Python around "
+        "each check and the screens cost in a step",
+    )
+    p.add_argument(
         "--no-pin-malloc",
         dest="pin_malloc",
         action="store_false",
@@ -84,7 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="keep Megatron's softmax (ABFTConfig.fused_softmax): the checks read S and P apart",
     )
     p.add_argument("--out", type=Path, default=None, help="JSON results")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.decompose and args.attention == "flash":
+        p.error("--decompose stubs the unfused attention's checks; the flash kernels check inside")
+    return args
 
 
 def _small_scores_check(device: torch.device, m: int, k: int, alpha: float, sync_free: bool | None):
@@ -398,6 +409,13 @@ def _build(args, config: ABFTConfig):
     return model.cuda() if torch.cuda.is_available() else model
 
 
+DECOMPOSED = ("skipped", "unread")
+"""--decompose's modes (the unfused attention): "all" with every due check returning its output
+unverified (SectionGuard.verify: the protected layers' own cost), and with the CPU's screens
+answering clean without reading (compiled.screen_passes: the layers and the Python around each
+check; on a GPU, whose checks take no host screen, as "all")."""
+
+
 def _modes(args) -> list[tuple[str, tuple[str, ...] | None]]:
     """(name, the sections checked; None: protection disabled). "idle" enables protection with
     nothing due: what the protected layers cost when they check nothing."""
@@ -405,9 +423,29 @@ def _modes(args) -> list[tuple[str, tuple[str, ...] | None]]:
     chosen = checked if args.sections is None else args.sections.split(",")
     sections = tuple(s for s in checked if s in chosen)
     modes = [("off", None), ("all", sections)]
+    if args.decompose:
+        modes += [(name, sections) for name in DECOMPOSED]
     if not args.no_per_section:
         modes += [("idle", ())] + [(s, (s,)) for s in sections]
     return modes
+
+
+@contextlib.contextmanager
+def decomposed(mode: str) -> Iterator[None]:
+    """In a DECOMPOSED mode, its stub in place for the block; elsewhere nothing."""
+    if mode == "skipped":
+        target, name, stub = SectionGuard, "verify", lambda self, output, *_, **__: output
+    elif mode == "unread":
+        target, name, stub = compiled, "screen_passes", lambda *_: True
+    else:
+        yield
+        return
+    kept = getattr(target, name)
+    setattr(target, name, stub)
+    try:
+        yield
+    finally:
+        setattr(target, name, kept)
 
 
 def run(rank: int, args) -> dict | None:
@@ -476,13 +514,14 @@ def run(rank: int, args) -> dict | None:
             attention_time.clear()
             timing.update(on=name == "all" and rep >= args.warmup, step=step)
             faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            begin = timer.start()
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
-            loss.backward()
-            before_optimizer = timer.start()
-            optimizer.step()
-            end = timer.start()
+            with decomposed(name):
+                begin = timer.start()
+                optimizer.zero_grad(set_to_none=True)
+                loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+                loss.backward()
+                before_optimizer = timer.start()
+                optimizer.step()
+                end = timer.start()
             timing["on"] = False
             faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted
             if rep >= args.warmup:

@@ -359,6 +359,38 @@ def test_the_benchmark_times_both_softmaxes_and_the_fused_ones_checks():
     assert calibrated(run).softmax == costs
 
 
+def test_the_decomposed_modes_skip_the_checks_or_their_screens_and_restore_them():
+    """--decompose: "skipped" leaves a corrupted output unverified, "unread" lets the CPU's screen
+    pass it unread (the check ends there), and both put the real ones back; flash refuses it."""
+    from megatron_abft.check.eec import GemmOperands
+    from megatron_abft.config import ABFTConfig
+    from megatron_abft.ops import compiled
+    from megatron_abft.runtime.guard import SectionGuard
+    from tools.bench_overhead import DECOMPOSED, _modes, decomposed, parse_args
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 64, generator=g), torch.randn(192, 64, generator=g)  # the bench's qkv
+    clean = x @ w.t()
+    guard = SectionGuard("qkv", ABFTConfig(), 0)
+
+    def checked(mode: str) -> torch.Tensor:
+        y = clean.clone()
+        y[3, 5] += 100.0
+        with decomposed(mode):
+            guard.check(y, GemmOperands(x, w.t()))
+        return y
+
+    assert torch.allclose(checked("all"), clean)  # corrected
+    assert checked("skipped")[3, 5] == clean[3, 5] + 100.0
+    if compiled.available():  # the screen decides a clean check on the CPU
+        assert checked("unread")[3, 5] == clean[3, 5] + 100.0
+    assert torch.allclose(checked("all"), clean)  # the real ones back
+    args = parse_args(["--decompose", "--no-per-section"])
+    assert [name for name, _ in _modes(args)] == ["off", "all", *DECOMPOSED]
+    with pytest.raises(SystemExit):
+        parse_args(["--decompose", "--attention", "flash"])
+
+
 def _fused_softmax_swap_worker():
     from mcore import Shape, batch, build_gpt
 
