@@ -1,6 +1,7 @@
 """Measure what protection costs: protected vs unprotected in one run, interleaved.
 
 One model; the ABFT config is switched between modes on every repetition (off, all sections,
+with --decompose all sections with the checks skipped and with the CPU's screens unread, then
 idle: protection on with nothing due, then each section alone), in a rotating order, after
 warm-up. Reported: median times and page faults per step, and the overhead as the median over
 repetitions of each one's ratio to the "off" run of the same repetition, for the training step
