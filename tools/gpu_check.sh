@@ -160,10 +160,13 @@ PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
 wait
 
 # --- 4. the rest of the timing, one at a time ------------------------------------------------
+# micro-batch 1; unfused also with its checks skipped (--decompose): the layers' own host cost
 # shellcheck disable=SC2086
 for attention in flash unfused; do
+    decompose=""
+    [[ $attention == unfused ]] && decompose="--decompose"
     step "overhead_350m_$attention" 90 $PY -m tools.bench_overhead $GPT3_350M \
-        --attention "$attention" --reps 10 --no-per-section \
+        --attention "$attention" --reps 10 --no-per-section $decompose \
         --out "$WORK/bench_gpt3_350m_$attention.json"
 done
 step bench_kernels 30 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
