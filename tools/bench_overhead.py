@@ -417,7 +417,7 @@ answering clean without reading (compiled.screen_passes: the layers and the Pyth
 check; on a GPU, whose checks take no host screen, as "all")."""
 
 
-def _modes(args) -> list[tuple[str, tuple[str, ...] | None]]:
+def timed_modes(args) -> list[tuple[str, tuple[str, ...] | None]]:
     """(name, the sections checked; None: protection disabled). "idle" enables protection with
     nothing due: what the protected layers cost when they check nothing."""
     checked = SECTIONS if args.attention == "flash" else FORWARD_SECTIONS
@@ -484,7 +484,7 @@ def run(rank: int, args) -> dict | None:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
     positions = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.micro_batch, -1)
-    modes = _modes(args)
+    modes = timed_modes(args)
     # the device's rates, before, halfway through and after the timed steps (the machine drifts)
     softmax = model.decoder.layers[0].self_attention.core_attention.scale_mask_softmax
     rounds = [micro_benchmarks(args, device, softmax)]

@@ -164,7 +164,7 @@ wait
 # shellcheck disable=SC2086
 for attention in flash unfused; do
     decompose=""
-    [[ $attention == unfused ]] && decompose="--decompose"
+    if [[ $attention == unfused ]]; then decompose="--decompose"; fi
     step "overhead_350m_$attention" 90 $PY -m tools.bench_overhead $GPT3_350M \
         --attention "$attention" --reps 10 --no-per-section $decompose \
         --out "$WORK/bench_gpt3_350m_$attention.json"

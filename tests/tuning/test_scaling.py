@@ -366,7 +366,7 @@ def test_the_decomposed_modes_skip_the_checks_or_their_screens_and_restore_them(
     from megatron_abft.config import ABFTConfig
     from megatron_abft.ops import compiled
     from megatron_abft.runtime.guard import SectionGuard
-    from tools.bench_overhead import DECOMPOSED, _modes, decomposed, parse_args
+    from tools.bench_overhead import DECOMPOSED, decomposed, parse_args, timed_modes
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(32, 64, generator=g), torch.randn(192, 64, generator=g)  # the bench's qkv
@@ -386,7 +386,7 @@ def test_the_decomposed_modes_skip_the_checks_or_their_screens_and_restore_them(
         assert checked("unread")[3, 5] == clean[3, 5] + 100.0
     assert torch.allclose(checked("all"), clean)  # the real ones back
     args = parse_args(["--decompose", "--no-per-section"])
-    assert [name for name, _ in _modes(args)] == ["off", "all", *DECOMPOSED]
+    assert [name for name, _ in timed_modes(args)] == ["off", "all", *DECOMPOSED]
     with pytest.raises(SystemExit):
         parse_args(["--decompose", "--attention", "flash"])
 
