@@ -1,6 +1,7 @@
 """tools/gpu_summary.py: the GPU run's headline figures from the raw results of
-tools/gpu_check.sh (device, commit, the attention per call, the step at micro-batch 8); a run cut
-short leaves nulls."""
+tools/gpu_check.sh (device, commit, the attention per call, the step at micro-batch 8, the
+projections' checks against their GEMMs, the checksum kernels' read rates); a run cut short
+leaves nulls. And tools/bench_kernels.py's JSON, which the summary reads."""
 
 import json
 import os
@@ -28,6 +29,15 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
     (raw / "bench_attention.json").write_text(json.dumps({"rows": rows}))
     step = {"args": {"micro_batch": 8}, "overhead": {"all": {"step": 0.04}}}
     (raw / "bench_gpt3_350m_mb8_flash.json").write_text(json.dumps(step))
+    projections = {"tokens": 16384, "hidden": 1024}
+    projections |= {
+        s: {"gemm_ms": 0.2, "check_ms": 0.2 * share, "fraction": share}
+        for s, share in (("qkv", 0.05), ("proj", 0.01))
+    }
+    kernels = {"screen of S (a clean verify)": {"ms": 0.5, "of_copy": 0.75}}
+    (raw / "bench_kernels.json").write_text(
+        json.dumps({"projections": projections, "kernels": kernels})
+    )
     out = tmp_path / "summary.json"
     subprocess.run(
         [sys.executable, "-m", "tools.gpu_summary", str(raw), "--out", str(out)],
@@ -45,3 +55,31 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
     }
     assert made["step"]["flash"] == {"micro_batch": 8, "overhead": 0.04}
     assert made["step"]["unfused"] == {"micro_batch": None, "overhead": None}
+    assert made["projections"] == {"tokens": 16384, "hidden": 1024, "qkv": 0.05, "proj": 0.01}
+    assert made["checksum_kernels_of_copy"] == {"screen of S (a clean verify)": 0.75}
+
+
+def test_bench_kernels_writes_the_projections_and_kernels_the_summary_reads(tmp_path):
+    """Timed for real on the CPU at a small shape: each projection's GEMM and clean check, the
+    check's share of the GEMM, and each kernel's read rate against a copy's."""
+    import torch
+
+    from megatron_abft.ops import compiled
+    from tools.bench_kernels import main
+    from tools.gpu_summary import kernels
+
+    out = tmp_path / "bench_kernels.json"
+    torch.manual_seed(0)
+    shape = ["--seq", "64", "--heads", "2", "--head-dim", "16", "--batch", "1", "--dtype", "fp32"]
+    main([*shape, "--repeat", "2", "--projection-tokens", "48", "--json", str(out)])
+    raw = json.loads(out.read_text())
+    projected = raw["projections"]
+    assert (projected["tokens"], projected["hidden"]) == (48, 32)
+    for section in ("qkv", "proj"):
+        p = projected[section]
+        assert p["gemm_ms"] > 0 and p["check_ms"] > 0
+        assert p["fraction"] == p["check_ms"] / p["gemm_ms"]
+    assert bool(raw["kernels"]) == compiled.available()
+    assert all(k["of_copy"] > 0 for k in raw["kernels"].values())
+    read = kernels(raw)
+    assert read["projections"]["qkv"] == projected["qkv"]["fraction"]

@@ -2,13 +2,16 @@
 
     python -m tools.bench_kernels [--batch 2] [--heads 8] [--seq 1024] [--head-dim 64]
                                   [--dtype bf16] [--block 256] [--device cpu] [--threads N]
+                                  [--projection-tokens N] [--json PATH]
 
 For S = Q K^T / sqrt(d) and the context P V (P = softmax(S)) it times the GEMMs themselves, the
 encoding of both sides' checksums and a whole clean verify_and_correct, each through the
 extension and through the PyTorch path (the reference), against the GEMM each guards and the
 softmax over S (the unprotected work around them), without and with the GEMM's operands
 (verify_correct: clean, and correcting one 0D fault); runs of the two paths alternate, and each
-line reports the median. Then each kernel alone (the ops a clean check runs, screen or
+line reports the median. Then a layer's QKV and output projections (hidden = heads x head-dim,
+``--projection-tokens`` tokens), each GEMM against its clean check as a protected linear layer
+runs it. Then each kernel alone (the ops a clean check runs, screen or
 verify_correct and encode_pair, and the kernels they are made of), with its achieved bandwidth
 against a copy of the same tensor on the same device (the bandwidth the device sustains). Last,
 the fused softmax against Megatron's softmax with the checks it replaces, and softmax_correct_tally
@@ -18,8 +21,11 @@ the fused softmax against Megatron's softmax with the checks it replaces, and so
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -28,12 +34,13 @@ from megatron_abft.check.eec import GemmOperands, _kernel_check, verify_and_corr
 from megatron_abft.check.ledger import Ledger
 from megatron_abft.check.sides import NO_SCREEN, Check, kernel_sides, screen
 from megatron_abft.check.tolerance import gemm_rounding
-from megatron_abft.config import DTYPES
+from megatron_abft.config import DTYPES, ABFTConfig
 from megatron_abft.ops import compiled
-from tools.timing import call_ms
+from megatron_abft.runtime.guard import SectionGuard
+from tools.timing import best_per_call, call_ms
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2, help="micro-batch size")
     parser.add_argument("--heads", type=int, default=8, help="attention heads")
@@ -44,7 +51,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--repeat", type=int, default=15, help="timed runs per path")
-    return parser.parse_args()
+    parser.add_argument(
+        "--projection-tokens",
+        type=int,
+        default=None,
+        help="tokens of the projections timed (default: batch x seq)",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="the projections and kernels' figures, as JSON"
+    )
+    return parser.parse_args(argv)
 
 
 def compare(fn: Callable[[], object], device: torch.device, repeat: int) -> tuple[float, float]:
@@ -60,8 +76,41 @@ def compare(fn: Callable[[], object], device: torch.device, repeat: int) -> tupl
     return statistics.median(fused), statistics.median(reference)
 
 
-def main() -> None:
-    args = parse_args()
+def projections(
+    tokens: int, hidden: int, dtype: torch.dtype, device: torch.device, block: int, number: int
+) -> dict[str, dict[str, float]]:
+    """A layer's QKV (``3 hidden`` outputs and a bias) and output projections of ``tokens`` rows
+    of ``hidden``: each GEMM's ms against its clean check's as a protected linear layer runs it
+    (SectionGuard.check: the sync-free kernels on a GPU, the screen on a CPU), each the best of
+    loops of ``number`` calls synchronised at their end (as in a step, where the host runs ahead
+    of the device), and the check's cost as a fraction of its GEMM's."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
+    found = {}
+    for section, width, biased in (("qkv", 3 * hidden, True), ("proj", hidden, False)):
+        w = (torch.randn(width, hidden, generator=g) * hidden**-0.5).to(device=device, dtype=dtype)
+        bias = torch.randn(width, generator=g).to(device=device, dtype=dtype) if biased else None
+
+        def gemm(w=w, bias=bias) -> torch.Tensor:
+            return x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
+
+        y, operands = gemm(), GemmOperands(x, w.t(), 1.0, bias)
+        guard = SectionGuard(section, ABFTConfig(block_size=block), 0)
+        guard.check(y, operands)  # a signature's first check takes the reference
+        check = partial(guard.check, y, operands)
+        gemm_ms, check_ms = (best_per_call(fn, device, number) * 1e3 for fn in (gemm, check))
+        found[section] = {"gemm_ms": gemm_ms, "check_ms": check_ms, "fraction": check_ms / gemm_ms}
+    return found
+
+
+def _write(path: Path | None, result: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -125,7 +174,22 @@ def main() -> None:
             f"{name:<38} {fused:>11.2f} {reference:>9.2f} {reference / fused:>8.1f}x "
             f"{fused / gemms[gemm]:>7.2f} {fused / softmax:>9.2f}"
         )
+    tokens, hidden = args.projection_tokens or args.batch * args.seq, args.heads * args.head_dim
+    projected = projections(tokens, hidden, dtype, device, args.block, args.repeat)
+    print(f"\nthe projections of {tokens} tokens, hidden {hidden}: ms, and the check's share")
+    for section, p in projected.items():
+        print(
+            f"{section:<5} GEMM {p['gemm_ms']:>8.3f}  its clean check {p['check_ms']:>8.3f}  "
+            f"{p['fraction']:>7.1%}"
+        )
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "projections": {"tokens": tokens, "hidden": hidden, **projected},
+        "kernels": {},
+    }
     if not compiled.available():
+        _write(args.json, result)
         return
     u = torch.randn(*shape[:2], 2 * -(-args.head_dim // args.block), args.seq, device=device)
     check = Check(gemm_rounding(dtype, device), 1.0, 1e10, 0, None)
@@ -173,6 +237,8 @@ def main() -> None:
         ms = median(fn)
         achieved = nbytes / (ms / 1e3)
         print(f"{name:<38} {ms:>8.2f} {achieved / 1e9:>8.1f} {achieved / bandwidth:>7.0%}")
+        result["kernels"][name] = {"ms": ms, "of_copy": achieved / bandwidth}
+    _write(args.json, result)
     fused_softmax(scores, v, col, row, check, args.block, median, (q, k.mT, scale))
 
 

@@ -14,8 +14,8 @@
 # CUDA kernel through the known-answer self-test, a few tests, the flash kernels), the
 # no-false-alarm sweeps on the tensor cores (unfused GEMMs, flash tiles), and Megatron-LM's own
 # pretrain() with --abft and injected faults, on both paths. Phase 4 times the rest one at a
-# time: the step at micro-batch 1, the checksum kernels and the host's time a check
-# (tools/bench_host.py). Phase 5 times the flash kernels' tile candidates (tools/flash_tune.py).
+# time: the step at micro-batch 1, the checksum kernels and the projections' checks against their
+# GEMMs (summary.json again) and the host's time a check (tools/bench_host.py). Phase 5 times the flash kernels' tile candidates (tools/flash_tune.py).
 # Each step has a time limit of its own (seconds) and none runs past DEADLINE; a step cut short
 # leaves its log and the next one runs.
 # SKIP="name ..." leaves steps out (a second call that reruns what failed). Logs and JSON go to
@@ -169,8 +169,11 @@ for attention in flash unfused; do
         --attention "$attention" --reps 10 --no-per-section $decompose \
         --out "$WORK/bench_gpt3_350m_$attention.json"
 done
-step bench_kernels 30 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
-    --heads 16
+# the checksum kernels' read rates, and GPT-3 350M's projections at micro-batch 8 (16384
+# tokens) against their GEMMs; then summary.json again, with them
+step bench_kernels 45 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
+    --heads 16 --projection-tokens 16384 --json "$WORK/bench_kernels.json"
+step summary_kernels 20 $PY -m tools.gpu_summary "$WORK" --out "$OUT/summary.json"
 # the host's time a clean check, warm and with cold caches, and set_step/finish_step
 step bench_host 40 $PY -m tools.bench_host --layers 24 --out "$WORK/bench_host.json"
 # --- 5. the flash kernels' tiles, timed (a second call: SKIP the steps above) ----------------

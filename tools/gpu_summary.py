@@ -3,9 +3,11 @@
     python -m tools.gpu_summary RAW_DIR --out docs/figures/gpu/summary.json
 
 RAW_DIR holds ``environment.json`` (the device), ``bench_attention.json``
-(tools.bench_attention) and ``bench_gpt3_350m_mb8_{flash,unfused}.json`` (tools.bench_overhead
-at micro-batch 8; the micro-batch-1 runs beside them are kept as raw files). A figure whose run
-did not finish is null.
+(tools.bench_attention), ``bench_gpt3_350m_mb8_{flash,unfused}.json`` (tools.bench_overhead
+at micro-batch 8; the micro-batch-1 runs beside them are kept as raw files) and
+``bench_kernels.json`` (tools.bench_kernels: the projections' checks against their GEMMs, the
+checksum kernels' read rates as fractions of a copy's). A figure whose run did not finish is
+null.
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def step(raw: dict | None) -> dict:
     return {"micro_batch": raw["args"]["micro_batch"], "overhead": raw["overhead"]["all"]["step"]}
 
 
+def kernels(raw: dict | None) -> dict:
+    """The projections' clean checks as fractions of their GEMMs' time (and the shape), and each
+    checksum kernel's read rate as a fraction of a copy's."""
+    if raw is None:
+        return {"projections": None, "checksum_kernels_of_copy": None}
+    projected = raw["projections"]
+    return {
+        "projections": {
+            "tokens": projected["tokens"],
+            "hidden": projected["hidden"],
+            **{s: projected[s]["fraction"] for s in ("qkv", "proj")},
+        },
+        "checksum_kernels_of_copy": {k: v["of_copy"] for k, v in raw["kernels"].items()} or None,
+    }
+
+
 def commit() -> str | None:
     """``ABFT_COMMIT`` (the device machine's copy of the tree has no git history), else HEAD."""
     if os.environ.get("ABFT_COMMIT"):
@@ -67,6 +85,7 @@ def summary(raw_dir: Path, date: str | None = None, at: str | None = None) -> di
             path: step(_read(raw_dir / f"bench_gpt3_350m_mb8_{path}.json"))
             for path in ("flash", "unfused")
         },
+        **kernels(_read(raw_dir / "bench_kernels.json")),
     }
 
 
