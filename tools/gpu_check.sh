@@ -7,15 +7,16 @@
 #     with carry: ["wheels", "megatron_abft/_C.cpython-312-x86_64-linux-gnu.so"]
 # Phase 1 sets up (the carried extension, else a build for sm_90). Phase 2 times the headline
 # figures first, alone on the GPU, so that no later step's time-out can lose them: the attention
-# per call (the protected flash kernels, their checks compiled out, SDPA's flash and cuDNN) and
-# GPT-3 350M's step on the flash and the unfused path at micro-batch 8, then summary.json
-# (tools/gpu_summary.py). Phase 3 runs the correctness work side by side, since none of it is
-# timed: the GPU tests of the compiled kernels and of the flash kernels, compute-sanitizer (every
-# CUDA kernel through the known-answer self-test, a few tests, the flash kernels), the
-# no-false-alarm sweeps on the tensor cores (unfused GEMMs, flash tiles), and Megatron-LM's own
-# pretrain() with --abft and injected faults, on both paths. Phase 4 times the rest one at a
-# time: the step at micro-batch 1, the checksum kernels and the projections' checks against their
-# GEMMs (summary.json again) and the host's time a check (tools/bench_host.py). Phase 5 times the flash kernels' tile candidates (tools/flash_tune.py).
+# per call (the protected flash kernels, their checks compiled out, SDPA's flash and cuDNN), GPT-3
+# 350M's step on the flash and the unfused path at micro-batch 8, the checksum kernels and the
+# projections' checks against their GEMMs, then summary.json (tools/gpu_summary.py). Phase 3 runs
+# the correctness work side by side, since none of it is timed: the GPU tests of the compiled
+# kernels and of the flash kernels, compute-sanitizer (every CUDA kernel through the known-answer
+# self-test, a few tests, the flash kernels), the no-false-alarm sweeps on the tensor cores
+# (unfused GEMMs, flash tiles), and Megatron-LM's own pretrain() with --abft and injected faults,
+# on both paths. Phase 4 times the rest one at a time: the step at micro-batch 1 and the host's
+# time a check (tools/bench_host.py). Phase 5 times the flash kernels' tile candidates
+# (tools/flash_tune.py).
 # Each step has a time limit of its own (seconds) and none runs past DEADLINE; a step cut short
 # leaves its log and the next one runs.
 # SKIP="name ..." leaves steps out (a second call that reruns what failed). Logs and JSON go to
@@ -90,6 +91,10 @@ for attention in flash unfused; do
         --attention "$attention" --reps 6 --no-per-section --micro-batch 8 \
         --out "$WORK/bench_gpt3_350m_mb8_$attention.json"
 done
+# the checksum kernels' read rates, and GPT-3 350M's projections at micro-batch 8 (16384
+# tokens) against their GEMMs
+step bench_kernels 45 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
+    --heads 16 --projection-tokens 16384 --json "$WORK/bench_kernels.json"
 # the headline figures as soon as they exist: a later step's time-out loses nothing
 step summary 20 $PY -m tools.gpu_summary "$WORK" --out "$OUT/summary.json"
 
@@ -169,11 +174,6 @@ for attention in flash unfused; do
         --attention "$attention" --reps 10 --no-per-section $decompose \
         --out "$WORK/bench_gpt3_350m_$attention.json"
 done
-# the checksum kernels' read rates, and GPT-3 350M's projections at micro-batch 8 (16384
-# tokens) against their GEMMs; then summary.json again, with them
-step bench_kernels 45 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
-    --heads 16 --projection-tokens 16384 --json "$WORK/bench_kernels.json"
-step summary_kernels 20 $PY -m tools.gpu_summary "$WORK" --out "$OUT/summary.json"
 # the host's time a clean check, warm and with cold caches, and set_step/finish_step
 step bench_host 40 $PY -m tools.bench_host --layers 24 --out "$WORK/bench_host.json"
 # --- 5. the flash kernels' tiles, timed (a second call: SKIP the steps above) ----------------
