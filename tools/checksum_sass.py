@@ -1,7 +1,7 @@
-"""What the sm_90 SASS of the CUDA checksum kernels' block sums does a row: in the built
+"""What the sm_90 SASS of the CUDA checksum kernels (block sums, products) does a row: in the built
 extension (megatron_abft/_C*.so, as `make install` builds it), or in another version of
-csrc/kernels/abft_cuda.cu built with setup.py's nvcc flags (``--source``), each block-sums
-kernel's stack frame (spilled registers live there) and innermost loops that read global memory,
+csrc/kernels/abft_cuda.cu built with setup.py's nvcc flags (``--source``), each kernel's
+stack frame (spilled registers live there) and innermost loops that read global memory,
 with their instructions, shuffles and loads. It counts instructions, as the flash kernels' gate
 does (megatron_abft.dev.sass); it does not time them.
 
@@ -37,9 +37,13 @@ KINDS = {
     "plain, a column a thread": "block_sums_kernelI{}Lb0ELb0EE",
     "paired, rows in vectors": "block_sums_pair_kernelI{}Lb1ELb1EE",
     "paired, a column a thread": "block_sums_pair_kernelI{}Lb0ELb0EE",
+    "products, a pass of two": "products_kernelI{}Li2EE",
+    "products, a pass of sixteen": "products_kernelI{}Li16EE",
 }
 """The block-sums kernels, each on both paths: a verify's (each tile screening what it
-completes), the plain one, and an encode's (two operands in one launch)."""
+completes), the plain one, and an encode's (two operands in one launch); and the products
+kernels (row_products), each holding its three ways of reading A: a vector of a row a load, an
+entry of a row, an entry of a column."""
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 """The disassembler Triton carries, as the flash kernels' gate uses it."""
 

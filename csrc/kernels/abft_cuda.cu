@@ -468,55 +468,160 @@ int launch_pair(const BlockSumsJob& first, const BlockSumsJob& second, cudaStrea
   return cudaGetLastError();
 }
 
+// The vectors of each kind a pass: two where no job has more (a GEMM of one block a side, the
+// attention's operands), so that their passes neither hold nor issue kProductsPerPass.
+constexpr int kFewProducts = 2;
+
+// The warp's shares of a row's products summed by shuffles; lane 0 writes them.
+template <typename Acc, int kPer>
+__device__ __forceinline__ void write_row_products(const RowProducts& out, int64_t row,
+                                                   int64_t first, int pu, int pz, Acc (&p)[kPer],
+                                                   Acc (&q)[kPer]) {
+#pragma unroll
+  for (int t = 0; t < kPer; ++t) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      p[t] += __shfl_xor_sync(kFullMask, p[t], offset);
+      q[t] += __shfl_xor_sync(kFullMask, q[t], offset);
+    }
+  }
+  if ((threadIdx.x & 31) == 0) {
+    Acc* products = static_cast<Acc*>(out.products) + row * out.u.rows + first;
+    Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * out.z.rows + first;
+    const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
+#pragma unroll
+    for (int t = 0; t < kPer; ++t) {
+      if (t < pu) products[t] = p[t] * scale;
+      if (t < pz) magnitudes[t] = q[t] * size_scale;
+    }
+  }
+}
+
 // row_products: one warp per row of A (of a column-major A: column_product_tiles below), for
-// the pass of the vectors from `first` on, kProductsPerPass of each kind at most (more vectors
-// take more passes: ProductsJob). Each lane walks every 32nd entry of the row, keeping its share
-// of the pass's dot products in registers; the warp then reduces them by shuffles and lane 0
-// writes the row's results. The rows of the batch are shared by `blocks` thread blocks of
-// kThreads, this one the block-th.
-template <typename T, typename Acc>
+// the pass of the vectors from `first` on, kPer of each kind at most (more vectors take more
+// passes: ProductsJob). Each lane walks every 32nd entry of the row, keeping its share of the
+// pass's dot products in registers; the warp then reduces them by shuffles and lane 0 writes the
+// row's results. The rows of the batch are shared by `blocks` thread blocks of kThreads, this one
+// the block-th. kPer is the launch's, so that a pass of two vectors neither holds nor issues the
+// sixteen of a wide one.
+template <typename T, typename Acc, int kPer>
 __device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const RowProducts& out,
                                                  int64_t block, int64_t blocks, int64_t first) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = blocks * kWarps, total_rows = a.batch * a.rows;
   const int64_t k = a.cols, nu = out.u.rows, nz = out.z.rows;
-  const int pu = int(min64(nu - first, kProductsPerPass));
-  const int pz = int(min64(nz - first, kProductsPerPass));
+  const int pu = int(min64(nu - first, kPer)), pz = int(min64(nz - first, kPer));
   const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
   for (int64_t row = block * kWarps + (threadIdx.x >> 5); row < total_rows; row += warps) {
     const int64_t b = row / a.rows, i = row % a.rows;
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + i * a.row_stride;
     const Acc* u = static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
     const Acc* z = static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
-    Acc p[kProductsPerPass], q[kProductsPerPass];
+    Acc p[kPer], q[kPer];
 #pragma unroll
-    for (int t = 0; t < kProductsPerPass; ++t) p[t] = q[t] = Acc(0);
+    for (int t = 0; t < kPer; ++t) p[t] = q[t] = Acc(0);
     for (int64_t j = lane; j < k; j += 32) {
       const Acc v = Acc(load(x + j * a.col_stride)), m = magnitude(v);
 #pragma unroll
-      for (int t = 0; t < kProductsPerPass; ++t) {
+      for (int t = 0; t < kPer; ++t) {
         if (t < pu) p[t] += v * u[t * u_stride + j];
         if (t < pz) q[t] += m * z[t * z_stride + j];
       }
     }
+    write_row_products<Acc, kPer>(out, row, first, pu, pz, p, q);
+  }
+}
+
+// Four consecutive floats at p (16-byte aligned) in one load.
+__device__ __forceinline__ void load_floats(const float* p, float (&w)[kVec]) {
+  const Bytes16 bits = *reinterpret_cast<const Bytes16*>(p);
+  memcpy(w, &bits, sizeof(bits));
+}
+
+// row_product_rows where products_in_vectors: each lane reads kVec consecutive entries of the
+// row in one load, and of each vector the same kVec in one load. A pass of few vectors takes two
+// such steps an iteration, so that a warp keeps 512 bytes of A in flight (the entry-a-load walk
+// keeps 64, too few to cover the memory's latency); a wide one does enough work per byte with
+// one, and holds no more registers.
+template <typename T, int kPer>
+__device__ __forceinline__ void row_product_vectors(const MatrixBatch& a, const RowProducts& out,
+                                                    int64_t block, int64_t blocks,
+                                                    int64_t first) {
+  constexpr int64_t kStep = 32 * kVec;
+  constexpr int kSteps = kPer > kFewProducts ? 1 : 2;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = blocks * kWarps, total_rows = a.batch * a.rows;
+  const int64_t k = a.cols, nu = out.u.rows, nz = out.z.rows;
+  const int pu = int(min64(nu - first, kPer)), pz = int(min64(nz - first, kPer));
+  // 32-bit (products_in_vectors): a vector's address is then one multiply-add from the row's
+  const int u_stride = int(out.u.row_stride), z_stride = int(out.z.row_stride);
+  for (int64_t row = block * kWarps + (threadIdx.x >> 5); row < total_rows; row += warps) {
+    const int64_t b = row / a.rows, i = row % a.rows;
+    const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + i * a.row_stride;
+    const float* u =
+        static_cast<const float*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
+    const float* z =
+        static_cast<const float*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
+    float p[kPer], q[kPer];
 #pragma unroll
-    for (int t = 0; t < kProductsPerPass; ++t) {
+    for (int t = 0; t < kPer; ++t) p[t] = q[t] = 0.0f;
+    for (int64_t j0 = lane * kVec; j0 < k; j0 += kSteps * kStep) {
+      float v[kSteps][kVec];
+      load_vector<T>(x + j0, v[0]);
+      const bool second = kSteps == 2 && j0 + kStep < k;
+      if (second) load_vector<T>(x + j0 + kStep, v[kSteps - 1]);
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        p[t] += __shfl_xor_sync(kFullMask, p[t], offset);
-        q[t] += __shfl_xor_sync(kFullMask, q[t], offset);
+      for (int h = 0; h < kSteps; ++h) {
+        if (h == 1 && !second) break;
+        const float* uj = u + (j0 + h * kStep);
+        const float* zj = z + (j0 + h * kStep);
+#pragma unroll
+        for (int t = 0; t < kPer; ++t) {
+          float w[kVec];
+          if (t < pu) {
+            load_floats(uj + t * u_stride, w);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) p[t] += v[h][e] * w[e];
+          }
+          if (t < pz) {
+            load_floats(zj + t * z_stride, w);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) q[t] += fabsf(v[h][e]) * w[e];
+          }
+        }
       }
     }
-    if (lane == 0) {
-      Acc* products = static_cast<Acc*>(out.products) + row * nu + first;
-      Acc* magnitudes = static_cast<Acc*>(out.magnitudes) + row * nz + first;
-      const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
-#pragma unroll
-      for (int t = 0; t < kProductsPerPass; ++t) {
-        if (t < pu) products[t] = p[t] * scale;
-        if (t < pz) magnitudes[t] = q[t] * size_scale;
+    write_row_products<float, kPer>(out, row, first, pu, pz, p, q);
+  }
+}
+
+// Whether row_product_vectors can read A and the vectors: 2- and 4-byte elements, A's rows and
+// the vectors contiguous, every row and vector starting on its load's boundary, and a pass's
+// vectors within 32-bit offsets of its first (strides up to 2^26 floats).
+template <typename T>
+bool products_in_vectors(const MatrixBatch& a, const RowProducts& out) {
+  if constexpr (sizeof(T) > 4) {
+    return false;
+  } else {
+    if (a.col_stride != 1 || a.cols % kVec != 0 || a.row_stride % kVec != 0 ||
+        reinterpret_cast<uintptr_t>(a.data) % (kVec * sizeof(T)) != 0) {
+      return false;
+    }
+    for (int d = 0; d < a.batch_dims; ++d) {
+      if (a.batch_sizes[d] > 1 && a.batch_strides[d] % kVec != 0) return false;
+    }
+    const MatrixBatch* vectors[2] = {&out.u, &out.z};
+    for (const MatrixBatch* v : vectors) {
+      if (v->rows == 0) continue;
+      if (v->col_stride != 1 || v->row_stride % kVec != 0 || v->row_stride > (1 << 26) ||
+          reinterpret_cast<uintptr_t>(v->data) % (kVec * sizeof(float)) != 0) {
+        return false;
+      }
+      for (int d = 0; d < v->batch_dims; ++d) {
+        if (v->batch_sizes[d] > 1 && v->batch_strides[d] % kVec != 0) return false;
       }
     }
+    return true;
   }
 }
 
@@ -525,15 +630,14 @@ __device__ __forceinline__ void row_product_rows(const MatrixBatch& a, const Row
 // entries of a column; warp w takes columns w, w + kWarps, ...; the warps' shares of each product
 // are then summed in order in shared memory. The tiles are shared by `blocks` thread blocks, this
 // one the block-th.
-template <typename T, typename Acc>
+template <typename T, typename Acc, int kPer>
 __device__ __forceinline__ void column_product_tiles(const MatrixBatch& a,
                                                      const RowProducts& out, int64_t block,
                                                      int64_t blocks, int64_t first) {
   __shared__ Acc part[kWarps][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nu = out.u.rows, nz = out.z.rows, row_tiles = ceil_div(a.rows, 32);
-  const int pu = int(min64(nu - first, kProductsPerPass));
-  const int pz = int(min64(nz - first, kProductsPerPass));
+  const int pu = int(min64(nu - first, kPer)), pz = int(min64(nz - first, kPer));
   const int64_t u_stride = out.u.row_stride, z_stride = out.z.row_stride;
   const Acc scale = Acc(out.scale), size_scale = Acc(fabs(out.scale));
   for (int64_t tile = block; tile < a.batch * row_tiles; tile += blocks) {
@@ -542,13 +646,13 @@ __device__ __forceinline__ void column_product_tiles(const MatrixBatch& a,
     const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + (valid ? i : 0);
     const Acc* u = static_cast<const Acc*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
     const Acc* z = static_cast<const Acc*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
-    Acc p[kProductsPerPass], q[kProductsPerPass];
+    Acc p[kPer], q[kPer];
 #pragma unroll
-    for (int t = 0; t < kProductsPerPass; ++t) p[t] = q[t] = Acc(0);
+    for (int t = 0; t < kPer; ++t) p[t] = q[t] = Acc(0);
     for (int64_t j = warp; j < a.cols; j += kWarps) {
       const Acc v = valid ? Acc(load(x + j * a.col_stride)) : Acc(0), m = magnitude(v);
 #pragma unroll
-      for (int t = 0; t < kProductsPerPass; ++t) {
+      for (int t = 0; t < kPer; ++t) {
         if (t < pu) p[t] += v * u[t * u_stride + j];
         if (t < pz) q[t] += m * z[t * z_stride + j];
       }
@@ -556,9 +660,9 @@ __device__ __forceinline__ void column_product_tiles(const MatrixBatch& a,
     // unrolled, so that p[s] and q[s] stay in registers; pu and pz are the same for every
     // thread, so every thread reaches the same barriers
 #pragma unroll
-    for (int t = 0; t < 2 * kProductsPerPass; ++t) {
-      const bool product = t < kProductsPerPass;
-      const int s = product ? t : t - kProductsPerPass;
+    for (int t = 0; t < 2 * kPer; ++t) {
+      const bool product = t < kPer;
+      const int s = product ? t : t - kPer;
       if (s >= (product ? pu : pz)) continue;
       part[warp][lane] = product ? p[s] : q[s];
       __syncthreads();
@@ -577,51 +681,84 @@ __device__ __forceinline__ void column_product_tiles(const MatrixBatch& a,
   }
 }
 
+// How A is read: by columns (column_product_tiles), rows a vector at a time
+// (row_product_vectors), or rows an entry at a time (row_product_rows).
+enum ProductsPath : int { kColumns = 0, kRowVectors = 1, kRowEntries = 2 };
+
 // The products of one batch of operands, as a job of a launch: its first thread block and how
-// many it has. Its vectors are split into passes of kProductsPerPass of each kind (one pass where
-// there are none), each pass on its own `per_pass` thread blocks, so that a pass's bounds come
-// from the block's index, not from a loop that would hold them in registers.
+// many it has, and how it reads A. Its vectors are split into passes of the launch's kPer of
+// each kind (one pass where there are none), each pass on its own `per_pass` thread blocks, so
+// that a pass's bounds come from the block's index, not from a loop that would hold them in
+// registers.
 struct ProductsJob {
   MatrixBatch a;
   RowProducts out;
   int64_t first_block, per_pass, blocks;
+  int path;
 };
 
-// A job of `out` over `a` from thread block `first_block` on: a tile of 32 rows each pass for a
-// column-major A, else kWarps rows.
-ProductsJob products_job(const MatrixBatch& a, const RowProducts& out, int64_t first_block) {
+// A job of `out` over `a` from thread block `first_block` on, `per` vectors of each kind a pass:
+// a tile of 32 rows each pass for a column-major A, else kWarps rows.
+template <typename T>
+ProductsJob products_job(const MatrixBatch& a, const RowProducts& out, int64_t first_block,
+                         int per) {
+  const bool columns = column_major(a);
   const int64_t units =
-      column_major(a) ? a.batch * ceil_div(a.rows, 32) : ceil_div(a.batch * a.rows, kWarps);
+      columns ? a.batch * ceil_div(a.rows, 32) : ceil_div(a.batch * a.rows, kWarps);
   const int64_t vectors = out.u.rows > out.z.rows ? out.u.rows : out.z.rows;
-  const int64_t passes = vectors > 0 ? ceil_div(vectors, kProductsPerPass) : 1;
+  const int64_t passes = vectors > 0 ? ceil_div(vectors, per) : 1;
   const int64_t per_pass = min64(units, 0x3fffffff / passes);
-  return {a, out, first_block, per_pass, per_pass * passes};
+  const int path = columns                         ? kColumns
+                   : products_in_vectors<T>(a, out) ? kRowVectors
+                                                    : kRowEntries;
+  return {a, out, first_block, per_pass, per_pass * passes, path};
 }
 
 // row_products of one or two jobs in one launch, each on its own range of thread blocks.
-template <typename T, typename Acc>
+template <typename T, typename Acc, int kPer>
 __global__ void __launch_bounds__(kThreads, 3)
     products_kernel(ProductsJob first, ProductsJob second) {
   const ProductsJob& job = blockIdx.x < second.first_block ? first : second;
   const int64_t block = int64_t(blockIdx.x) - job.first_block;
   const int64_t pass = block / job.per_pass, at = block % job.per_pass;
-  if (column_major(job.a)) {
-    column_product_tiles<T, Acc>(job.a, job.out, at, job.per_pass, pass * kProductsPerPass);
-  } else {
-    row_product_rows<T, Acc>(job.a, job.out, at, job.per_pass, pass * kProductsPerPass);
+  if (job.path == kColumns) {
+    column_product_tiles<T, Acc, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
+    return;
   }
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (job.path == kRowVectors) {
+      row_product_vectors<T, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
+      return;
+    }
+  }
+  row_product_rows<T, Acc, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
+}
+
+template <typename T, typename Acc, int kPer>
+int launch_products_of(const MatrixBatch& a, const RowProducts& out, const MatrixBatch* b,
+                       const RowProducts* b_out, cudaStream_t stream) {
+  const ProductsJob first = products_job<T>(a, out, 0, kPer);
+  const ProductsJob second = b == nullptr ? ProductsJob{a, out, first.blocks, 1, 0, kRowEntries}
+                                          : products_job<T>(*b, *b_out, first.blocks, kPer);
+  const int64_t blocks = first.blocks + second.blocks;
+  if (blocks == 0) return cudaSuccess;
+  ABFT_LAUNCH(unsigned(blocks), kThreads, 0, stream, products_kernel<T, Acc, kPer>)
+  (first, second);
+  return cudaGetLastError();
 }
 
 template <typename T, typename Acc>
 int launch_products(const MatrixBatch& a, const RowProducts& out, const MatrixBatch* b,
                     const RowProducts* b_out, cudaStream_t stream) {
-  const ProductsJob first = products_job(a, out, 0);
-  const ProductsJob second = b == nullptr ? ProductsJob{a, out, first.blocks, 1, 0}
-                                          : products_job(*b, *b_out, first.blocks);
-  const int64_t blocks = first.blocks + second.blocks;
-  if (blocks == 0) return cudaSuccess;
-  ABFT_LAUNCH(unsigned(blocks), kThreads, 0, stream, products_kernel<T, Acc>)(first, second);
-  return cudaGetLastError();
+  int64_t most = out.u.rows > out.z.rows ? out.u.rows : out.z.rows;
+  if (b != nullptr) {
+    most = b_out->u.rows > most ? b_out->u.rows : most;
+    most = b_out->z.rows > most ? b_out->z.rows : most;
+  }
+  if (most <= kFewProducts) {
+    return launch_products_of<T, Acc, kFewProducts>(a, out, b, b_out, stream);
+  }
+  return launch_products_of<T, Acc, kProductsPerPass>(a, out, b, b_out, stream);
 }
 
 // The correction of matrix b by one thread (a clean one returns at once).

@@ -39,3 +39,28 @@ def test_rows_in_vectors_shuffle_a_quarter_as_often_as_a_column_a_thread():
         c = min(per_element(loop, 1) for loop in columns if loop["shuffles"])
         assert v[1] <= c[1] / 4, (kind, v, c)
         assert v[0] <= c[0] / 2, (kind, v, c)
+
+
+def test_products_of_few_vectors_issue_few_instructions_an_element():
+    """A pass of two vectors (the attention's operands) holds no spilled register and reads a row
+    four entries a load in at most 16 instructions an entry (the kernel that held sixteen
+    vectors for every pass took 770); a pass of sixteen (a projection's blocks) reads a row in
+    vectors in under a quarter of the instructions an entry of its one-entry walk."""
+    found = built_report()
+    few, wide = found["products, a pass of two"], found["products, a pass of sixteen"]
+    assert few["stack_bytes"] == 0
+    for kind in (few, wide):
+        vectors = [loop for loop in kind["loops"] if "LDG.E.64" in loop["loads"]]
+        entries = [loop for loop in kind["loops"] if "LDG.E.U16" in loop["loads"]]
+        assert len(vectors) == 1 and len(entries) == 2
+        assert all(loop["local"] == 0 for loop in kind["loops"])
+        assert set(vectors[0]["loads"]) == {"LDG.E.64", "LDG.E.128"}
+    vector = [loop for loop in few["loops"] if "LDG.E.64" in loop["loads"]][0]
+    assert vector["instructions"] / (4 * vector["loads"].count("LDG.E.64")) <= 16
+    wide_vector = [loop for loop in wide["loops"] if "LDG.E.64" in loop["loads"]][0]
+    wide_entry = min(
+        loop["instructions"] / loop["loads"].count("LDG.E.U16")
+        for loop in wide["loops"]
+        if "LDG.E.U16" in loop["loads"]
+    )
+    assert wide_vector["instructions"] / 4 <= wide_entry / 4

@@ -140,8 +140,17 @@ COLUMN_MAJOR_PRODUCTS = (
     torch.randn(2, 1, 40, 300),
     torch.rand(1, 3, 21, 300),
 )
-# the same read row by row
+# the same read row by row (on CUDA four entries a load: rows contiguous and aligned)
 ROW_MAJOR_PRODUCTS = (torch.randn(2, 3, 70, 300).bfloat16(), *COLUMN_MAJOR_PRODUCTS[1:])
+# two vectors and one, as the attention's operands have: on CUDA a pass of two, two loads of A
+# an iteration, the last iteration of a row with one load on 11 lanes (300 = 2 * 128 + 44)
+FEW_PRODUCTS = (torch.randn(2, 70, 300).bfloat16(), torch.randn(2, 2, 300), torch.rand(2, 1, 300))
+# rows that start off a load's boundary, and vectors whose rows do: read an entry at a time
+UNALIGNED_PRODUCTS = (
+    torch.randn(2, 70, 301).bfloat16()[..., 1:],
+    torch.randn(2, 2, 302)[..., :300],
+    torch.rand(2, 1, 300),
+)
 
 
 def check_row_products(a: torch.Tensor, u: torch.Tensor, z: torch.Tensor) -> None:
@@ -469,6 +478,8 @@ def test_cuda_kernels_equal_the_fp64_sums(case):
 @given(case=products_cases(device="cuda"))
 @example(case=COLUMN_MAJOR_PRODUCTS)
 @example(case=ROW_MAJOR_PRODUCTS)
+@example(case=FEW_PRODUCTS)
+@example(case=UNALIGNED_PRODUCTS)
 def test_cuda_row_products_equal_the_fp64_products(case):
     check_row_products(*(t.cuda() for t in case))  # the example is made on the CPU
 
@@ -488,6 +499,8 @@ def test_emulated_cuda_kernels_equal_the_fp64_sums(case):
 @given(case=products_cases())
 @example(case=COLUMN_MAJOR_PRODUCTS)
 @example(case=ROW_MAJOR_PRODUCTS)
+@example(case=FEW_PRODUCTS)
+@example(case=UNALIGNED_PRODUCTS)
 def test_emulated_cuda_row_products_equal_the_fp64_products(case):
     with compiled.emulated_cuda():
         check_row_products(*case)
