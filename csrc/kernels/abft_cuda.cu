@@ -70,19 +70,25 @@ __device__ __forceinline__ void load_vector(const T* p, float (&v)[kVec]) {
   for (int k = 0; k < kVec; ++k) v[k] = load(raw + k);
 }
 
-// Whether the tiles of c can be read kVec elements at a time: 2- and 4-byte elements, rows
-// contiguous, and every matrix's rows, tiles and vectors starting on a vector's boundary. The
-// launchers decide, so that each path is a kernel of its own, with registers of its own.
-template <typename T>
-bool rows_in_vectors(const MatrixBatch& c, const Tiling& tiling) {
-  if (sizeof(T) > 4 || c.col_stride != 1 || c.cols % kVec != 0 || c.row_stride % kVec != 0 ||
-      tiling.width % kVec != 0 || reinterpret_cast<uintptr_t>(c.data) % (kVec * sizeof(T)) != 0) {
+// Whether m's rows can be read kVec elements at a time: rows contiguous, and every matrix's rows
+// and vectors starting on a vector's boundary (elements of `element` bytes).
+inline bool matrix_in_vectors(const MatrixBatch& m, size_t element) {
+  if (m.col_stride != 1 || m.cols % kVec != 0 || m.row_stride % kVec != 0 ||
+      reinterpret_cast<uintptr_t>(m.data) % (kVec * element) != 0) {
     return false;
   }
-  for (int d = 0; d < c.batch_dims; ++d) {
-    if (c.batch_sizes[d] > 1 && c.batch_strides[d] % kVec != 0) return false;
+  for (int d = 0; d < m.batch_dims; ++d) {
+    if (m.batch_sizes[d] > 1 && m.batch_strides[d] % kVec != 0) return false;
   }
   return true;
+}
+
+// Whether the tiles of c can be read kVec elements at a time: 2- and 4-byte elements, c's rows
+// in vectors (matrix_in_vectors), and so its tiles. The launchers decide, so that each path is a
+// kernel of its own, with registers of its own.
+template <typename T>
+bool rows_in_vectors(const MatrixBatch& c, const Tiling& tiling) {
+  return sizeof(T) <= 4 && tiling.width % kVec == 0 && matrix_in_vectors(c, sizeof(T));
 }
 
 // Whether vector j of block blk of matrix b fails the screen on side `side` of s (0 or 1: each
@@ -600,29 +606,14 @@ __device__ __forceinline__ void row_product_vectors(const MatrixBatch& a, const 
 // vectors within 32-bit offsets of its first (strides up to 2^26 floats).
 template <typename T>
 bool products_in_vectors(const MatrixBatch& a, const RowProducts& out) {
-  if constexpr (sizeof(T) > 4) {
-    return false;
-  } else {
-    if (a.col_stride != 1 || a.cols % kVec != 0 || a.row_stride % kVec != 0 ||
-        reinterpret_cast<uintptr_t>(a.data) % (kVec * sizeof(T)) != 0) {
+  if (sizeof(T) > 4 || !matrix_in_vectors(a, sizeof(T))) return false;
+  const MatrixBatch* vectors[2] = {&out.u, &out.z};
+  for (const MatrixBatch* v : vectors) {
+    if (v->rows > 0 && (v->row_stride > (1 << 26) || !matrix_in_vectors(*v, sizeof(float)))) {
       return false;
     }
-    for (int d = 0; d < a.batch_dims; ++d) {
-      if (a.batch_sizes[d] > 1 && a.batch_strides[d] % kVec != 0) return false;
-    }
-    const MatrixBatch* vectors[2] = {&out.u, &out.z};
-    for (const MatrixBatch* v : vectors) {
-      if (v->rows == 0) continue;
-      if (v->col_stride != 1 || v->row_stride % kVec != 0 || v->row_stride > (1 << 26) ||
-          reinterpret_cast<uintptr_t>(v->data) % (kVec * sizeof(float)) != 0) {
-        return false;
-      }
-      for (int d = 0; d < v->batch_dims; ++d) {
-        if (v->batch_sizes[d] > 1 && v->batch_strides[d] % kVec != 0) return false;
-      }
-    }
-    return true;
   }
+  return true;
 }
 
 // row_products of a column-major A, the pass from `first` on as row_product_rows: one thread
