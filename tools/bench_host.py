@@ -1,8 +1,9 @@
 """What protection costs the host on this machine: a guard's clean check against its op alone
 (the difference is the Python around it), with warm caches and with cold ones, as in a training
-step, and set_step and finish_step, which run once a step, on a GPT model. On a GPU this is the
-host side of a step, which the GPU hides only while the host runs ahead of it; the overhead model
-counts device time only (docs/benchmarks.md).
+step; set_step and finish_step, which run once a step, on a GPT model; and the protected flash
+attention's call, forward and backward. On a GPU this is the host side of a step, which the GPU
+hides only while the host runs ahead of it; the overhead model counts device time only
+(docs/benchmarks.md).
 
     python -m tools.bench_host --layers 24 --out host.json
 """
@@ -15,6 +16,7 @@ import json
 import os
 import socket
 import statistics
+import time
 
 import torch
 
@@ -128,6 +130,67 @@ def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, f
     }
 
 
+class _CountedLaunches:
+    """The flash kernels' modules as flash_call sees them on the CPU: each launch counted, none
+    run (the interpreter's time is no GPU's)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __getattr__(self, name: str):
+        return self
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.count += 1
+
+        return launch
+
+
+def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, float]]:
+    """The host's time of one forward and backward of the protected flash attention, checked
+    (every section) and unchecked (the checks compiled out), from the call until the backward
+    returns, for GPT-3 350M's heads (16 of 64, head dim 64, bf16). On a GPU one sequence of
+    2048 tokens. On the CPU 128 tokens, the Triton launches counted and not run: the time is the
+    Python and torch around them (and their count, the same on every device)."""
+    from unittest import mock
+
+    from megatron_abft.flash import FlashLedger, build, flash_attention
+
+    seq = 2048 if device.type == "cuda" else 128
+    dtype = torch.bfloat16
+    q, k, v = (torch.randn(1, 16, seq, 64, dtype=dtype, device=device) for _ in "qkv")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    grad = torch.randn_like(q)
+    ledger = FlashLedger.on(device)
+    counted = _CountedLaunches()
+    stubbed = (
+        mock.patch.object(build, "for_device", lambda module, on: counted)
+        if device.type == "cpu"
+        else contextlib.nullcontext()
+    )
+    result = {}
+    with stubbed:
+        for name, sections in (("checked", {}), ("unchecked", {"sections": ()})):
+
+            def call(sections=sections):
+                o = flash_attention(q, k, v, ledger=ledger, **sections)
+                torch.autograd.grad(o, (q, k, v), grad)
+
+            for _ in range(10):
+                call()
+            times, before = [], counted.count
+            for _ in range(number):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                begin = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - begin)
+            launches = (counted.count - before) / number if device.type == "cpu" else None
+            result[name] = {"host": statistics.median(times), "launches": launches}
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=24, help="of the model for set/finish_step")
@@ -151,12 +214,14 @@ def main() -> None:
     check = clean_check(device)
     calls = sync_free_calls(device)
     step = per_step(args.layers, device)
+    flash = flash_call(device)
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "clean_check": check,
         "sync_free_check_calls": calls,
         "per_step": {"layers": args.layers, **step},
+        "flash_call": flash,
     }
     us = 1e6
     print(f"on {result['device']}, torch {torch.__version__}")
@@ -178,6 +243,9 @@ def main() -> None:
         f"{args.layers} layers ({step['modules']} modules): set_step {step['set_step'] * 1e3:.2f}"
         f" ms, finish_step {step['finish_step'] * 1e3:.2f} ms"
     )
+    for name, row in flash.items():
+        launches = f", {row['launches']:.0f} launches (counted, not run)" if row["launches"] else ""
+        print(f"the flash attention's call, {name}: {row['host'] * 1e3:.3f} ms{launches}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -25,6 +25,7 @@ With each, the masses the bound needs: the L2 norm of the tile's absolute rows s
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -42,6 +43,13 @@ divides it), so that the kernels read them past the end with no mask."""
 HEADROOM = {torch.float16: 13}
 """log2 of the largest scaled part, by dtype: fp16's parts stay below its 65504 (0: no
 scaling, for bf16 and fp32, whose range is fp32's)."""
+
+
+@functools.cache
+def placeholder(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An empty tensor for a kernel argument that a launch does not read: one a dtype and device
+    for every call, so that a call makes only the tensors it uses."""
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 @dataclass
@@ -226,7 +234,9 @@ def backward(
     padded = triton.cdiv(n, ROWS) * ROWS
 
     def empty(*shape, dtype=q.dtype, wanted=True):
-        return torch.empty(*shape if wanted else (0,), dtype=dtype, device=q.device)
+        if not wanted:
+            return placeholder(dtype, q.device)
+        return torch.empty(*shape, dtype=dtype, device=q.device)
 
     delta = empty(matrices, padded, dtype=torch.float32)
     made = Backward(

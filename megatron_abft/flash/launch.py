@@ -76,7 +76,13 @@ class Checks:
 
     def has(self, *sections: int) -> bool:
         """Whether any of the kernels' ``sections`` (kernels.SCORES...) is due."""
-        return any(self.due >> int(s) & 1 for s in sections)
+        return self.due & section_bits(sections) != 0
+
+
+@functools.cache
+def section_bits(sections: tuple[int, ...]) -> int:
+    """The ``due`` bits of the kernels' ``sections`` (kernels.SCORES...)."""
+    return sum(1 << int(s) for s in set(sections))
 
 
 KERNEL_SECTIONS = {
@@ -117,7 +123,7 @@ class Findings:
     @classmethod
     def unchecked(cls, device: torch.device) -> Findings:
         """Placeholders for a call that checks nothing (no launch)."""
-        nothing = torch.empty(0, dtype=torch.int32, device=device)
+        nothing = checksums.placeholder(torch.int32, device)
         return cls(nothing, nothing, nothing)
 
 
@@ -239,8 +245,9 @@ def backward(
 def _flags(grid: tuple[int, int], checks: Checks, kernel: str, device: torch.device) -> Tensor:
     """A checked launch's AGAIN: a flag a program, each written by its program's first pass
     (so no fill); a placeholder where the launch checks nothing."""
-    checked = checks.has(*KERNEL_SECTIONS[kernel])
-    return torch.empty(grid[0] * grid[1] if checked else 0, dtype=torch.int32, device=device)
+    if not checks.has(*KERNEL_SECTIONS[kernel]):
+        return checksums.placeholder(torch.int32, device)
+    return torch.empty(grid[0] * grid[1], dtype=torch.int32, device=device)
 
 
 def _twice(kernel, grid: tuple[int, int], *args, **constants) -> None:
@@ -300,8 +307,8 @@ def _key_value_sums(
     """K's column and row sums and V's row sums (checksums.key_value_sums) as kernel arguments,
     parts and stats, placeholders for a kind not asked for."""
     made = checksums.key_value_sums(k, v, block, width, columns, k_rows, v_rows)
-    placeholder = torch.empty(0, dtype=k.dtype, device=k.device)
-    return tuple((s.parts, s.stats) if s else (placeholder, placeholder) for s in made)
+    nothing = checksums.placeholder(k.dtype, k.device)
+    return tuple((s.parts, s.stats) if s else (nothing, nothing) for s in made)
 
 
 def _constants(
@@ -320,7 +327,7 @@ def _constants(
         "BLOCK_N": tile.block_n,
         "HEAD_DIM": width,
         "CAUSAL": causal,
-        "DUE": checks.due & sum(1 << int(s) for s in KERNEL_SECTIONS[kernel]),
+        "DUE": checks.due & section_bits(KERNEL_SECTIONS[kernel]),
         "SCALED": checksums.HEADROOM.get(q.dtype, 0) != 0,
         "INJECT": inject is not None,
         "CALIBRATE": found.ratio is not None,
@@ -333,7 +340,7 @@ def _constants(
 
 def _fault(inject: Tensor | None, device: torch.device) -> Tensor:
     """The kernels' INJ argument: the armed fault, or a placeholder (INJECT off)."""
-    return inject if inject is not None else torch.empty(0, dtype=torch.int32, device=device)
+    return inject if inject is not None else checksums.placeholder(torch.int32, device)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

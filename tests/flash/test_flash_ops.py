@@ -64,3 +64,33 @@ def test_no_tensor_on_its_path_is_the_size_of_the_scores():
     ops = {op for _, op in watched.sizes}
     assert {"aten.empty_like.default", "aten.empty.memory_format", "aten.zeros.default"} <= ops
     assert ledger.counts.sum() == 0
+
+
+class _Ops(TorchDispatchMode):
+    """The ops dispatched while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_dispatch_mode_sees_the_custom_ops_and_eager_equals_them():
+    """Eager calls run the ops' bodies directly (no dispatcher hops); a dispatch mode (a FLOP
+    counter, a tracer) sees the calls as the custom ops, with the same results."""
+    q, k, v, do = inputs(1, 2, 1, 40, 64, torch.bfloat16)
+    ledger = FlashLedger.on(q.device)
+
+    def attention(a, b, c):
+        return flash_attention(a, b, c, ledger=ledger)
+
+    eager = outputs(attention, q, k, v, do)
+    with _Ops() as watched:
+        seen = outputs(attention, q, k, v, do)
+    assert "megatron_abft.flash_forward.default" in watched.ops
+    assert "megatron_abft.flash_backward.default" in watched.ops
+    assert all(torch.equal(a, b) for a, b in zip(seen, eager, strict=True))
+    assert ledger.counts.sum() == 0

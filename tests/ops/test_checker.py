@@ -241,6 +241,12 @@ def test_the_host_benchmark_times_a_compiled_check_and_its_ops_alone(tmp_path):
     step = result["per_step"]
     assert step["layers"] == 2 and step["modules"] > 10
     assert 0 < step["set_step"] < 1 and 0 < step["finish_step"] < 1
+    # the flash call's launches, counted on the CPU: the unchecked call's four kernels (forward,
+    # Delta, dK/dV, dQ); the checked one's checksum launches, retries and ledger records besides
+    flash = result["flash_call"]
+    assert flash["unchecked"]["launches"] == 4
+    assert flash["checked"]["launches"] > 4
+    assert all(0 < row["host"] < 1 for row in flash.values())
 
 
 @pytest.mark.parametrize("gpu", TARGETS)
