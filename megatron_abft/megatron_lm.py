@@ -51,8 +51,10 @@ from megatron_abft.config import (
 from megatron_abft.faults import FAULT_KINDS, MODEL_SECTIONS, PATTERNS, Fault
 from megatron_abft.runtime.model_runtime import runtime_of
 from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig, say_once
+from megatron_abft.tuning.devices import DEVICES
 from megatron_abft.tuning.frequency import DEFAULT_VULNERABILITY, choose_intervals, harm
-from megatron_abft.tuning.scaling import DEVICES, ModelShape, baseline_forward, predict
+from megatron_abft.tuning.scaling import baseline_forward, predict
+from megatron_abft.tuning.shapes import ModelShape
 
 _log = logging.getLogger(__name__)
 
@@ -388,7 +390,7 @@ def add_abft_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--abft-cost-device",
         choices=tuple(DEVICES),
         default="H100",
-        help="Device profile of check costs for the coverage optimizer (tuning/scaling.py).",
+        help="Device profile of check costs for the coverage optimizer (tuning/devices.json).",
     )
     parse = parser.parse_known_args  # parse_args calls it too
 

@@ -7,7 +7,7 @@ compiled out, PyTorch's SDPA backends, and Megatron-core's unfused attention, pr
                                     [--repeats N] [--warmup N] [--implementations NAME ...]
 
 For each model's attention on one tensor-parallel rank (heads, KV heads and head dim from
-megatron_abft.tuning.scaling.CATALOGUE, micro-batch from its configs/ file) and sequence length,
+megatron_abft.tuning.shapes.CATALOGUE, micro-batch from its configs/ file) and sequence length,
 every implementation's median forward and forward+backward times (CUDA events on a GPU,
 perf_counter on CPU) and the host's time to return from a forward+backward call (where it nears
 the device's, the host bounds the call), its TFLOP/s (causal: forward 4 B H N^2 D / 2, backward
@@ -40,7 +40,7 @@ import yaml
 from torch import Tensor
 
 from megatron_abft.config import DTYPE_NAMES
-from megatron_abft.tuning.scaling import CATALOGUE
+from megatron_abft.tuning.shapes import CATALOGUE
 from tools.timing import Timer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=[m.name for m in CATALOGUE],
         default=list(CONFIGS),
         metavar="NAME",
-        help="GPU only: names in megatron_abft.tuning.scaling.CATALOGUE "
+        help="GPU only: names in megatron_abft.tuning.shapes.CATALOGUE "
         f"(default: {', '.join(CONFIGS)})",
     )
     p.add_argument(

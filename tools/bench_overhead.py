@@ -161,7 +161,7 @@ def check_kernels(device: torch.device) -> list[str] | None:
 
 def check_launches(device: torch.device) -> int | None:
     """How many launches one clean sync-free check makes (check_kernels), the figure the
-    overhead model takes for a GPU (scaling.CHECK_KERNELS). None off a GPU."""
+    overhead model takes for a GPU (devices.CHECK_KERNELS). None off a GPU."""
     kernels = check_kernels(device)
     return None if kernels is None else len(kernels)
 
@@ -239,7 +239,7 @@ def calls(run: Callable[[], object]) -> int:
 
 
 def softmax_costs(module, args, device: torch.device) -> dict[str, float]:
-    """Seconds per element of S of the scale-mask-softmax's parts (scaling.SOFTMAX_PARTS) at the
+    """Seconds per element of S of the scale-mask-softmax's parts (devices.SOFTMAX_PARTS) at the
     model's scores, each op alone: Megatron's ``module`` (the model's own) forward and
     backward, and where the fused softmax serves the device (fused_softmax.fusable) what its screen
     of S and its pass over P add to its forward. Medians of 31. The fused softmax's own difference

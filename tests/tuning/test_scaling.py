@@ -13,15 +13,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron_abft.config import BACKWARD_SECTIONS, FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
-from megatron_abft.tuning.scaling import (
+from megatron_abft.tuning.devices import (
     BIAS_KERNELS,
     BIAS_OPS,
-    BYTES,
-    CATALOGUE,
     CHECK_KERNELS,
     CHECK_OPS,
-    CHECK_ROW_OPS,
     DEVICES,
+    SOFTMAX_PARTS,
+    DeviceProfile,
+)
+from megatron_abft.tuning.flash_work import (
+    CHECK_ROW_OPS,
     FLASH_CHECKS,
     FLASH_KERNELS,
     FLASH_REPLACES,
@@ -31,16 +33,14 @@ from megatron_abft.tuning.scaling import (
     PREPASS,
     RECORD_OPS,
     RETRY_OPS,
-    SOFTMAX_PARTS,
-    DeviceProfile,
-    ModelShape,
-    Work,
-    _share_of_steps,
-    baseline_forward,
     flash_baseline,
     flash_group_sums,
     flash_protection,
     flash_shared,
+)
+from megatron_abft.tuning.scaling import (
+    _share_of_steps,
+    baseline_forward,
     forward_backward_time,
     predict,
     protection_forward,
@@ -48,6 +48,7 @@ from megatron_abft.tuning.scaling import (
     step_time,
     unfused_scores_bytes,
 )
+from megatron_abft.tuning.shapes import BYTES, CATALOGUE, ModelShape, Work
 
 SHAPES = {shape.name: shape for shape in CATALOGUE}
 RUN4 = Path(__file__).with_name("bench_cpu_run4.json")
@@ -1003,13 +1004,13 @@ def test_the_flash_checks_cost_less_as_head_dim_grows_whatever_the_tiles(monkeyp
     side: the checks of S and dP and every comparison run once a program, not once a tile.
     Tiles of one side for every kernel."""
     from megatron_abft.flash.tiles import Blocks
-    from megatron_abft.tuning import scaling
+    from megatron_abft.tuning import flash_work
 
     device = DEVICES["H100"]
 
     def share(head_dim, side):
         monkeypatch.setattr(
-            scaling, "blocks", lambda kernel, width, dtype: Blocks(side, side, 4, 2)
+            flash_work, "blocks", lambda kernel, width, dtype: Blocks(side, side, 4, 2)
         )
         shape = ModelShape("m", 4, 1024, 1024 // head_dim, 4096, 1000, seq=2048, micro_batch=2)
         own = sum(flash_protection(shape).values(), Work())
@@ -1070,7 +1071,8 @@ def test_the_model_and_its_tiles_import_no_triton():
     """The overhead model reads the flash kernels' tile table (megatron_abft.flash.tiles) and its
     device profiles (devices.json) without importing Triton, which the launcher needs."""
     code = (
-        "import sys; import megatron_abft.tuning.scaling, megatron_abft.flash.tiles; "
+        "import sys; import megatron_abft.tuning.scaling, megatron_abft.tuning.devices, "
+        "megatron_abft.tuning.flash_work, megatron_abft.flash.tiles; "
         "print('triton' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -1081,7 +1083,7 @@ def test_every_device_profile_says_where_its_rates_come_from():
     """devices.json: a datasheet profile gives its dense peaks, which the model takes at
     GEMM_SHARE and MEMORY_SHARE; a measured one its rates as measured, the flash rates of a
     datasheet profile; each names its source. DEVICES holds one profile an entry, in order."""
-    from megatron_abft.tuning.scaling import GEMM_SHARE, MEMORY_SHARE, PROFILES
+    from megatron_abft.tuning.devices import GEMM_SHARE, MEMORY_SHARE, PROFILES
 
     entries = json.loads(PROFILES.read_text())
     assert list(DEVICES) == list(entries)
@@ -1162,7 +1164,7 @@ def test_the_measured_h200_profile_is_the_h200_runs_micro_benchmarks():
     lands within tolerance of the run's measured step overhead on both paths."""
     from dataclasses import replace
 
-    from megatron_abft.tuning.scaling import PROFILES
+    from megatron_abft.tuning.devices import PROFILES
     from tools.overhead_report import calibrated, roofline, within
 
     runs = {}
