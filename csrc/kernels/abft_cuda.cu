@@ -102,20 +102,29 @@ __device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b
   return screen_flags<Acc>(s, s.side[1], screen_matrix<Acc>(s, s.side[1], b), blk, j);
 }
 
-// t's four values summed over the warp (a butterfly: every lane ends with the totals), and kept
-// in `mine` by lane r.
+// t's four values summed over the warp, and kept in `mine` by lane r. A reduce-scatter: the
+// first two exchanges halve what a lane sends (two values, then one), so that after five lane
+// k * 8 + x holds the total of value k; lane r then reads the four totals, one from each group
+// of eight. 10 shuffles where a butterfly of each value takes 20. Each total is a butterfly's
+// (lanes 16 apart, then 8, 4, 2, 1; an add commutes), so the sums are the same bit for bit.
 template <typename Acc>
-__device__ __forceinline__ void warp_sums(Acc (&t)[4], Acc (&mine)[4], int lane, int r) {
+__device__ __forceinline__ void warp_sums(const Acc (&t)[4], Acc (&mine)[4], int lane, int r) {
+  const bool upper = lane & 16;  // keeps values 2 and 3, sends 0 and 1
+  Acc kept0 = upper ? t[2] : t[0], kept1 = upper ? t[3] : t[1];
+  kept0 += __shfl_xor_sync(kFullMask, upper ? t[0] : t[2], 16);
+  kept1 += __shfl_xor_sync(kFullMask, upper ? t[1] : t[3], 16);
+  const bool odd = lane & 8;  // keeps value 1 of its two (3 or 1), sends the other
+  Acc total = odd ? kept1 : kept0;
+  total += __shfl_xor_sync(kFullMask, odd ? kept0 : kept1, 8);
+#pragma unroll
+  for (int offset = 4; offset > 0; offset >>= 1) {
+    total += __shfl_xor_sync(kFullMask, total, offset);
+  }
+  const int group = (r >> 3) & 3;  // lane r's own group: the mask to group k is warp-uniform
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      t[k] += __shfl_xor_sync(kFullMask, t[k], offset);
-    }
-  }
-  if (lane == r) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) mine[k] = t[k];
+    const Acc value = __shfl_xor_sync(kFullMask, total, (group ^ k) << 3);
+    if (lane == r) mine[k] = value;
   }
 }
 

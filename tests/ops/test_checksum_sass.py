@@ -1,7 +1,8 @@
 """The block sums' sm_90 SASS in the built extension (tools/checksum_sass.py): where C's rows are
 contiguous, a thread reads four elements of a row a load and a warp reduces a row's sums once per
 128 elements, so that a row costs a quarter of the shuffles and about half the instructions an
-element of the column-a-thread walk, with no spilled register in the loop."""
+element of the column-a-thread walk, with no spilled register in the loop; and the products
+kernels' instructions an entry."""
 
 import subprocess
 
@@ -39,6 +40,18 @@ def test_rows_in_vectors_shuffle_a_quarter_as_often_as_a_column_a_thread():
         c = min(per_element(loop, 1) for loop in columns if loop["shuffles"])
         assert v[1] <= c[1] / 4, (kind, v, c)
         assert v[0] <= c[0] / 2, (kind, v, c)
+
+
+def test_a_row_reduces_its_four_sums_in_ten_shuffles():
+    """A row's four sums meet across the warp by a reduce-scatter and a gather, 10 shuffles
+    where a butterfly of each sum takes 20 (abft_cuda.cu, warp_sums): on both paths a load
+    reads one row (four elements of it, or one), and a loop shuffles at most 10 times a load."""
+    found = built_report()
+    for kind in ("screened", "plain", "paired"):
+        for path in ("rows in vectors", "a column a thread"):
+            loops = [loop for loop in found[f"{kind}, {path}"]["loops"] if loop["shuffles"]]
+            assert loops, (kind, path)
+            assert all(loop["shuffles"] <= 10 * len(loop["loads"]) for loop in loops), (kind, path)
 
 
 def test_products_of_few_vectors_issue_few_instructions_an_element():
