@@ -37,13 +37,15 @@ KINDS = {
     "plain, a column a thread": "block_sums_kernelI{}Lb0ELb0EE",
     "paired, rows in vectors": "block_sums_pair_kernelI{}Lb1ELb1EE",
     "paired, a column a thread": "block_sums_pair_kernelI{}Lb0ELb0EE",
-    "products, a pass of two": "products_kernelI{}Li2EE",
-    "products, a pass of sixteen": "products_kernelI{}Li16EE",
+    "products, a pass of two": "products_kernelI{}Li2ELi1EE",
+    "products, a pass of sixteen": "products_kernelI{}Li16ELi1EE",
+    "products, a pass of sixteen, two rows a warp": "products_kernelI{}Li16ELi2EE",
 }
 """The block-sums kernels, each on both paths: a verify's (each tile screening what it
 completes), the plain one, and an encode's (two operands in one launch); and the products
-kernels (row_products), each holding its three ways of reading A: a vector of a row a load, an
-entry of a row, an entry of a column."""
+kernels (row_products), the first two each holding its three ways of reading A (a vector of a
+row a load, an entry of a row, an entry of a column), the third a wide pass whose operands are
+all read in vectors, two rows a warp."""
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 """The disassembler Triton carries, as the flash kernels' gate uses it."""
 

@@ -610,6 +610,67 @@ __device__ __forceinline__ void row_product_vectors(const MatrixBatch& a, const 
   }
 }
 
+// row_product_vectors for a wide pass, two rows of a matrix a warp: each load of the pass's
+// vectors (up to 32, 16 bytes a lane a step) serves both rows, which halves the vectors' traffic
+// from the cache and their loads and addresses an entry of A. Each row's products are summed
+// in the order of row_product_vectors' walk. A matrix's last row, where its count is odd, is
+// read twice, its second products not written.
+template <typename T, int kPer>
+__device__ __forceinline__ void row_product_vector_pairs(const MatrixBatch& a,
+                                                         const RowProducts& out, int64_t block,
+                                                         int64_t blocks, int64_t first) {
+  constexpr int64_t kStep = 32 * kVec;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = blocks * kWarps, pairs = ceil_div(a.rows, 2);
+  const int64_t k = a.cols, nu = out.u.rows, nz = out.z.rows;
+  const int pu = int(min64(nu - first, kPer)), pz = int(min64(nz - first, kPer));
+  const int u_stride = int(out.u.row_stride), z_stride = int(out.z.row_stride);
+  for (int64_t pair = block * kWarps + (threadIdx.x >> 5); pair < a.batch * pairs;
+       pair += warps) {
+    const int64_t b = pair / pairs, i = (pair % pairs) * 2;
+    const bool both = i + 1 < a.rows;
+    const T* x = static_cast<const T*>(a.data) + batch_offset(a, b) + i * a.row_stride;
+    const T* y = both ? x + a.row_stride : x;
+    const float* u =
+        static_cast<const float*>(out.u.data) + batch_offset(out.u, b) + first * u_stride;
+    const float* z =
+        static_cast<const float*>(out.z.data) + batch_offset(out.z, b) + first * z_stride;
+    float p[2][kPer], q[2][kPer];
+#pragma unroll
+    for (int t = 0; t < kPer; ++t) p[0][t] = p[1][t] = q[0][t] = q[1][t] = 0.0f;
+    for (int64_t j0 = lane * kVec; j0 < k; j0 += kStep) {
+      float v[2][kVec];
+      load_vector<T>(x + j0, v[0]);
+      load_vector<T>(y + j0, v[1]);
+      const float* uj = u + j0;
+      const float* zj = z + j0;
+#pragma unroll
+      for (int t = 0; t < kPer; ++t) {
+        float w[kVec];
+        if (t < pu) {
+          load_floats(uj + t * u_stride, w);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            p[0][t] += v[0][e] * w[e];
+            p[1][t] += v[1][e] * w[e];
+          }
+        }
+        if (t < pz) {
+          load_floats(zj + t * z_stride, w);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            q[0][t] += fabsf(v[0][e]) * w[e];
+            q[1][t] += fabsf(v[1][e]) * w[e];
+          }
+        }
+      }
+    }
+    const int64_t row = b * a.rows + i;  // in the batch's rows
+    write_row_products<float, kPer>(out, row, first, pu, pz, p[0], q[0]);
+    if (both) write_row_products<float, kPer>(out, row + 1, first, pu, pz, p[1], q[1]);
+  }
+}
+
 // Whether row_product_vectors can read A and the vectors: 2- and 4-byte elements, A's rows and
 // the vectors contiguous, every row and vector starting on its load's boundary, and a pass's
 // vectors within 32-bit offsets of its first (strides up to 2^26 floats).
@@ -697,52 +758,76 @@ struct ProductsJob {
   int path;
 };
 
-// A job of `out` over `a` from thread block `first_block` on, `per` vectors of each kind a pass:
-// a tile of 32 rows each pass for a column-major A, else kWarps rows.
+// How row_products reads `a`.
 template <typename T>
-ProductsJob products_job(const MatrixBatch& a, const RowProducts& out, int64_t first_block,
-                         int per) {
-  const bool columns = column_major(a);
-  const int64_t units =
-      columns ? a.batch * ceil_div(a.rows, 32) : ceil_div(a.batch * a.rows, kWarps);
+int products_path(const MatrixBatch& a, const RowProducts& out) {
+  return column_major(a) ? kColumns : products_in_vectors<T>(a, out) ? kRowVectors : kRowEntries;
+}
+
+// A job of `out` over `a`, read by `path`, from thread block `first_block` on, `per` vectors of
+// each kind a pass: a tile of 32 rows each pass for a column-major A, else kWarps warps of
+// `rows` rows each.
+ProductsJob products_job(const MatrixBatch& a, const RowProducts& out, int path,
+                         int64_t first_block, int per, int rows) {
+  const int64_t units = path == kColumns
+                            ? a.batch * ceil_div(a.rows, 32)
+                            : ceil_div(a.batch * ceil_div(a.rows, rows), kWarps);
   const int64_t vectors = out.u.rows > out.z.rows ? out.u.rows : out.z.rows;
   const int64_t passes = vectors > 0 ? ceil_div(vectors, per) : 1;
   const int64_t per_pass = min64(units, 0x3fffffff / passes);
-  const int path = columns                         ? kColumns
-                   : products_in_vectors<T>(a, out) ? kRowVectors
-                                                    : kRowEntries;
   return {a, out, first_block, per_pass, per_pass * passes, path};
 }
 
-// row_products of one or two jobs in one launch, each on its own range of thread blocks.
-template <typename T, typename Acc, int kPer>
-__global__ void __launch_bounds__(kThreads, 3)
+// row_products of one or two jobs in one launch, each on its own range of thread blocks. kRows
+// 2: every job reads its rows in vectors, two a warp (row_product_vector_pairs), whose products
+// take twice the registers: two thread blocks an SM (128 registers) where the others run three.
+template <typename T, typename Acc, int kPer, int kRows>
+__global__ void __launch_bounds__(kThreads, kRows > 1 ? 2 : 3)
     products_kernel(ProductsJob first, ProductsJob second) {
   const ProductsJob& job = blockIdx.x < second.first_block ? first : second;
   const int64_t block = int64_t(blockIdx.x) - job.first_block;
   const int64_t pass = block / job.per_pass, at = block % job.per_pass;
-  if (job.path == kColumns) {
-    column_product_tiles<T, Acc, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
-    return;
-  }
-  if constexpr (std::is_same<Acc, float>::value) {
-    if (job.path == kRowVectors) {
-      row_product_vectors<T, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
+  if constexpr (kRows > 1) {
+    row_product_vector_pairs<T, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
+  } else {
+    if (job.path == kColumns) {
+      column_product_tiles<T, Acc, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
       return;
     }
+    if constexpr (std::is_same<Acc, float>::value) {
+      if (job.path == kRowVectors) {
+        row_product_vectors<T, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
+        return;
+      }
+    }
+    row_product_rows<T, Acc, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
   }
-  row_product_rows<T, Acc, kPer>(job.a, job.out, at, job.per_pass, pass * kPer);
 }
 
+// A launch of kPer vectors of each kind a pass; a wide pass whose jobs all read rows in vectors
+// (the projections' operands) two rows a warp.
 template <typename T, typename Acc, int kPer>
 int launch_products_of(const MatrixBatch& a, const RowProducts& out, const MatrixBatch* b,
                        const RowProducts* b_out, cudaStream_t stream) {
-  const ProductsJob first = products_job<T>(a, out, 0, kPer);
-  const ProductsJob second = b == nullptr ? ProductsJob{a, out, first.blocks, 1, 0, kRowEntries}
-                                          : products_job<T>(*b, *b_out, first.blocks, kPer);
+  const int a_path = products_path<T>(a, out);
+  const int b_path = b == nullptr ? kRowVectors : products_path<T>(*b, *b_out);
+  const bool pairs = std::is_same<Acc, float>::value && kPer > kFewProducts &&
+                     a_path == kRowVectors && b_path == kRowVectors;
+  const int rows = pairs ? 2 : 1;
+  const ProductsJob first = products_job(a, out, a_path, 0, kPer, rows);
+  const ProductsJob second = b == nullptr
+                                 ? ProductsJob{a, out, first.blocks, 1, 0, kRowEntries}
+                                 : products_job(*b, *b_out, b_path, first.blocks, kPer, rows);
   const int64_t blocks = first.blocks + second.blocks;
   if (blocks == 0) return cudaSuccess;
-  ABFT_LAUNCH(unsigned(blocks), kThreads, 0, stream, products_kernel<T, Acc, kPer>)
+  if constexpr (std::is_same<Acc, float>::value && kPer > kFewProducts) {
+    if (pairs) {
+      ABFT_LAUNCH(unsigned(blocks), kThreads, 0, stream, products_kernel<T, Acc, kPer, 2>)
+      (first, second);
+      return cudaGetLastError();
+    }
+  }
+  ABFT_LAUNCH(unsigned(blocks), kThreads, 0, stream, products_kernel<T, Acc, kPer, 1>)
   (first, second);
   return cudaGetLastError();
 }

@@ -77,3 +77,23 @@ def test_products_of_few_vectors_issue_few_instructions_an_element():
         if "LDG.E.U16" in loop["loads"]
     )
     assert wide_vector["instructions"] / 4 <= wide_entry / 4
+
+
+def test_a_wide_pass_reads_two_rows_a_warp_on_half_the_vector_loads():
+    """Where every operand of a launch reads its rows in vectors (a projection's), a pass of
+    sixteen reads two rows a warp: each load of the vectors serves both, so an entry of A takes
+    half the vector loads and under 70% of the instructions of the one-row walk, with no spill
+    (its 128 registers: two thread blocks an SM)."""
+    found = built_report()
+    one = found["products, a pass of sixteen"]
+    two = found["products, a pass of sixteen, two rows a warp"]
+    assert two["stack_bytes"] == 0
+    (pairs,) = two["loops"]
+    (single,) = [loop for loop in one["loops"] if "LDG.E.64" in loop["loads"]]
+    assert pairs["local"] == 0
+    assert pairs["loads"].count("LDG.E.64") == 2  # four entries of each row
+    entries, single_entries = 8, 4 * single["loads"].count("LDG.E.64")
+    vectors = pairs["loads"].count("LDG.E.128") / entries
+    assert vectors <= single["loads"].count("LDG.E.128") / single_entries / 2
+    assert pairs["instructions"] / entries <= 0.7 * single["instructions"] / single_entries
+

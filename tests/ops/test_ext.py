@@ -140,8 +140,10 @@ COLUMN_MAJOR_PRODUCTS = (
     torch.randn(2, 1, 40, 300),
     torch.rand(1, 3, 21, 300),
 )
-# the same read row by row (on CUDA four entries a load: rows contiguous and aligned)
+# the same read row by row (on CUDA four entries a load: rows contiguous and aligned; passes of
+# 16 two rows a warp), and with an odd count of rows (a matrix's last row alone in its warp)
 ROW_MAJOR_PRODUCTS = (torch.randn(2, 3, 70, 300).bfloat16(), *COLUMN_MAJOR_PRODUCTS[1:])
+ODD_ROWS_PRODUCTS = (torch.randn(2, 3, 71, 300).bfloat16(), *COLUMN_MAJOR_PRODUCTS[1:])
 # two vectors and one, as the attention's operands have: on CUDA a pass of two, two loads of A
 # an iteration, the last iteration of a row with one load on 11 lanes (300 = 2 * 128 + 44)
 FEW_PRODUCTS = (torch.randn(2, 70, 300).bfloat16(), torch.randn(2, 2, 300), torch.rand(2, 1, 300))
@@ -478,6 +480,7 @@ def test_cuda_kernels_equal_the_fp64_sums(case):
 @given(case=products_cases(device="cuda"))
 @example(case=COLUMN_MAJOR_PRODUCTS)
 @example(case=ROW_MAJOR_PRODUCTS)
+@example(case=ODD_ROWS_PRODUCTS)
 @example(case=FEW_PRODUCTS)
 @example(case=UNALIGNED_PRODUCTS)
 def test_cuda_row_products_equal_the_fp64_products(case):
@@ -499,6 +502,7 @@ def test_emulated_cuda_kernels_equal_the_fp64_sums(case):
 @given(case=products_cases())
 @example(case=COLUMN_MAJOR_PRODUCTS)
 @example(case=ROW_MAJOR_PRODUCTS)
+@example(case=ODD_ROWS_PRODUCTS)
 @example(case=FEW_PRODUCTS)
 @example(case=UNALIGNED_PRODUCTS)
 def test_emulated_cuda_row_products_equal_the_fp64_products(case):
