@@ -15,8 +15,8 @@
 # self-test, a few tests, the flash kernels), the no-false-alarm sweeps on the tensor cores
 # (unfused GEMMs, flash tiles), and Megatron-LM's own pretrain() with --abft and injected faults,
 # on both paths. Phase 4 times the rest one at a time: the step at micro-batch 1 and the host's
-# time a check (tools/bench_host.py). Phase 5 times the flash kernels' tile candidates
-# (tools/flash_tune.py).
+# time a check and a flash call (tools/bench_host.py). Phase 5 times the flash kernels' tile
+# candidates (tools/flash_tune.py).
 # Each step has a time limit of its own (seconds) and none runs past DEADLINE; a step cut short
 # leaves its log and the next one runs.
 # SKIP="name ..." leaves steps out (a second call that reruns what failed). Logs and JSON go to
@@ -175,6 +175,6 @@ for attention in flash unfused; do
         --out "$WORK/bench_gpt3_350m_$attention.json"
 done
 # the host's time a clean check, warm and with cold caches, and set_step/finish_step
-step bench_host 40 $PY -m tools.bench_host --layers 24 --out "$WORK/bench_host.json"
+step bench_host 60 $PY -m tools.bench_host --layers 24 --out "$WORK/bench_host.json"
 # --- 5. the flash kernels' tiles, timed (a second call: SKIP the steps above) ----------------
 step flash_tune 300 $PY -m tools.flash_tune --out "$WORK/tuned_tiles.json"
