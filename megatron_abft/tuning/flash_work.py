@@ -243,7 +243,7 @@ the forward's and the backward's ops when they check anything."""
 RECORD_OPS = 1
 """GPU launches of one ledger update (megatron_abft.flash.ledger.record: one Triton launch after
 each of the forward's and the backward's ops when they checked anything), counted on the code by
-tests/tuning/test_scaling.py."""
+tests/tuning/test_flash_work.py."""
 
 
 def _prepass(f: _FlashShape, p: Prepass, block: int) -> Work:
