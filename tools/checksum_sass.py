@@ -2,8 +2,9 @@
 extension (megatron_abft/_C*.so, as `make install` builds it), or in another version of
 csrc/kernels/abft_cuda.cu built with setup.py's nvcc flags (``--source``), each kernel's
 stack frame (spilled registers live there) and innermost loops that read global memory,
-with their instructions, shuffles and loads. It counts instructions, as the flash kernels' gate
-does (megatron_abft.dev.sass); it does not time them.
+with their instructions, shuffles, loads and the distance from a load to its first use. It
+counts instructions, as the flash kernels' gate does (megatron_abft.dev.sass); it does not time
+them.
 
     python -m tools.checksum_sass [--dtype bf16] [--source PATH]
 
@@ -78,15 +79,36 @@ def functions(text: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
+def load_to_use(body: tuple[sass.Instruction, ...]) -> int:
+    """The fewest instructions, over a loop's global loads, from a load to the first one that
+    reads what it loaded (around the loop's back edge): where that is a few, each load's
+    latency stalls its warp; a load made a row ahead of its use has a row's work between."""
+    distances = []
+    for at, load in enumerate(body):
+        if load.base != "LDG":
+            continue
+        first = int(re.match(r"R(\d+)", load.operands).group(1))
+        words = 4 if load.opcode.endswith(".128") else 2 if load.opcode.endswith(".64") else 1
+        loaded = {f"R{first + w}" for w in range(words)}
+        for distance in range(1, len(body) + 1):
+            reader = body[(at + distance) % len(body)]
+            sources = reader.operands.split(",", 1)[1] if "," in reader.operands else ""
+            if loaded & set(re.findall(r"\bR\d+\b", sources)):
+                distances.append(distance)
+                break
+    return min(distances, default=len(body))
+
+
 def reading_loops(instructions: list[sass.Instruction]) -> list[dict]:
-    """The innermost loops that load global memory: their length, shuffles, loads and local
-    memory accesses (spilled registers)."""
+    """The innermost loops that load global memory: their length, shuffles, loads, local
+    memory accesses (spilled registers) and load-to-use distance."""
     return [
         {
             "instructions": len(loop.body),
             "shuffles": loop.count("SHFL"),
             "loads": [i.opcode for i in loop.body if i.base == "LDG"],
             "local": loop.count("LDL", "STL"),
+            "load_to_use": load_to_use(loop.body),
         }
         for loop in sass.innermost(sass.loops(instructions))
         if loop.count("LDG")
@@ -124,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             loads = ", ".join(sorted(set(loop["loads"])))
             print(
                 f"  loop of {loop['instructions']} instructions, {loop['shuffles']} shuffles, "
-                f"{len(loop['loads'])} loads ({loads}), {loop['local']} local accesses"
+                f"{len(loop['loads'])} loads ({loads}), {loop['local']} local accesses, "
+                f"{loop['load_to_use']} instructions from a load to its use"
             )
     return 0
 

@@ -60,14 +60,20 @@ template <typename T>
 using VectorBits = typename std::conditional<sizeof(T) == 2, Bytes8, Bytes16>::type;
 
 // The kVec elements at p (aligned to their size) in one load, as floats.
+// kVec elements of T as one load's bits, and as floats.
 template <typename T>
-__device__ __forceinline__ void load_vector(const T* p, float (&v)[kVec]) {
+__device__ __forceinline__ void unpack_vector(const VectorBits<T>& bits, float (&v)[kVec]) {
   static_assert(kVec * sizeof(T) == sizeof(VectorBits<T>), "one load");
-  const VectorBits<T> bits = *reinterpret_cast<const VectorBits<T>*>(p);
   T raw[kVec];
   memcpy(raw, &bits, sizeof(bits));  // not a cast of &bits: that breaks strict aliasing
 #pragma unroll
   for (int k = 0; k < kVec; ++k) v[k] = load(raw + k);
+}
+
+template <typename T>
+__device__ __forceinline__ void load_vector(const T* p, float (&v)[kVec]) {
+  const VectorBits<T> bits = *reinterpret_cast<const VectorBits<T>*>(p);  // one load
+  unpack_vector<T>(bits, v);
 }
 
 // Whether m's rows can be read kVec elements at a time: rows contiguous, and every matrix's rows
@@ -206,18 +212,22 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
     for (int64_t i0 = r0 + warp; i0 < r1; i0 += 32 * int64_t(warps)) {
       const int n = int(min64(32, ceil_div(r1 - i0, warps)));
       Acc mine[4] = {0, 0, 0, 0};
-#pragma unroll 2  // two loads in flight; with four, more registers spill (at 80: 3 blocks an SM)
-      for (int r = 0; r < n; ++r) {
-        const int64_t i = i0 + int64_t(r) * warps;
+      // row r's vector (zeros past the tile's columns or the chunk's rows), loaded two rows
+      // ahead of its sums, into one of two buffers by the row's parity, once the buffer's row is
+      // summed: the load of row r + 1 is in flight while row r is summed, and that of r + 2
+      // from its end (loaded where it was summed, a warp waited out each load's latency)
+      const T* at = base + i0 * c.row_stride + j0;
+      const int64_t step = int64_t(warps) * c.row_stride;
+      auto fetch = [&](int r) {
+        VectorBits<T> bits{};
+        if (valid && r < n) bits = *reinterpret_cast<const VectorBits<T>*>(at + r * step);
+        return bits;
+      };
+      auto sum_row = [&](const VectorBits<T>& bits, int r) {
+        const Acc wi = Acc(i0 + int64_t(r) * warps - r0 + 1);
         float v[kVec];
-        if (valid) {
-          load_vector<T>(base + i * c.row_stride + j0, v);
-        } else {
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) v[k] = 0.0f;
-        }
-        const Acc wi = Acc(i - r0 + 1);
-        Acc t[4] = {0, 0, 0, 0};  // this thread's share of row i's sums
+        unpack_vector<T>(bits, v);
+        Acc t[4] = {0, 0, 0, 0};  // this thread's share of the row's sums
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const Acc x = Acc(v[k]), a = magnitude(x), wj = w0 + Acc(k);
@@ -231,6 +241,16 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
           t[3] += wj * a;
         }
         if (rows_checked) warp_sums(t, mine, lane, r);
+      };
+      VectorBits<T> even = fetch(0), odd = fetch(1);
+#pragma unroll 1
+      for (int r = 0; r < n; r += 2) {
+        sum_row(even, r);
+        even = fetch(r + 2);
+        if (r + 1 < n) {  // n is the warp's: every lane takes the same branch
+          sum_row(odd, r + 1);
+          odd = fetch(r + 3);
+        }
       }
       if (rows_checked && lane < n) {
         const int64_t i = i0 + int64_t(lane) * warps;
