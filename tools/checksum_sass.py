@@ -79,24 +79,27 @@ def functions(text: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
-def load_to_use(body: tuple[sass.Instruction, ...]) -> int:
-    """The fewest instructions, over a loop's global loads, from a load to the first one that
-    reads what it loaded (around the loop's back edge): where that is a few, each load's
-    latency stalls its warp; a load made a row ahead of its use has a row's work between."""
-    distances = []
+def load_to_use(body: tuple[sass.Instruction, ...]) -> dict[str, int]:
+    """By load opcode, the fewest instructions of a loop from a global load to the first one
+    that reads what it loaded (around the loop's back edge): where that is a few, each load's
+    latency stalls its warp; a load made an iteration ahead of its use has an iteration's work
+    between."""
+    distances: dict[str, int] = {}
     for at, load in enumerate(body):
         if load.base != "LDG":
             continue
         first = int(re.match(r"R(\d+)", load.operands).group(1))
         words = 4 if load.opcode.endswith(".128") else 2 if load.opcode.endswith(".64") else 1
         loaded = {f"R{first + w}" for w in range(words)}
-        for distance in range(1, len(body) + 1):
-            reader = body[(at + distance) % len(body)]
+        distance = len(body)
+        for step in range(1, len(body) + 1):
+            reader = body[(at + step) % len(body)]
             sources = reader.operands.split(",", 1)[1] if "," in reader.operands else ""
             if loaded & set(re.findall(r"\bR\d+\b", sources)):
-                distances.append(distance)
+                distance = step
                 break
-    return min(distances, default=len(body))
+        distances[load.opcode] = min(distance, distances.get(load.opcode, distance))
+    return distances
 
 
 def reading_loops(instructions: list[sass.Instruction]) -> list[dict]:
@@ -144,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: a stack frame of {found['stack_bytes']} bytes")
         for loop in found["loops"]:
             loads = ", ".join(sorted(set(loop["loads"])))
+            uses = ", ".join(f"{op} {n}" for op, n in sorted(loop["load_to_use"].items()))
             print(
                 f"  loop of {loop['instructions']} instructions, {loop['shuffles']} shuffles, "
-                f"{len(loop['loads'])} loads ({loads}), {loop['local']} local accesses, "
-                f"{loop['load_to_use']} instructions from a load to its use"
+                f"{len(loop['loads'])} loads ({loads}), {loop['local']} local accesses; "
+                f"instructions from a load to its use: {uses}"
             )
     return 0
 

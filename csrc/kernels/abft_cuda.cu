@@ -600,11 +600,24 @@ __device__ __forceinline__ void row_product_vectors(const MatrixBatch& a, const 
     float p[kPer], q[kPer];
 #pragma unroll
     for (int t = 0; t < kPer; ++t) p[t] = q[t] = 0.0f;
+    // the row's entries an iteration ahead of their products (zeros past the row): loaded where
+    // they were multiplied, a warp waited out each load's latency
+    auto fetch = [&](int64_t j) {
+      VectorBits<T> bits{};
+      if (j < k) bits = *reinterpret_cast<const VectorBits<T>*>(x + j);
+      return bits;
+    };
+    VectorBits<T> ahead[kSteps];
+#pragma unroll
+    for (int h = 0; h < kSteps; ++h) ahead[h] = fetch(lane * kVec + h * kStep);
     for (int64_t j0 = lane * kVec; j0 < k; j0 += kSteps * kStep) {
       float v[kSteps][kVec];
-      load_vector<T>(x + j0, v[0]);
+#pragma unroll
+      for (int h = 0; h < kSteps; ++h) {
+        unpack_vector<T>(ahead[h], v[h]);
+        ahead[h] = fetch(j0 + (kSteps + h) * kStep);
+      }
       const bool second = kSteps == 2 && j0 + kStep < k;
-      if (second) load_vector<T>(x + j0 + kStep, v[kSteps - 1]);
 #pragma unroll
       for (int h = 0; h < kSteps; ++h) {
         if (h == 1 && !second) break;
