@@ -212,10 +212,10 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
     for (int64_t i0 = r0 + warp; i0 < r1; i0 += 32 * int64_t(warps)) {
       const int n = int(min64(32, ceil_div(r1 - i0, warps)));
       Acc mine[4] = {0, 0, 0, 0};
-      // row r's vector (zeros past the tile's columns or the chunk's rows), loaded two rows
-      // ahead of its sums, into one of two buffers by the row's parity, once the buffer's row is
-      // summed: the load of row r + 1 is in flight while row r is summed, and that of r + 2
-      // from its end (loaded where it was summed, a warp waited out each load's latency)
+      // row r's vector (zeros past the tile's columns or the chunk's rows), loaded a row ahead
+      // of its sums: two buffers by the row's parity, each reloaded with the row after next
+      // once its row is summed, so that row r + 1's load is in flight while row r is summed
+      // (where each row was loaded as it was summed, a warp waited out every load's latency)
       const T* at = base + i0 * c.row_stride + j0;
       const int64_t step = int64_t(warps) * c.row_stride;
       auto fetch = [&](int r) {
