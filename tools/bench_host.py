@@ -130,32 +130,14 @@ def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, f
     }
 
 
-class _CountedLaunches:
-    """The flash kernels' modules as flash_call sees them on the CPU: each launch counted, none
-    run (the interpreter's time is no GPU's)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __getattr__(self, name: str):
-        return self
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.count += 1
-
-        return launch
-
-
 def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, float]]:
     """The host's time of one forward and backward of the protected flash attention, checked
     (every section) and unchecked (the checks compiled out), from the call until the backward
     returns, for GPT-3 350M's heads (16 of 64, head dim 64, bf16). On a GPU one sequence of
     2048 tokens. On the CPU 128 tokens, the Triton launches counted and not run: the time is the
     Python and torch around them (and their count, the same on every device)."""
-    from unittest import mock
-
-    from megatron_abft.flash import FlashLedger, build, flash_attention
+    from megatron_abft.dev import aot
+    from megatron_abft.flash import FlashLedger, flash_attention
 
     seq = 2048 if device.type == "cuda" else 128
     dtype = torch.bfloat16
@@ -163,12 +145,8 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     grad = torch.randn_like(q)
     ledger = FlashLedger.on(device)
-    counted = _CountedLaunches()
-    stubbed = (
-        mock.patch.object(build, "for_device", lambda module, on: counted)
-        if device.type == "cpu"
-        else contextlib.nullcontext()
-    )
+    launches: list = []  # on the CPU, recorded and not run (the interpreter's time is no GPU's)
+    stubbed = aot.recording(launches) if device.type == "cpu" else contextlib.nullcontext()
     result = {}
     with stubbed:
         for name, sections in (("checked", {}), ("unchecked", {"sections": ()})):
@@ -179,15 +157,18 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
 
             for _ in range(10):
                 call()
-            times, before = [], counted.count
+            times, count = [], 0
             for _ in range(number):
+                launches.clear()  # the records hold the call's tensors: one call's at a time
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 begin = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - begin)
-            launches = (counted.count - before) / number if device.type == "cpu" else None
-            result[name] = {"host": statistics.median(times), "launches": launches}
+                count += len(launches)
+            launches.clear()
+            per_call = count / number if device.type == "cpu" else None
+            result[name] = {"host": statistics.median(times), "launches": per_call}
     return result
 
 

@@ -101,21 +101,27 @@ class _Recorder:
         self._module, self._launches = module, launches
 
     def __getattr__(self, name: str):
-        fn = getattr(self._module, name)
-        launches = self._launches
+        return _Launch(getattr(self._module, name), self._launches)
 
-        class _Grid:
-            def __getitem__(self, grid):
-                def record(*args, **kwargs):
-                    launches.append((fn, args, kwargs))
 
-                return record
+class _Launch:
+    """One kernel of a _Recorder: ``kernel[grid](*args, **kwargs)`` records (kernel, args,
+    kwargs)."""
 
-        return _Grid()
+    def __init__(self, fn, launches: list) -> None:
+        self._fn, self._launches = fn, launches
+
+    def __getitem__(self, grid) -> _Launch:
+        return self
+
+    def __call__(self, *args, **kwargs) -> None:
+        self._launches.append((self._fn, args, kwargs))
 
 
 @contextlib.contextmanager
-def _recording(launches: list) -> Iterator[None]:
+def recording(launches: list) -> Iterator[None]:
+    """Within the block, the flash kernels' launches are appended to ``launches`` as
+    (function, args, kwargs) and not run."""
     original = kernel_build.for_device
     kernel_build.for_device = lambda module, device: _Recorder(module, launches)
     try:
@@ -140,7 +146,7 @@ def capture(case: Case) -> list[tuple]:
     q, k, v = tensor(case.heads), tensor(case.kv_heads), tensor(case.kv_heads)
     do = tensor(case.heads)
     launches: list = []
-    with _recording(launches):
+    with recording(launches):
         if case.variant == "calibrate":
             checks = Checks((1 << len(FLASH_SECTIONS)) - 1, 2.0**-24, 1e10)
             found = Findings.empty(case.batch * case.heads, q.device, calibrate=True)
