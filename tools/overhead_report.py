@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +46,7 @@ from megatron_abft.tuning.scaling import (
     checks_of,
     forward_backward_time,
     predict,
+    projection_costs,
     protection_forward,
     step_time,
     unfused_scores_bytes,
@@ -135,18 +137,24 @@ def roofline(result: dict) -> DeviceProfile:
         bias_ops={**code_bias, **({checks_of(impl): m["bias_ops"]} if "bias_ops" in m else {})},
         # both softmaxes and the fused softmax's checks, timed on the machine
         softmax=m.get("softmax"),
-        # the flash kernels' CUDA-core and exp2 rates: not micro-benchmarked, the datasheet's
-        **(datasheet_flash_rates(result["device"]) if impl == "flash" else {}),
+        # the checksum products' multiply-adds on a CPU's vector units, at its BLAS rate; on a
+        # GPU the CUDA-core (and the flash kernels' exp2) rates: not micro-benchmarked, the
+        # datasheet's
+        **(
+            {"vector": m["matmul"] / 2}
+            if result["device"] == "cpu"
+            else datasheet_rates(result["device"])
+        ),
     )
 
 
-def datasheet_flash_rates(device: str) -> dict[str, float]:
-    """The flash kernels' rates (vector, exp) of the DEVICES profile ``device`` names, e.g.
-    "NVIDIA H200": a run of the flash path does not measure them."""
+def datasheet_rates(device: str) -> dict[str, float]:
+    """The CUDA-core and exp2 rates (vector, exp) of the DEVICES profile ``device`` names, e.g.
+    "NVIDIA H200": a GPU run does not measure them."""
     for key, profile in DEVICES.items():
         if key in device:
             return {"vector": profile.vector, "exp": profile.exp}
-    raise ValueError(f"{device}: no GPU profile in DEVICES ({', '.join(DEVICES)}) to price flash")
+    raise ValueError(f"{device}: no GPU profile in DEVICES ({', '.join(DEVICES)}) for its rates")
 
 
 def within(predicted: float, measured: float) -> bool:
@@ -172,8 +180,10 @@ def validation_rows(paths: list[Path]) -> list[dict]:
         device = calibrated(result)
         prediction = predict(shape, device, impl)
         a = result["args"]
+        dated = re.fullmatch(r"\d{4}-\d{2}-\d{2}", path.parent.name)  # a run's folder
+        label = f"{path.parent.name}/{path.stem}" if dated else path.stem
         name = (
-            f"{path.stem}: {a['layers']}L h{a['hidden']} s{a['seq']} b{a['micro_batch']} "
+            f"{label}: {a['layers']}L h{a['hidden']} s{a['seq']} b{a['micro_batch']} "
             f"TP{a['tp']} {a['dtype']} on {result['device']} ({impl})"
         )
         measured, spread = result["overhead"], result.get("interval", {})
@@ -315,6 +325,43 @@ def prediction_table(device: DeviceProfile) -> list[str]:
                     f"{100 * p.attention:.1f}% | **{100 * p.step:.2f}%** | "
                     f"{p.step_seconds:.3f} |"
                 )
+    return lines
+
+
+def projections_text(device: DeviceProfile) -> list[str]:
+    flop_per_byte = device.matmul["bf16"] / device.bandwidth
+    return [
+        f"On the {device.name}, bf16, sequence 2048, forward, one rank: each projection's GEMM,",
+        "its clean check as the kernels run it (`encode_pair`, `add_bias`, the screen of the",
+        "output), and the floor, one read of the output at the bandwidth, which any check that",
+        "runs after its GEMM pays to sum that output (`scaling.projection_costs`). Over the GEMM",
+        "the floor is about (matmul rate / bandwidth) / k, k the GEMM's inner dimension: "
+        f"{flop_per_byte:.0f} / k",
+        "at this profile's rates. The qkv projection's k is the",
+        "hidden size; the output projection's is the hidden size over the tensor-parallel ranks,",
+        "so its floor grows with the ranks. A check at 2% of its GEMM is out of reach for any",
+        "check that reads the output again: only sums taken from the GEMM's own fp32",
+        "accumulators, in its epilogue (a GEMM of our own), read nothing again. At the step the",
+        "floor weighs less: the projections are a third of a layer's forward GEMM FLOPs (the",
+        "MLP's the rest, the attention's aside), and their checks are forward work only.",
+    ]
+
+
+def projections_table(device: DeviceProfile) -> list[str]:
+    lines = [
+        "| model | TP | micro-batch | qkv GEMM ms | qkv check | qkv floor | proj GEMM ms "
+        "| proj check | proj floor |",
+        "|---" * 9 + "|",
+    ]
+    for shape in CATALOGUE:
+        for micro_batch in (1, 8):
+            costs = projection_costs(replace(shape, seq=2048, micro_batch=micro_batch), device)
+            cells = " | ".join(
+                f"{1e3 * c.gemm:.3f} | {100 * c.check / c.gemm:.0f}% | "
+                f"{100 * c.floor / c.gemm:.1f}%"
+                for c in (costs["qkv"], costs["proj"])
+            )
+            lines.append(f"| {shape.name} | {shape.tp} | {micro_batch} | {cells} |")
     return lines
 
 
@@ -622,10 +669,12 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "For each layer and tensor-parallel rank the model counts the baseline work of a",
             "training step (FLOPs of every GEMM, forward and backward; bytes of the softmax,",
             "norms, residuals and the MLP activation; Adam's traffic; the number of tensor ops)",
-            "and the extra forward work of each checked section: encoding both operands, the small",
-            "checksum GEMMs, and verifying C. Work becomes time with a device profile:",
-            "`flops / matmul rate + bytes / bandwidth + ops x op latency`, and for the checks on",
-            "a CPU their kernels' dot products (a row of an operand against one checksum vector)",
+            "and the extra forward work of each checked section: encoding both operands, the",
+            "checksum products (fp32 multiply-adds on the CUDA cores, a CPU's vector units), and",
+            "verifying C. Work becomes time with a device profile: `flops / matmul rate +",
+            "multiply-adds / vector rate + bytes / bandwidth + ops x op latency`, and for the",
+            "checks on a CPU their kernels' dot products (a row of an operand against one checksum",
+            "vector)",
             "at a fixed cost each beyond the multiply-adds (`check_dot`; for an operand head_dim",
             "wide, as Q, K and V are, most of their products' time). Four implementations",
             "are modelled: `torch`, the PyTorch path (every fp32 copy, abs and reduction",
@@ -734,6 +783,12 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             f"{device.name}.",
             "",
             *paths_table(device),
+            "",
+            "### The projections' checks against their GEMMs",
+            "",
+            *projections_text(device),
+            "",
+            *projections_table(device),
             "",
         ]
     )

@@ -98,18 +98,21 @@ class DeviceProfile:
     elementwise passes run below the micro-benchmarks' rates. It scales the baseline, never
     the checks, which are priced by their own rates."""
     vector: float | None = None
-    """fp32 ops a second on the CUDA cores, the flash kernels' elementwise work (Work.vector): an
-    add, multiply, max, compare or cast each, an FMA one, so half the datasheet's fp32 FLOP/s
-    (which counts an FMA as two). In the flash kernels the softmax's elementwise ops and the
-    checks' row sums and comparisons run between the tile GEMMs, issued by the same warps as the
-    softmax's exp2: an FA2-style kernel (no warp specialisation, unlike FlashAttention-3) does
-    not overlap them with the tensor cores, so the model adds their times to the GEMMs'. None:
-    not known (the CPU profiles), and the flash path is not priced."""
+    """fp32 ops a second on the CUDA cores (Work.vector): an add, multiply, max, compare or cast
+    each, an FMA one, so half the datasheet's fp32 FLOP/s (which counts an FMA as two); on a
+    CPU its vector units, at half the fp32 matmul rate it measured. The checksum products'
+    multiply-adds run there, not on the tensor cores: fp32 sums of bf16 and fp16 operands. In
+    the flash kernels the softmax's elementwise ops and the checks' row sums and comparisons
+    run between the tile GEMMs, issued by the same warps as the softmax's exp2: an FA2-style
+    kernel (no warp specialisation, unlike FlashAttention-3) does not overlap them with the
+    tensor cores, so the model adds their times to the GEMMs'. None: not known, and work that
+    needs it is refused."""
     exp: float | None = None
     """exp2 a second on the special-function units (MUFU), the flash softmax's exponentials
     (Work.exps): 16 a clock an SM on sm_80 and sm_90, which on an H100 SXM is 3.9 T/s against
     989 TFLOP/s of bf16 matmul (FlashAttention-3, arXiv 2407.08608, section 3): at head dim 64
-    the forward's exp2 take as long as its GEMMs. None: not known, as ``vector``."""
+    the forward's exp2 take as long as its GEMMs. None: not known (a CPU's), and the flash
+    path is not priced."""
 
     def __post_init__(self) -> None:
         if not self.baseline_scale > 0:
@@ -160,8 +163,9 @@ class DeviceProfile:
             return 0.0
         if rate is None:
             raise ValueError(
-                f"DeviceProfile {self.name} has no {name} rate: the flash path is priced on GPU "
-                "profiles (DEVICES)"
+                f"DeviceProfile {self.name} has no {name} rate, which this work needs: the "
+                "checksum products take vector, the flash path vector and exp (DEVICES' GPU "
+                "profiles have both)"
             )
         return amount / rate
 

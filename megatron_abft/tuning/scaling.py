@@ -230,7 +230,8 @@ def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str)
     a_elems = g.batch * m * k / share_a
     b_elems = g.batch * k * n / share_b
     c_elems = g.batch * m * n
-    products = Work(flops=2 * g.batch * 3 * blocks * k * n)  # [e w] rows and the |.| row
+    # [e w] rows and the |.| row: fp32 multiply-adds, on the CUDA cores (torch's fp32 matmul too)
+    products = Work(vector=g.batch * 3 * blocks * k * n)
     if impl != "torch":  # per side, half of: the larger operand once, the smaller twice
         products += Work(dots=g.batch * 3 * blocks * n)  # the kernels' (torch's: BLAS)
         larger, smaller = max(a_elems, b_elems), min(a_elems, b_elems)
@@ -391,6 +392,45 @@ def _predict_flash(
         step_seconds=base,
         shared=shared / base,
     )
+
+
+PROJECTIONS = ("qkv", "proj")
+"""The checked GEMMs of the attention block that are linear layers, checked alike on every path
+(``kernels``)."""
+
+
+@dataclass(frozen=True)
+class ProjectionCost:
+    """One projection's GEMM, forward, on one rank, against its clean check (seconds)."""
+
+    gemm: float
+    """The GEMM's FLOPs at the profile's matmul rate."""
+    check: float
+    """Its clean check as the kernels run it (encode_pair, add_bias, the screen of the output)."""
+    floor: float
+    """The least any check that runs after the GEMM costs: one read of the output (to sum it),
+    at the bandwidth. Over ``gemm`` that is about ``(matmul rate / bandwidth) / k``, ``k`` the
+    GEMM's inner dimension, whatever the kernels do; only sums taken from the GEMM's own
+    accumulators, in its epilogue, read nothing again."""
+
+
+def projection_costs(shape: ModelShape, device: DeviceProfile) -> dict[str, ProjectionCost]:
+    """The qkv and output projections' GEMMs against their checks, for ``shape`` on ``device``:
+    where a projection's check can go and where it is now."""
+    checks = protection_forward(
+        shape, "kernels", device.ops_per_check("kernels"), device.ops_per_bias("kernels")
+    )
+    gemms = _checked_gemms(shape)
+    e = BYTES[shape.dtype]
+    costs = {}
+    for section in PROJECTIONS:
+        g = gemms[section]
+        costs[section] = ProjectionCost(
+            gemm=_gemm(g.m, g.k, g.n, g.batch).flops / device.matmul[shape.dtype],
+            check=device.check_time(checks[section], shape.dtype),
+            floor=g.batch * g.m * g.n * e / device.bandwidth,
+        )
+    return costs
 
 
 FUSED_SECTIONS = ("scores", "context")

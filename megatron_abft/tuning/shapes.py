@@ -60,11 +60,12 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Work:
-    """An amount of work: GEMM FLOPs, bytes moved by memory-bound ops, tensor ops launched, the
-    dot products of the checks' products kernels (a row of an operand against one checksum
-    vector; their multiply-adds are in ``flops``), and inside the flash kernels, fp32 ops on the
-    CUDA cores (``vector``, an FMA one) and exponentials on the special-function units
-    (``exps``)."""
+    """An amount of work: GEMM FLOPs on the tensor cores (a CPU's BLAS), bytes moved by
+    memory-bound ops, tensor ops launched, the dot products of the checks' products kernels (a
+    row of an operand against one checksum vector; their multiply-adds are in ``vector``), fp32
+    ops on the CUDA cores (a CPU's vector units; ``vector``, an FMA one: the checksum products'
+    multiply-adds and the flash kernels' elementwise work) and exponentials on the
+    special-function units (``exps``)."""
 
     flops: float = 0.0
     bytes: float = 0.0

@@ -58,6 +58,9 @@ def test_gpu_profiles_price_cuda_core_ops_and_exponentials():
         DeviceProfile("d", {"bf16": 1e12}, 1e10, 1e-3).time(Work(exps=1), "bf16")
 
 
+CPU_RUN = "docs/figures/bench_cpu_run26_unfused.json"
+
+
 def test_the_measured_h200_profile_is_the_h200_runs_micro_benchmarks():
     """DEVICES["H200-measured"] holds the medians of the micro-benchmarks of the H200 runs its
     provenance names (2026-11-27; as tools/overhead_report.py's roofline reads them): the rates
@@ -84,6 +87,11 @@ def test_the_measured_h200_profile_is_the_h200_runs_micro_benchmarks():
     assert profile.bias_ops == run.bias_ops
     assert profile.softmax == pytest.approx(run.softmax, rel=1e-5)
     assert (profile.vector, profile.exp) == (DEVICES["H200"].vector, DEVICES["H200"].exp)
+    # the checksum products' multiply-adds: the datasheet's CUDA-core rate for every GPU run (the
+    # unfused one too), a CPU run's vector units at half its measured fp32 matmul rate
+    assert run.vector == DEVICES["H200"].vector
+    cpu = json.loads(Path(__file__).parents[2].joinpath(CPU_RUN).read_text())
+    assert roofline(cpu).vector == cpu["machine"]["matmul"] / 2
     shape = next(s for s in CATALOGUE if s.name == "GPT-3 350M")
     for result in runs.values():
         on_its_host = replace(profile, baseline_scale=calibrated(result).baseline_scale)

@@ -26,9 +26,11 @@ from megatron_abft.tuning.devices import (
     DeviceProfile,
 )
 from megatron_abft.tuning.scaling import (
+    PROJECTIONS,
     _share_of_steps,
     forward_backward_time,
     predict,
+    projection_costs,
     protection_forward,
     softmax_seconds,
     step_time,
@@ -92,16 +94,59 @@ def test_predictions_add_up_and_intervals_divide_the_cost():
 
 def test_a_faster_memory_makes_the_memory_bound_checks_cheaper():
     shape = replace(SHAPES["Llama-3 8B"], seq=8192)
-    slow = DeviceProfile("slow", {"bf16": 1e15}, 1e12, 0.0)
-    fast = DeviceProfile("fast", {"bf16": 1e15}, 4e12, 0.0)
+    slow = DeviceProfile("slow", {"bf16": 1e15}, 1e12, 0.0, vector=1e15)
+    fast = DeviceProfile("fast", {"bf16": 1e15}, 4e12, 0.0, vector=1e15)
     assert predict(shape, fast, "fused").step < predict(shape, slow, "fused").step
+
+
+def test_the_checksum_products_run_on_the_cuda_cores():
+    """The products of a check (its operands against the other side's checksums) are fp32
+    multiply-adds on the CUDA cores, Work.vector, 3 vectors a block of each side: no tensor-core
+    FLOPs, so the check's time does not follow the matmul rate but the vector rate."""
+    shape = replace(SHAPES["GPT-3 350M"], seq=2048, micro_batch=8)
+    tokens, h, width = shape.seq * shape.micro_batch, shape.hidden, 3 * shape.hidden
+    for impl in ("kernels", "torch"):
+        qkv = protection_forward(shape, impl)["qkv"]
+        blocks = (tokens // shape.block, width // shape.block)
+        assert qkv.flops == 0
+        assert qkv.vector == 3 * (blocks[0] * h * width + blocks[1] * h * tokens)
+    h200 = DEVICES["H200"]
+    qkv = protection_forward(shape, "kernels")["qkv"]
+    faster_matmul = replace(h200, matmul={"bf16": 10 * h200.matmul["bf16"]})
+    slower_cores = replace(h200, vector=h200.vector / 2)
+    assert faster_matmul.check_time(qkv, "bf16") == h200.check_time(qkv, "bf16")
+    assert slower_cores.check_time(qkv, "bf16") - h200.check_time(qkv, "bf16") == pytest.approx(
+        qkv.vector / h200.vector
+    )
+
+
+def test_a_projections_check_has_a_floor_of_one_read_of_its_output():
+    """projection_costs: each projection's GEMM at the matmul rate, its clean check as the
+    kernels run it, and the floor, the output read once at the bandwidth: about (matmul rate /
+    bandwidth) / k of the GEMM, however fast the kernels are."""
+    h200 = DEVICES["H200"]
+    for name, micro_batch in (("GPT-3 350M", 8), ("GPT-3 175B", 1)):
+        shape = replace(SHAPES[name], seq=2048, micro_batch=micro_batch)
+        costs = projection_costs(shape, h200)
+        assert set(costs) == set(PROJECTIONS)
+        tokens, h, tp = shape.seq * shape.micro_batch, shape.hidden, shape.tp
+        for section, (k, n) in {"qkv": (h, 3 * h // tp), "proj": (h // tp, h)}.items():
+            cost = costs[section]
+            assert cost.gemm == pytest.approx(2 * tokens * k * n / h200.matmul["bf16"])
+            assert cost.floor == pytest.approx(2 * tokens * n / h200.bandwidth)
+            rate_over_bandwidth = h200.matmul["bf16"] / h200.bandwidth
+            assert cost.floor / cost.gemm == pytest.approx(rate_over_bandwidth / k)
+            assert cost.floor < cost.check
+    # the output projection's is never near 2%: at TP 8 its k is an eighth of the hidden size
+    big = projection_costs(replace(SHAPES["GPT-3 175B"], seq=2048), h200)
+    assert big["qkv"].floor / big["qkv"].gemm < 0.02 < 0.1 < big["proj"].floor / big["proj"].gemm
 
 
 def test_checks_read_at_their_own_bandwidth():
     """A profile's check_bandwidth prices the checks' bytes (and only theirs); without it they
     read at the streaming bandwidth."""
     work = Work(bytes=1e9, ops=2)
-    plain = DeviceProfile("d", {"fp32": 1e12}, 1e10, 1e-3)
+    plain = DeviceProfile("d", {"fp32": 1e12}, 1e10, 1e-3, vector=5e11)
     slow_checks = replace(plain, check_bandwidth=2.5e9, check_op=2e-3)
     assert plain.check_time(work, "fp32") == pytest.approx(0.1 + 0.002)
     assert slow_checks.check_time(work, "fp32") == pytest.approx(0.4 + 0.004)
@@ -125,7 +170,7 @@ def test_the_kernels_dot_products_are_counted_and_priced_apart():
     assert kernels["qkv"].dots == qkv_dots
     assert all(torch_path[s].dots == 0 for s in FORWARD_SECTIONS)
     assert (Work(dots=3) + Work(dots=4) * 0.5).dots == 5
-    plain = DeviceProfile("d", {"fp32": 1e12}, 1e10, 1e-3)
+    plain = DeviceProfile("d", {"fp32": 1e12}, 1e10, 1e-3, vector=5e11)
     dotted = replace(plain, check_dot=2e-9)
     work = Work(bytes=1e9, ops=2, dots=1e6)
     assert dotted.check_time(work, "fp32") - plain.check_time(work, "fp32") == pytest.approx(2e-3)
@@ -212,7 +257,12 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 def _timed_softmax(**costs) -> DeviceProfile:
     """A device whose Megatron softmax costs 4 ns (forward) and 8 ns (backward) an element."""
     return DeviceProfile(
-        "d", {"fp32": 1e11}, 3e10, 5e-6, softmax={"forward": 4e-9, "backward": 8e-9, **costs}
+        "d",
+        {"fp32": 1e11},
+        3e10,
+        5e-6,
+        softmax={"forward": 4e-9, "backward": 8e-9, **costs},
+        vector=5e10,
     )
 
 
