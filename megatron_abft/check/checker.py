@@ -70,6 +70,7 @@ def signature(
         layouts,
         operands.alpha,
         config.block_size,
+        config.block_size,
         config.threshold_scale,
         config.near_inf,
         sync_free,
@@ -81,6 +82,23 @@ def signature(
     if output.is_cuda:
         key += cuda_matmul_switches()
     return key
+
+
+def screen_key(output: Tensor, operands: GemmOperands, config: ABFTConfig) -> tuple | None:
+    """What decides that a check takes the same CPU screen as an earlier one of the same
+    signature (CompiledChecker.host_screen), in one call into the extension: the layouts and
+    ``signature``'s settings (on a CPU, where that screen runs, the host reads results whatever
+    ``sync_free`` says). None where it may not be asked: traced, or without the extension."""
+    if torch.compiler.is_compiling() or not compiled.available():
+        return None
+    return (
+        compiled.layouts(output, operands.a, operands.b, operands.bias),
+        operands.alpha,
+        config.block_size,
+        config.threshold_scale,
+        config.near_inf,
+        compiled._emulating,
+    )
 
 
 def _layouts(*tensors: Tensor | None) -> tuple | None:
@@ -261,16 +279,20 @@ class CompiledChecker:
         refs: tuple[Checksums, Checksums] | None,
         ledger: Ledger,
     ) -> Tensor | None:
-        if refs is None and self.host_screen:  # a clean C ends at the screen: no tensor made
-            a, b, bias = operands.a, operands.b, operands.bias
-            if compiled.screen_passes(
-                output, a, b, self.alpha, bias, self.block, *self.bounds, self.capacity
-            ):
-                return None
+        if refs is None and self.host_screen and self.screen(output, operands):
+            return None  # a clean C ends at the screen: no tensor made
         failed = self.settle(output, operands, refs, ledger)
         if failed is LEFT_TO_REFERENCE:
             return self.reference.run(output, operands, refs, ledger)
         return failed
+
+    def screen(self, output: Tensor, operands: GemmOperands) -> bool:
+        """Whether ``output`` passes the CPU's screen (compiled.screen_passes), which ends a
+        clean check where ``host_screen`` holds."""
+        a, b, bias = operands.a, operands.b, operands.bias
+        return compiled.screen_passes(
+            output, a, b, self.alpha, bias, self.block, *self.bounds, self.capacity
+        )
 
     def settle(
         self,

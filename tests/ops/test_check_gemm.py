@@ -17,6 +17,7 @@ from test_ext import DTYPES, EMULATED_PROPERTY, PROPERTY, corrupted, needs_emula
 from test_ext_correct import bits
 
 from megatron_abft import _C
+from megatron_abft.check.checker import signature
 from megatron_abft.check.eec import OUTCOMES, GemmOperands
 from megatron_abft.check.ledger import Ledger
 from megatron_abft.check.sides import Check, side_bounds
@@ -251,6 +252,52 @@ def test_a_guards_clean_check_on_the_cpu_ends_at_the_screen(batch):
     assert "megatron_abft::check_gemm" in _ops_run(lambda: guard.check(faulty, operands))
     torch.testing.assert_close(faulty, clean, rtol=1e-3, atol=1e-3)
     assert int(guard.counts[OUTCOMES.index("corrected")].sum()) == (6 if batch else 1)
+
+
+@needs_ext
+def test_a_guard_asks_its_signatures_screen_first(monkeypatch):
+    """Once a signature's checker ends its clean checks at the CPU's screen, the guard asks that
+    screen first (SectionGuard.screen): no signature, no checker's choice, no verify. A fault
+    still goes on to check_gemm and is corrected; another shape, a changed block or threshold,
+    or the kernels disabled take the whole path again."""
+    import megatron_abft.runtime.guard as guard_module
+
+    a, b, bias, clean = _operands(torch.float32, (), 64, 32, 48, True, 3, "weight")
+    operands = GemmOperands(a, b, -0.5, bias)
+    config = ABFTConfig()
+    guard = SectionGuard("qkv", config, 0)
+    for _ in range(2):  # the reference, then the checker chosen for the signature
+        guard.check(clean.clone(), operands)
+    assert guard.screen is not None
+    calls = []
+    monkeypatch.setattr(guard_module, "signature", lambda *a: calls.append(1) or signature(*a))
+
+    def whole_path(output, operands) -> bool:
+        """Whether a check of ``output`` went past the screen the guard keeps."""
+        calls.clear()
+        assert guard.check(output, operands) is output
+        return bool(calls)
+
+    out = clean.clone()
+    assert not whole_path(out, operands) and torch.equal(out, clean)
+    faulty = clean.clone()
+    faulty[7, 3] = 1e4
+    assert whole_path(faulty, operands)
+    torch.testing.assert_close(faulty, clean, rtol=1e-3, atol=1e-3)
+    assert int(guard.counts[OUTCOMES.index("corrected")].sum()) == 1
+    narrower = GemmOperands(a[:, :16], b[:16], -0.5, bias)
+    narrow = torch.addmm(bias, a[:, :16], b[:16], alpha=-0.5)
+    # a new signature: the reference's check, then its checker's, then the screen alone
+    assert [whole_path(narrow, narrower) for _ in range(3)] == [True, True, False]
+    # back to the first signature: its checker kept, its screen taken up again
+    assert [whole_path(clean.clone(), operands) for _ in range(2)] == [True, False]
+    for field, value in (("block_size", 16), ("threshold_scale", 2 * config.threshold_scale)):
+        setattr(config, field, value)
+        paths = [whole_path(clean.clone(), operands) for _ in range(3)]
+        assert paths == [True, True, False], field
+    with compiled.disabled():
+        assert whole_path(clean.clone(), operands)
+    assert int(guard.counts[OUTCOMES.index("corrected")].sum()) == 1
 
 
 @needs_ext
