@@ -140,7 +140,7 @@ class SectionGuard:
         self.checkers: dict[tuple, Checker] = {}  # by signature (check.checker.signature)
         self.screen: tuple[tuple, CompiledChecker] | None = None
         """(check.checker.screen_key, checker) of the last signature whose clean check ends at
-        the CPU's screen (CompiledChecker.host_screen): ``check`` asks it first, in one call
+        the CPU's screen (CompiledChecker.host_screen): ``verify`` asks it first, in one call
         past the guard's Python (a check's code runs with the caches cold in a step)."""
 
     @property
@@ -175,12 +175,6 @@ class SectionGuard:
             self.land_faults(output, views or {self.section: lambda t: t})
         if not self.due:
             return output
-        if refs is None and self.screen is not None:
-            key, checker = self.screen
-            if screen_key(output, operands, self.config) == key and checker.screen(
-                output, operands
-            ):
-                return output  # clean, as verify would have found
         return self.verify(output, operands, recompute, refs, masked)
 
     def verify(
@@ -192,6 +186,12 @@ class SectionGuard:
         masked: Masked | None = None,
     ) -> Tensor:
         """``check`` of a due section whose faults have landed."""
+        if refs is None and self.screen is not None:
+            key, checker = self.screen
+            if screen_key(output, operands, self.config) == key and checker.screen(
+                output, operands
+            ):
+                return output  # clean, as the whole path would have found
         self.batch_shape = tuple(output.shape[:-2])
         failed = self._verify(output, operands, refs)
         if failed is None:  # known clean, with no host synchronisation

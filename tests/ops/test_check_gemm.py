@@ -257,7 +257,7 @@ def test_a_guards_clean_check_on_the_cpu_ends_at_the_screen(batch):
 @needs_ext
 def test_a_guard_asks_its_signatures_screen_first(monkeypatch):
     """Once a signature's checker ends its clean checks at the CPU's screen, the guard asks that
-    screen first (SectionGuard.screen): no signature, no checker's choice, no verify. A fault
+    screen first (SectionGuard.screen): no signature and no checker's choice. A fault
     still goes on to check_gemm and is corrected; another shape, a changed block or threshold,
     or the kernels disabled take the whole path again."""
     import megatron_abft.runtime.guard as guard_module
