@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron_abft.config import BACKWARD_SECTIONS, FLASH_SECTIONS, FORWARD_SECTIONS, SECTIONS
+from megatron_abft.dev import aot
 from megatron_abft.tuning.devices import DEVICES, DeviceProfile
 from megatron_abft.tuning.flash_work import (
     CHECK_ROW_OPS,
@@ -44,23 +45,6 @@ FLASH_SHAPE = ModelShape("flash", 2, 192, 4, 768, 1000, seq=96, micro_batch=2, k
 kernels' tiles."""
 
 
-class _NoKernels:
-    """Stands in for the flash path's Triton modules (build.for_device): a launch is counted,
-    and runs nothing."""
-
-    def __init__(self):
-        self.launches = 0
-
-    def __getattr__(self, name):  # _fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
-        return self
-
-    def __getitem__(self, grid):
-        return self._launch
-
-    def _launch(self, *args, **kwargs):
-        self.launches += 1
-
-
 class _Launches(TorchDispatchMode):
     """What the torch ops run in the mode would launch on a GPU, and the bytes they move. Not
     launched: views, uninitialised tensors, host reads (_local_scalar_dense) and what feeds them
@@ -88,12 +72,12 @@ class _Launches(TorchDispatchMode):
         return out
 
 
-def _flash_launches(shape: ModelShape, due: int, monkeypatch) -> dict[str, tuple[int, int]]:
+def _flash_launches(shape: ModelShape, due: int) -> dict[str, tuple[int, int]]:
     """Ops launched (the Triton kernels among them) and bytes the torch ops move, for one
     layer's flash attention, forward and backward, TP 1, with the ``due`` sections' bits, as
     attention.py's custom ops run them (their findings buffer, then launch.forward or
-    .backward) with the kernels stubbed; the ledger's update apart."""
-    from megatron_abft.flash import build, launch
+    .backward) with the kernels' launches recorded, not run; the ledger's update apart."""
+    from megatron_abft.flash import launch
     from megatron_abft.flash.attention import _found
 
     b, n, d = shape.micro_batch, shape.seq, shape.head_dim
@@ -101,25 +85,24 @@ def _flash_launches(shape: ModelShape, due: int, monkeypatch) -> dict[str, tuple
     q, do = (torch.randn(b, shape.heads, n, d).to(dtype) for _ in range(2))
     k, v = (torch.randn(b, shape.groups, n, d).to(dtype) for _ in range(2))
     checks = launch.Checks(due, 2.0**-18, 1e10)
-    kernels = _NoKernels()
-    monkeypatch.setattr(build, "for_device", lambda module, device: kernels)
     sections = launch.KERNEL_SECTIONS
     counted = {}
-    with _Launches() as mode:
+    kernels: list = []
+    with aot.recording(kernels), _Launches() as mode:
         found = _found(checks.has(*sections["forward"]), q)
         o, lse = torch.empty_like(q), torch.empty(b, shape.heads, n)
         launch.forward(q, k, v, True, d**-0.5, checks, found)
-    counted["forward"] = (mode.ops + kernels.launches, mode.bytes)
-    kernels.launches = 0
-    with _Launches() as mode:
+    counted["forward"] = (mode.ops + len(kernels), mode.bytes)
+    kernels.clear()
+    with aot.recording(kernels), _Launches() as mode:
         found = _found(checks.has(*sections["dkdv"], *sections["dq"]), q)
         launch.backward(do, q, k, v, o, lse, True, d**-0.5, checks, found)
-    counted["backward"] = (mode.ops + kernels.launches, mode.bytes)
+    counted["backward"] = (mode.ops + len(kernels), mode.bytes)
     return counted
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtype, monkeypatch):
+def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtype):
     """FLASH_KERNELS' launches, flash_group_sums and flash_shared's prepass, second launches and
     findings follow the code: counted on it (kernels stubbed), with the checks compiled out and
     in. Every byte but the group sums' moves in Triton kernels, none in torch ops; the
@@ -127,8 +110,8 @@ def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtyp
     from megatron_abft.flash import checksums
 
     shape = replace(FLASH_SHAPE, dtype=dtype)
-    off = _flash_launches(shape, 0, monkeypatch)
-    on = _flash_launches(shape, 2 ** len(FLASH_SECTIONS) - 1, monkeypatch)
+    off = _flash_launches(shape, 0)
+    on = _flash_launches(shape, 2 ** len(FLASH_SECTIONS) - 1)
     group = flash_group_sums(shape)
     assert group.ops == GROUP_SUM_OPS  # FLASH_SHAPE's two query heads a group
     assert off["forward"] == (FLASH_KERNELS["forward"].launch_ops, 0)
@@ -155,7 +138,6 @@ def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtyp
     assert shared["ledger"].bytes == 2 * buffer
     # the prepass's bytes: each operand read once more, the tiles it writes, and the column
     # sums in fp32 (written, read by the running sums)
-    monkeypatch.undo()
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     b, n, d, width = shape.micro_batch, shape.seq, shape.head_dim, 64
     query, o, do = (torch.randn(b, shape.heads, n, d).to(torch_dtype) for _ in range(3))
@@ -191,18 +173,17 @@ def launch_tiles(kernel: str, dtype) -> int:
     return tiles.block_m if kernel == "dkdv" else tiles.block_n
 
 
-def test_a_ledger_update_launches_what_the_model_counts(monkeypatch):
+def test_a_ledger_update_launches_what_the_model_counts():
     """RECORD_OPS follows megatron_abft.flash.ledger.record: the GPU launches of one update."""
-    from megatron_abft.flash import build, launch
+    from megatron_abft.flash import launch
     from megatron_abft.flash.ledger import FlashLedger, record
 
     ledger = FlashLedger.on(torch.device("cpu"))
     found = launch.Findings.empty(6, torch.device("cpu"))
-    kernels = _NoKernels()
-    monkeypatch.setattr(build, "for_device", lambda module, device: kernels)
-    with _Launches() as mode:
+    kernels: list = []
+    with aot.recording(kernels), _Launches() as mode:
         record(found, *ledger.tensors)
-    assert mode.ops + kernels.launches == RECORD_OPS
+    assert mode.ops + len(kernels) == RECORD_OPS
     with _Launches() as mode:
         launch.Findings.empty(6, torch.device("cpu"))
     assert mode.ops == FOUND_OPS
