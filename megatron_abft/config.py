@@ -8,7 +8,6 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 import torch
 
@@ -126,10 +125,6 @@ class ABFTConfig:
     """JSON Lines file each rank appends its uncorrectable faults to as they are decided (rank,
     layer, section, step, policy); None: printed only. A Telemetry with an events file of its
     own writes every event there instead (megatron_abft.runtime.telemetry)."""
-
-    runtime: Any = field(default=None, init=False, repr=False, compare=False)
-    """The runtime of the layers built from this config
-    (megatron_abft.runtime.model_runtime.runtime_of)."""
 
     _intervals: dict[str, int] = field(init=False, repr=False, compare=False)
 

@@ -63,11 +63,18 @@ WITHOUT_LOOP = {
 """What the runtime does with an uncorrectable fault that the loop left to it, by policy."""
 
 
+_RUNTIMES: dict[int, Runtime] = {}
+"""Each config's runtime, by the config's id: the config stays plain data. A runtime holds its
+config weakly and leaves this table when the config goes, so an id names one config."""
+
+
 def runtime_of(config: ABFTConfig) -> Runtime:
-    """The runtime shared by every layer built from ``config``, made at the first call."""
-    if config.runtime is None:
-        config.runtime = Runtime(config)
-    return config.runtime
+    """The runtime shared by every layer built from ``config``, made at the first call and kept
+    while ``config`` lives."""
+    runtime = _RUNTIMES.get(id(config))
+    if runtime is None:
+        runtime = Runtime(config)
+    return runtime
 
 
 def runtimes(guards: Iterable[SectionGuard]) -> list[Runtime]:
@@ -147,7 +154,7 @@ class Runtime:
     the settling of the faults no one else consumed."""
 
     def __init__(self, config: ABFTConfig):
-        self.config = config
+        self._register(config)
         self._modules: list[weakref.ref] = []
         self._layer: int | None = None  # the layer of the last core attention attached
         self._ran: weakref.WeakSet = weakref.WeakSet()  # the modules that ran in this pass
@@ -170,8 +177,22 @@ class Runtime:
         self._optimizer_hook = None
         atexit.register(_settle_at_exit, weakref.ref(self))
 
+    def _register(self, config: ABFTConfig) -> None:
+        """Be ``config``'s runtime (runtime_of) for as long as ``config`` lives."""
+        self._config = weakref.ref(config)
+        _RUNTIMES[id(config)] = self
+        weakref.finalize(config, _RUNTIMES.pop, id(config), None)
+
+    @property
+    def config(self) -> ABFTConfig:
+        config = self._config()
+        if config is None:  # its layers hold it: only a runtime kept past its model sees this
+            raise RuntimeError("the ABFTConfig of this runtime no longer exists")
+        return config
+
     def __getstate__(self) -> dict:  # a pickled model keeps its runtime: weak refs cannot go
         state = self.__dict__.copy()
+        state["_config"] = self.config
         state["_modules"] = [m for m in (ref() for ref in self._modules) if m is not None]
         state["_ran"] = list(self._ran)
         # a copy logs nothing by itself: the hook and the telemetry belong to this process
@@ -180,6 +201,7 @@ class Runtime:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._register(state["_config"])
         self._modules = [weakref.ref(m) for m in state["_modules"]]
         self._ran = weakref.WeakSet(state["_ran"])
         atexit.register(_settle_at_exit, weakref.ref(self))
@@ -381,7 +403,8 @@ def _settle_at_exit(ref: weakref.ref) -> None:
     runtime = ref()
     if runtime is not None:
         where, _ = take_pending(list(runtime.guards()))
-        report(runtime.config, where, "found in the last pass: printed and recorded only")
+        if where:  # from live guards, whose config lives too
+            report(runtime.config, where, "found in the last pass: printed and recorded only")
 
 
 @contextlib.contextmanager

@@ -334,6 +334,32 @@ def test_megatron_lm_telemetry_needs_no_loop_call(tmp_path):
     assert "UNCORRECTABLE" not in done.stderr + done.stdout
 
 
+def test_the_config_is_plain_data_and_its_runtime_lives_as_long_as_it():
+    """ABFTConfig holds no runtime (every field is a setting); runtime_of gives one runtime a
+    config while the config lives, and forgets it when the config and its layers go."""
+    import dataclasses
+    import gc
+
+    from megatron_abft.runtime import model_runtime
+    from megatron_abft.runtime.guard import SectionGuard
+
+    config = ABFTConfig()
+    fields = {f.name for f in dataclasses.fields(config)}
+    assert not any(isinstance(v, model_runtime.Runtime) for v in vars(config).values())
+    assert "runtime" not in fields
+    runtime = model_runtime.runtime_of(config)
+    assert model_runtime.runtime_of(config) is runtime
+    assert model_runtime.runtime_of(ABFTConfig()) is not runtime
+    layer = torch.nn.Linear(2, 2)
+    layer.abft_guards = (SectionGuard("proj", config, 0),)
+    runtime.attach(layer)
+    assert runtime.config is config and list(runtime.guards()) == list(layer.abft_guards)
+    key = id(config)
+    del config, runtime, layer
+    gc.collect()
+    assert key not in model_runtime._RUNTIMES
+
+
 def test_a_model_with_its_runtime_pickles():
     """torch.save of a whole module pickles its config, hooks and runtime (weak references
     inside): the copy's runtime holds the copy's guards."""
