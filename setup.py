@@ -33,12 +33,18 @@ SOURCES = [
     "csrc/bindings/abft_matrix_check.cpp",
     "csrc/kernels/abft_cpu.cpp",
 ]
-# The test-only extension: the CUDA kernels (abft_cuda.cu) built by the C++ compiler, and the
-# emulator that runs them.
+# The test-only extension: the CUDA kernels (abft_cuda.cu) built by the C++ compiler, the emulator
+# that runs them, and the bindings built again to run them on CPU tensors (csrc/emulator/emulated_*:
+# each includes its source from csrc/, so that the two extensions' objects do not collide).
 EMULATOR_SOURCES = [
     "csrc/emulator/emulator_module.cpp",
     "csrc/emulator/abft_cuda_emulated.cpp",
     "csrc/emulator/cuda_emulator.cpp",
+    *(
+        f"csrc/emulator/emulated_{name}.cpp"
+        for name in ("abft_ops", "abft_encode", "abft_softmax", "abft_check", "abft_matrix_check")
+    ),
+    "csrc/emulator/emulated_abft_cpu.cpp",
 ]
 # OpenMP: at::parallel_for runs its tasks on torch's threads only where _OPENMP is defined (it
 # is serial otherwise). libgomp.so.1 resolves to the copy torch has already loaded.
@@ -79,13 +85,13 @@ def nvidia_wheel_dirs(kind: str) -> list[str]:
     return found
 
 
-def emulator(cpp_extension) -> tuple[list, list[tuple[str, None]]]:
-    """The test-only emulator extension and _C's macro for running it, where it is built (its
-    fibers switch stacks in x86-64 assembly, and ABFT_EMULATOR is not 0), else none."""
+def emulator(cpp_extension) -> list:
+    """The test-only emulator extension, where it is built (its fibers switch stacks in x86-64
+    assembly, and ABFT_EMULATOR is not 0), else none."""
     if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
-        return [], []
+        return []
     if os.environ.get("ABFT_EMULATOR", "1").strip() == "0":
-        return [], []
+        return []
     ext = cpp_extension.CppExtension(
         "megatron_abft._emulator",
         EMULATOR_SOURCES,
@@ -93,7 +99,7 @@ def emulator(cpp_extension) -> tuple[list, list[tuple[str, None]]]:
         extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=LINK_FLAGS,
     )
-    return [ext], [("ABFT_WITH_EMULATOR", None)]
+    return [ext]
 
 
 def extensions() -> tuple[list, dict]:
@@ -116,13 +122,12 @@ def extensions() -> tuple[list, dict]:
             f"ABFT_BUILD={mode} found no CUDA toolkit: set CUDA_HOME or ABFT_BUILD=cpu"
         )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
-    emulated, emulator_macros = emulator(cpp_extension)
+    emulated = emulator(cpp_extension)
     if not use_cuda:
         ext = cpp_extension.CppExtension(
             "megatron_abft._C",
             SOURCES,
             include_dirs=INCLUDE_DIRS,
-            define_macros=emulator_macros,
             extra_compile_args={"cxx": CXX_FLAGS},
             extra_link_args=LINK_FLAGS,
         )
@@ -136,7 +141,7 @@ def extensions() -> tuple[list, dict]:
         "megatron_abft._C",
         [*SOURCES, "csrc/kernels/abft_cuda.cu"],
         include_dirs=INCLUDE_DIRS,
-        define_macros=[("ABFT_WITH_CUDA", None), *emulator_macros],
+        define_macros=[("ABFT_WITH_CUDA", None)],
         library_dirs=nvidia_wheel_dirs("lib"),
         extra_compile_args={"cxx": CXX_FLAGS + wheel_includes, "nvcc": NVCC_FLAGS},
         extra_link_args=LINK_FLAGS,

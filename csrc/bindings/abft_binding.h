@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #ifdef ABFT_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -17,40 +18,69 @@
 
 #include "kernels/abft.h"
 
-// The CUDA kernels are in builds for GPUs (ABFT_WITH_CUDA); builds that can run them on the CPU
-// through the test-only extension megatron_abft._emulator (ABFT_WITH_EMULATOR) dispatch to them
-// too.
-#if defined(ABFT_WITH_CUDA) || defined(ABFT_WITH_EMULATOR)
+// These files are built twice. Into megatron_abft._C: the ops, their C++ kernels for CPU tensors
+// and, in builds for GPUs (ABFT_WITH_CUDA), the CUDA kernels' bindings. Into the test-only
+// extension megatron_abft._emulator (ABFT_EMULATED): the CUDA kernels' bindings again, for CPU
+// tensors, whose kernels are abft_cuda.cu built for the CPU through the CUDA emulator
+// (csrc/emulator/cuda_emulator.h); nothing of it is in _C.
+#if defined(ABFT_WITH_CUDA) || defined(ABFT_EMULATED)
 #define ABFT_CUDA_KERNELS 1
 #endif
 
 namespace abft_binding {
 
-// Whether the ops on CPU tensors run the CUDA kernels through the emulator instead of the C++
-// kernels (megatron_abft.ops.compiled.emulated_cuda, for tests). False in builds that cannot.
-bool emulating_cuda();
+// Whether these bindings run the CUDA kernels on CPU tensors (megatron_abft._emulator).
+#ifdef ABFT_EMULATED
+constexpr bool kEmulated = true;
+#else
+constexpr bool kEmulated = false;
+#endif
 
-#ifdef ABFT_CUDA_KERNELS
-// An op's implementation for CPU tensors, given its C++ one (Cpu) and its CUDA one (Cuda) of the
-// same signature: Cpu, or Cuda while emulating_cuda(). Registered as &OnCpu<cpu, cuda>::call.
-template <auto Cpu, auto Cuda>
-struct OnCpu;
+// How the bindings register with torch.library: ABFT_OPS(m) { m.def(...); } for the ops' schemas,
+// ABFT_IMPLS(key, m) { m.impl(...); } for their kernels of a dispatch key. In _C these are torch's
+// registrations at load. _emulator registers nothing at load (the schemas and C++ kernels are
+// _C's): while megatron_abft.ops.compiled.emulated_cuda() is on, emulate(true) registers its CUDA
+// kernels' bindings for CPU tensors, and its composites (whose CPU tensors take the CUDA path)
+// over _C's, until emulate(false).
+#ifndef ABFT_EMULATED
+#define ABFT_OPS(m) TORCH_LIBRARY_FRAGMENT(megatron_abft, m)
+#define ABFT_IMPLS(key, m) TORCH_LIBRARY_IMPL(megatron_abft, key, m)
+#else
+using Registration = void (*)(torch::Library&);
 
-template <typename R, typename... A, R (*Cpu)(A...), R (*Cuda)(A...)>
-struct OnCpu<Cpu, Cuda> {
-  static R call(A... args) { return emulating_cuda() ? Cuda(args...) : Cpu(args...); }
+// The registrations emulate(true) makes, for CPU tensors and over the composites.
+std::vector<Registration>& emulated_registrations(c10::DispatchKey key);
+
+struct Registrar {
+  Registrar(c10::DispatchKey key, Registration registration) {
+    emulated_registrations(key).push_back(registration);
+  }
 };
 
-// The CPU registration of op `name`, whose implementations are name_cpu and name_cuda.
-#define ABFT_CPU_IMPL(name) &abft_binding::OnCpu<name##_cpu, name##_cuda>::call
-#else
-#define ABFT_CPU_IMPL(name) &name##_cpu
+// Registers (true) or withdraws (false) the emulated kernels; returns whether they were on.
+bool emulate(bool on);
+
+#define ABFT_OPS(m) ABFT_UNUSED_(m, C10_UID)
+#define ABFT_IMPLS(key, m) ABFT_IMPLS_##key(m)
+#define ABFT_IMPLS_CPU(m) ABFT_UNUSED_(m, C10_UID)
+#define ABFT_IMPLS_Autograd(m) ABFT_UNUSED_(m, C10_UID)
+#define ABFT_IMPLS_CompositeExplicitAutograd(m) ABFT_UNUSED_(m, C10_UID)
+#define ABFT_IMPLS_CUDA(m) ABFT_EMULATED_(m, C10_UID, CPU)
+#define ABFT_IMPLS_CompositeImplicitAutograd(m) \
+  ABFT_EMULATED_(m, C10_UID, CompositeImplicitAutograd)
+#define ABFT_UNUSED_(m, uid) \
+  [[maybe_unused]] static void C10_CONCATENATE(abft_unused_, uid)(torch::Library & m)
+#define ABFT_EMULATED_(m, uid, key)                                                      \
+  static void C10_CONCATENATE(abft_emulated_, uid)(torch::Library&);                     \
+  static const abft_binding::Registrar C10_CONCATENATE(abft_registrar_, uid)(            \
+      c10::DispatchKey::key, &C10_CONCATENATE(abft_emulated_, uid));                     \
+  void C10_CONCATENATE(abft_emulated_, uid)(torch::Library & m)
 #endif
 
 #ifdef ABFT_CUDA_KERNELS
 // Where an op's CUDA kernels run: on the GPU that holds `on`, on torch's current stream there,
-// that device current while the launch lives; or, for a tensor on the CPU while emulating_cuda(),
-// through the emulator. Any other tensor is an error that says so.
+// that device current while the launch lives; or, in _emulator, for a tensor on the CPU, through
+// the emulator. Any other tensor is an error that says so.
 class CudaLaunch {
  public:
   explicit CudaLaunch(const at::Tensor& on);
@@ -104,8 +134,8 @@ std::tuple<Products, abft::MatrixBatch, abft::RowProducts, at::Tensor, at::Tenso
 using Eight = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                          at::Tensor, at::Tensor>;
 
-// block_sums_pair and row_products_pair by the CUDA kernels, one launch each: registered for CUDA,
-// and for the CPU through OnCpu (abft_encode.cpp).
+// block_sums_pair and row_products_pair by the CUDA kernels, one launch each (elsewhere the two
+// ops each, abft_encode.cpp).
 Eight block_sums_pair_cuda(const at::Tensor& a, int64_t a_col_block, int64_t a_row_block,
                            const at::Tensor& b, int64_t b_col_block, int64_t b_row_block);
 Sums row_products_pair_cuda(const at::Tensor& a, const at::Tensor& u, const at::Tensor& z,

@@ -117,8 +117,7 @@ void row_products(const abft::MatrixBatch& a, const abft::RowProducts& out) {
 bool fused_screen_applies(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b,
                           const std::optional<at::Tensor>& bias, int64_t block,
                           at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds) {
-  return c.is_cpu() && !abft_binding::emulating_cuda() &&
-         abft_binding::takes_matrices(c, a, b, bias, block, col_bounds, row_bounds);
+  return c.is_cpu() && abft_binding::takes_matrices(c, a, b, bias, block, col_bounds, row_bounds);
 }
 
 // check_gemm's screen on the CPU (fused_screen_applies): whether C passes it, every vector of
@@ -223,12 +222,6 @@ Five check_gemm_cpu(const at::Tensor& c, const at::Tensor& a, const at::Tensor& 
                     const std::optional<at::Tensor>& bias, int64_t block,
                     at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
                     double near_inf, int64_t capacity) {
-#ifdef ABFT_CUDA_KERNELS
-  if (abft_binding::emulating_cuda()) {
-    return check_gemm_cuda(c, a, b, alpha, bias, block, col_bounds, row_bounds, near_inf,
-                           capacity);
-  }
-#endif
   if (passes_on_cpu(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity)) {
     return abft_binding::all_clean(c);
   }
@@ -240,12 +233,6 @@ Six check_gemm_tally_cpu(const at::Tensor& c, const at::Tensor& a, const at::Ten
                          at::ArrayRef<double> col_bounds, at::ArrayRef<double> row_bounds,
                          double near_inf, int64_t capacity, at::Tensor& counts,
                          const at::Tensor& step, at::Tensor& log, at::Tensor& logged) {
-#ifdef ABFT_CUDA_KERNELS
-  if (abft_binding::emulating_cuda()) {
-    return check_gemm_tally_cuda(c, a, b, alpha, bias, block, col_bounds, row_bounds, near_inf,
-                                 capacity, counts, step, log, logged);
-  }
-#endif
   if (passes_on_cpu(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity)) {
     const auto [status, kind, rows, cols, magnitude] = abft_binding::all_clean(c);
     const at::Tensor failed = abft_binding::tally_cpu(status, kind, rows, cols, magnitude, counts,
@@ -256,6 +243,7 @@ Six check_gemm_tally_cpu(const at::Tensor& c, const at::Tensor& a, const at::Ten
                           capacity, counts, step, log, logged);
 }
 
+#ifndef ABFT_EMULATED  // _C's module functions (abft_ops.cpp)
 // Argument i of a screen_passes call as a tensor, or null with a TypeError set.
 const at::Tensor* tensor_arg(PyObject* const* args, int i, const char* name) {
   if (!THPVariable_Check(args[i])) {
@@ -278,8 +266,11 @@ bool doubles_arg(PyObject* object, std::vector<double>& out, const char* name) {
   return !PyErr_Occurred();
 }
 
+#endif
+
 }  // namespace
 
+#ifndef ABFT_EMULATED
 namespace abft_binding {
 
 // _C.screen_passes(c, a, b, alpha, bias, block, col_bounds, row_bounds, capacity) -> bool: whether
@@ -362,8 +353,9 @@ PyObject* layouts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 }  // namespace abft_binding
+#endif
 
-TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
+ABFT_OPS(m) {
   m.def(
       "check_gemm(Tensor(a!) c, Tensor a, Tensor b, float alpha, Tensor? bias, int block, "
       "float[] col_bounds, float[] row_bounds, float near_inf, int capacity) -> (Tensor, Tensor, "
@@ -377,18 +369,18 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
 
 // Traced (torch.compile, meta) the two decompose into their ops, whose fakes give the outputs'
 // layouts.
-TORCH_LIBRARY_IMPL(megatron_abft, CompositeImplicitAutograd, m) {
+ABFT_IMPLS(CompositeImplicitAutograd, m) {
   m.impl("check_gemm", &check_gemm);
   m.impl("check_gemm_tally", &check_gemm_tally);
 }
 
-TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
+ABFT_IMPLS(CPU, m) {
   m.impl("check_gemm", &check_gemm_cpu);
   m.impl("check_gemm_tally", &check_gemm_tally_cpu);
 }
 
-#ifdef ABFT_WITH_CUDA
-TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
+#ifdef ABFT_CUDA_KERNELS
+ABFT_IMPLS(CUDA, m) {
   m.impl("check_gemm", &check_gemm_cuda);
   m.impl("check_gemm_tally", &check_gemm_tally_cuda);
 }
@@ -397,7 +389,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
 // Checksums take no part in autograd, and the CPU's kernels would otherwise go through its boxed
 // fallback; a correction writes C in place without a version bump, as no consumer of C has read
 // it before its check.
-TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
+ABFT_IMPLS(Autograd, m) {
   m.impl("check_gemm", torch::CppFunction::makeFallthrough());
   m.impl("check_gemm_tally", torch::CppFunction::makeFallthrough());
 }

@@ -72,9 +72,9 @@ Four row_products_pair_op(const at::Tensor& a, const at::Tensor& u, const at::Te
   return op.call(a, u, z, scale, b, v, y, b_scale);
 }
 
-// Whether x's ops run the CUDA kernels: on a GPU, or emulated on the CPU.
+// Whether x's ops run the CUDA kernels: on a GPU, or in _emulator on the CPU.
 bool runs_cuda_kernels(const at::Tensor& x) {
-  return x.is_cuda() || (x.is_cpu() && abft_binding::emulating_cuda());
+  return x.is_cuda() || (x.is_cpu() && abft_binding::kEmulated);
 }
 
 // block_sums_pair and row_products_pair on any device: the two ops, one after the other (CUDA
@@ -294,7 +294,7 @@ Sums encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t
 }
 }  // namespace abft_binding
 
-TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
+ABFT_OPS(m) {
   m.def(
       "encode_pair(Tensor a, Tensor b, float alpha, int block) -> (Tensor, Tensor, Tensor, "
       "Tensor)");
@@ -318,7 +318,7 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
 // Composites of other ops on every backend, fake tensors included: traced (torch.compile,
 // meta), they decompose into those ops, whose fakes give their outputs' layouts, so these four
 // need no fake of their own and report the strides they really have, whichever path they take.
-TORCH_LIBRARY_IMPL(megatron_abft, CompositeImplicitAutograd, m) {
+ABFT_IMPLS(CompositeImplicitAutograd, m) {
   m.impl("encode_pair", &encode_pair);
   m.impl("encode_pair_split", &encode_pair_split);
   m.impl("pair_vectors", &pair_vectors);
@@ -326,24 +326,14 @@ TORCH_LIBRARY_IMPL(megatron_abft, CompositeImplicitAutograd, m) {
 }
 
 // As abft_ops.cpp's kernels: outside autograd.
-TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
+ABFT_IMPLS(Autograd, m) {
   m.impl("block_sums_pair", torch::CppFunction::makeFallthrough());
   m.impl("row_products_pair", torch::CppFunction::makeFallthrough());
 }
 
-// On every backend, from the ops they are composed of; their fakes (torch.compile) are in
-// ops/compiled.py.
-TORCH_LIBRARY_IMPL(megatron_abft, CompositeExplicitAutograd, m) {
+// On every backend but CUDA's (abft_ops.cpp: one launch each), from the ops they are composed
+// of; their fakes (torch.compile) are in ops/compiled.py.
+ABFT_IMPLS(CompositeExplicitAutograd, m) {
   m.impl("block_sums_pair", &block_sums_pair);
   m.impl("row_products_pair", &row_products_pair);
 }
-
-#ifdef ABFT_CUDA_KERNELS
-// On the CPU, the two ops, or while emulating CUDA its one launch each.
-TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
-  m.impl("block_sums_pair",
-         &abft_binding::OnCpu<block_sums_pair, abft_binding::block_sums_pair_cuda>::call);
-  m.impl("row_products_pair",
-         &abft_binding::OnCpu<row_products_pair, abft_binding::row_products_pair_cuda>::call);
-}
-#endif

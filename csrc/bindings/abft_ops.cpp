@@ -27,15 +27,11 @@
 
 #include "kernels/abft.h"
 #include "bindings/abft_binding.h"
-
-namespace abft_binding {
-
-std::atomic<bool> emulating{false};  // set by _C.emulate_cuda (below)
-#ifdef ABFT_WITH_EMULATOR
-const abft::Emulator* emulator = nullptr;  // megatron_abft._emulator's, from _C.emulate_cuda
+#ifdef ABFT_EMULATED
+#include "emulator/cuda_emulator.h"
 #endif
 
-bool emulating_cuda() { return emulating.load(); }
+namespace abft_binding {
 
 #ifdef ABFT_CUDA_KERNELS
 CudaLaunch::CudaLaunch(const at::Tensor& on) : device_(on.device().type()) {
@@ -47,10 +43,10 @@ CudaLaunch::CudaLaunch(const at::Tensor& on) : device_(on.device().type()) {
     return;
   }
 #endif
-#ifdef ABFT_WITH_EMULATOR
-  if (device_ == at::kCPU && emulating_cuda() && emulator != nullptr) {
-    kernels_ = emulator->launchers;
-    emulator->forget_errors();  // so that a failure below is this op's
+#ifdef ABFT_EMULATED
+  if (device_ == at::kCPU) {
+    kernels_ = &abft::emulated_launchers;
+    cuda_emulator::forget_errors();  // so that a failure below is this op's
     return;
   }
 #endif
@@ -63,8 +59,8 @@ void CudaLaunch::check(int error, const char* op) const {
 #ifdef ABFT_WITH_CUDA
   if (device_ == at::kCUDA) C10_CUDA_CHECK(static_cast<cudaError_t>(error));
 #endif
-#ifdef ABFT_WITH_EMULATOR
-  const std::string why = emulator != nullptr ? emulator->last_message() : "";
+#ifdef ABFT_EMULATED
+  const std::string why = cuda_emulator::last_message();
   TORCH_CHECK(false, op, ": the emulated CUDA kernels failed (error ", error, "): ",
               why.empty() ? "the launcher refused its arguments" : why);
 #endif
@@ -922,7 +918,7 @@ Six add_bias_cuda(const at::Tensor& col, const at::Tensor& col_magnitude, const 
 
 using namespace abft_binding;
 
-TORCH_LIBRARY(megatron_abft, m) {
+ABFT_OPS(m) {
   m.def(
       "block_sums(Tensor c, int col_block, int row_block) -> (Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
@@ -959,25 +955,25 @@ TORCH_LIBRARY(megatron_abft, m) {
 
 // The ops that write no input take no part in autograd (checksums are not differentiated): they
 // fall through its key, not into its boxed fallback, which costs a check's host time per call.
-TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
+ABFT_IMPLS(Autograd, m) {
   for (const char* name : {"block_sums", "row_products", "operand_pass", "screen", "add_bias"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }
 
-TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
-  m.impl("block_sums", ABFT_CPU_IMPL(block_sums));
-  m.impl("row_products", ABFT_CPU_IMPL(row_products));
-  m.impl("operand_pass", ABFT_CPU_IMPL(operand_pass));
-  m.impl("screen", ABFT_CPU_IMPL(screen));
-  m.impl("verify_correct", ABFT_CPU_IMPL(verify_correct));
-  m.impl("tally", ABFT_CPU_IMPL(tally));
-  m.impl("verify_correct_tally", ABFT_CPU_IMPL(verify_correct_tally));
-  m.impl("add_bias", ABFT_CPU_IMPL(add_bias));
+ABFT_IMPLS(CPU, m) {
+  m.impl("block_sums", &block_sums_cpu);
+  m.impl("row_products", &row_products_cpu);
+  m.impl("operand_pass", &operand_pass_cpu);
+  m.impl("screen", &screen_cpu);
+  m.impl("verify_correct", &verify_correct_cpu);
+  m.impl("tally", &tally_cpu);
+  m.impl("verify_correct_tally", &verify_correct_tally_cpu);
+  m.impl("add_bias", &add_bias_cpu);
 }
 
-#ifdef ABFT_WITH_CUDA
-TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
+#ifdef ABFT_CUDA_KERNELS
+ABFT_IMPLS(CUDA, m) {
   m.impl("block_sums", &block_sums_cuda);
   m.impl("row_products", &row_products_cuda);
   m.impl("operand_pass", &operand_pass_cuda);
@@ -991,30 +987,7 @@ TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
 }
 #endif
 
-#ifdef ABFT_WITH_EMULATOR
-namespace {
-// _C.emulate_cuda(on, schedule, table) -> (on, schedule) before: whether the ops on CPU tensors
-// run the CUDA kernels of `table` (megatron_abft._emulator.table()) through the emulator, and
-// its schedule (cuda_emulator::set_schedule).
-PyObject* emulate_cuda(PyObject*, PyObject* args) {
-  int on = 0;
-  long long schedule = 0;
-  PyObject* table = nullptr;
-  if (!PyArg_ParseTuple(args, "pLO", &on, &schedule, &table)) return nullptr;
-  constexpr const char* kTable = "megatron_abft._emulator.table";
-  if (!PyCapsule_IsValid(table, kTable)) {
-    PyErr_SetString(PyExc_TypeError, "emulate_cuda: table must be megatron_abft._emulator.table()");
-    return nullptr;
-  }
-  auto* emulator = static_cast<const abft::Emulator*>(PyCapsule_GetPointer(table, kTable));
-  abft_binding::emulator = emulator;
-  const bool was = abft_binding::emulating.exchange(on != 0);
-  const long long previous = emulator->set_schedule(schedule);
-  return Py_BuildValue("(OL)", was ? Py_True : Py_False, previous);
-}
-}  // namespace
-#endif
-
+#ifndef ABFT_EMULATED  // the module _C (megatron_abft._emulator's is emulator_module.cpp)
 namespace abft_binding {
 // _C.screen_passes and _C.layouts (abft_check.cpp): functions of the module rather than ops.
 PyObject* screen_passes(PyObject*, PyObject* const* args, Py_ssize_t nargs);
@@ -1029,18 +1002,12 @@ PyMethodDef methods[] = {
     {"layouts", reinterpret_cast<PyCFunction>(abft_binding::layouts), METH_FASTCALL,
      "layouts(*tensors) -> tuple | None: the tensors' layouts as ints (None as -1), for a "
      "check's signature; None where an argument is neither a tensor nor None"},
-#ifdef ABFT_WITH_EMULATOR
-    {"emulate_cuda", emulate_cuda, METH_VARARGS,
-     "emulate_cuda(on, schedule, table) -> (on, schedule) before: run the CUDA kernels on the "
-     "CPU, those of megatron_abft._emulator.table()"},
-#endif
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 
 // Importing megatron_abft._C registers the ops above; the module says how it was built: cuda = 1
-// when the CUDA kernels are in, emulator = 1 when the ops can run them on the CPU through the
-// test-only extension megatron_abft._emulator (emulate_cuda), openmp = 1 when the CPU kernels'
-// tasks run on torch's threads (at::parallel_for is serial in code compiled without OpenMP).
+// when the CUDA kernels are in, openmp = 1 when the CPU kernels' tasks run on torch's threads
+// (at::parallel_for is serial in code compiled without OpenMP).
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {
       PyModuleDef_HEAD_INIT, "_C", "megatron-abft checksum kernels", -1, methods, nullptr,
@@ -1051,21 +1018,16 @@ PyMODINIT_FUNC PyInit__C(void) {
 #else
   const long cuda = 0;
 #endif
-#ifdef ABFT_WITH_EMULATOR
-  const long emulator = 1;
-#else
-  const long emulator = 0;
-#endif
 #ifdef _OPENMP
   const long openmp = 1;
 #else
   const long openmp = 0;
 #endif
   if (m != nullptr && (PyModule_AddIntConstant(m, "cuda", cuda) != 0 ||
-                       PyModule_AddIntConstant(m, "emulator", emulator) != 0 ||
                        PyModule_AddIntConstant(m, "openmp", openmp) != 0)) {
     Py_DECREF(m);
     return nullptr;
   }
   return m;
 }
+#endif  // ABFT_EMULATED

@@ -269,7 +269,7 @@ Six softmax_correct_tally_cuda(const at::Tensor& s, int64_t col_block, int64_t r
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
+ABFT_OPS(m) {
   m.def(
       "softmax_check(Tensor s, int col_block, int row_block, Tensor[] col, Tensor[] row, "
       "float[] col_bounds, float[] row_bounds, Tensor? mask, bool causal, float scale, int block, "
@@ -285,17 +285,17 @@ TORCH_LIBRARY_FRAGMENT(megatron_abft, m) {
 }
 
 // As abft_ops.cpp's kernels: softmax_check writes no input, and takes no part in autograd.
-TORCH_LIBRARY_IMPL(megatron_abft, Autograd, m) {
+ABFT_IMPLS(Autograd, m) {
   m.impl("softmax_check", torch::CppFunction::makeFallthrough());
 }
 
-TORCH_LIBRARY_IMPL(megatron_abft, CPU, m) {
-  m.impl("softmax_check", ABFT_CPU_IMPL(softmax_check));
-  m.impl("softmax_correct_tally", ABFT_CPU_IMPL(softmax_correct_tally));
+ABFT_IMPLS(CPU, m) {
+  m.impl("softmax_check", &softmax_check_cpu);
+  m.impl("softmax_correct_tally", &softmax_correct_tally_cpu);
 }
 
-#ifdef ABFT_WITH_CUDA
-TORCH_LIBRARY_IMPL(megatron_abft, CUDA, m) {
+#ifdef ABFT_CUDA_KERNELS
+ABFT_IMPLS(CUDA, m) {
   m.impl("softmax_check", &softmax_check_cuda);
   m.impl("softmax_correct_tally", &softmax_correct_tally_cuda);
 }

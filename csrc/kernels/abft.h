@@ -492,14 +492,4 @@ struct Launchers {
 extern const Launchers cuda_launchers;
 extern const Launchers emulated_launchers;
 
-// What the test-only extension megatron_abft._emulator (emulator_module.cpp) hands _C while
-// megatron_abft.ops.compiled.emulated_cuda() is on: the CUDA kernels built for the CPU, and the
-// emulator's controls (cuda_emulator.h).
-struct Emulator {
-  const Launchers* launchers;
-  void (*forget_errors)();
-  const char* (*last_message)();
-  int64_t (*set_schedule)(int64_t schedule);
-};
-
 }  // namespace abft

@@ -63,13 +63,11 @@ def _import() -> tuple[ModuleType | None, str]:
 
 @functools.cache
 def _load_emulator() -> tuple[ModuleType | None, str]:
-    """The test-only extension that holds the CUDA kernels built for the CPU (imported by
-    emulated_cuda alone), or None and why."""
-    module, reason = _load()
+    """The test-only extension that holds the CUDA kernels built for the CPU and their bindings
+    (imported by emulated_cuda alone), or None and why."""
+    module, reason = _load()  # its ops, which the emulator's kernels register over
     if module is None:
         return None, reason
-    if not getattr(module, "emulator", 0):
-        return None, "megatron_abft._C was built without the emulator's dispatch (x86-64 Linux)"
     try:
         from megatron_abft import _emulator
     except ImportError as error:
@@ -154,13 +152,12 @@ def emulated_cuda(schedule: int = 0) -> Iterator[None]:
     emulator, reason = _load_emulator()
     if emulator is None:
         raise RuntimeError(f"megatron_abft.ops.compiled.emulated_cuda: no CUDA emulator ({reason})")
-    module, table = _load()[0], emulator.table()
-    before = module.emulate_cuda(True, schedule, table)
+    before = emulator.emulate(True, schedule)
     previous, _emulating = _emulating, True
     try:
         yield
     finally:
-        module.emulate_cuda(*before, table)
+        emulator.emulate(*before)
         _emulating = previous
 
 

@@ -1,0 +1,3 @@
+// bindings/abft_encode.cpp built again for megatron_abft._emulator (bindings/abft_binding.h).
+#define ABFT_EMULATED 1
+#include "bindings/abft_encode.cpp"
