@@ -70,7 +70,6 @@ def signature(
         layouts,
         operands.alpha,
         config.block_size,
-        config.block_size,
         config.threshold_scale,
         config.near_inf,
         sync_free,
