@@ -55,7 +55,13 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
     }
     assert made["step"]["flash"] == {"micro_batch": 8, "overhead": 0.04}
     assert made["step"]["unfused"] == {"micro_batch": None, "overhead": None}
-    assert made["projections"] == {"tokens": 16384, "hidden": 1024, "qkv": 0.05, "proj": 0.01}
+    assert made["projections"] == {
+        "tokens": 16384,
+        "hidden": 1024,
+        "qkv": 0.05,
+        "proj": 0.01,
+        "floor": {"qkv": None, "proj": None},  # a run before the floor was measured
+    }
     assert made["checksum_kernels_of_copy"] == {"screen of S (a clean verify)": 0.75}
 
 
@@ -79,7 +85,9 @@ def test_bench_kernels_writes_the_projections_and_kernels_the_summary_reads(tmp_
         p = projected[section]
         assert p["gemm_ms"] > 0 and p["check_ms"] > 0
         assert p["fraction"] == p["check_ms"] / p["gemm_ms"]
+        assert 0 < p["floor_ms"] and p["floor_fraction"] == p["floor_ms"] / p["gemm_ms"]
     assert bool(raw["kernels"]) == compiled.available()
     assert all(k["of_copy"] > 0 for k in raw["kernels"].values())
     read = kernels(raw)
     assert read["projections"]["qkv"] == projected["qkv"]["fraction"]
+    assert read["projections"]["floor"]["proj"] == projected["proj"]["floor_fraction"]

@@ -83,7 +83,9 @@ def projections(
     of ``hidden``: each GEMM's ms against its clean check's as a protected linear layer runs it
     (SectionGuard.check: the sync-free kernels on a GPU, the screen on a CPU), each the best of
     loops of ``number`` calls synchronised at their end (as in a step, where the host runs ahead
-    of the device), and the check's cost as a fraction of its GEMM's."""
+    of the device), and the check's cost as a fraction of its GEMM's; beside them the floor of
+    any check that runs after its GEMM, a read of the output (half a copy of it), as a fraction
+    of the GEMM's (megatron_abft.tuning.scaling.projection_costs predicts it)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
     found = {}
@@ -98,8 +100,18 @@ def projections(
         guard = SectionGuard(section, ABFTConfig(block_size=block), 0)
         guard.check(y, operands)  # a signature's first check takes the reference
         check = partial(guard.check, y, operands)
-        gemm_ms, check_ms = (best_per_call(fn, device, number) * 1e3 for fn in (gemm, check))
-        found[section] = {"gemm_ms": gemm_ms, "check_ms": check_ms, "fraction": check_ms / gemm_ms}
+        # a copy of the output, into a tensor allocated once (a fresh one costs page faults)
+        copy = partial(torch.empty_like(y).copy_, y)
+        gemm_ms, check_ms, copy_ms = (
+            best_per_call(fn, device, number) * 1e3 for fn in (gemm, check, copy)
+        )
+        found[section] = {
+            "gemm_ms": gemm_ms,
+            "check_ms": check_ms,
+            "fraction": check_ms / gemm_ms,
+            "floor_ms": copy_ms / 2,
+            "floor_fraction": copy_ms / 2 / gemm_ms,
+        }
     return found
 
 
@@ -176,11 +188,14 @@ def main(argv: list[str] | None = None) -> None:
         )
     tokens, hidden = args.projection_tokens or args.batch * args.seq, args.heads * args.head_dim
     projected = projections(tokens, hidden, dtype, device, args.block, args.repeat)
-    print(f"\nthe projections of {tokens} tokens, hidden {hidden}: ms, and the check's share")
+    print(
+        f"\nthe projections of {tokens} tokens, hidden {hidden}: ms, the check's share, and the "
+        "floor's (a read of the output)"
+    )
     for section, p in projected.items():
         print(
             f"{section:<5} GEMM {p['gemm_ms']:>8.3f}  its clean check {p['check_ms']:>8.3f}  "
-            f"{p['fraction']:>7.1%}"
+            f"{p['fraction']:>7.1%}  floor {p['floor_ms']:>8.3f} {p['floor_fraction']:>7.1%}"
         )
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -50,8 +50,9 @@ def step(raw: dict | None) -> dict:
 
 
 def kernels(raw: dict | None) -> dict:
-    """The projections' clean checks as fractions of their GEMMs' time (and the shape), and each
-    checksum kernel's read rate as a fraction of a copy's."""
+    """The projections' clean checks as fractions of their GEMMs' time (and the shape; ``floor``,
+    a read of each output as the same fraction, where the run measured it), and each checksum
+    kernel's read rate as a fraction of a copy's."""
     if raw is None:
         return {"projections": None, "checksum_kernels_of_copy": None}
     projected = raw["projections"]
@@ -60,6 +61,7 @@ def kernels(raw: dict | None) -> dict:
             "tokens": projected["tokens"],
             "hidden": projected["hidden"],
             **{s: projected[s]["fraction"] for s in ("qkv", "proj")},
+            "floor": {s: projected[s].get("floor_fraction") for s in ("qkv", "proj")},
         },
         "checksum_kernels_of_copy": {k: v["of_copy"] for k, v in raw["kernels"].items()} or None,
     }
