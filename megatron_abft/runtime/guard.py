@@ -345,8 +345,8 @@ class SectionGuard:
         checker = self.checkers.get(key)
         if checker is not None:
             if refs is None and isinstance(checker, CompiledChecker) and checker.host_screen:
-                key = screen_key(output, operands, self.config)
-                self.screen = None if key is None else (key, checker)
+                screened = screen_key(output, operands, self.config)
+                self.screen = None if screened is None else (screened, checker)
             return use(checker)
         found = use(ReferenceChecker(self.config, sync_free))
         if key is not None:
