@@ -17,8 +17,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from megatron_abft.dev import aot
 from megatron_abft.flash import tiles
 
@@ -65,7 +63,7 @@ def markdown(builds: list[aot.Build]) -> str:
         mma = ", ".join(
             f"{op.split('.')[0]} {op.split('.')[1]} x{n}" for op, n in c.loop.mma.items()
         )
-        budget = tiles.budget(kernel, width, getattr(torch, dtype))
+        budget = tiles.BUDGETS[kernel, width]
         lines.append(
             f"| {kernel} | {width} | {dtype} | {'causal' if causal else 'full'} | {tile} | {mma} "
             f"| {u.registers}/{c.registers} | {u.ctas_per_sm}/{c.ctas_per_sm} "

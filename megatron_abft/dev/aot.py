@@ -390,7 +390,7 @@ def verdicts(builds: list[Build]) -> list[str]:
         and b.case.head_dim in tiles.HEAD_DIMS
     }
     for (kernel, width, dtype, causal, variant), b in production.items():
-        budget = tiles.budget(kernel, width, getattr(torch, dtype))
+        budget = tiles.BUDGETS[kernel, width]
         if b.loop is None:
             found.append(f"{name(b)}: no main loop with an MMA in its SASS")
             continue

@@ -7,7 +7,12 @@ from operands already in place, with no fp32 copy of a tile in registers. ``B e`
 vector; W holds it split into three parts of the input dtype (columns 0 to 2, the rest zero),
 ``w = (w0 + w1 + w2) * scale``: each part takes the next ~8 (bf16) or ~11 (fp16) bits, so the
 sum keeps fp32's 24, and the product of two input-dtype values is exact in the MMA's fp32
-accumulator. ``scale`` is a power of two that keeps fp16's parts in range (1 for bf16 and fp32).
+accumulator. ``scale`` is a power of two that keeps fp16's parts in range (1 for bf16 and fp32):
+for the row sums, one a head (its tiles' peaks taken by a first launch), so that the kernels
+accumulate a reference over the head's tiles in the MMA and scale it once, after their loops.
+A row far below its head's peak may have parts in fp16's subnormals, a loss of at most
+PART_LOSS a part set; the rows' absolute sums, the masses of the accumulated checks, are
+widened to cover it (``slack``).
 
 Two kinds of vectors, per tile of ``block`` rows of a [batch, heads, seq, dim] tensor X, both
 from one read of it:
@@ -43,6 +48,10 @@ divides it), so that the kernels read them past the end with no mask."""
 HEADROOM = {torch.float16: 13}
 """log2 of the largest scaled part, by dtype: fp16's parts stay below its 65504 (0: no
 scaling, for bf16 and fp32, whose range is fp32's)."""
+PART_LOSS = 2.0**-25
+"""The most a value's three fp16 parts lose to subnormals, in units of their scale: half of
+fp16's smallest subnormal (the last nonzero part rounds to that grid; a value whose parts stay
+normal loses about 2**-33 of itself, fp32's rounding covers it)."""
 
 
 @functools.cache
@@ -68,11 +77,14 @@ class Sums:
 
 
 def key_value_sums(
-    k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool
-) -> tuple[Sums | None, Sums | None, Sums | None]:
+    k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool,
+    slack: float = 0.0,
+) -> tuple[Sums | None, Sums | None, Sums | None]:  # fmt: skip
     """K's column sums (each over the tiles from the first to it, a prefix) and row sums, and
     V's row sums, of ``block``-row tiles padded to ``width`` columns (None for a kind not asked
-    for): one launch over K and V, and one more for the prefix sums."""
+    for): one launch over K and V, one more for the prefix sums, and with scaled parts (fp16)
+    one before them for the rows' peaks. ``slack``: each row's absolute sum is widened by
+    ``slack * scale`` (the tiles' bound per unit of mass times it covers PART_LOSS)."""
     b, h, n, d = k.shape
     tiles = triton.cdiv(n, block)
     matrices = b * h
@@ -105,11 +117,14 @@ def key_value_sums(
     column_sums = empty(matrices, tiles, width, dtype=torch.float32) if columns else col.stats
     module = build.for_device(sys.modules[__name__], k.device)
     headroom = HEADROOM.get(k.dtype, 0)
-    module._sums_kernel[(tiles, matrices, 2 if both else 1)](
-        x, column_sums, col.stats, row.parts, row.stats, *x.stride(), v, y.parts, y.stats,
-        *v.stride(), h, n, d, BLOCK=block, HEAD_DIM=width, COLUMNS=columns,
-        ROWS=x_rows is not None, HEADROOM=headroom, num_warps=4, num_stages=1,
-    )  # fmt: skip
+    rows = x_rows is not None
+    peaks = (True, False) if headroom and (rows or both) else (False,)
+    for peaks_only in peaks:
+        module._sums_kernel[(tiles, matrices, 2 if both else 1)](
+            x, column_sums, col.stats, row.parts, row.stats, *x.stride(), v, y.parts, y.stats,
+            *v.stride(), h, n, d, slack, BLOCK=block, HEAD_DIM=width, COLUMNS=columns,
+            ROWS=rows, HEADROOM=headroom, PEAKS=peaks_only, num_warps=4, num_stages=1,
+        )  # fmt: skip
     if columns:
         module._running_kernel[(matrices,)](
             column_sums, col.parts, col.stats, tiles, HEAD_DIM=width, VECTORS=1, STATS=3,
@@ -129,6 +144,17 @@ def _scale(peak, HEADROOM: tl.constexpr):
 
 
 @triton.jit
+def _head_scale(PEAKS, stride, tiles, HEADROOM: tl.constexpr):
+    """The scale of a head's rows: ``_scale`` of the largest of its tiles' peaks, ``PEAKS[t *
+    stride]`` for tile t."""
+    top = tl.zeros([128], tl.float32)
+    for first in range(0, tiles, 128):
+        t = first + tl.arange(0, 128)
+        top = tl.maximum(top, tl.load(PEAKS + t * stride, mask=t < tiles, other=0.0))
+    return _scale(tl.max(top, 0), HEADROOM)
+
+
+@triton.jit
 def _split(w, first: tl.constexpr, dtype: tl.constexpr):
     """``w [n]`` (fp32) as ``[n, 16]`` fp32: three parts of ``dtype`` in columns ``first`` to
     ``first + 2``, each the rest of the ones before, so that they sum to ``w`` within fp32's
@@ -144,25 +170,27 @@ def _split(w, first: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _sums_kernel(
-    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, Y, YP, YS, syb, syh, syn, syd, H, N, D,
+    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, Y, YP, YS, syb, syh, syn, syd, H, N, D, slack,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
-    HEADROOM: tl.constexpr,
+    HEADROOM: tl.constexpr, PEAKS: tl.constexpr,
 ):  # fmt: skip
     """One tile of one (batch, head): program 0 on axis 2 takes X's column sums (CF, fp32, and
     their masses in CS) and row sums (RP, RS), program 1 Y's row sums (YP, YS), as Sums lays
-    them out."""
+    them out. PEAKS: only the row sums' peaks, into their stats, for the head's scale."""
     if tl.program_id(2) == 0:
-        _tile_sums(X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D, BLOCK, HEAD_DIM, COLUMNS, ROWS,
-                   HEADROOM)  # fmt: skip
+        if ROWS or not PEAKS:
+            _tile_sums(X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK, HEAD_DIM,
+                       COLUMNS, ROWS, HEADROOM, PEAKS)  # fmt: skip
     else:
-        _tile_sums(Y, CF, CS, YP, YS, syb, syh, syn, syd, H, N, D, BLOCK, HEAD_DIM, False, True,
-                   HEADROOM)  # fmt: skip
+        _tile_sums(Y, CF, CS, YP, YS, syb, syh, syn, syd, H, N, D, slack, BLOCK, HEAD_DIM, False,
+                   True, HEADROOM, PEAKS)  # fmt: skip
 
 
 @triton.jit
 def _tile_sums(
-    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    COLUMNS: tl.constexpr, ROWS: tl.constexpr, HEADROOM: tl.constexpr,
+    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr, HEADROOM: tl.constexpr,
+    PEAKS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -174,27 +202,30 @@ def _tile_sums(
     x = tl.load(X + at + rows[:, None] * sxn + dims[None, :] * sxd, mask=mask, other=0.0)
     x = x.to(tl.float32)
     base = (bh * tiles + tile).to(tl.int64)
-    column = tl.arange(0, 16)[None, :]
-    largest_row = tl.max(tl.sqrt(tl.sum(x * x, 1)), 0)
-    if COLUMNS:  # fp32, for _running_kernel
-        tl.store(CF + base * HEAD_DIM + dims, tl.sum(x, 0))
-        absolute = tl.sum(tl.abs(x), 0)
-        tl.store(CS + base * 3 + 1, tl.sqrt(tl.sum(absolute * absolute, 0)))
-        tl.store(CS + base * 3 + 2, largest_row)
-    if ROWS:
-        r = tl.sum(x, 1)
-        a = tl.sum(tl.abs(x), 1)
-        scale = _scale(tl.max(a, 0), HEADROOM)
-        parts = _split(r / scale, 0, RP.dtype.element_ty) + _split(
-            a / scale, 3, RP.dtype.element_ty
-        )
-        tl.store(
-            RP + (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column,
-            parts.to(RP.dtype.element_ty),
-        )
-        tl.store(RS + base * 3, scale)
-        tl.store(RS + base * 3 + 1, tl.max(a, 0))
-        tl.store(RS + base * 3 + 2, largest_row)
+    if PEAKS:  # the stats' largest absolute row sum, read by every tile of the head next
+        tl.store(RS + base * 3 + 1, tl.max(tl.sum(tl.abs(x), 1), 0))
+    else:
+        column = tl.arange(0, 16)[None, :]
+        largest_row = tl.max(tl.sqrt(tl.sum(x * x, 1)), 0)
+        if COLUMNS:  # fp32, for _running_kernel
+            tl.store(CF + base * HEAD_DIM + dims, tl.sum(x, 0))
+            absolute = tl.sum(tl.abs(x), 0)
+            tl.store(CS + base * 3 + 1, tl.sqrt(tl.sum(absolute * absolute, 0)))
+            tl.store(CS + base * 3 + 2, largest_row)
+        if ROWS:
+            r = tl.sum(x, 1)
+            a = tl.sum(tl.abs(x), 1)
+            if HEADROOM == 0:
+                scale = 1.0
+                tl.store(RS + base * 3 + 1, tl.max(a, 0))
+            else:  # the peaks' launch wrote slot 1
+                scale = _head_scale(RS + bh.to(tl.int64) * tiles * 3 + 1, 3, tiles, HEADROOM)
+            dtype = RP.dtype.element_ty
+            parts = _split(r / scale, 0, dtype) + _split(a / scale + slack, 3, dtype)
+            at_rows = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column
+            tl.store(RP + at_rows, parts.to(dtype))
+            tl.store(RS + base * 3, scale)
+            tl.store(RS + base * 3 + 2, largest_row)
 
 
 @dataclass
@@ -216,18 +247,20 @@ class Backward:
     """``[batch * heads, tiles, width, WIDTH]``: the column sums of Q (columns 0-2) and of dO
     (3-5) over the tiles from each one to the last, for the per-head checks of S^T and dP^T."""
     stats: Tensor
-    """``[batch * heads, tiles, 8]`` fp32: the scales of rows' dO columns, of its Q columns and
-    of columns, the Cauchy-Schwarz masses of Q's and dO's column sums from the tile to the last,
-    and the tile's sums of rows' columns 9-11 and 12-14 (unsplit)."""
+    """``[batch * heads, tiles, 8]`` fp32: the scales of rows' dO columns and of its Q columns
+    (the head's), and of columns, the Cauchy-Schwarz masses of Q's and dO's column sums from the
+    tile to the last, and the tile's sums of rows' columns 9-11 and 12-14 (unsplit)."""
 
 
 def backward(
     o: Tensor, do: Tensor, q: Tensor, block: int, width: int, odo: bool, rows: bool,
-    queries: bool, columns: bool,
+    queries: bool, columns: bool, slack: float = 0.0,
 ) -> Backward:  # fmt: skip
     """Delta, and the backward's checksum tiles of ``block`` queries (those asked for: ``rows``,
     dO's; ``queries``, Q's; ``columns``, the suffix column sums): one launch over O, dO and Q,
-    and one more for the suffix sums."""
+    one more for the suffix sums, and with scaled parts (fp16) one before them for the rows'
+    peaks. ``slack`` as in key_value_sums, for dO's absolute row sums and Q's (in dK's
+    masses)."""
     b, h, n, d = q.shape
     tiles = triton.cdiv(n, block)
     matrices = b * h
@@ -249,12 +282,16 @@ def backward(
     sums = empty(matrices, tiles, 2, width, dtype=torch.float32, wanted=columns)
     module = build.for_device(sys.modules[__name__], q.device)
     headroom = HEADROOM.get(q.dtype, 0)
-    module._backward_kernel[(padded // block, matrices)](
-        o, do, q, made.delta, made.odo, made.rows, sums, made.stats,
-        *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles,
-        BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows, QUERIES=queries, COLUMNS=columns,
-        HEADROOM=headroom, num_warps=4, num_stages=1,
-    )  # fmt: skip
+    scaled = headroom != 0 and (rows or queries)
+    peaks = empty(matrices, tiles, 2, dtype=torch.float32, wanted=scaled)
+    for peaks_only in (True, False) if scaled else (False,):
+        grid = (tiles if peaks_only else padded // block, matrices)
+        module._backward_kernel[grid](
+            o, do, q, made.delta, made.odo, made.rows, sums, made.stats, peaks,
+            *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles, slack,
+            BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows, QUERIES=queries, COLUMNS=columns,
+            HEADROOM=headroom, PEAKS=peaks_only, num_warps=4, num_stages=1,
+        )  # fmt: skip
     if columns:
         module._running_kernel[(matrices,)](
             sums, made.columns, made.stats, tiles, HEAD_DIM=width, VECTORS=2, STATS=8,
@@ -265,18 +302,19 @@ def backward(
 
 @triton.jit
 def _backward_kernel(
-    OUT, DO, Q, DELTA, ABS, RW, CF, ST, sob, soh, som, sod, sdob, sdoh, sdom, sdod, sqb, sqh,
-    sqm, sqd, H, N, D, TILES, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ODO: tl.constexpr,
-    ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr, HEADROOM: tl.constexpr,
+    OUT, DO, Q, DELTA, ABS, RW, CF, ST, PK, sob, soh, som, sod, sdob, sdoh, sdom, sdod, sqb, sqh,
+    sqm, sqd, H, N, D, TILES, slack, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ODO: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr,
+    HEADROOM: tl.constexpr, PEAKS: tl.constexpr,
 ):  # fmt: skip
     """One query tile of one (batch, head): Delta (and with ODO its rounding, in ABS) for its
     rows, those past N (up to the padded rows, as the LSE) zero; and for the first TILES tiles
     the checksum tiles Backward describes (CF: the tile's column sums of Q and dO, fp32, for
-    _running_kernel)."""
+    _running_kernel). PEAKS: only the peaks of the tile's dO and Q rows, into PK
+    ``[batch * heads, TILES, 2]``, for the head's scales."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     tiles = TILES
-    padded = tl.num_programs(0) * BLOCK
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
@@ -286,47 +324,74 @@ def _backward_kernel(
                 other=0.0).to(tl.float32)  # fmt: skip
     do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
                  mask=mask, other=0.0).to(tl.float32)  # fmt: skip
-    at = bh.to(tl.int64) * padded + rows
     delta = tl.sum(o * do, 1)
-    tl.store(DELTA + at, delta)
-    if ODO:
-        tl.store(ABS + at, tl.sum(tl.abs(o) * tl.abs(do), 1))
+    if not PEAKS:
+        at = bh.to(tl.int64) * tl.num_programs(0) * BLOCK + rows
+        tl.store(DELTA + at, delta)
+        if ODO:
+            tl.store(ABS + at, tl.sum(tl.abs(o) * tl.abs(do), 1))
     if ROWS or QUERIES or COLUMNS:
         if tile < TILES:
             q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
                         mask=mask, other=0.0).to(tl.float32)  # fmt: skip
             base = (bh * tiles + tile).to(tl.int64)
-            column = tl.arange(0, 16)[None, :]
-            at_rows = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column
-            dtype = RW.dtype.element_ty
-            parts = tl.zeros([BLOCK, 16], tl.float32)
-            if ROWS:
-                qa = tl.sum(tl.abs(q), 1)
-                r = tl.sum(do, 1)
-                a = tl.sum(tl.abs(do), 1)
-                by_norm = tl.sqrt(tl.sum(do * do, 1)) * qa
-                by_delta = tl.abs(delta) * qa
-                peak = tl.maximum(tl.maximum(tl.max(a, 0), tl.max(by_norm, 0)), tl.max(by_delta, 0))
-                scale = _scale(peak, HEADROOM)
-                parts += _split(r / scale, 0, dtype) + _split(a / scale, 3, dtype)
-                parts += _split(by_norm / scale, 9, dtype) + _split(by_delta / scale, 12, dtype)
-                tl.store(ST + base * 8, scale)
-                tl.store(ST + base * 8 + 5, tl.sum(by_norm, 0))  # for fp16's subnormal P~
-                tl.store(ST + base * 8 + 6, tl.sum(by_delta, 0))
-            if QUERIES:
-                r = tl.sum(q, 1)
-                scale = _scale(tl.max(tl.sum(tl.abs(q), 1), 0), HEADROOM)
-                parts += _split(r / scale, 6, dtype)
-                tl.store(ST + base * 8 + 1, scale)
-            if ROWS or QUERIES:
-                tl.store(RW + at_rows, parts.to(dtype))
-            if COLUMNS:
-                tl.store(CF + (base * 2) * HEAD_DIM + dims, tl.sum(q, 0))
-                tl.store(CF + (base * 2 + 1) * HEAD_DIM + dims, tl.sum(do, 0))
-                q_abs = tl.sum(tl.abs(q), 0)
-                do_abs = tl.sum(tl.abs(do), 0)
-                tl.store(ST + base * 8 + 3, tl.sqrt(tl.sum(q_abs * q_abs, 0)))
-                tl.store(ST + base * 8 + 4, tl.sqrt(tl.sum(do_abs * do_abs, 0)))
+            qa = tl.sum(tl.abs(q), 1)
+            if PEAKS:  # dO's parts hold its rows' by_norm and by_delta too
+                peak = tl.max(tl.sum(tl.abs(do), 1), 0)
+                peak = tl.maximum(peak, tl.max(tl.sqrt(tl.sum(do * do, 1)) * qa, 0))
+                peak = tl.maximum(peak, tl.max(tl.abs(delta) * qa, 0))
+                tl.store(PK + base * 2, peak)
+                tl.store(PK + base * 2 + 1, tl.max(qa, 0))
+            else:
+                _backward_rows(do, q, qa, delta, RW, CF, ST, PK, base, bh, tiles, slack, BLOCK,
+                               HEAD_DIM, ROWS, QUERIES, COLUMNS, HEADROOM)  # fmt: skip
+
+
+@triton.jit
+def _backward_rows(
+    do, q, qa, delta, RW, CF, ST, PK, base, bh, tiles, slack, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr,
+    HEADROOM: tl.constexpr,
+):  # fmt: skip
+    """One tile's checksum tiles of dO's and Q's rows, and its column sums, for
+    _backward_kernel (PK: the head's tiles' peaks, from its peaks' launch)."""
+    dims = tl.arange(0, HEAD_DIM)
+    column = tl.arange(0, 16)[None, :]
+    at_rows = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column
+    dtype = RW.dtype.element_ty
+    parts = tl.zeros([BLOCK, 16], tl.float32)
+    scale_do = 1.0
+    scale_q = 1.0
+    if HEADROOM != 0 and (ROWS or QUERIES):  # the head's scales, from the peaks' launch
+        head = PK + bh.to(tl.int64) * tiles * 2
+        scale_do = _head_scale(head, 2, tiles, HEADROOM)
+        scale_q = _head_scale(head + 1, 2, tiles, HEADROOM)
+    if ROWS:
+        r = tl.sum(do, 1)
+        a = tl.sum(tl.abs(do), 1)
+        qa_mass = qa
+        if QUERIES:  # Q's parts' loss, in dK's mass
+            qa_mass = qa + slack * scale_q
+        by_norm = tl.sqrt(tl.sum(do * do, 1)) * qa_mass
+        by_delta = tl.abs(delta) * qa_mass
+        parts += _split(r / scale_do, 0, dtype) + _split(a / scale_do + slack, 3, dtype)
+        parts += _split(by_norm / scale_do, 9, dtype)
+        parts += _split(by_delta / scale_do, 12, dtype)
+        tl.store(ST + base * 8, scale_do)
+        tl.store(ST + base * 8 + 5, tl.sum(by_norm, 0))  # for fp16's subnormal P~
+        tl.store(ST + base * 8 + 6, tl.sum(by_delta, 0))
+    if QUERIES:
+        parts += _split(tl.sum(q, 1) / scale_q, 6, dtype)
+        tl.store(ST + base * 8 + 1, scale_q)
+    if ROWS or QUERIES:
+        tl.store(RW + at_rows, parts.to(dtype))
+    if COLUMNS:
+        tl.store(CF + (base * 2) * HEAD_DIM + dims, tl.sum(q, 0))
+        tl.store(CF + (base * 2 + 1) * HEAD_DIM + dims, tl.sum(do, 0))
+        q_abs = tl.sum(tl.abs(q), 0)
+        do_abs = tl.sum(tl.abs(do), 0)
+        tl.store(ST + base * 8 + 3, tl.sqrt(tl.sum(q_abs * q_abs, 0)))
+        tl.store(ST + base * 8 + 4, tl.sqrt(tl.sum(do_abs * do_abs, 0)))
 
 
 @triton.jit

@@ -41,10 +41,11 @@ Constexpr switches compile out what a launch does not need: ``DUE`` (the section
 i as FLASH_SECTIONS[i]; 0 compiles every check out), ``INJECT`` (fault injection,
 megatron_abft.flash.faults), ``CALIBRATE`` (the largest finite ``|residual| / (u * mass)`` of
 the checks, for threshold calibration on a GPU) and ``SCALED`` (checksum parts carry a scale,
-fp16). ``INTERPRETER`` is True in the copy that Triton's interpreter runs
-(megatron_abft.flash.build): its tl.dot on bf16 is wrong, so tl.dot takes fp32 operands there
-(exact: a product of two bf16 values fits fp32), and its fp32 -> bf16 cast truncates, so
-``_lo`` rounds on the bits (to nearest even, as a GPU does) and keeps the value in fp32.
+fp16: an accumulated reference is scaled after its loop, by its head's). ``INTERPRETER`` is True
+in the copy that Triton's interpreter runs (megatron_abft.flash.build): its tl.dot on bf16 is
+wrong, so tl.dot takes fp32 operands there (exact: a product of two bf16 values fits fp32), and
+its fp32 -> bf16 cast truncates, so ``_lo`` rounds on the bits (to nearest even, as a GPU does)
+and keeps the value in fp32.
 """
 
 import triton
@@ -201,25 +202,17 @@ def _column_ref(a, W_tile, ST_tile, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _accumulate_ref(ref, a, W_tile, ST_tile, SCALED: tl.constexpr):
-    """``ref + A W``: the accumulated reference (and masses) of an accumulating GEMM whose B is
-    a tile of X, ``W_tile [rows, 16]`` the tile's row sums (checksums)."""
-    if SCALED:
-        return ref + _mma(a, W_tile, None) * tl.load(ST_tile)
-    return _mma(a, W_tile, ref)
-
-
-@triton.jit
 def _deferred_check(
-    out, ref, first: tl.constexpr, mass, tiles, tol, ratio, CALIBRATE: tl.constexpr
+    out, ref, first: tl.constexpr, mass, tiles, tol, ratio, CALIBRATE: tl.constexpr, scale=1.0
 ):
     """An accumulating GEMM's check after its loop: the row sums of ``out`` against the
-    reference in ``ref``'s columns ``first`` to ``first + 2``, under the rows' summed ``mass``
-    (None: ``ref``'s next three columns) grown by ``sqrt(tiles / 16)`` for the accumulation's
-    own rounding. Returns the rows' excess and ratio."""
-    want = _columns(ref, first)
+    reference in ``ref``'s columns ``first`` to ``first + 2`` times ``scale`` (its checksum
+    tiles'), under the rows' summed ``mass`` (None: ``ref``'s next three columns, times
+    ``scale``) grown by ``sqrt(tiles / 16)`` for the accumulation's own rounding. Returns the
+    rows' excess and ratio."""
+    want = _columns(ref, first) * scale
     if mass is None:
-        mass = _columns(ref, first + 3)
+        mass = _columns(ref, first + 3) * scale
     growth = tl.maximum(1.0, tl.sqrt(tiles / 16.0))
     worst = tl.full(want.shape, -INF, tl.float32)
     return _fold(tl.sum(out, 1), want, mass * growth, tol, worst, ratio, CALIBRATE)
@@ -329,15 +322,14 @@ def _write(
 
 @triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, VRS, INJ, qk_scale, bh, N_K, D,
-    skn, svn, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr, CHECK_C: tl.constexpr,
-    SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
+    acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, INJ, qk_scale, bh, N_K, D, skn,
+    svn, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, CHECK_S: tl.constexpr, CHECK_C: tl.constexpr, INJECT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """The query block's key tiles ``[lo, hi)``: the online softmax and P~V (FA2), with S's row
     sums and the context's reference accumulated beside them."""
     offs_n = tl.arange(0, BLOCK_N)
-    vrs_tile = VRS + (lo // BLOCK_N) * 3  # scalar loads in the loop only through stepped pointers
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -365,14 +357,13 @@ def _fwd_tiles(
         p_lo = _lo(p, q.dtype)
         if CHECK_C:  # (P~ V) e = P~ (V e), and the mass P~ (|V| e)
             w = _read(vr_src, start_n, N_K, W, W, BLOCK_N, W, TMA)
-            cref = _accumulate_ref(cref * alpha[:, None], p_lo, w, vrs_tile, SCALED)
+            cref = _mma(p_lo, w, cref * alpha[:, None])
         acc = _mma(p_lo, v, acc * alpha[:, None])
         if INJECT:  # the first tile's P~V: the accumulator holds it alone
             fresh = first_pass & (start_n == 0)
             offs_d = tl.arange(0, HEAD_DIM)
             acc = _corrupt(acc, offs_m[:, None], offs_d[None, :], bh, CONTEXT, fresh, INJ)
         m_i = m_new
-        vrs_tile += 3
     return acc, m_i, l_i, cref, srow
 
 
@@ -398,20 +389,21 @@ def _fwd_pass(
         w = tl.load(KC + last.to(tl.int64) * (HEAD_DIM * W) + offs)
         srow = -_column_ref(q, w, KCS + last * 3, SCALED)
         mass = _norm(q.to(tl.float32), 1) * tl.load(KCS + last * 3 + 1)
+    scale = tl.load(VRS) if SCALED and CHECK_C else 1.0  # V's row sums at its head's scale
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     m_i = tl.full([BLOCK_M], -INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     cref = tl.zeros([BLOCK_M, W], tl.float32)
     srow = tl.where(tl.arange(0, 8)[None, :] == 0, srow[:, None], 0.0)  # as _partial_sums add
     acc, m_i, l_i, cref, srow = _fwd_tiles(
-        acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, VRS, INJ, qk_scale, bh, N_K, D,
+        acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, INJ, qk_scale, bh, N_K, D,
         skn, svn, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_C,
-        SCALED, INJECT, TMA,
+        INJECT, TMA,
     )
     acc, m_i, l_i, cref, srow = _fwd_tiles(
-        acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, VRS, INJ, qk_scale, bh, N_K, D,
+        acc, m_i, l_i, cref, srow, q, offs_m, k_src, v_src, vr_src, INJ, qk_scale, bh, N_K, D,
         skn, svn, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True, CAUSAL, CHECK_S, CHECK_C,
-        SCALED, INJECT, TMA,
+        INJECT, TMA,
     )
     state_s = tl.zeros([BLOCK_M], tl.int32)
     state_c = tl.zeros([BLOCK_M], tl.int32)
@@ -432,7 +424,7 @@ def _fwd_pass(
         state_s = tl.where(m_ok, _kinds(worst_s, near_inf), 0)
     if CHECK_C:  # every tile's P~V, the rescales and the sum, at once
         worst_c, ratio_c = _deferred_check(
-            acc, cref, 0, None, tiles.to(tl.float32), tol, ratio_c, CALIBRATE
+            acc, cref, 0, None, tiles.to(tl.float32), tol, ratio_c, CALIBRATE, scale
         )
         # a row flagged in S fails downstream too: it counts once, in S
         state_c = tl.where(m_ok & (state_s == 0), _kinds(worst_c, near_inf), 0)
@@ -535,11 +527,11 @@ def _fwd_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA, ST, INJ, D,
-    sqm, sdom, qk_scale, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr,
+    dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA, INJ, D, sqm,
+    sdom, qk_scale, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_V: tl.constexpr, CHECK_K: tl.constexpr,
-    SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
+    INJECT: tl.constexpr, TMA: tl.constexpr,
 ):
     """The key block's query tiles ``[lo, hi)`` of its head: S^T = K Q^T and dP^T = V dO^T
     with their row sums accumulated (checked per head), dV += P^T dO and dK += dS^T Q with their
@@ -550,8 +542,7 @@ def _dkdv_tiles(
     hits."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    st_tile = ST + (lo // BLOCK_M) * 8  # scalar loads in the loop only through stepped pointers
-    lse_tile = LSE + lo
+    lse_tile = LSE + lo  # scalar loads in the loop only through stepped pointers
     delta_tile = DELTA + lo
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -577,7 +568,7 @@ def _dkdv_tiles(
             dv = _corrupt(dv, offs_n[:, None], offs_d[None, :], bh, GRAD_V, fresh, INJ)
         if CHECK_V or CHECK_K:  # P^T (dO e), P^T (|dO| e), and dK's masses
             w = _read(w_src, start_m, N_Q, W, W, BLOCK_M, W, TMA)
-            vref = _accumulate_ref(vref, pt_lo, w, st_tile, SCALED)
+            vref = _mma(pt_lo, w, vref)
         dpt = _mma(v, tl.trans(do), None)
         if INJECT:
             dpt = _corrupt(dpt, offs_m[None, :], offs_n[:, None], bh, GRAD_PROBS, first_pass, INJ)
@@ -590,8 +581,7 @@ def _dkdv_tiles(
         if INJECT:
             dk = _corrupt(dk, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
         if CHECK_K:  # dS^T (Q e), from the same tile
-            kref = _accumulate_ref(kref, dst_lo, w, st_tile + 1, SCALED)
-        st_tile += 8
+            kref = _mma(dst_lo, w, kref)
         lse_tile += BLOCK_M
         delta_tile += BLOCK_M
     return dk, dv, vref, kref, srow, prow
@@ -683,16 +673,19 @@ def _bwd_dkdv_kernel(
     srow = tl.where(first_column, srow[:, None], 0.0)  # as _partial_sums accumulate
     prow = tl.where(first_column, prow[:, None], 0.0)
     dk, dv, vref, kref, srow, prow = _dkdv_tiles(
-        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA,
-        ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, lo, diagonal, lo, first_pass, BLOCK_M, BLOCK_N,
-        HEAD_DIM, True, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, TMA,
+        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA, INJ, D,
+        sqm, sdom, qk_scale, bh, N_Q, lo, diagonal, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM,
+        True, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, INJECT, TMA,
     )
     dk, dv, vref, kref, srow, prow = _dkdv_tiles(
-        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA,
-        ST, INJ, D, sqm, sdom, qk_scale, bh, N_Q, diagonal, interior, lo, first_pass, BLOCK_M,
-        BLOCK_N, HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, SCALED, INJECT, TMA,
+        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA, INJ, D,
+        sqm, sdom, qk_scale, bh, N_Q, diagonal, interior, lo, first_pass, BLOCK_M, BLOCK_N,
+        HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, INJECT, TMA,
     )
     if CHECK_S or CHECK_P or CHECK_V or CHECK_K:
+        if SCALED:  # dO's and Q's row sums at their head's scales
+            vref = vref * tl.load(ST)
+            kref = kref * tl.load(ST + 1)
         tiles = tl.cdiv(N_Q - lo, BLOCK_M)
         state_s = tl.zeros([BLOCK_N], tl.int32)
         state_p = tl.zeros([BLOCK_N], tl.int32)
@@ -761,18 +754,16 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(
-    dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, KRS, INJ, D,
-    skn, svn, qk_scale, bh, N_K, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D, skn,
+    svn, qk_scale, bh, N_K, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr,
-    CHECK_Q: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
+    CHECK_Q: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
 ):
     """The query block's key tiles ``[lo, hi)``: S = Q K^T, dP = dO V^T, dQ += dS K, with
     dQ's reference and its mass ``|dS| (|K| e)`` accumulated beside it, and the partial sums
     of the row identities."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    first = lo // BLOCK_N  # loads in the loop only through pointers that step a tile a time
-    krs_tile = KRS + first * 3
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -801,11 +792,10 @@ def _dq_tiles(
             psum = _partial_sums(p, psum)
         if CHECK_P:
             dssum = _partial_sums(ds, dssum)
-        if CHECK_Q:  # (dS K) e = dS (K e), and the mass |dS| (|K| e) (fp16: unscaled)
+        if CHECK_Q:  # (dS K) e = dS (K e), and the mass |dS| (|K| e), unscaled
             w = _read(kr_src, start_n, N_K, W, W, BLOCK_N, W, TMA)
-            qref = _accumulate_ref(qref, ds_lo, w, krs_tile, SCALED)
+            qref = _mma(ds_lo, w, qref)
             dsabs += _mma(_abs16(ds_lo), w, None)
-        krs_tile += 3
     return dq, qref, dsabs, psum, dssum
 
 
@@ -840,14 +830,14 @@ def _dq_pass(
     psum = tl.zeros([BLOCK_M, 8], tl.float32)  # as _partial_sums add
     dssum = tl.zeros([BLOCK_M, 8], tl.float32)
     dq, qref, dsabs, psum, dssum = _dq_tiles(
-        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, KRS, INJ,
-        D, skn, svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False,
-        CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, TMA,
+        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D,
+        skn, svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False, CAUSAL,
+        CHECK_S, CHECK_P, CHECK_Q, INJECT, TMA,
     )
     dq, qref, dsabs, psum, dssum = _dq_tiles(
-        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, KRS, INJ,
-        D, skn, svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True,
-        CAUSAL, CHECK_S, CHECK_P, CHECK_Q, SCALED, INJECT, TMA,
+        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D,
+        skn, svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True, CAUSAL,
+        CHECK_S, CHECK_P, CHECK_Q, INJECT, TMA,
     )
     state_s = tl.zeros([BLOCK_M], tl.int32)
     state_p = tl.zeros([BLOCK_M], tl.int32)
@@ -864,11 +854,12 @@ def _dq_pass(
     if CHECK_P:
         worst, ratio_p = _fold(dssum, 0.0, bound_ds / tol, tol, none, ratio_p, CALIBRATE)
         state_p = tl.where(m_ok & (state_s == 0), _kinds(worst, near_inf), 0)
-    if CHECK_Q:  # the mass |dS| (|K| e), 1% for dS's rounding; fp16's tiles scaled by their
-        # largest scale, an upper bound (each tile's is non-negative)
+    if CHECK_Q:  # the mass |dS| (|K| e), 1% for dS's rounding
         qmass = 1.01 * _columns(dsabs, 3)
-        if SCALED:
-            qmass = qmass * _stat_max(KRS, 0, count, 0)
+        if SCALED:  # K's row sums at its head's scale
+            head = tl.load(KRS)
+            qref = qref * head
+            qmass = qmass * head
         worst, ratio_q = _deferred_check(dq, qref, 0, qmass, tiles, tol, ratio_q, CALIBRATE)
         # a row flagged upstream fails downstream too: it counts once, where it began
         state_q = tl.where(m_ok & (state_s == 0) & (state_p == 0), _kinds(worst, near_inf), 0)

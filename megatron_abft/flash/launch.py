@@ -148,8 +148,9 @@ def forward(
     rows = triton.cdiv(n_q, checksums.ROWS) * checksums.ROWS
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
     kc, _, vr = _key_value_sums(
-        k, v, tile.block_n, width, checks.has(kernels.SCORES), False, checks.has(kernels.CONTEXT)
-    )
+        k, v, tile.block_n, width, checks.has(kernels.SCORES), False,
+        checks.has(kernels.CONTEXT), checks,
+    )  # fmt: skip
     grid = (triton.cdiv(n_q, tile.block_m), batch * heads)
     # fmt: off
     _twice(
@@ -192,6 +193,7 @@ def backward(
         rows=checks.has(kernels.GRAD_V, kernels.GRAD_K),
         queries=checks.has(kernels.GRAD_K),
         columns=checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS),
+        slack=_slack(q.dtype, checks),
     )  # fmt: skip
     delta, odo = made.delta, made.odo
     rows = delta.shape[-1]
@@ -225,7 +227,7 @@ def backward(
     identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
     _, kr, vr = _key_value_sums(
         k, v, tile.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
-        checks.has(kernels.GRAD_PROBS),
+        checks.has(kernels.GRAD_PROBS), checks,
     )  # fmt: skip
     # fmt: off
     grid = (triton.cdiv(n_q, tile.block_m), batch * heads)
@@ -301,12 +303,21 @@ def tma_ready(x: Tensor) -> Tensor:
     return copy[..., : x.shape[-1]]
 
 
+def _slack(dtype: torch.dtype, checks: Checks) -> float:
+    """What the checksum vectors widen a row's absolute sum by, in units of its scale, so that
+    the tiles' bound covers what scaled parts lose (checksums.PART_LOSS; 0 unscaled)."""
+    return checksums.PART_LOSS / checks.tol if checksums.HEADROOM.get(dtype, 0) else 0.0
+
+
 def _key_value_sums(
-    k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool
-) -> tuple[tuple[Tensor, Tensor], ...]:
+    k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool,
+    checks: Checks,
+) -> tuple[tuple[Tensor, Tensor], ...]:  # fmt: skip
     """K's column and row sums and V's row sums (checksums.key_value_sums) as kernel arguments,
     parts and stats, placeholders for a kind not asked for."""
-    made = checksums.key_value_sums(k, v, block, width, columns, k_rows, v_rows)
+    made = checksums.key_value_sums(
+        k, v, block, width, columns, k_rows, v_rows, _slack(k.dtype, checks)
+    )
     nothing = checksums.placeholder(k.dtype, k.device)
     return tuple((s.parts, s.stats) if s else (nothing, nothing) for s in made)
 

@@ -65,9 +65,6 @@ wgmma with M >= 64 a warpgroup, no spills, the checked kernel on as many CTAs an
 unchecked, the fewest issue slots. For dK/dV, block_m is the query block it streams and block_n
 the key block it holds; in dQ and the forward, block_m is the query block held. A tuning file
 (megatron_abft.flash.launch.tuned) may replace them on a GPU."""
-FP16_TILES: dict[tuple[str, int], Blocks] = {("dkdv", 128): Blocks(16, 128, 8, 2)}
-"""fp16's own tiles where TILES spill for it: its checksum tiles carry a scale a tile (bf16's
-need none), whose loads in the loop take registers."""
 BUDGETS: dict[tuple[str, int], Budget] = {
     ("forward", 64): Budget(10, 2, registers=72),
     ("forward", 128): Budget(14, 2, registers=64),
@@ -79,17 +76,6 @@ BUDGETS: dict[tuple[str, int], Budget] = {
 """The gate's budgets for TILES (sm_90, bf16 and fp16, causal or not). The forward's at head
 dim 64: its causal checked build holds 234 registers, as before its exponent became one explicit
 FMA, which took its unchecked twin from 173 to 167 (both on one CTA an SM)."""
-FP16_BUDGETS: dict[tuple[str, int], Budget] = {("dkdv", 128): Budget(25, 8.7, registers=64)}
-"""The budgets of FP16_TILES (dK's bound there adds a floor for subnormal P~, summed after the
-loop, and the loop holds dV's and dK's checksum tile across dP^T: registers, the kernel on one
-CTA an SM either way)."""
-
-
-def budget(kernel: str, head_dim: int, dtype: torch.dtype) -> Budget:
-    """The gate's budget for the tiles ``blocks`` gives."""
-    if dtype == torch.float16 and (kernel, head_dim) in FP16_BUDGETS:
-        return FP16_BUDGETS[kernel, head_dim]
-    return BUDGETS[kernel, head_dim]
 
 
 INTERPRETED = Blocks(64, 64, 4, 2)
@@ -103,8 +89,6 @@ def blocks(kernel: str, head_dim: int, dtype: torch.dtype) -> Blocks:
         raise ValueError(f"unknown flash kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     if dtype not in GPU_DTYPES:
         return INTERPRETED
-    if dtype == torch.float16 and (kernel, head_dim) in FP16_TILES:
-        return FP16_TILES[kernel, head_dim]
     return TILES[kernel, head_dim]
 
 

@@ -237,6 +237,17 @@ and of V (rows) in the same launch, tiled by its block_n; dK/dV's from the prolo
 computes Delta anyway (checksums.backward: one tile of dO's and Q's rows, their suffix column
 sums, from one more read of Q and one launch of running sums), tiled by its block_m; dQ's of K
 and V (rows), one launch, by its block_n."""
+PEAKS = {
+    "forward": Prepass(False, 1, stats=0),
+    "dkdv": Prepass(True, 3, stats=2),
+    "dq": Prepass(False, 2, stats=0),
+}
+"""For a dtype whose checksum parts carry a scale (SCALED), the launch before each kernel's
+PREPASS that takes the peaks of its row sums, for one scale a head: it reads their operands
+once more (the forward's V, dQ's K and V, dK/dV's O, dO and Q) and writes a peak a tile (dK/dV
+dO's and Q's, apart; the others into the stats PREPASS counts)."""
+SCALED = ("fp16",)
+"""The dtypes whose checksum parts carry a scale (megatron_abft.flash.checksums.HEADROOM)."""
 FOUND_OPS = 1
 """Launches of one call's findings buffer (launch.Findings.empty: one zero fill), made by each of
 the forward's and the backward's ops when they check anything."""
@@ -291,15 +302,17 @@ def flash_shared(shape: ModelShape) -> dict[str, Work]:
     """What the flash path runs, one layer, one rank, on any step that checks any of its
     sections, whichever they are: a launch with anything due compiles the checks in and makes
     all its checksum tiles, and every launch of the step has what is due (one ``due`` mask).
-    By part: ``prepass``, the checksum tiles (PREPASS); ``odo``, the backward's rounding of
-    Delta (``sum |O| |dO|`` a row, which the prologue writes beside Delta); ``identities``, the
-    dQ kernel's row identities (IDENTITY_OPS); ``retry``, each kernel's second launch
-    (RETRY_OPS); ``ledger``, the findings buffers (FOUND_OPS) and the ledger's updates
-    (RECORD_OPS) of the forward and the backward. The kernels' reads of the tiles, a tile's at a
-    time and mostly from L2, are left out."""
+    By part: ``prepass``, the checksum tiles (PREPASS, and PEAKS where SCALED); ``odo``, the
+    backward's rounding of Delta (``sum |O| |dO|`` a row, which the prologue writes beside
+    Delta); ``identities``, the dQ kernel's row identities (IDENTITY_OPS); ``retry``, each
+    kernel's second launch (RETRY_OPS); ``ledger``, the findings buffers (FOUND_OPS) and the
+    ledger's updates (RECORD_OPS) of the forward and the backward. The kernels' reads of the
+    tiles, a tile's at a time and mostly from L2, are left out."""
     f = _FlashShape.of(shape)
     prepass = Work()
     for kernel, launches in PREPASS.items():
+        if f.dtype in SCALED:
+            launches += (PEAKS[kernel],)
         for p in launches:
             prepass += _prepass(f, p, f.tiles(kernel)[1])
     return {
