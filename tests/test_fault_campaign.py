@@ -1,6 +1,7 @@
-"""tools/fault_campaign.py and its modules: the seeded plan (campaign_plan), how a trial's outcome
-is judged (campaign_outcomes), the tables and the vulnerability file (campaign_report), and a tiny
-campaign end to end (2 workers of 2 gloo ranks each) that resumes from its results file."""
+"""The fault campaign (campaign.cli) and its modules: the seeded plan (campaign.plan), how a
+trial's outcome is judged (campaign.outcomes), the tables and the vulnerability file
+(campaign.report), and a tiny campaign end to end (2 workers of 2 gloo ranks each) that
+resumes from its results file."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_abft.ops import compiled
-from tools import fault_campaign as fc
-from tools.campaign_outcomes import OUTCOMES_OFF, classify, magnitude_class
-from tools.campaign_plan import (
+from campaign import cli as fc
+from campaign.outcomes import OUTCOMES_OFF, classify, magnitude_class
+from campaign.plan import (
     KINDS,
     PATTERNS,
     SECTIONS,
@@ -23,7 +23,8 @@ from tools.campaign_plan import (
     plan,
     read_results,
 )
-from tools.campaign_report import BEGIN, optimizer_check, tables
+from campaign.report import BEGIN, optimizer_check, tables
+from megatron_abft.ops import compiled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,7 +146,7 @@ def test_the_tables_count_the_trials_and_the_vulnerability_file_loads(tmp_path):
 def test_outputs_go_to_out_unless_the_docs_are_asked_for(tmp_path):
     """A campaign writes to out/fault_campaign/; --update-docs to the files docs/ publishes; a
     path given by its own flag wins either way."""
-    from tools.campaign_plan import DOCS, OUT, ROOT
+    from campaign.plan import DOCS, OUT, ROOT
 
     for flags, home in (([], OUT), (["--update-docs"], DOCS)):
         args = fc.parse_args(flags)

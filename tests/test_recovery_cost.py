@@ -1,5 +1,5 @@
-"""tools/recovery_cost.py: every recovery method gets a row, with its cost and its ratio to the
-in-step correction, from a tiny measurement on 2 gloo ranks."""
+"""campaign.recovery (python -m tools.recovery_cost): every recovery method gets a row, with its
+cost and its ratio to the in-step correction, from a tiny measurement on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import recovery_cost as rc
+from campaign import recovery as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,8 @@ import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from tools.campaign_outcomes import OUTCOMES_OFF, OUTCOMES_ON, classify, read_number
-from tools.campaign_plan import (
+from campaign.outcomes import OUTCOMES_OFF, OUTCOMES_ON, classify, read_number
+from campaign.plan import (
     CHECKED_SECTION,
     CONFIG,
     CORRECTABLE_PATTERNS,

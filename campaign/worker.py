@@ -1,5 +1,5 @@
 """The fault campaign's workers: the launch script's training on one pair of ranks with
-in-memory snapshots (``Trainer``, shared with tools/recovery_cost.py), the trials run on it
+in-memory snapshots (``Trainer``, shared with campaign.recovery), the trials run on it
 (``Campaign``, ``worker_main``), and on the driver's side the launch of the workers (a torchrun of
 2 ranks each), the corpus they train on and the progress line."""
 
@@ -17,8 +17,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-from tools.campaign_outcomes import json_number, loss_deviation, magnitude_class, summarise
-from tools.campaign_plan import (
+from campaign.outcomes import json_number, loss_deviation, magnitude_class, summarise
+from campaign.plan import (
     CONFIG,
     LOGS,
     ROOT,
@@ -28,7 +28,7 @@ from tools.campaign_plan import (
     settings_from_json,
 )
 
-ENTRY = ["-m", "tools.fault_campaign"]
+ENTRY = ["-m", "campaign.cli"]
 """What each worker's ranks run, from the repository root: its main() hands --worker-plan to
 worker_main."""
 
@@ -322,9 +322,9 @@ def launch_argv(settings: Settings, corpus: Path) -> list[str]:
 def ensure_corpus(prefix: Path) -> None:
     if Path(f"{prefix}.bin").exists() and Path(f"{prefix}.idx").exists():
         return
-    from tools import prepare_data
-
-    prepare_data.build(sorted((ROOT / "data" / "tiny_corpus").glob("*.txt")), str(prefix))
+    texts = sorted(str(p) for p in (ROOT / "data" / "tiny_corpus").glob("*.txt"))
+    command = [sys.executable, "-m", "tools.prepare_data", "--input", *texts]
+    subprocess.run([*command, "--output-prefix", str(prefix)], cwd=ROOT, check=True)
 
 
 def run_workers(todo: list[dict], settings: Settings, results: Path, workers: int, argv) -> int:

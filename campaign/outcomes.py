@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from tools.campaign_plan import CHECKED_SECTION, VULNERABILITY_KINDS
+from campaign.plan import CHECKED_SECTION, VULNERABILITY_KINDS
 
 
 def loss_deviation(losses: list[float], skipped: list[bool], reference: list[float]) -> float:
