@@ -9,7 +9,7 @@ from megatron_abft.config import FORWARD_SECTIONS
 
 def test_clean_gemms_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
-    from tools import gemm_false_alarms as tool
+    from bench import gemm_false_alarms as tool
 
     tool.main(
         ["--hidden", "128", "--heads", "2", "--seq", "128", "--repeats", "1", "--json", str(out)]

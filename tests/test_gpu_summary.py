@@ -70,9 +70,9 @@ def test_bench_kernels_writes_the_projections_and_kernels_the_summary_reads(tmp_
     check's share of the GEMM, and each kernel's read rate against a copy's."""
     import torch
 
+    from bench.gpu_summary import kernels
+    from bench.kernels import main
     from megatron_abft.ops import compiled
-    from tools.bench_kernels import main
-    from tools.gpu_summary import kernels
 
     out = tmp_path / "bench_kernels.json"
     torch.manual_seed(0)

@@ -20,12 +20,12 @@ import time
 
 import torch
 
+from bench.timing import best_per_call, call_ms
 from megatron_abft.check.checker import CompiledChecker, ReferenceChecker
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import compiled
 from megatron_abft.runtime.guard import SectionGuard
-from tools.timing import best_per_call, call_ms
 
 
 def per_call_cold(fn, device: torch.device, number: int = 300) -> float:
@@ -117,11 +117,11 @@ def sync_free_calls(device: torch.device) -> dict[str, int]:
 def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, float]:
     """set_step and finish_step on a GPT model of ``layers`` protected layers (small ones: the
     two walk the model's modules and its guards, whatever their size)."""
+    from bench.overhead import build_model, parse_args
     from megatron_abft import finish_step, set_step
-    from tools.bench_overhead import _build, parse_args
 
     args = parse_args(["--layers", str(layers), "--hidden", "64", "--heads", "4", "--seq", "32"])
-    model = _build(args, ABFTConfig())
+    model = build_model(args, ABFTConfig())
     steps = iter(range(10**9))
     return {
         "modules": sum(1 for _ in model.modules()),

@@ -21,7 +21,7 @@ tests/tuning/test_scaling.py as tools/bench_overhead.py counts them; the fused p
 passes, not ops. Runs of earlier code are priced at the counts their JSON recorded."""
 CHECK_KERNELS = {"torch": CHECK_OPS["torch"], "kernels": 5, "fused": 3}
 """GPU kernels one clean check launches sync-free (the default where the kernels serve the GPU).
-Measured on an H200 (tools/bench_overhead.py's check_kernels, docs/benchmarks.md): 5, one more
+Measured on an H200 (bench/overhead.py's check_kernels, docs/benchmarks.md): 5, one more
 than the code's count, which tests/ops/test_ext_tally.py names on the next GPU run. Counted from the
 code: encode_pair 2 (both operands' block sums, then both
 products, alpha applied as they are written; a column-major operand, as V^T is for the context,

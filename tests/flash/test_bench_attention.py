@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import triton
 
-from tools import bench_attention as bench
+from bench import attention as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 

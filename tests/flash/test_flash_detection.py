@@ -4,9 +4,9 @@ below it)."""
 
 import torch
 
+from bench.flash_detection import limit, positions
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.flash.faults import first_computations
-from tools.flash_detection import limit, positions
 
 
 def test_every_position_scales_its_error_and_one_rms_is_flagged():

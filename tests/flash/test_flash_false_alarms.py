@@ -9,7 +9,7 @@ import json
 
 def test_clean_realistic_inputs_raise_no_alarm(tmp_path):
     out = tmp_path / "alarms.json"
-    from tools import flash_false_alarms as tool
+    from bench import flash_false_alarms as tool
 
     assert tool.main(["--tiles", "60", "--seq", "64", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -31,9 +31,9 @@ def test_a_row_max_large_enough_to_round_keeps_its_softmax_sum_inside_the_bound(
 
     import torch
 
+    from bench.flash_false_alarms import inputs
     from megatron_abft.config import FLASH_SECTIONS
     from megatron_abft.flash import launch
-    from tools.flash_false_alarms import inputs
 
     dtype, seq, dim = torch.bfloat16, 256, 64
     checks = launch.Checks((1 << len(FLASH_SECTIONS)) - 1, launch.TILE_C[dtype] * 2.0**-24, 1e10)

@@ -1,8 +1,8 @@
 """tools/flash_tune.py keeps the gate's tiles unless a candidate wins by more than the timings'
 spread: the sweep's single timings were noise (docs/benchmarks.md, "The tile sweep")."""
 
+from bench.flash_tune import MARGIN, choose
 from megatron_abft.flash.tiles import Blocks
-from tools.flash_tune import MARGIN, choose
 
 GATE, SMALL, WIDE = Blocks(128, 128, 8, 2), Blocks(64, 64, 4, 2), Blocks(128, 64, 8, 2)
 

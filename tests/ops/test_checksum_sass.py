@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tools import checksum_sass as tool
+from bench import checksum_sass as tool
 
 
 def built_report():

@@ -245,8 +245,8 @@ def test_a_sync_free_check_on_the_gpu_reads_nothing_and_launches_what_the_model_
     """The path the overhead model costs for a GPU: with the kernels, a clean sync-free check
     launches the kernels devices.CHECK_KERNELS counts, and a clean check and a faulty one never
     synchronise with the host (torch.cuda's sync debug mode raises on any synchronising call)."""
+    from bench.overhead import check_kernels
     from megatron_abft.tuning.devices import CHECK_KERNELS
-    from tools.bench_overhead import check_kernels
 
     kernels = check_kernels(torch.device("cuda"))
     assert len(kernels) == CHECK_KERNELS["kernels"], f"a clean check launched {kernels}"

@@ -60,14 +60,14 @@ def test_gpu_profiles_price_cuda_core_ops_and_exponentials():
 
 def test_the_measured_h200_profile_is_the_h200_runs_micro_benchmarks():
     """DEVICES["H200-measured"] holds the medians of the micro-benchmarks of the H200 runs its
-    provenance names (2026-11-27; as tools/overhead_report.py's roofline reads them): the rates
+    provenance names (2026-11-27; as bench/overhead_report.py's roofline reads them): the rates
     and the fused path's op counts of the unfused run, the kernels' op counts of the flash run
     (its projections' checks), the flash rates the H200 datasheet's. Given each run's own
     unprotected step (its host made it 1.6 to 3.1 times the roofline's: calibrated), the model
     lands within tolerance of the run's measured step overhead on both paths."""
 
+    from bench.overhead_report import calibrated, roofline, within
     from megatron_abft.tuning.devices import PROFILES
-    from tools.overhead_report import calibrated, roofline, within
 
     runs = {}
     provenance = json.loads(PROFILES.read_text())["H200-measured"]["provenance"]

@@ -186,9 +186,9 @@ def test_the_kernels_dot_products_are_counted_and_priced_apart():
 def test_the_benchmark_measures_what_the_model_calibrates_on():
     """bench_overhead's rates: the kernels' read rate of a matrix in no cache (None without the
     kernels)."""
+    from bench.overhead import check_read_rate
+    from bench.overhead_report import calibrated
     from megatron_abft.ops import compiled
-    from tools.bench_overhead import check_read_rate
-    from tools.overhead_report import calibrated
 
     cpu = torch.device("cpu")
     if compiled.available():  # a rate in bytes a second; its size is the benchmark's to report,
@@ -207,8 +207,8 @@ def test_the_benchmark_measures_what_the_model_calibrates_on():
 def test_the_benchmark_prices_a_dot_product_of_the_kernels_on_a_cpu():
     """check_dot_cost: the products kernel on queries as Megatron lays them out, less its
     multiply-adds; None without the kernels."""
+    from bench.overhead import check_dot_cost, parse_args
     from megatron_abft.ops import compiled
-    from tools.bench_overhead import check_dot_cost, parse_args
 
     args = parse_args(["--seq", "256", "--hidden", "256", "--heads", "4", "--block", "64"])
     cpu = torch.device("cpu")
@@ -231,7 +231,7 @@ def test_the_benchmark_reuses_one_heap_for_blocks_of_any_size():
     script = """
 import resource, sys
 import torch
-from tools.bench_overhead import pin_malloc
+from bench.overhead import pin_malloc
 print(pin_malloc() if sys.argv[1] == "pinned" else "default")
 for _ in range(8):
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -370,10 +370,10 @@ def test_the_benchmark_times_both_softmaxes_and_the_fused_ones_checks():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
 
+    from bench.overhead import parse_args, softmax_costs
+    from bench.overhead_report import calibrated
     from megatron_abft.cpu import enable_cpu_mode
     from megatron_abft.ops import compiled
-    from tools.bench_overhead import parse_args, softmax_costs
-    from tools.overhead_report import calibrated
 
     enable_cpu_mode()  # Megatron makes its causal mask on the GPU
     module = FusedScaleMaskSoftmax(
@@ -398,11 +398,11 @@ def test_the_benchmark_times_both_softmaxes_and_the_fused_ones_checks():
 def test_the_decomposed_modes_skip_the_checks_or_their_screens_and_restore_them():
     """--decompose: "skipped" leaves a corrupted output unverified, "unread" lets the CPU's screen
     pass it unread (the check ends there), and both put the real ones back; flash refuses it."""
+    from bench.overhead import DECOMPOSED, decomposed, parse_args, timed_modes
     from megatron_abft.check.eec import GemmOperands
     from megatron_abft.config import ABFTConfig
     from megatron_abft.ops import compiled
     from megatron_abft.runtime.guard import SectionGuard
-    from tools.bench_overhead import DECOMPOSED, decomposed, parse_args, timed_modes
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(32, 64, generator=g), torch.randn(192, 64, generator=g)  # the bench's qkv
@@ -430,9 +430,9 @@ def test_the_decomposed_modes_skip_the_checks_or_their_screens_and_restore_them(
 def _fused_softmax_swap_worker():
     from mcore import Shape, batch, build_gpt
 
+    from bench.overhead import fused_softmax_swap
     from megatron_abft.config import ABFTConfig
     from megatron_abft.spec import get_gpt_layer_abft_spec
-    from tools.bench_overhead import fused_softmax_swap
 
     model = build_gpt(Shape(), get_gpt_layer_abft_spec(ABFTConfig(sections=())))
     tokens, positions, mask, labels = batch(Shape(), 0)
@@ -455,12 +455,12 @@ def _fused_softmax_swap_worker():
 def _time_checks_worker(route: str):
     from mcore import Shape, batch, build_gpt
 
+    from bench.overhead import per_check, time_checks
+    from bench.timing import Timer
     from megatron_abft import set_step
     from megatron_abft.config import ABFTConfig
     from megatron_abft.runtime import guard
     from megatron_abft.spec import get_gpt_layer_abft_spec
-    from tools.bench_overhead import per_check, time_checks
-    from tools.timing import Timer
 
     if route == "screen":  # the fused softmax's screen and P's pass, as on a GPU
         guard.checks_apart = lambda *_: False
@@ -528,7 +528,7 @@ def test_fused_softmax_swap_times_steps_with_each_softmax_in_turns():
 
 
 def test_the_benchmark_calibrates_on_the_median_of_its_rounds():
-    from tools.bench_overhead import median_rates
+    from bench.overhead import median_rates
 
     rounds = [
         {"matmul": 1e11, "launches": None, "softmax": {"forward": 3e-9}},
@@ -571,7 +571,7 @@ def test_a_benchmark_run_calibrates_the_baseline_on_its_unprotected_steps():
     """overhead_report's profile of a run: the baseline's forward and backward at what the run's
     "off" steps took (step less optimizer), Adam at the run's optimizer bandwidth; the
     roofline's own step is kept for its row."""
-    from tools.overhead_report import calibrated, measured_shape, roofline, validation_rows
+    from bench.overhead_report import calibrated, measured_shape, roofline, validation_rows
 
     run = json.loads(RUN4.read_text())
     shape, off = measured_shape(run["args"]), run["median"]["off"]
@@ -600,8 +600,8 @@ def test_the_op_counts_the_model_assumes_are_the_code_s(impl):
     (counted by torch.profiler, as tools/bench_overhead.py does), within 15%."""
     from contextlib import nullcontext
 
+    from bench.overhead import check_cost
     from megatron_abft.ops import compiled
-    from tools.bench_overhead import check_cost
 
     if impl == "kernels" and not compiled.available():
         pytest.skip(compiled.backend())
@@ -619,8 +619,8 @@ def test_a_bias_adds_the_ops_the_model_counts(impl):
     only, and a GPU's profile its add_bias launch (BIAS_KERNELS)."""
     from contextlib import nullcontext
 
+    from bench.overhead import bias_ops
     from megatron_abft.ops import compiled
-    from tools.bench_overhead import bias_ops
 
     if impl == "kernels" and not compiled.available():
         pytest.skip(compiled.backend())
@@ -643,7 +643,7 @@ def test_the_report_judges_every_measured_row_and_sums_them_up():
     """tools/overhead_report.py on a committed benchmark run: each overhead row is judged by
     the tolerance (±25% or ±1 pp, the looser), each check row by ±25%, and the summary counts
     the rows that agree."""
-    from tools.overhead_report import summary, validation_rows
+    from bench.overhead_report import summary, validation_rows
 
     rows = validation_rows([RUN4])
     judged = [r for r in rows if r["ok"] is not None]
@@ -670,7 +670,7 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
     """The GPU profiles cost a check's kernel launches (CHECK_KERNELS), a CPU its top-level ops
     (CHECK_OPS); a benchmark run is predicted with the ops its own code launched, as counted in
     that run (a bias's too, where the run counted them)."""
-    from tools.overhead_report import calibrated, measured_shape
+    from bench.overhead_report import calibrated, measured_shape
 
     assert DEVICES["H100"].ops_per_check("kernels") == CHECK_KERNELS["kernels"]
     run = json.loads(RUN4.read_text())
@@ -694,7 +694,7 @@ def test_gpus_count_kernel_launches_and_a_run_is_judged_on_its_own_op_count():
 def test_the_report_explains_a_fused_section_the_model_misses():
     """summary() adds why, where the fused softmax's sections disagree in a run that did not time
     the softmaxes, and says nothing of it where they agree or the run timed them."""
-    from tools.overhead_report import summary
+    from bench.overhead_report import summary
 
     def row(config, what, predicted, measured, ok):
         return {
@@ -724,8 +724,8 @@ def test_the_read_benchmark_times_every_matrix_cold_and_warm():
     """bench_reads: each matrix's bytes and its read times in no cache and warm; V in three
     layouts holding the same values, the first a view of the qkv output; None without the
     kernels."""
+    from bench.reads import attention_values, measure, parse_args
     from megatron_abft.ops import compiled
-    from tools.bench_reads import attention_values, measure, parse_args
 
     values = attention_values(seq=8, hidden=32, heads=2)
     first, *others = values.values()
@@ -760,7 +760,7 @@ def test_the_report_sets_both_attentions_side_by_side_as_predictions():
     section; the side-by-side table, both attentions on every GPU profile at every micro-batch
     with the unfused attention's S, a column pair a profile by its DEVICES name; text that
     says which of the flash figures are datasheet rates and where one was measured."""
-    from tools.overhead_report import (
+    from bench.overhead_report import (
         MICRO_BATCHES,
         SEQUENCES,
         flash_example,

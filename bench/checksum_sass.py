@@ -1,0 +1,160 @@
+"""What the sm_90 SASS of the CUDA checksum kernels (block sums, products) does a row: in the built
+extension (megatron_abft/_C*.so, as `make install` builds it), or in another version of
+csrc/kernels/abft_cuda.cu built with setup.py's nvcc flags (``--source``), each kernel's
+stack frame (spilled registers live there) and innermost loops that read global memory,
+with their instructions, shuffles, loads and the distance from a load to its first use. It
+counts instructions, as the flash kernels' gate does (megatron_abft.dev.sass); it does not time
+them.
+
+    python -m tools.checksum_sass [--dtype bf16] [--source PATH]
+
+On the vector path (rows contiguous and aligned) a loop iteration reads four elements of a row a
+thread (``LDG.E.64`` in bf16 and fp16, ``LDG.E.128`` in fp32); on the other, each thread walks a
+column, an element a load (``LDG.E.U16`` in bf16 and fp16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+
+from megatron_abft.dev import sass
+
+ROOT = Path(__file__).resolve().parents[1]
+NVCC_FLAGS = ["-O3", "-std=c++17", f"-I{ROOT / 'csrc'}"]
+"""setup.py's NVCC_FLAGS (less -lineinfo, which changes no instruction) and its include path."""
+TYPES = {"bf16": "13__nv_bfloat16f", "fp16": "6__halff", "fp32": "ff"}
+"""The mangled template arguments <T, Acc> of each dtype's kernels."""
+KINDS = {
+    "screened, rows in vectors": "block_sums_kernelI{}Lb1ELb1EE",
+    "screened, a column a thread": "block_sums_kernelI{}Lb1ELb0EE",
+    "plain, rows in vectors": "block_sums_kernelI{}Lb0ELb1EE",
+    "plain, a column a thread": "block_sums_kernelI{}Lb0ELb0EE",
+    "paired, rows in vectors": "block_sums_pair_kernelI{}Lb1ELb1EE",
+    "paired, a column a thread": "block_sums_pair_kernelI{}Lb0ELb0EE",
+    "products, a pass of two": "products_kernelI{}Li2ELi1EE",
+    "products, a pass of sixteen": "products_kernelI{}Li16ELi1EE",
+    "products, a pass of sixteen, two rows a warp": "products_kernelI{}Li16ELi2EE",
+}
+"""The block-sums kernels, each on both paths: a verify's (each tile screening what it
+completes), the plain one, and an encode's (two operands in one launch); and the products
+kernels (row_products), the first two each holding its three ways of reading A (a vector of a
+row a load, an entry of a row, an entry of a column), the third a wide pass whose operands are
+all read in vectors, two rows a warp."""
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+"""The disassembler Triton carries, as the flash kernels' gate uses it."""
+
+
+def extension() -> Path | None:
+    """The built CUDA extension, or None."""
+    found = sorted((ROOT / "megatron_abft").glob("_C*.so"))
+    return found[0] if found else None
+
+
+def compiled(source: Path) -> Path:
+    """``source`` built for sm_90 into a cubin in a temporary folder (nvcc from PATH)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc is not on PATH: the CUDA toolkit builds the checksum kernels")
+    cubin = Path(tempfile.mkdtemp()) / "abft_cuda.cubin"
+    command = [nvcc, *NVCC_FLAGS, "-arch=sm_90", "-cubin", "-o", str(cubin), str(source)]
+    subprocess.run(command, capture_output=True, text=True, check=True)
+    return cubin
+
+
+def dump(binary: Path, *options: str) -> str:
+    command = [str(CUOBJDUMP), *options, "-arch", "sm_90", str(binary)]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def functions(text: str) -> dict[str, str]:
+    """Each function's part of a cuobjdump listing, by its mangled name."""
+    parts = re.split(r"\n\s+Function : (\S+)\n", text)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def load_to_use(body: tuple[sass.Instruction, ...]) -> dict[str, int]:
+    """By load opcode, the fewest instructions of a loop from a global load to the first one
+    that reads what it loaded (around the loop's back edge): where that is a few, each load's
+    latency stalls its warp; a load made an iteration ahead of its use has an iteration's work
+    between."""
+    distances: dict[str, int] = {}
+    for at, load in enumerate(body):
+        if load.base != "LDG":
+            continue
+        first = int(re.match(r"R(\d+)", load.operands).group(1))
+        words = 4 if load.opcode.endswith(".128") else 2 if load.opcode.endswith(".64") else 1
+        loaded = {f"R{first + w}" for w in range(words)}
+        distance = len(body)
+        for step in range(1, len(body) + 1):
+            reader = body[(at + step) % len(body)]
+            sources = reader.operands.split(",", 1)[1] if "," in reader.operands else ""
+            if loaded & set(re.findall(r"\bR\d+\b", sources)):
+                distance = step
+                break
+        distances[load.opcode] = min(distance, distances.get(load.opcode, distance))
+    return distances
+
+
+def reading_loops(instructions: list[sass.Instruction]) -> list[dict]:
+    """The innermost loops that load global memory: their length, shuffles, loads, local
+    memory accesses (spilled registers) and load-to-use distance."""
+    return [
+        {
+            "instructions": len(loop.body),
+            "shuffles": loop.count("SHFL"),
+            "loads": [i.opcode for i in loop.body if i.base == "LDG"],
+            "local": loop.count("LDL", "STL"),
+            "load_to_use": load_to_use(loop.body),
+        }
+        for loop in sass.innermost(sass.loops(instructions))
+        if loop.count("LDG")
+    ]
+
+
+def report(binary: Path, dtype: str) -> dict[str, dict]:
+    """For the block-sums kernels of ``dtype`` in ``binary`` (an extension or a cubin): each
+    one's stack frame in bytes and its reading loops."""
+    code = functions(dump(binary, "-sass"))
+    usage = dump(binary, "--dump-resource-usage")
+    stacks = dict(re.findall(r"Function (\S+):\s+REG:\d+ STACK:(\d+)", usage))
+    out = {}
+    for kind, pattern in KINDS.items():
+        tag = pattern.format(TYPES[dtype])
+        (name,) = [n for n in code if tag in n]
+        out[kind] = {
+            "stack_bytes": int(stacks[name]),
+            "loops": reading_loops(sass.parse(code[name])),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=TYPES, default="bf16")
+    parser.add_argument("--source", type=Path, help="an abft_cuda.cu to build (needs nvcc)")
+    args = parser.parse_args(argv)
+    binary = compiled(args.source) if args.source else extension()
+    if binary is None:
+        parser.error("no built extension (make install), and no --source")
+    for kind, found in report(binary, args.dtype).items():
+        print(f"{kind}: a stack frame of {found['stack_bytes']} bytes")
+        for loop in found["loops"]:
+            loads = ", ".join(sorted(set(loop["loads"])))
+            uses = ", ".join(f"{op} {n}" for op, n in sorted(loop["load_to_use"].items()))
+            print(
+                f"  loop of {loop['instructions']} instructions, {loop['shuffles']} shuffles, "
+                f"{len(loop['loads'])} loads ({loads}), {loop['local']} local accesses; "
+                f"instructions from a load to its use: {uses}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
