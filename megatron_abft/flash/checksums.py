@@ -8,8 +8,10 @@ vector; W holds it split into three parts of the input dtype (columns 0 to 2, th
 ``w = (w0 + w1 + w2) * scale``: each part takes the next ~8 (bf16) or ~11 (fp16) bits, so the
 sum keeps fp32's 24, and the product of two input-dtype values is exact in the MMA's fp32
 accumulator. ``scale`` is a power of two that keeps fp16's parts in range (1 for bf16 and fp32):
-for the row sums, one a head (its tiles' peaks taken by a first launch), so that the kernels
-accumulate a reference over the head's tiles in the MMA and scale it once, after their loops.
+for the row sums, one a head, so that the kernels accumulate a reference over the head's tiles
+in the MMA and scale it once, after their loops. The tile launch writes fp16's row sums in fp32
+with each tile's peak, and the launch that adds up the column sums, one program a head, splits
+them at the head's scale (``_running_kernel``, also launched for that alone).
 A row far below its head's peak may have parts in fp16's subnormals, a loss of at most
 PART_LOSS a part set; the rows' absolute sums, the masses of the accumulated checks, are
 widened to cover it (``slack``).
@@ -52,6 +54,9 @@ PART_LOSS = 2.0**-25
 """The most a value's three fp16 parts lose to subnormals, in units of their scale: half of
 fp16's smallest subnormal (the last nonzero part rounds to that grid; a value whose parts stay
 normal loses about 2**-33 of itself, fp32's rounding covers it)."""
+RAW_VALUES = tl.constexpr(5)
+"""fp32 values a query row that fp16's backward keeps for its split: dO's sum, absolute sum and
+L2 norm, Q's sum and absolute sum."""
 
 
 @functools.cache
@@ -82,9 +87,9 @@ def key_value_sums(
 ) -> tuple[Sums | None, Sums | None, Sums | None]:  # fmt: skip
     """K's column sums (each over the tiles from the first to it, a prefix) and row sums, and
     V's row sums, of ``block``-row tiles padded to ``width`` columns (None for a kind not asked
-    for): one launch over K and V, one more for the prefix sums, and with scaled parts (fp16)
-    one before them for the rows' peaks. ``slack``: each row's absolute sum is widened by
-    ``slack * scale`` (the tiles' bound per unit of mass times it covers PART_LOSS)."""
+    for): one launch over K and V, and one more for the prefix sums and fp16's row sums.
+    ``slack``: each row's absolute sum is widened by ``slack * scale`` (the tiles' bound per
+    unit of mass times it covers PART_LOSS)."""
     b, h, n, d = k.shape
     tiles = triton.cdiv(n, block)
     matrices = b * h
@@ -118,17 +123,23 @@ def key_value_sums(
     module = build.for_device(sys.modules[__name__], k.device)
     headroom = HEADROOM.get(k.dtype, 0)
     rows = x_rows is not None
-    peaks = (True, False) if headroom and (rows or both) else (False,)
-    for peaks_only in peaks:
-        module._sums_kernel[(tiles, matrices, 2 if both else 1)](
-            x, column_sums, col.stats, row.parts, row.stats, *x.stride(), v, y.parts, y.stats,
-            *v.stride(), h, n, d, slack, BLOCK=block, HEAD_DIM=width, COLUMNS=columns,
-            ROWS=rows, HEADROOM=headroom, PEAKS=peaks_only, num_warps=4, num_stages=1,
-        )  # fmt: skip
-    if columns:
+    # fp16: each row's sum and absolute sum in fp32, split after at the head's scale
+    x_raw, y_raw = (
+        empty(matrices, tiles * block, 2, dtype=torch.float32) if headroom and wanted else col.stats
+        for wanted in (rows, both)
+    )
+    module._sums_kernel[(tiles, matrices, 2 if both else 1)](
+        x, column_sums, col.stats, row.parts, row.stats, x_raw, *x.stride(), v, y.parts,
+        y.stats, y_raw, *v.stride(), h, n, d, slack, BLOCK=block, HEAD_DIM=width,
+        COLUMNS=columns, ROWS=rows, HEADROOM=headroom, num_warps=4, num_stages=1,
+    )  # fmt: skip
+    split = headroom != 0 and (rows or both)
+    if columns or split:
         module._running_kernel[(matrices,)](
-            column_sums, col.parts, col.stats, tiles, HEAD_DIM=width, VECTORS=1, STATS=3,
-            REVERSE=False, HEADROOM=headroom, num_warps=4, num_stages=1,
+            column_sums, col.parts, col.stats, tiles, x_raw, row.parts, row.stats, y_raw,
+            y.parts, y.stats, slack, HEAD_DIM=width, VECTORS=1, STATS=3, REVERSE=False,
+            HEADROOM=headroom, BLOCK=block, COLUMNS=columns, ROWS=split and rows,
+            ROWS_Y=split and both, num_warps=4, num_stages=1,
         )  # fmt: skip
     return made
 
@@ -170,27 +181,26 @@ def _split(w, first: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _sums_kernel(
-    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, Y, YP, YS, syb, syh, syn, syd, H, N, D, slack,
+    X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, Y, YP, YS, YR, syb, syh, syn, syd, H, N, D, slack,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
-    HEADROOM: tl.constexpr, PEAKS: tl.constexpr,
+    HEADROOM: tl.constexpr,
 ):  # fmt: skip
     """One tile of one (batch, head): program 0 on axis 2 takes X's column sums (CF, fp32, and
     their masses in CS) and row sums (RP, RS), program 1 Y's row sums (YP, YS), as Sums lays
-    them out. PEAKS: only the row sums' peaks, into their stats, for the head's scale."""
+    them out; with HEADROOM, the row sums in fp32 (XR, YR: a row's sum and absolute sum) for
+    _running_kernel to split."""
     if tl.program_id(2) == 0:
-        if ROWS or not PEAKS:
-            _tile_sums(X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK, HEAD_DIM,
-                       COLUMNS, ROWS, HEADROOM, PEAKS)  # fmt: skip
+        _tile_sums(X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK, HEAD_DIM,
+                   COLUMNS, ROWS, HEADROOM)  # fmt: skip
     else:
-        _tile_sums(Y, CF, CS, YP, YS, syb, syh, syn, syd, H, N, D, slack, BLOCK, HEAD_DIM, False,
-                   True, HEADROOM, PEAKS)  # fmt: skip
+        _tile_sums(Y, CF, CS, YP, YS, YR, syb, syh, syn, syd, H, N, D, slack, BLOCK, HEAD_DIM,
+                   False, True, HEADROOM)  # fmt: skip
 
 
 @triton.jit
 def _tile_sums(
-    X, CF, CS, RP, RS, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK: tl.constexpr,
+    X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr, HEADROOM: tl.constexpr,
-    PEAKS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -202,30 +212,47 @@ def _tile_sums(
     x = tl.load(X + at + rows[:, None] * sxn + dims[None, :] * sxd, mask=mask, other=0.0)
     x = x.to(tl.float32)
     base = (bh * tiles + tile).to(tl.int64)
-    if PEAKS:  # the stats' largest absolute row sum, read by every tile of the head next
-        tl.store(RS + base * 3 + 1, tl.max(tl.sum(tl.abs(x), 1), 0))
-    else:
-        column = tl.arange(0, 16)[None, :]
-        largest_row = tl.max(tl.sqrt(tl.sum(x * x, 1)), 0)
-        if COLUMNS:  # fp32, for _running_kernel
-            tl.store(CF + base * HEAD_DIM + dims, tl.sum(x, 0))
-            absolute = tl.sum(tl.abs(x), 0)
-            tl.store(CS + base * 3 + 1, tl.sqrt(tl.sum(absolute * absolute, 0)))
-            tl.store(CS + base * 3 + 2, largest_row)
-        if ROWS:
-            r = tl.sum(x, 1)
-            a = tl.sum(tl.abs(x), 1)
-            if HEADROOM == 0:
-                scale = 1.0
-                tl.store(RS + base * 3 + 1, tl.max(a, 0))
-            else:  # the peaks' launch wrote slot 1
-                scale = _head_scale(RS + bh.to(tl.int64) * tiles * 3 + 1, 3, tiles, HEADROOM)
-            dtype = RP.dtype.element_ty
-            parts = _split(r / scale, 0, dtype) + _split(a / scale + slack, 3, dtype)
-            at_rows = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column
-            tl.store(RP + at_rows, parts.to(dtype))
-            tl.store(RS + base * 3, scale)
-            tl.store(RS + base * 3 + 2, largest_row)
+    largest_row = tl.max(tl.sqrt(tl.sum(x * x, 1)), 0)
+    if COLUMNS:  # fp32, for _running_kernel
+        tl.store(CF + base * HEAD_DIM + dims, tl.sum(x, 0))
+        absolute = tl.sum(tl.abs(x), 0)
+        tl.store(CS + base * 3 + 1, tl.sqrt(tl.sum(absolute * absolute, 0)))
+        tl.store(CS + base * 3 + 2, largest_row)
+    if ROWS:
+        r = tl.sum(x, 1)
+        a = tl.sum(tl.abs(x), 1)
+        at_rows = base * BLOCK + tl.arange(0, BLOCK)
+        if HEADROOM == 0:
+            _store_parts(RP, at_rows, r, a, 1.0, slack)
+            tl.store(RS + base * 3, 1.0)
+        else:  # split at the head's scale by _running_kernel
+            tl.store(XR + at_rows * 2, r)
+            tl.store(XR + at_rows * 2 + 1, a)
+        tl.store(RS + base * 3 + 1, tl.max(a, 0))
+        tl.store(RS + base * 3 + 2, largest_row)
+
+
+@triton.jit
+def _store_parts(RP, at_rows, r, a, scale, slack):
+    """Rows ``at_rows`` of RP: the parts of ``r`` and of ``a`` widened by ``slack`` (columns 0-2
+    and 3-5), at ``scale``."""
+    dtype = RP.dtype.element_ty
+    parts = _split(r / scale, 0, dtype) + _split(a / scale + slack, 3, dtype)
+    tl.store(RP + at_rows[:, None] * 16 + tl.arange(0, 16)[None, :], parts.to(dtype))
+
+
+@triton.jit
+def _head_rows(XR, RP, RS, bh, TILES, slack, BLOCK: tl.constexpr, HEADROOM: tl.constexpr):
+    """A head's row sums (XR: each row's sum and absolute sum, fp32; RS slot 1: each tile's
+    peak) split at the head's scale into RP, the scale into each tile's RS slot 0."""
+    scale = _head_scale(RS + bh * TILES * 3 + 1, 3, TILES, HEADROOM)
+    for tile in range(0, TILES):
+        base = bh * TILES + tile
+        at_rows = base * BLOCK + tl.arange(0, BLOCK)
+        r = tl.load(XR + at_rows * 2)
+        a = tl.load(XR + at_rows * 2 + 1)
+        _store_parts(RP, at_rows, r, a, scale, slack)
+        tl.store(RS + base * 3, scale)
 
 
 @dataclass
@@ -258,9 +285,8 @@ def backward(
 ) -> Backward:  # fmt: skip
     """Delta, and the backward's checksum tiles of ``block`` queries (those asked for: ``rows``,
     dO's; ``queries``, Q's; ``columns``, the suffix column sums): one launch over O, dO and Q,
-    one more for the suffix sums, and with scaled parts (fp16) one before them for the rows'
-    peaks. ``slack`` as in key_value_sums, for dO's absolute row sums and Q's (in dK's
-    masses)."""
+    and one more for the suffix sums and fp16's row sums. ``slack`` as in key_value_sums, for
+    dO's absolute row sums and Q's (in dK's masses)."""
     b, h, n, d = q.shape
     tiles = triton.cdiv(n, block)
     matrices = b * h
@@ -282,39 +308,41 @@ def backward(
     sums = empty(matrices, tiles, 2, width, dtype=torch.float32, wanted=columns)
     module = build.for_device(sys.modules[__name__], q.device)
     headroom = HEADROOM.get(q.dtype, 0)
-    scaled = headroom != 0 and (rows or queries)
-    peaks = empty(matrices, tiles, 2, dtype=torch.float32, wanted=scaled)
-    for peaks_only in (True, False) if scaled else (False,):
-        grid = (tiles if peaks_only else padded // block, matrices)
-        module._backward_kernel[grid](
-            o, do, q, made.delta, made.odo, made.rows, sums, made.stats, peaks,
-            *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles, slack,
-            BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows, QUERIES=queries, COLUMNS=columns,
-            HEADROOM=headroom, PEAKS=peaks_only, num_warps=4, num_stages=1,
-        )  # fmt: skip
-    if columns:
-        module._running_kernel[(matrices,)](
-            sums, made.columns, made.stats, tiles, HEAD_DIM=width, VECTORS=2, STATS=8,
-            REVERSE=True, HEADROOM=headroom, num_warps=4, num_stages=1,
+    split = headroom != 0 and (rows or queries)
+    # fp16: a row's values in fp32 (RAW_VALUES) and each tile's peaks of dO's and Q's
+    raw = empty(matrices, tiles * block, RAW_VALUES, dtype=torch.float32, wanted=split)
+    peaks = empty(matrices, tiles, 2, dtype=torch.float32, wanted=split)
+    module._backward_kernel[(padded // block, matrices)](
+        o, do, q, made.delta, made.odo, made.rows, sums, made.stats, raw, peaks,
+        *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles, slack,
+        BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows, QUERIES=queries, COLUMNS=columns,
+        HEADROOM=headroom, num_warps=4, num_stages=1,
+    )  # fmt: skip
+    if columns or split:
+        module._backward_running_kernel[(matrices,)](
+            sums, made.columns, made.stats, tiles, raw, peaks, made.delta, made.rows, padded,
+            slack, HEAD_DIM=width, HEADROOM=headroom, BLOCK=block, COLUMNS=columns,
+            ROWS=split and rows, QUERIES=split and queries, num_warps=4, num_stages=1,
         )  # fmt: skip
     return made
 
 
 @triton.jit
 def _backward_kernel(
-    OUT, DO, Q, DELTA, ABS, RW, CF, ST, PK, sob, soh, som, sod, sdob, sdoh, sdom, sdod, sqb, sqh,
-    sqm, sqd, H, N, D, TILES, slack, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    OUT, DO, Q, DELTA, ABS, RW, CF, ST, RAW, PK, sob, soh, som, sod, sdob, sdoh, sdom, sdod, sqb,
+    sqh, sqm, sqd, H, N, D, TILES, slack, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     ODO: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr,
-    HEADROOM: tl.constexpr, PEAKS: tl.constexpr,
+    HEADROOM: tl.constexpr,
 ):  # fmt: skip
     """One query tile of one (batch, head): Delta (and with ODO its rounding, in ABS) for its
     rows, those past N (up to the padded rows, as the LSE) zero; and for the first TILES tiles
     the checksum tiles Backward describes (CF: the tile's column sums of Q and dO, fp32, for
-    _running_kernel). PEAKS: only the peaks of the tile's dO and Q rows, into PK
-    ``[batch * heads, TILES, 2]``, for the head's scales."""
+    _backward_running_kernel); with HEADROOM, the rows' values in fp32 (RAW, RAW_VALUES a row)
+    and the tile's peaks of dO's and Q's rows (PK) instead, for that launch to split."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     tiles = TILES
+    padded = tl.num_programs(0) * BLOCK
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
@@ -324,55 +352,55 @@ def _backward_kernel(
                 other=0.0).to(tl.float32)  # fmt: skip
     do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
                  mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+    at = bh.to(tl.int64) * padded + rows
     delta = tl.sum(o * do, 1)
-    if not PEAKS:
-        at = bh.to(tl.int64) * tl.num_programs(0) * BLOCK + rows
-        tl.store(DELTA + at, delta)
-        if ODO:
-            tl.store(ABS + at, tl.sum(tl.abs(o) * tl.abs(do), 1))
+    tl.store(DELTA + at, delta)
+    if ODO:
+        tl.store(ABS + at, tl.sum(tl.abs(o) * tl.abs(do), 1))
     if ROWS or QUERIES or COLUMNS:
         if tile < TILES:
             q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
                         mask=mask, other=0.0).to(tl.float32)  # fmt: skip
             base = (bh * tiles + tile).to(tl.int64)
-            qa = tl.sum(tl.abs(q), 1)
-            if PEAKS:  # dO's parts hold its rows' by_norm and by_delta too
-                peak = tl.max(tl.sum(tl.abs(do), 1), 0)
-                peak = tl.maximum(peak, tl.max(tl.sqrt(tl.sum(do * do, 1)) * qa, 0))
-                peak = tl.maximum(peak, tl.max(tl.abs(delta) * qa, 0))
-                tl.store(PK + base * 2, peak)
+            at_rows = base * BLOCK + tl.arange(0, BLOCK)
+            r, a, dn = tl.sum(do, 1), tl.sum(tl.abs(do), 1), tl.sqrt(tl.sum(do * do, 1))
+            rq, qa = tl.sum(q, 1), tl.sum(tl.abs(q), 1)
+            if (ROWS or QUERIES) and HEADROOM == 0:
+                _backward_parts(RW, ST, base, at_rows, r, a, dn, delta, rq, qa, 1.0, 1.0, slack,
+                                ROWS, QUERIES)  # fmt: skip
+            elif ROWS or QUERIES:  # dO's parts hold by_norm and by_delta too
+                peak = tl.maximum(tl.max(a, 0), tl.max(dn * qa, 0))
+                tl.store(PK + base * 2, tl.maximum(peak, tl.max(tl.abs(delta) * qa, 0)))
                 tl.store(PK + base * 2 + 1, tl.max(qa, 0))
-            else:
-                _backward_rows(do, q, qa, delta, RW, CF, ST, PK, base, bh, tiles, slack, BLOCK,
-                               HEAD_DIM, ROWS, QUERIES, COLUMNS, HEADROOM)  # fmt: skip
+                tl.store(RAW + at_rows * RAW_VALUES, r)
+                tl.store(RAW + at_rows * RAW_VALUES + 1, a)
+                tl.store(RAW + at_rows * RAW_VALUES + 2, dn)
+                tl.store(RAW + at_rows * RAW_VALUES + 3, rq)
+                tl.store(RAW + at_rows * RAW_VALUES + 4, qa)
+            if COLUMNS:
+                tl.store(CF + (base * 2) * HEAD_DIM + dims, tl.sum(q, 0))
+                tl.store(CF + (base * 2 + 1) * HEAD_DIM + dims, tl.sum(do, 0))
+                q_abs = tl.sum(tl.abs(q), 0)
+                do_abs = tl.sum(tl.abs(do), 0)
+                tl.store(ST + base * 8 + 3, tl.sqrt(tl.sum(q_abs * q_abs, 0)))
+                tl.store(ST + base * 8 + 4, tl.sqrt(tl.sum(do_abs * do_abs, 0)))
 
 
 @triton.jit
-def _backward_rows(
-    do, q, qa, delta, RW, CF, ST, PK, base, bh, tiles, slack, BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr,
-    HEADROOM: tl.constexpr,
+def _backward_parts(
+    RW, ST, base, at_rows, r, a, dn, delta, rq, qa, scale_do, scale_q, slack,
+    ROWS: tl.constexpr, QUERIES: tl.constexpr,
 ):  # fmt: skip
-    """One tile's checksum tiles of dO's and Q's rows, and its column sums, for
-    _backward_kernel (PK: the head's tiles' peaks, from its peaks' launch)."""
-    dims = tl.arange(0, HEAD_DIM)
-    column = tl.arange(0, 16)[None, :]
-    at_rows = (base * BLOCK + tl.arange(0, BLOCK))[:, None] * 16 + column
+    """One tile's checksum tile of dO's and Q's rows (Backward.rows) from each row's values: dO's
+    sum ``r``, absolute sum ``a`` and L2 norm ``dn``, ``delta``, Q's sum ``rq`` and absolute sum
+    ``qa``, at the heads' scales; its scales and sums into ST."""
     dtype = RW.dtype.element_ty
-    parts = tl.zeros([BLOCK, 16], tl.float32)
-    scale_do = 1.0
-    scale_q = 1.0
-    if HEADROOM != 0 and (ROWS or QUERIES):  # the head's scales, from the peaks' launch
-        head = PK + bh.to(tl.int64) * tiles * 2
-        scale_do = _head_scale(head, 2, tiles, HEADROOM)
-        scale_q = _head_scale(head + 1, 2, tiles, HEADROOM)
+    parts = tl.zeros([r.shape[0], 16], tl.float32)
     if ROWS:
-        r = tl.sum(do, 1)
-        a = tl.sum(tl.abs(do), 1)
         qa_mass = qa
         if QUERIES:  # Q's parts' loss, in dK's mass
             qa_mass = qa + slack * scale_q
-        by_norm = tl.sqrt(tl.sum(do * do, 1)) * qa_mass
+        by_norm = dn * qa_mass
         by_delta = tl.abs(delta) * qa_mass
         parts += _split(r / scale_do, 0, dtype) + _split(a / scale_do + slack, 3, dtype)
         parts += _split(by_norm / scale_do, 9, dtype)
@@ -381,29 +409,67 @@ def _backward_rows(
         tl.store(ST + base * 8 + 5, tl.sum(by_norm, 0))  # for fp16's subnormal P~
         tl.store(ST + base * 8 + 6, tl.sum(by_delta, 0))
     if QUERIES:
-        parts += _split(tl.sum(q, 1) / scale_q, 6, dtype)
+        parts += _split(rq / scale_q, 6, dtype)
         tl.store(ST + base * 8 + 1, scale_q)
-    if ROWS or QUERIES:
-        tl.store(RW + at_rows, parts.to(dtype))
+    tl.store(RW + at_rows[:, None] * 16 + tl.arange(0, 16)[None, :], parts.to(dtype))
+
+
+@triton.jit
+def _backward_running_kernel(
+    CF, CP, ST, TILES, RAW, PK, DELTA, RW, PADDED, slack, HEAD_DIM: tl.constexpr,
+    HEADROOM: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
+    QUERIES: tl.constexpr,
+):  # fmt: skip
+    """One (batch, head) of the backward's checksum tiles: Q's and dO's column sums added up
+    from the last tile to each (COLUMNS, _prefix_sums), and fp16's row sums (ROWS, QUERIES:
+    _backward_kernel's RAW) split at the head's scales (from its tiles' peaks, PK)."""
+    bh = tl.program_id(0).to(tl.int64)
     if COLUMNS:
-        tl.store(CF + (base * 2) * HEAD_DIM + dims, tl.sum(q, 0))
-        tl.store(CF + (base * 2 + 1) * HEAD_DIM + dims, tl.sum(do, 0))
-        q_abs = tl.sum(tl.abs(q), 0)
-        do_abs = tl.sum(tl.abs(do), 0)
-        tl.store(ST + base * 8 + 3, tl.sqrt(tl.sum(q_abs * q_abs, 0)))
-        tl.store(ST + base * 8 + 4, tl.sqrt(tl.sum(do_abs * do_abs, 0)))
+        _prefix_sums(CF, CP, ST, bh, TILES, HEAD_DIM, 2, 8, True, HEADROOM)
+    if ROWS or QUERIES:
+        head = PK + bh * TILES * 2
+        scale_do = _head_scale(head, 2, TILES, HEADROOM)
+        scale_q = _head_scale(head + 1, 2, TILES, HEADROOM)
+        for tile in range(0, TILES):
+            base = bh * TILES + tile
+            at_rows = base * BLOCK + tl.arange(0, BLOCK)
+            delta = tl.load(DELTA + bh * PADDED + tile * BLOCK + tl.arange(0, BLOCK))
+            r = tl.load(RAW + at_rows * RAW_VALUES)
+            a = tl.load(RAW + at_rows * RAW_VALUES + 1)
+            dn = tl.load(RAW + at_rows * RAW_VALUES + 2)
+            rq = tl.load(RAW + at_rows * RAW_VALUES + 3)
+            qa = tl.load(RAW + at_rows * RAW_VALUES + 4)
+            _backward_parts(RW, ST, base, at_rows, r, a, dn, delta, rq, qa, scale_do, scale_q,
+                            slack, ROWS, QUERIES)  # fmt: skip
 
 
 @triton.jit
 def _running_kernel(
-    CF, CP, ST, TILES, HEAD_DIM: tl.constexpr, VECTORS: tl.constexpr, STATS: tl.constexpr,
+    CF, CP, ST, TILES, XR, RP, RS, YR, YP, YS, slack, HEAD_DIM: tl.constexpr,
+    VECTORS: tl.constexpr, STATS: tl.constexpr, REVERSE: tl.constexpr, HEADROOM: tl.constexpr,
+    BLOCK: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr, ROWS_Y: tl.constexpr,
+):  # fmt: skip
+    """One (batch, head) of K's and V's checksum tiles: K's column sums added up (COLUMNS,
+    _prefix_sums), and fp16's row sums of X and Y (ROWS, ROWS_Y: _sums_kernel's XR and YR)
+    split at the head's scale."""
+    bh = tl.program_id(0).to(tl.int64)
+    if COLUMNS:
+        _prefix_sums(CF, CP, ST, bh, TILES, HEAD_DIM, VECTORS, STATS, REVERSE, HEADROOM)
+    if ROWS:
+        _head_rows(XR, RP, RS, bh, TILES, slack, BLOCK, HEADROOM)
+    if ROWS_Y:
+        _head_rows(YR, YP, YS, bh, TILES, slack, BLOCK, HEADROOM)
+
+
+@triton.jit
+def _prefix_sums(
+    CF, CP, ST, bh, TILES, HEAD_DIM: tl.constexpr, VECTORS: tl.constexpr, STATS: tl.constexpr,
     REVERSE: tl.constexpr, HEADROOM: tl.constexpr,
 ):  # fmt: skip
-    """One (batch, head): the tiles' column sums (CF, fp32, VECTORS of them a tile) and their
-    masses (ST, slots 1 and 2 of a tile's STATS) added up from the first tile to each (a
-    prefix; from the last with REVERSE: a suffix), split for the MMA into CP (vector v's parts
-    in columns 3v to 3v + 2) with their scale in ST slot 0 (VECTORS 1) or 2 (VECTORS 2)."""
-    bh = tl.program_id(0).to(tl.int64)
+    """One head's tiles' column sums (CF, fp32, VECTORS of them a tile) and their masses (ST,
+    slots 1 and 2 of a tile's STATS) added up from the first tile to each (a prefix; from the
+    last with REVERSE: a suffix), split for the MMA into CP (vector v's parts in columns 3v to
+    3v + 2) with their scale in ST slot 0 (VECTORS 1) or 2 (VECTORS 2)."""
     dims = tl.arange(0, HEAD_DIM)
     column = tl.arange(0, 16)[None, :]
     first = tl.zeros([HEAD_DIM], tl.float32)

@@ -223,6 +223,8 @@ class Prepass:
     of a tile in one)."""
     stats: int = 3
     """fp32 values a tile of its stats (scales, masses)."""
+    raw: int = 0
+    """fp32 values a row written, then read again by the running-sum launch (SPLIT)."""
     launches: int = 1
 
 
@@ -237,15 +239,16 @@ and of V (rows) in the same launch, tiled by its block_n; dK/dV's from the prolo
 computes Delta anyway (checksums.backward: one tile of dO's and Q's rows, their suffix column
 sums, from one more read of Q and one launch of running sums), tiled by its block_m; dQ's of K
 and V (rows), one launch, by its block_n."""
-PEAKS = {
-    "forward": Prepass(False, 1, stats=0),
-    "dkdv": Prepass(True, 3, stats=2),
-    "dq": Prepass(False, 2, stats=0),
+SPLIT = {
+    "forward": Prepass(False, 0, stats=0, raw=2, launches=0),
+    "dkdv": Prepass(True, 0, stats=2, raw=5, launches=0),
+    "dq": Prepass(False, 0, stats=0, raw=4, launches=1),
 }
-"""For a dtype whose checksum parts carry a scale (SCALED), the launch before each kernel's
-PREPASS that takes the peaks of its row sums, for one scale a head: it reads their operands
-once more (the forward's V, dQ's K and V, dK/dV's O, dO and Q) and writes a peak a tile (dK/dV
-dO's and Q's, apart; the others into the stats PREPASS counts)."""
+"""For a dtype whose checksum parts carry a scale (SCALED), one scale a head: each kernel's
+row sums leave the tile launch in fp32 (``raw`` values a row: V's sum and absolute sum; K's and
+V's; dO's three and Q's two) and the running-sum launch splits them at the head's scale, one
+launch more where there is none (dQ's); dK/dV's tiles' peaks of dO and Q apart, the others'
+into the stats PREPASS counts."""
 SCALED = ("fp16",)
 """The dtypes whose checksum parts carry a scale (megatron_abft.flash.checksums.HEADROOM)."""
 FOUND_OPS = 1
@@ -263,7 +266,7 @@ def _prepass(f: _FlashShape, p: Prepass, block: int) -> Work:
     e = BYTES[f.dtype]
     matrices = f.queries if p.query else f.keys
     tiles = -(-f.seq // block)
-    tile = p.rows * block * WIDTH * e + p.stats * 4
+    tile = p.rows * block * WIDTH * e + p.stats * 4 + 2 * p.raw * block * 4
     if p.columns:
         tile += f.width * WIDTH * e + 2 * p.columns * f.width * 4
     read = p.reads * matrices * f.seq * f.head_dim * e
@@ -302,7 +305,7 @@ def flash_shared(shape: ModelShape) -> dict[str, Work]:
     """What the flash path runs, one layer, one rank, on any step that checks any of its
     sections, whichever they are: a launch with anything due compiles the checks in and makes
     all its checksum tiles, and every launch of the step has what is due (one ``due`` mask).
-    By part: ``prepass``, the checksum tiles (PREPASS, and PEAKS where SCALED); ``odo``, the
+    By part: ``prepass``, the checksum tiles (PREPASS, and SPLIT where SCALED); ``odo``, the
     backward's rounding of Delta (``sum |O| |dO|`` a row, which the prologue writes beside
     Delta); ``identities``, the dQ kernel's row identities (IDENTITY_OPS); ``retry``, each
     kernel's second launch (RETRY_OPS); ``ledger``, the findings buffers (FOUND_OPS) and the
@@ -312,7 +315,7 @@ def flash_shared(shape: ModelShape) -> dict[str, Work]:
     prepass = Work()
     for kernel, launches in PREPASS.items():
         if f.dtype in SCALED:
-            launches += (PEAKS[kernel],)
+            launches += (SPLIT[kernel],)
         for p in launches:
             prepass += _prepass(f, p, f.tiles(kernel)[1])
     return {

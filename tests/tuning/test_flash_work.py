@@ -19,11 +19,11 @@ from megatron_abft.tuning.flash_work import (
     FOUND_OPS,
     GROUP_SUM_OPS,
     IDENTITY_OPS,
-    PEAKS,
     PREPASS,
     RECORD_OPS,
     RETRY_OPS,
     SCALED,
+    SPLIT,
     flash_baseline,
     flash_group_sums,
     flash_protection,
@@ -134,8 +134,8 @@ def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtyp
     findings = 2 * FOUND_OPS  # the forward's and the backward's buffers
     extra = shared["prepass"].ops + shared["retry"].ops + findings
     assert sum(on[w][0] - off[w][0] for w in on) == extra
-    peaks = len(PEAKS) if dtype in SCALED else 0  # one launch before each kernel's prepass
-    assert shared["prepass"].ops == sum(p.launches for c in PREPASS.values() for p in c) + peaks
+    split = sum(p.launches for p in SPLIT.values()) if dtype in SCALED else 0
+    assert shared["prepass"].ops == sum(p.launches for c in PREPASS.values() for p in c) + split
     assert shared["retry"].ops == RETRY_OPS == len(FLASH_KERNELS)
     assert shared["odo"].bytes == rows
     assert shared["ledger"].bytes == 2 * buffer
@@ -149,6 +149,9 @@ def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtyp
     def size(*tensors):
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def raw(sums, values):  # fp16's row sums in fp32, written and read again (SPLIT)
+        return 2 * sums.parts.shape[0] * sums.parts.shape[1] * values * 4 if dtype in SCALED else 0
+
     block = launch_tiles("forward", torch_dtype)
     columns, _, rows_v = checksums.key_value_sums(key, key, block, width, True, False, True)
     fp32_sums = columns.stats.shape[1] * width * 4 * b * shape.groups
@@ -156,17 +159,20 @@ def test_the_flash_launches_run_the_ops_and_move_the_bytes_the_model_counts(dtyp
         2 * size(key)
         + size(columns.parts, columns.stats, rows_v.parts, rows_v.stats)
         + 2 * fp32_sums
+        + raw(rows_v, 2)
     )
     block = launch_tiles("dq", torch_dtype)
     _, rows_k, rows_v = checksums.key_value_sums(key, key, block, width, False, True, True)
     written += size(key, key, rows_k.parts, rows_k.stats, rows_v.parts, rows_v.stats)
+    written += raw(rows_k, 2) + raw(rows_v, 2)
     block = launch_tiles("dkdv", torch_dtype)
     made = checksums.backward(o, do, query, block, width, False, True, True, True)
     fp32_sums = made.stats.shape[1] * 2 * width * 4 * b * shape.heads
     tiles = (made.rows, made.columns, made.stats)
     written += size(query, *tiles) + 2 * fp32_sums
-    if dtype in SCALED:  # the peaks' launches read the rows' operands once more
-        written += 3 * size(key) + size(o, do, query) + made.stats[..., :2].numel() * 4
+    if dtype in SCALED:  # dO's and Q's rows in fp32, and each tile's peaks of them
+        written += 2 * made.rows.shape[0] * made.rows.shape[1] * checksums.RAW_VALUES * 4
+        written += made.stats[..., :2].numel() * 4
     assert (torch_dtype in checksums.HEADROOM) == (dtype in SCALED)
     assert shared["prepass"].bytes == pytest.approx(written)
 
