@@ -523,7 +523,3 @@ def main(argv: list[str] | None = None) -> int:
         why = row["note"] or f"max error {row['max_error']:.2e} > {row['tolerance']:.2e}"
         print(f"{where}: {row['status']} ({why})", file=sys.stderr)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

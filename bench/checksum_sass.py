@@ -154,7 +154,3 @@ def main(argv: list[str] | None = None) -> int:
                 f"instructions from a load to its use: {uses}"
             )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -100,7 +100,3 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -193,7 +193,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 1 if any(sum(r["false_alarms"].values()) for r in results) else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -151,7 +151,3 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device, "seconds": round(time.perf_counter() - start), "ms": timings}
     args.out.with_suffix(".timings.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

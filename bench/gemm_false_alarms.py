@@ -184,7 +184,3 @@ def main(argv: list[str] | None = None) -> None:
             "rows": rows,
         }
         args.json.write_text(json.dumps(record, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

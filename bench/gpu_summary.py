@@ -101,7 +101,3 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(made, indent=1) + "\n")
     print(json.dumps(made, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

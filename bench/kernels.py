@@ -312,7 +312,3 @@ def fused_softmax(scores, v, col, row, check, block: int, median, operands) -> N
     print(f"\n{'the fused softmax (softmax_check)':<38} {'ms':>8}")
     for name, fn in rows.items():
         print(f"{name:<38} {median(fn):>8.2f}")
-
-
-if __name__ == "__main__":
-    main()

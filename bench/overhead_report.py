@@ -792,7 +792,3 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "",
         ]
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -93,7 +93,3 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
         print(f"results: {args.out}")
-
-
-if __name__ == "__main__":
-    main()
