@@ -54,6 +54,8 @@ PART_LOSS = 2.0**-25
 """The most a value's three fp16 parts lose to subnormals, in units of their scale: half of
 fp16's smallest subnormal (the last nonzero part rounds to that grid; a value whose parts stay
 normal loses about 2**-33 of itself, fp32's rounding covers it)."""
+CHUNK = tl.constexpr(256)
+"""Rows a program of the running-sum launches splits at a time (a multiple of any tile's)."""
 RAW_VALUES = tl.constexpr(5)
 """fp32 values a query row that fp16's backward keeps for its split: dO's sum, absolute sum and
 L2 norm, Q's sum and absolute sum."""
@@ -223,7 +225,7 @@ def _tile_sums(
         a = tl.sum(tl.abs(x), 1)
         at_rows = base * BLOCK + tl.arange(0, BLOCK)
         if HEADROOM == 0:
-            _store_parts(RP, at_rows, r, a, 1.0, slack)
+            _store_parts(RP, at_rows, r, a, 1.0, slack, at_rows >= 0)
             tl.store(RS + base * 3, 1.0)
         else:  # split at the head's scale by _running_kernel
             tl.store(XR + at_rows * 2, r)
@@ -233,26 +235,32 @@ def _tile_sums(
 
 
 @triton.jit
-def _store_parts(RP, at_rows, r, a, scale, slack):
-    """Rows ``at_rows`` of RP: the parts of ``r`` and of ``a`` widened by ``slack`` (columns 0-2
-    and 3-5), at ``scale``."""
+def _store_parts(RP, at_rows, r, a, scale, slack, ok):
+    """Rows ``at_rows`` of RP (those ``ok``): the parts of ``r`` and of ``a`` widened by
+    ``slack`` (columns 0-2 and 3-5), at ``scale``."""
     dtype = RP.dtype.element_ty
     parts = _split(r / scale, 0, dtype) + _split(a / scale + slack, 3, dtype)
-    tl.store(RP + at_rows[:, None] * 16 + tl.arange(0, 16)[None, :], parts.to(dtype))
+    at = RP + at_rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(at, parts.to(dtype), mask=ok[:, None])
 
 
 @triton.jit
 def _head_rows(XR, RP, RS, bh, TILES, slack, BLOCK: tl.constexpr, HEADROOM: tl.constexpr):
     """A head's row sums (XR: each row's sum and absolute sum, fp32; RS slot 1: each tile's
-    peak) split at the head's scale into RP, the scale into each tile's RS slot 0."""
+    peak) split at the head's scale into RP, CHUNK rows at a time, the scale into each tile's RS
+    slot 0."""
     scale = _head_scale(RS + bh * TILES * 3 + 1, 3, TILES, HEADROOM)
-    for tile in range(0, TILES):
-        base = bh * TILES + tile
-        at_rows = base * BLOCK + tl.arange(0, BLOCK)
-        r = tl.load(XR + at_rows * 2)
-        a = tl.load(XR + at_rows * 2 + 1)
-        _store_parts(RP, at_rows, r, a, scale, slack)
-        tl.store(RS + base * 3, scale)
+    rows = TILES * BLOCK
+    for first in range(0, rows, CHUNK):
+        offs = first + tl.arange(0, CHUNK)
+        ok = offs < rows
+        at_rows = bh * rows + offs
+        r = tl.load(XR + at_rows * 2, mask=ok, other=0.0)
+        a = tl.load(XR + at_rows * 2 + 1, mask=ok, other=0.0)
+        _store_parts(RP, at_rows, r, a, scale, slack, ok)
+        tiles = first // BLOCK + tl.arange(0, CHUNK // BLOCK)
+        at = RS + (bh * TILES + tiles) * 3
+        tl.store(at, scale + tl.zeros([CHUNK // BLOCK], tl.float32), mask=tiles < TILES)
 
 
 @dataclass
@@ -366,8 +374,8 @@ def _backward_kernel(
             r, a, dn = tl.sum(do, 1), tl.sum(tl.abs(do), 1), tl.sqrt(tl.sum(do * do, 1))
             rq, qa = tl.sum(q, 1), tl.sum(tl.abs(q), 1)
             if (ROWS or QUERIES) and HEADROOM == 0:
-                _backward_parts(RW, ST, base, at_rows, r, a, dn, delta, rq, qa, 1.0, 1.0, slack,
-                                ROWS, QUERIES)  # fmt: skip
+                _backward_parts(RW, ST, base, base + 1, at_rows, r, a, dn, delta, rq, qa,
+                                at_rows >= 0, 1.0, 1.0, slack, BLOCK, ROWS, QUERIES)  # fmt: skip
             elif ROWS or QUERIES:  # dO's parts hold by_norm and by_delta too
                 peak = tl.maximum(tl.max(a, 0), tl.max(dn * qa, 0))
                 tl.store(PK + base * 2, tl.maximum(peak, tl.max(tl.abs(delta) * qa, 0)))
@@ -388,13 +396,20 @@ def _backward_kernel(
 
 @triton.jit
 def _backward_parts(
-    RW, ST, base, at_rows, r, a, dn, delta, rq, qa, scale_do, scale_q, slack,
-    ROWS: tl.constexpr, QUERIES: tl.constexpr,
+    RW, ST, base, end, at_rows, r, a, dn, delta, rq, qa, ok, scale_do, scale_q, slack,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr,
 ):  # fmt: skip
-    """One tile's checksum tile of dO's and Q's rows (Backward.rows) from each row's values: dO's
-    sum ``r``, absolute sum ``a`` and L2 norm ``dn``, ``delta``, Q's sum ``rq`` and absolute sum
-    ``qa``, at the heads' scales; its scales and sums into ST."""
+    """The checksum tiles of dO's and Q's rows (Backward.rows) of whole tiles, from tile
+    ``base`` (of the stats; tiles from ``end`` on left alone) for the rows ``at_rows`` that are
+    ``ok``, from each row's values: dO's sum ``r``, absolute sum ``a`` and L2 norm ``dn``,
+    ``delta``, Q's sum ``rq`` and absolute sum ``qa``, at the heads' scales; the tiles' scales
+    and sums into ST."""
     dtype = RW.dtype.element_ty
+    n: tl.constexpr = r.shape[0] // BLOCK  # tiles
+    tiles = base + tl.arange(0, n)
+    stats = ST + tiles * 8
+    inside = tiles < end
+    zeros = tl.zeros([n], tl.float32)
     parts = tl.zeros([r.shape[0], 16], tl.float32)
     if ROWS:
         qa_mass = qa
@@ -405,13 +420,15 @@ def _backward_parts(
         parts += _split(r / scale_do, 0, dtype) + _split(a / scale_do + slack, 3, dtype)
         parts += _split(by_norm / scale_do, 9, dtype)
         parts += _split(by_delta / scale_do, 12, dtype)
-        tl.store(ST + base * 8, scale_do)
-        tl.store(ST + base * 8 + 5, tl.sum(by_norm, 0))  # for fp16's subnormal P~
-        tl.store(ST + base * 8 + 6, tl.sum(by_delta, 0))
+        tl.store(stats, scale_do + zeros, mask=inside)
+        # for fp16's subnormal P~, each tile's sums
+        tl.store(stats + 5, tl.sum(tl.reshape(by_norm, [n, BLOCK]), 1), mask=inside)
+        tl.store(stats + 6, tl.sum(tl.reshape(by_delta, [n, BLOCK]), 1), mask=inside)
     if QUERIES:
         parts += _split(rq / scale_q, 6, dtype)
-        tl.store(ST + base * 8 + 1, scale_q)
-    tl.store(RW + at_rows[:, None] * 16 + tl.arange(0, 16)[None, :], parts.to(dtype))
+        tl.store(stats + 1, scale_q + zeros, mask=inside)
+    at = RW + at_rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(at, parts.to(dtype), mask=ok[:, None])
 
 
 @triton.jit
@@ -430,17 +447,20 @@ def _backward_running_kernel(
         head = PK + bh * TILES * 2
         scale_do = _head_scale(head, 2, TILES, HEADROOM)
         scale_q = _head_scale(head + 1, 2, TILES, HEADROOM)
-        for tile in range(0, TILES):
-            base = bh * TILES + tile
-            at_rows = base * BLOCK + tl.arange(0, BLOCK)
-            delta = tl.load(DELTA + bh * PADDED + tile * BLOCK + tl.arange(0, BLOCK))
-            r = tl.load(RAW + at_rows * RAW_VALUES)
-            a = tl.load(RAW + at_rows * RAW_VALUES + 1)
-            dn = tl.load(RAW + at_rows * RAW_VALUES + 2)
-            rq = tl.load(RAW + at_rows * RAW_VALUES + 3)
-            qa = tl.load(RAW + at_rows * RAW_VALUES + 4)
-            _backward_parts(RW, ST, base, at_rows, r, a, dn, delta, rq, qa, scale_do, scale_q,
-                            slack, ROWS, QUERIES)  # fmt: skip
+        rows = TILES * BLOCK
+        for first in range(0, rows, CHUNK):  # CHUNK rows, whole tiles, at a time
+            offs = first + tl.arange(0, CHUNK)
+            ok = offs < rows
+            at_rows = bh * rows + offs
+            delta = tl.load(DELTA + bh * PADDED + offs, mask=ok, other=0.0)
+            r = tl.load(RAW + at_rows * RAW_VALUES, mask=ok, other=0.0)
+            a = tl.load(RAW + at_rows * RAW_VALUES + 1, mask=ok, other=0.0)
+            dn = tl.load(RAW + at_rows * RAW_VALUES + 2, mask=ok, other=0.0)
+            rq = tl.load(RAW + at_rows * RAW_VALUES + 3, mask=ok, other=0.0)
+            qa = tl.load(RAW + at_rows * RAW_VALUES + 4, mask=ok, other=0.0)
+            _backward_parts(RW, ST, bh * TILES + first // BLOCK, (bh + 1) * TILES, at_rows, r,
+                            a, dn, delta, rq, qa, ok, scale_do, scale_q, slack, BLOCK, ROWS,
+                            QUERIES)  # fmt: skip
 
 
 @triton.jit
