@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import os
+import pstats
 import socket
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -169,7 +172,44 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
             launches.clear()
             per_call = count / number if device.type == "cpu" else None
             result[name] = {"host": statistics.median(times), "launches": per_call}
+            result[name]["profile"] = profiled(call, device, number // 4, launches)
     return result
+
+
+def profiled(call, device: torch.device, calls: int, launches: list) -> dict:
+    """Where the host's time of ``calls`` calls goes, a call's share (cProfile, which slows
+    what it watches: shares, not times): inside Triton's launcher (its JIT functions' ``run``,
+    binding, cache and driver launch included), and the functions that spend most of it
+    themselves."""
+    profile = cProfile.Profile()
+    for _ in range(calls):
+        launches.clear()
+        profile.enable()
+        call()
+        profile.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, ..., tottime, cumtime)
+    stats = {key: row for key, row in stats.items() if "_lsprof.Profiler" not in key[2]}
+    total = sum(row[2] for row in stats.values())
+
+    def launcher(key) -> bool:
+        return key[2] == "run" and key[0].replace(os.sep, "/").endswith("triton/runtime/jit.py")
+
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:12]
+    return {
+        "calls": calls,
+        "profiled_us": total / calls * 1e6,
+        "triton_launcher_share": sum(stats[k][3] for k in stats if launcher(k)) / total,
+        "top": [
+            {
+                "function": f"{Path(file).name}:{line}({fn})",
+                "calls": row[0] / calls,
+                "share": row[2] / total,
+            }
+            for (file, line, fn), row in top
+        ],
+    }
 
 
 def main() -> None:
@@ -227,6 +267,11 @@ def main() -> None:
     for name, row in flash.items():
         launches = f", {row['launches']:.0f} launches (counted, not run)" if row["launches"] else ""
         print(f"the flash attention's call, {name}: {row['host'] * 1e3:.3f} ms{launches}")
+        profile = row["profile"]
+        print(
+            f"  profiled: {profile['triton_launcher_share']:.0%} inside Triton's launcher; most"
+            f" of the rest: {', '.join(t['function'] for t in profile['top'][:4])}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
