@@ -4,6 +4,7 @@ what fails the gate (tests/flash/test_flash_gate.py fails on the same).
 
     python -m tools.flash_sass --markdown                      # the table for docs/benchmarks.md
     python -m tools.flash_sass --all --json out/flash_sass.json
+    python -m tools.flash_sass --running                       # the running sums' launches
 
 ``--all`` also builds what must build without a budget: the second (RETRY) launches, fault
 injection and calibration, grouped-query attention, ragged lengths, a padded head dim, and
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
 from megatron_abft.dev import aot
-from megatron_abft.flash import tiles
+from megatron_abft.flash import checksums, tiles
 
 
 def jobs(dtypes: list[str], all_builds: bool) -> list[tuple]:
@@ -36,6 +38,37 @@ def jobs(dtypes: list[str], all_builds: bool) -> list[tuple]:
         production = [c for c in cases if c.variant in ("checked", "unchecked")]
         made += [(case, launched, 80) for case, launched in aot.launches(production, 80)]
     return made
+
+
+def running_jobs(dtypes: list[str]) -> list[tuple]:
+    """(case, launch, 90) for the launches that add up a head's column sums (the running sums
+    of checksums._prefix_sums) in the production checked calls."""
+    cases = [c for c in aot.production_cases() if c.dtype in dtypes and c.variant == "checked"]
+    return [
+        (case, launched, 90)
+        for case, launched in aot.launches(cases)
+        if launched.kernel in ("running", "backward_running") and launched.get("COLUMNS")
+    ]
+
+
+def running_markdown(builds: list[aot.Build], seqs: tuple[int, ...] = (2048, 8192)) -> str:
+    """The running sums' launches: what a step of their scan costs, and how many dependent
+    steps a head takes at ``seqs`` tokens (a program a head walks its tiles in steps)."""
+    lines = [
+        "| launch | dtype | head dim | tile rows | regs | spills (B) | tiles a step "
+        "| instructions, barriers a step | steps a head at " + " / ".join(map(str, seqs)) + " |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in sorted(builds, key=lambda b: (b.kernel, b.case.dtype, b.case.head_dim)):
+        get = b.launch.get
+        step = checksums.SCAN.value // get("HEAD_DIM")
+        instructions, barriers = b.extra["loops"][0]  # the prefix sums' loop comes first
+        steps = " / ".join(str(math.ceil(math.ceil(seq / get("BLOCK")) / step)) for seq in seqs)
+        lines.append(
+            f"| {b.kernel} | {b.case.dtype} | {b.case.head_dim} | {get('BLOCK')} | {b.registers} "
+            f"| {b.spills} | {step} | {instructions}, {barriers} | {steps} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown(builds: list[aot.Build]) -> str:
@@ -81,8 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0, help="processes (0: one a CPU)")
     parser.add_argument("--json", type=Path, help="write every build here")
     parser.add_argument("--markdown", action="store_true", help="print the table for the docs")
+    parser.add_argument(
+        "--running",
+        action="store_true",
+        help="only the launches that add up column sums over a head's tiles, and their table",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.running:
+        builds = aot.build_all(running_jobs(args.dtypes), workers=args.workers)
+        failed = aot.verdicts(builds)
+        print(f"{len(builds)} builds, {len(failed)} failing")
+        for line in failed:
+            print("  " + line)
+        print(running_markdown(builds))
+        return 1 if failed else 0
     builds = aot.build_all(jobs(args.dtypes, args.all), workers=args.workers)
     failed = aot.verdicts(builds)
     print(f"{len(builds)} builds in {time.perf_counter() - start:.0f} s, {len(failed)} failing")

@@ -230,7 +230,10 @@ class Build:
     ctas_per_sm: int
     seconds: float
     loop: sass.LoopMetrics | None = None
+    """An attention kernel's interior main loop (sm_90)."""
     extra: dict = field(default_factory=dict)
+    """For a helper on sm_90, ``loops``: its innermost loops' (instructions, barriers), in
+    address order."""
 
     @property
     def kernel(self) -> str:
@@ -282,11 +285,16 @@ def compile_launch(case: Case, made: Launch, arch: int) -> Build:
     warnings = tuple(sorted(set(re.findall(r"\b(C75\d\d)\b", log))))
     warps = made.get("num_warps")
     shared = compiled.metadata.shared
-    loop = None
-    if made.kernel in tiles.KERNELS and arch == 90:
-        found = sass.main_loop(sass.disassemble(compiled.asm["cubin"], _tool("cuobjdump")))
+    loop, extra = None, {}
+    if arch == 90:
+        instructions = sass.disassemble(compiled.asm["cubin"], _tool("cuobjdump"))
+        found = sass.main_loop(instructions) if made.kernel in tiles.KERNELS else None
         if found is not None:
             loop = sass.LoopMetrics.of(found, 32 * warps, made.get("BLOCK_M") * made.get("BLOCK_N"))
+        elif made.kernel not in tiles.KERNELS:  # a helper: its loops' instructions and barriers
+            extra["loops"] = [
+                (len(x.body), x.count("BAR")) for x in sass.innermost(sass.loops(instructions))
+            ]
     return Build(
         case,
         made,
@@ -299,6 +307,7 @@ def compile_launch(case: Case, made: Launch, arch: int) -> Build:
         sass.ctas_per_sm(registers, shared, warps, arch),
         round(time.perf_counter() - start, 2),
         loop,
+        extra,
     )
 
 

@@ -54,6 +54,8 @@ PART_LOSS = 2.0**-25
 """The most a value's three fp16 parts lose to subnormals, in units of their scale: half of
 fp16's smallest subnormal (the last nonzero part rounds to that grid; a value whose parts stay
 normal loses about 2**-33 of itself, fp32's rounding covers it)."""
+SCAN = tl.constexpr(1024)
+"""Column-sum values (tiles x head dim) the running-sum launches add up in one step."""
 CHUNK = tl.constexpr(256)
 """Rows a program of the running-sum launches splits at a time (a multiple of any tile's)."""
 RAW_VALUES = tl.constexpr(5)
@@ -489,31 +491,48 @@ def _prefix_sums(
     """One head's tiles' column sums (CF, fp32, VECTORS of them a tile) and their masses (ST,
     slots 1 and 2 of a tile's STATS) added up from the first tile to each (a prefix; from the
     last with REVERSE: a suffix), split for the MMA into CP (vector v's parts in columns 3v to
-    3v + 2) with their scale in ST slot 0 (VECTORS 1) or 2 (VECTORS 2)."""
+    3v + 2) with their scale in ST slot 0 (VECTORS 1) or 2 (VECTORS 2). SCAN values a step: a
+    scan of the step's tiles and a carry between steps, so that the head's chain of dependent
+    steps is TILES / (SCAN / HEAD_DIM) long, not TILES."""
+    STEP: tl.constexpr = SCAN // HEAD_DIM
+    steps = tl.arange(0, STEP)
     dims = tl.arange(0, HEAD_DIM)
     column = tl.arange(0, 16)[None, :]
-    first = tl.zeros([HEAD_DIM], tl.float32)
-    second = tl.zeros([HEAD_DIM], tl.float32)
+    last = steps == STEP - 1
+    carry_first = tl.zeros([HEAD_DIM], tl.float32)
+    carry_second = tl.zeros([HEAD_DIM], tl.float32)
     mass_first = 0.0
     mass_second = 0.0
     slot: tl.constexpr = 0 if VECTORS == 1 else 2
     mass: tl.constexpr = 1 if VECTORS == 1 else 3
-    for i in range(0, TILES):
-        tile = TILES - 1 - i if REVERSE else i
-        base = bh * TILES + tile
-        first += tl.load(CF + (base * VECTORS) * HEAD_DIM + dims)
-        mass_first += tl.load(ST + base * STATS + mass)
-        peak = tl.max(tl.abs(first), 0)
+    dtype = CP.dtype.element_ty
+    for start in range(0, TILES, STEP):
+        i = start + steps
+        ok = i < TILES
+        base = bh * TILES + (TILES - 1 - i if REVERSE else i)
+        at = (base * VECTORS)[:, None] * HEAD_DIM + dims[None, :]
+        first = tl.cumsum(tl.load(CF + at, mask=ok[:, None], other=0.0), 0) + carry_first[None, :]
+        carry_first = tl.sum(tl.where(last[:, None], first, 0.0), 0)
+        masses = tl.cumsum(tl.load(ST + base * STATS + mass, mask=ok, other=0.0), 0) + mass_first
+        mass_first = tl.sum(tl.where(last, masses, 0.0), 0)
+        tl.store(ST + base * STATS + mass, masses, mask=ok)
+        peak = tl.max(tl.abs(first), 1)
         if VECTORS == 2:
-            second += tl.load(CF + (base * 2 + 1) * HEAD_DIM + dims)
-            mass_second += tl.load(ST + base * STATS + mass + 1)
-            peak = tl.maximum(peak, tl.max(tl.abs(second), 0))
-        scale = _scale(peak, HEADROOM)
-        dtype = CP.dtype.element_ty
-        parts = _split(first / scale, 0, dtype)
+            second = tl.load(CF + at + HEAD_DIM, mask=ok[:, None], other=0.0)
+            second = tl.cumsum(second, 0) + carry_second[None, :]
+            carry_second = tl.sum(tl.where(last[:, None], second, 0.0), 0)
+            masses = tl.cumsum(tl.load(ST + base * STATS + mass + 1, mask=ok, other=0.0), 0)
+            masses += mass_second
+            mass_second = tl.sum(tl.where(last, masses, 0.0), 0)
+            tl.store(ST + base * STATS + mass + 1, masses, mask=ok)
+            peak = tl.maximum(peak, tl.max(tl.abs(second), 1))
+        scale = tl.full([STEP], 1.0, tl.float32)
+        if HEADROOM != 0:
+            scale = _scale(peak, HEADROOM)
+        parts = _split(tl.reshape(first / scale[:, None], [STEP * HEAD_DIM]), 0, dtype)
         if VECTORS == 2:
-            parts += _split(second / scale, 3, dtype)
-            tl.store(ST + base * STATS + mass + 1, mass_second)
-        tl.store(CP + (base * HEAD_DIM + dims)[:, None] * 16 + column, parts.to(dtype))
-        tl.store(ST + base * STATS + slot, scale)
-        tl.store(ST + base * STATS + mass, mass_first)
+            parts += _split(tl.reshape(second / scale[:, None], [STEP * HEAD_DIM]), 3, dtype)
+        rows = tl.reshape(base[:, None] * HEAD_DIM + dims[None, :], [STEP * HEAD_DIM])
+        inside = tl.reshape(ok[:, None] & (dims < HEAD_DIM)[None, :], [STEP * HEAD_DIM])
+        tl.store(CP + rows[:, None] * 16 + column, parts.to(dtype), mask=inside[:, None])
+        tl.store(ST + base * STATS + slot, scale, mask=ok)

@@ -98,6 +98,24 @@ def test_what_else_the_flash_path_launches_builds():
     assert aot.verdicts(builds) == []
 
 
+def test_the_running_sums_build_without_a_spill():
+    """The launches that add up a head's column sums (a program a head, a scan of
+    checksums.SCAN values a step) at every production dtype and head dim: no spill, no shared
+    memory over the limit; their loops are read (tools/flash_sass.py --running tabulates
+    them)."""
+    cases = [c for c in aot.production_cases() if c.variant == "checked" and c.causal]
+    jobs = [
+        (case, made, 90)
+        for case, made in aot.launches(cases)
+        if made.kernel in ("running", "backward_running") and made.get("COLUMNS")
+    ]
+    assert len(jobs) == 2 * len(tiles.GPU_DTYPES) * len(tiles.HEAD_DIMS)
+    builds = aot.build_all(jobs, workers=2)
+    assert aot.verdicts(builds) == []
+    for b in builds:
+        assert b.extra["loops"] and b.extra["loops"][0][0] > 0, aot.name(b)
+
+
 def test_interpreted_launches_leave_the_compiler_as_they_found_it():
     """A process that interprets the kernels (CPU tensors) compiles them after (CUDA tensors):
     the interpreter's patches of triton.language, its core included, are undone."""
