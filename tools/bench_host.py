@@ -137,8 +137,9 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
     """The host's time of one forward and backward of the protected flash attention, checked
     (every section) and unchecked (the checks compiled out), from the call until the backward
     returns, for GPT-3 350M's heads (16 of 64, head dim 64, bf16). On a GPU one sequence of
-    2048 tokens. On the CPU 128 tokens, the Triton launches counted and not run: the time is the
-    Python and torch around them (and their count, the same on every device)."""
+    2048 tokens, and each kernel's device time (``kernels``). On the CPU 128 tokens, the Triton
+    launches counted and not run: the time is the Python and torch around them (and their
+    count, the same on every device)."""
     from megatron_abft.dev import aot
     from megatron_abft.flash import FlashLedger, flash_attention
 
@@ -173,7 +174,30 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
             per_call = count / number if device.type == "cpu" else None
             result[name] = {"host": statistics.median(times), "launches": per_call}
             result[name]["profile"] = profiled(call, device, number // 4, launches)
+            if device.type == "cuda":
+                result[name]["kernels"] = device_kernels(call, device)
     return result
+
+
+def device_kernels(call, device: torch.device, calls: int = 10) -> dict:
+    """Each kernel a call launches, by name, on the GPU (torch.profiler's device activity):
+    launches and microseconds of device time a call, the longest first; where the profiler
+    fails, its error (the rest of the results stand)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize(device)
+        rows = {
+            row.key: {"launches": row.count / calls, "us": row.device_time_total / calls}
+            for row in prof.key_averages()
+            if row.device_time_total > 0
+        }
+    except Exception as error:  # a benchmark records what failed and goes on
+        return {"error": f"{type(error).__name__}: {error}"}
+    return dict(sorted(rows.items(), key=lambda item: -item[1]["us"]))
 
 
 def profiled(call, device: torch.device, calls: int, launches: list) -> dict:
