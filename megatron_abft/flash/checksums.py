@@ -533,6 +533,6 @@ def _prefix_sums(
         if VECTORS == 2:
             parts += _split(tl.reshape(second / scale[:, None], [STEP * HEAD_DIM]), 3, dtype)
         rows = tl.reshape(base[:, None] * HEAD_DIM + dims[None, :], [STEP * HEAD_DIM])
-        inside = tl.reshape(ok[:, None] & (dims < HEAD_DIM)[None, :], [STEP * HEAD_DIM])
+        inside = tl.reshape(tl.broadcast_to(ok[:, None], [STEP, HEAD_DIM]), [STEP * HEAD_DIM])
         tl.store(CP + rows[:, None] * 16 + column, parts.to(dtype), mask=inside[:, None])
         tl.store(ST + base * STATS + slot, scale, mask=ok)
