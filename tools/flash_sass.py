@@ -40,17 +40,6 @@ def jobs(dtypes: list[str], all_builds: bool) -> list[tuple]:
     return made
 
 
-def running_jobs(dtypes: list[str]) -> list[tuple]:
-    """(case, launch, 90) for the launches that add up a head's column sums (the running sums
-    of checksums._prefix_sums) in the production checked calls."""
-    cases = [c for c in aot.production_cases() if c.dtype in dtypes and c.variant == "checked"]
-    return [
-        (case, launched, 90)
-        for case, launched in aot.launches(cases)
-        if launched.kernel in ("running", "backward_running") and launched.get("COLUMNS")
-    ]
-
-
 def running_markdown(builds: list[aot.Build], seqs: tuple[int, ...] = (2048, 8192)) -> str:
     """The running sums' launches: what a step of their scan costs, and how many dependent
     steps a head takes at ``seqs`` tokens (a program a head walks its tiles in steps)."""
@@ -122,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.running:
-        builds = aot.build_all(running_jobs(args.dtypes), workers=args.workers)
+        running = aot.running_launches(tuple(args.dtypes))
+        builds = aot.build_all([(c, made, 90) for c, made in running], workers=args.workers)
         failed = aot.verdicts(builds)
         print(f"{len(builds)} builds, {len(failed)} failing")
         for line in failed:

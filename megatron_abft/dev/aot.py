@@ -336,6 +336,21 @@ def production_cases(**shape) -> list[Case]:
     ]
 
 
+def running_launches(dtypes: tuple[str, ...] | None = None) -> list[tuple[Case, Launch]]:
+    """The launches that add up a head's column sums (checksums._prefix_sums: the running sums)
+    in the production checked calls, on sm_90, of ``dtypes`` (default: every GPU dtype)."""
+    cases = [
+        c
+        for c in production_cases()
+        if c.variant == "checked" and (dtypes is None or c.dtype in dtypes)
+    ]
+    return [
+        (case, made)
+        for case, made in launches(cases)
+        if made.kernel in ("running", "backward_running") and made.get("COLUMNS")
+    ]
+
+
 def other_cases() -> list[Case]:
     """Calls that must build (no spill budget for injection and calibration): fault injection
     and calibration, grouped-query attention, ragged lengths and a padded head dim."""
