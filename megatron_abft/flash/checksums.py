@@ -484,6 +484,14 @@ def _running_kernel(
 
 
 @triton.jit
+def _carried(x, carry, last):
+    """The running sums of ``x`` along axis 0 from ``carry`` on, and their row ``last`` (a mask
+    of it): the next step's carry."""
+    sums = tl.cumsum(x, 0) + carry
+    return sums, tl.sum(tl.where(last, sums, 0.0), 0)
+
+
+@triton.jit
 def _prefix_sums(
     CF, CP, ST, bh, TILES, HEAD_DIM: tl.constexpr, VECTORS: tl.constexpr, STATS: tl.constexpr,
     REVERSE: tl.constexpr, HEADROOM: tl.constexpr,
@@ -511,20 +519,22 @@ def _prefix_sums(
         ok = i < TILES
         base = bh * TILES + (TILES - 1 - i if REVERSE else i)
         at = (base * VECTORS)[:, None] * HEAD_DIM + dims[None, :]
-        first = tl.cumsum(tl.load(CF + at, mask=ok[:, None], other=0.0), 0) + carry_first[None, :]
-        carry_first = tl.sum(tl.where(last[:, None], first, 0.0), 0)
-        masses = tl.cumsum(tl.load(ST + base * STATS + mass, mask=ok, other=0.0), 0) + mass_first
-        mass_first = tl.sum(tl.where(last, masses, 0.0), 0)
-        tl.store(ST + base * STATS + mass, masses, mask=ok)
+        rows_ok, at_mass = ok[:, None], ST + base * STATS + mass
+        first, carry_first = _carried(
+            tl.load(CF + at, mask=rows_ok, other=0.0), carry_first[None, :], last[:, None]
+        )
+        masses, mass_first = _carried(tl.load(at_mass, mask=ok, other=0.0), mass_first, last)
+        tl.store(at_mass, masses, mask=ok)
         peak = tl.max(tl.abs(first), 1)
         if VECTORS == 2:
-            second = tl.load(CF + at + HEAD_DIM, mask=ok[:, None], other=0.0)
-            second = tl.cumsum(second, 0) + carry_second[None, :]
-            carry_second = tl.sum(tl.where(last[:, None], second, 0.0), 0)
-            masses = tl.cumsum(tl.load(ST + base * STATS + mass + 1, mask=ok, other=0.0), 0)
-            masses += mass_second
-            mass_second = tl.sum(tl.where(last, masses, 0.0), 0)
-            tl.store(ST + base * STATS + mass + 1, masses, mask=ok)
+            second, carry_second = _carried(
+                tl.load(CF + at + HEAD_DIM, mask=rows_ok, other=0.0), carry_second[None, :],
+                last[:, None],
+            )  # fmt: skip
+            masses, mass_second = _carried(
+                tl.load(at_mass + 1, mask=ok, other=0.0), mass_second, last
+            )
+            tl.store(at_mass + 1, masses, mask=ok)
             peak = tl.maximum(peak, tl.max(tl.abs(second), 1))
         scale = tl.full([STEP], 1.0, tl.float32)
         if HEADROOM != 0:
