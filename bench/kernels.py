@@ -36,7 +36,7 @@ from megatron_abft.check.ledger import Ledger
 from megatron_abft.check.sides import NO_SCREEN, Check, kernel_sides, screen
 from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.config import DTYPES, ABFTConfig
-from megatron_abft.ops import compiled
+from megatron_abft.ops import checked_gemm, compiled
 from megatron_abft.runtime.guard import SectionGuard
 
 
@@ -85,7 +85,8 @@ def projections(
     loops of ``number`` calls synchronised at their end (as in a step, where the host runs ahead
     of the device), and the check's cost as a fraction of its GEMM's; beside them the floor of
     any check that runs after its GEMM, a read of the output (half a copy of it), as a fraction
-    of the GEMM's (megatron_abft.tuning.scaling.projection_costs predicts it)."""
+    of the GEMM's (megatron_abft.tuning.scaling.projection_costs predicts it). On a GPU also the
+    GEMM that checks itself (megatron_abft.ops.checked_gemm), checked and not."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
     found = {}
@@ -112,6 +113,16 @@ def projections(
             "floor_ms": copy_ms / 2,
             "floor_fraction": copy_ms / 2 / gemm_ms,
         }
+        if device.type == "cuda":  # the GEMM that checks itself, and its checks compiled out
+            sums = checked_gemm.weight_sums(w, checked_gemm.tiles_for(device).block_n)
+            fused = partial(checked_gemm.checked_linear, x, w, bias, sums=sums)
+            plain = partial(checked_gemm.checked_linear, x, w, bias, check=False)
+            fused_ms, plain_ms = (best_per_call(fn, device, number) * 1e3 for fn in (fused, plain))
+            found[section].update(
+                checked_gemm_ms=fused_ms,
+                checked_gemm_fraction=fused_ms / gemm_ms - 1,
+                triton_gemm_ms=plain_ms,
+            )
     return found
 
 
@@ -197,6 +208,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{section:<5} GEMM {p['gemm_ms']:>8.3f}  its clean check {p['check_ms']:>8.3f}  "
             f"{p['fraction']:>7.1%}  floor {p['floor_ms']:>8.3f} {p['floor_fraction']:>7.1%}"
         )
+        if "checked_gemm_ms" in p:
+            print(
+                f"{'':<5} checked GEMM {p['checked_gemm_ms']:>8.3f} "
+                f"({p['checked_gemm_fraction']:+.1%} over the GEMM), its checks compiled out "
+                f"{p['triton_gemm_ms']:>8.3f}"
+            )
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,

@@ -260,6 +260,27 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int, tuple[str, ...]]:
+    """What ptxas says of ``ptx`` built for ``sm_<arch>``: registers a thread, stack frame and
+    spill stores (bytes), and its performance warnings (C7510, C7515...)."""
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run(
+            [_tool("ptxas"), "-lineinfo", "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    return (
+        int(re.search(r"Used (\d+) registers", log).group(1)),
+        int(re.search(r"(\d+) bytes stack frame", log).group(1)),
+        int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+        tuple(sorted(set(re.findall(r"\b(C75\d\d)\b", log)))),
+    )
+
+
 def compile_launch(case: Case, made: Launch, arch: int) -> Build:
     """Build ``made`` for ``sm_<arch>`` and read what it uses."""
     start = time.perf_counter()
@@ -269,20 +290,7 @@ def compile_launch(case: Case, made: Launch, arch: int) -> Build:
         target=GPUTarget("cuda", arch, 32),
         options=dict(made.options),
     )
-    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(compiled.asm["ptx"])
-        ptx.flush()
-        log = subprocess.run(
-            [_tool("ptxas"), "-lineinfo", "-v", f"--gpu-name={gpu}", ptx.name, "-o", os.devnull],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    stack = int(re.search(r"(\d+) bytes stack frame", log).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
-    warnings = tuple(sorted(set(re.findall(r"\b(C75\d\d)\b", log))))
+    registers, stack, spills, warnings = ptxas_report(compiled.asm["ptx"], arch)
     warps = made.get("num_warps")
     shared = compiled.metadata.shared
     loop, extra = None, {}

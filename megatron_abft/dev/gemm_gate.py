@@ -1,0 +1,137 @@
+"""The checked GEMM's static gate (megatron_abft.ops.checked_gemm): its sm_90 builds, made as
+``checked_linear`` launches them (Triton's own binder specialises the arguments), and what
+ptxas and the SASS of the main loop say. tests/ops/test_checked_gemm_gate.py holds every build to
+``problems``; ``python -m tools.checked_gemm_sass`` prints the table.
+
+The checks' work is CUDA-core instructions beside the loop's wgmma: the kernel keeps the MMA's
+pace only while the loop issues in fewer cycles than its MMAs take. Both are counted here, not
+timed: the instructions a warp issues an iteration times the warps over the SM's four
+schedulers, against the tile's multiply-adds at Hopper's dense 16-bit tensor rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megatron_abft.dev import aot, sass
+from megatron_abft.ops import checked_gemm
+from megatron_abft.ops.checked_gemm import Tiles
+
+MMA_FLOPS_PER_CYCLE = 4096
+"""Dense bf16/fp16 tensor-core FLOPs a cycle an SM on Hopper (H100 SXM: 989 TFLOP/s over 132
+SMs at 1.83 GHz)."""
+SCHEDULERS = 4
+"""Warp schedulers an SM, each issuing one instruction a cycle."""
+SHAPE = (16384, 3072, 1024)
+"""(m, n, k) built: GPT-3 350M's QKV projection at micro-batch 8 (only divisibility matters)."""
+
+
+@dataclass(frozen=True)
+class GemmBuild:
+    """One launch of the checked GEMM built for sm_90."""
+
+    check: bool
+    dtype: str
+    bias: bool
+    tile: Tiles
+    registers: int
+    stack: int
+    spills: int
+    warnings: tuple[str, ...]
+    shared: int
+    ctas_per_sm: int
+    loop_instructions: int
+    """Instructions a warp issues in one iteration of the main loop."""
+    mma: tuple[tuple[str, int], ...]
+    """The main loop's MMA instructions, by opcode."""
+
+    @property
+    def issue_cycles(self) -> float:
+        """Cycles the SM's schedulers take to issue one iteration of every warp."""
+        return self.loop_instructions * self.tile.num_warps / SCHEDULERS
+
+    @property
+    def mma_cycles(self) -> float:
+        """Cycles the tensor cores take for one iteration's multiply-adds."""
+        t = self.tile
+        return 2 * t.block_m * t.block_n * t.block_k / MMA_FLOPS_PER_CYCLE
+
+    @property
+    def problems(self) -> list[str]:
+        """What fails the gate: a spill, a serialised wgmma (C7515), a main-loop MMA that is not
+        wgmma, a loop that issues slower than its MMAs run."""
+        found = []
+        if self.stack or self.spills:
+            found.append(f"spills: stack {self.stack} B, spill stores {self.spills} B")
+        if "C7515" in self.warnings:
+            found.append("ptxas serialises the wgmma (C7515)")
+        if not self.mma or any(not op.startswith("HGMMA") for op, _ in self.mma):
+            found.append(f"main-loop MMAs not all wgmma: {dict(self.mma)}")
+        if self.issue_cycles > self.mma_cycles:
+            found.append(
+                f"the loop issues in {self.issue_cycles:.0f} cycles, its MMAs take "
+                f"{self.mma_cycles:.0f}"
+            )
+        return found
+
+
+def build(check: bool, dtype: str = "bfloat16", bias: bool = True) -> GemmBuild:
+    """The sm_90 build of one launch of checked_linear on GPU tensors of ``dtype``, laid out as
+    Megatron's linear layers hold them (activations and weight row-major)."""
+    m, n, k = SHAPE
+    torch_dtype = getattr(torch, dtype)
+    tile = checked_gemm.GPU_TILES[check]
+    x, y = torch.empty(m, k, dtype=torch_dtype), torch.empty(m, n, dtype=torch_dtype)
+    weight = torch.empty(n, k, dtype=torch_dtype)
+    sums = torch.empty(triton.cdiv(n, tile.block_n), 2, k) if check else None
+    codes = torch.empty(
+        triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n) if check else 0,
+        dtype=torch.int32,
+    )
+    b = torch.empty(n, dtype=torch_dtype) if bias else None
+    args, options = checked_gemm.arguments(
+        x, weight, b, y, sums, codes, None, tile, 1.0, 1e10, check
+    )
+    made = aot.specialize(checked_gemm._checked_gemm_kernel, args, options, 90)
+    compiled = triton.compile(
+        ASTSource(
+            checked_gemm._checked_gemm_kernel,
+            dict(made.signature),
+            dict(made.constants),
+            dict(made.attrs),
+        ),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(made.options),
+    )
+    registers, stack, spills, warnings = aot.ptxas_report(compiled.asm["ptx"], 90)
+    loop = sass.main_loop(sass.disassemble(compiled.asm["cubin"], aot._tool("cuobjdump")))
+    shared = compiled.metadata.shared
+    return GemmBuild(
+        check,
+        dtype,
+        bias,
+        tile,
+        registers,
+        stack,
+        spills,
+        warnings,
+        shared,
+        sass.ctas_per_sm(registers, shared, tile.num_warps, 90),
+        len(loop.body) if loop else 0,
+        tuple(sorted(loop.mma.items())) if loop else (),
+    )
+
+
+def builds() -> list[GemmBuild]:
+    """Every launch the gate holds: bf16 and fp16, checked and not, with a bias and without."""
+    return [
+        build(check, dtype, bias)
+        for dtype in ("bfloat16", "float16")
+        for check in (True, False)
+        for bias in (True, False)
+    ]

@@ -1,0 +1,345 @@
+"""A GEMM that checks itself: ``Y = X W^T (+ bias)`` in a Triton kernel whose epilogue verifies
+each output tile from the kernel's own fp32 accumulators, so that the check reads nothing again
+(docs/abft.md, "The checked GEMM").
+
+A check that runs after a cuBLAS GEMM must read Y once more to sum it, which costs about
+``(matmul rate / bandwidth) / k`` of the GEMM (``k`` its inner dimension; 15% at k = 1024 on an
+H200) however fast its kernels are. Here each program sums its tile's rows over the tile's
+columns while they are still in registers, against a reference it accumulates beside the MMA on
+the CUDA cores from the X tile it already holds:
+
+    sum_j Y_ij (j in the tile's columns)  =  X_i . c + sum_j b_j,    c_k = sum_j W_jk
+
+under ``g * (|X_i| . a + sum_j |b_j|)``, ``a_k = sum_j |W_jk|`` (``weight_sums``: both vectors a
+column block, fp32 from float64, made once a weight version by the caller), with ``g`` the
+unfused checks' rounding factor (megatron_abft.check.tolerance: ``2 (k + block_n + 2) u``). The
+comparison is written so that NaN flags. A program that flags computes its tile once more:
+a transient fault is gone the second time (outcome corrected), one flagged again is
+uncorrectable. Each program writes its tile's code (``outcome << 2 | kind``, 0 clean; kinds as
+megatron_abft.config.KINDS), so the codes need no zero fill and the host reads nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+INTERPRETER = tl.constexpr(False)
+"""True in the copy Triton's interpreter runs (megatron_abft.flash.build), which has no inline
+assembly."""
+FLOOR = tl.constexpr(2.0**-120)
+"""The bound's absolute floor, for products that round on fp32's subnormal grid."""
+INF = tl.constexpr(float("inf"))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's tile shape and options."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    """Row blocks a group of programs walks before the next column block (L2 reuse)."""
+
+
+GPU_TILES = {True: Tiles(128, 128, 64, 8, 4), False: Tiles(128, 128, 64, 8, 3)}
+"""Hopper's tiles, checked and not: wgmma of 64 x 128 a warpgroup. At 128 x 256 ptxas
+serialises the wgmma (C7515), unchecked too; the checked kernel holds a stage fewer in shared
+memory than it is given (its X tile is also read into registers), hence 4 (``python -m
+tools.checked_gemm_sass``)."""
+INTERPRETED = Tiles(32, 32, 32, 4, 1)
+"""CPU tensors' tile (Triton's interpreter, where small tiles run faster)."""
+GPU_DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, *GPU_DTYPES)
+
+
+def tiles_for(device: torch.device, check: bool = True) -> Tiles:
+    """The tile a launch on ``device`` takes (the checked and unchecked kernels' column blocks
+    are the same, so one ``weight_sums`` serves both)."""
+    return GPU_TILES[check] if device.type == "cuda" else INTERPRETED
+
+
+@triton.jit
+def _accumulate(
+    X, W, SUMS, INJ, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, fresh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    CHECK: tl.constexpr, INJECT: tl.constexpr,
+):  # fmt: skip
+    """The tile's ``X W^T`` in fp32 and, when checking, its rows' references ``X_i . c`` and
+    masses ``|X_i| . a`` (``SUMS``: c then a, K values each). ``fresh``: the first pass, where a
+    transient injected fault lands."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rm.to(tl.int64)[:, None] * sxm + offs_k[None, :] * sxk
+    w_ptrs = W + rn.to(tl.int64)[None, :] * swn + offs_k[:, None] * swk
+    s_ptrs = SUMS + offs_k
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ref = tl.zeros([BLOCK_M, BLOCK_K // 8], tl.float32)
+    mass = tl.zeros([BLOCK_M, BLOCK_K // 8], tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            left = K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=offs_k[None, :] < left, other=0.0)
+            w = tl.load(w_ptrs, mask=offs_k[:, None] < left, other=0.0)
+        acc = tl.dot(x, w, acc)
+        if CHECK:
+            if EVEN_K:
+                c = tl.load(s_ptrs)
+                a = tl.load(s_ptrs + K)
+            else:
+                c = tl.load(s_ptrs, mask=offs_k < left, other=0.0)
+                a = tl.load(s_ptrs + K, mask=offs_k < left, other=0.0)
+            xf = _widen(x)
+            ref += _eighths(xf * c[None, :])
+            mass += _eighths(tl.abs(xf) * a[None, :])
+        x_ptrs += BLOCK_K * sxk
+        w_ptrs += BLOCK_K * swk
+        s_ptrs += BLOCK_K
+    if INJECT:  # INJ: row, column, value, persistent (fp32)
+        hit = (offs_m[:, None] == tl.load(INJ).to(tl.int32)) & (
+            offs_n[None, :] == tl.load(INJ + 1).to(tl.int32)
+        )
+        landed = fresh | (tl.load(INJ + 3) != 0)
+        acc = tl.where(hit & landed, tl.load(INJ + 2), acc)
+    return acc, tl.sum(ref, 1), tl.sum(mass, 1)
+
+
+@triton.jit
+def _widen(x):
+    """A 16-bit tile in fp32. bf16 two elements in two instructions (a shift and a mask of the
+    register holding both), where the compiler's conversion takes three."""
+    if INTERPRETER or x.dtype != tl.bfloat16:
+        return x.to(tl.float32)
+    return tl.inline_asm_elementwise(
+        "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+        dtype=tl.float32, is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@triton.jit
+def _eighths(x):
+    """``x [R, C]``'s sums over its runs of 8 columns, ``[R, C / 8]``: a thread's 8 contiguous
+    elements of a loaded tile, so the loop adds inside the thread (no shuffle) and the rows'
+    sums finish once, after it."""
+    return tl.sum(tl.reshape(x, [x.shape[0], x.shape[1] // 8, 8]), 2)
+
+
+@triton.jit
+def _verify(acc, ref, mass, bias_sum, bias_mass, row_ok, col_ok, g, near_inf):
+    """Per row: 0 clean (or past the end), else 1 + the fault kind (config.KINDS) of its
+    residual."""
+    got = tl.sum(tl.where(col_ok[None, :], acc, 0.0), 1)
+    residual = tl.abs(got - (ref + bias_sum))
+    excess = residual - (g * (mass + bias_mass) + FLOOR)
+    kind = tl.where(residual > near_inf, 2, tl.where(excess > 0, 1, 0))
+    kind = tl.where(residual != residual, 4, tl.where(residual == INF, 3, kind))
+    return tl.where(row_ok, kind, 0)
+
+
+@triton.jit
+def _checked_gemm_kernel(
+    X, W, BIAS, Y, SUMS, CODES, INJ, M, N, K, sxm, sxk, swn, swk, sym, syn, g, near_inf,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_M x BLOCK_N`` tile of ``Y [M, N] = X [M, K] W[N, K]^T (+ BIAS)``, checked
+    (CHECK) against ``SUMS`` [column blocks, 2, K] and computed again once if flagged; its code
+    into ``CODES`` [tiles]."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = offs_m % M  # rows and columns past the end read again, and are not stored
+    rn = offs_n % N
+    sums = SUMS + pid_n.to(tl.int64) * 2 * K
+    acc, ref, mass = _accumulate(
+        X, W, sums, INJ, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, True, BLOCK_M, BLOCK_N,
+        BLOCK_K, EVEN_K, CHECK, INJECT,
+    )  # fmt: skip
+    col_ok = offs_n < N
+    bias_sum = 0.0
+    bias_mass = 0.0
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+        bias_sum = tl.sum(bias, 0)
+        bias_mass = tl.sum(tl.abs(bias), 0)
+    if CHECK:
+        row_ok = offs_m < M
+        state = _verify(acc, ref, mass, bias_sum, bias_mass, row_ok, col_ok, g, near_inf)
+        kind = tl.max(state, 0)
+        code = 0
+        if kind > 0:  # once more: a transient fault is gone the second time
+            acc, ref, mass = _accumulate(
+                X, W, sums, INJ, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, False, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, CHECK, INJECT,
+            )  # fmt: skip
+            if HAS_BIAS:
+                acc += bias[None, :]
+            again = _verify(acc, ref, mass, bias_sum, bias_mass, row_ok, col_ok, g, near_inf)
+            outcome = tl.where(tl.max(again, 0) > 0, 2, 1)
+            code = (outcome << 2) | (kind - 1)
+        tl.store(CODES + pid, code)
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * sym + offs_n[None, :] * syn
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(offs_m < M)[:, None] & col_ok[None, :])
+
+
+# --- launch -------------------------------------------------------------------------------------
+
+
+def weight_sums(weight: Tensor, block_n: int) -> Tensor:
+    """``[column blocks, 2, k]`` fp32 for ``weight [n, k]``: per block of ``block_n`` of its rows
+    (a tile's columns of Y), their sum and their absolute sum, summed in float64. Make it once a
+    weight version (tiles_for(device).block_n) and pass it to every call."""
+    n, k = weight.shape
+    blocks = -(-n // block_n)
+    w = weight.detach().to(torch.float64)
+    w = torch.nn.functional.pad(w, (0, 0, 0, blocks * block_n - n)).view(blocks, block_n, k)
+    return torch.stack((w.sum(1), w.abs().sum(1)), 1).to(torch.float32).contiguous()
+
+
+def rounding_factor(k: int, block_n: int, threshold_scale: float = 1.0) -> float:
+    """g of the module docstring: the bound a unit of mass, for inner dimension ``k``."""
+    return threshold_scale * 2 * (k + block_n + 2) * 2.0**-24
+
+
+def checked_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    sums: Tensor | None = None,
+    check: bool = True,
+    threshold_scale: float = 1.0,
+    near_inf: float = 1e10,
+    fault: tuple[int, int, float, bool] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``x @ weight.T + bias`` for ``x [..., k]``, ``weight [n, k]``, each output tile checked in
+    the kernel and computed again once where flagged. Returns the output and the tiles' codes
+    (int32, 0 clean, else ``outcome << 2 | kind``: outcome 1 corrected, 2 uncorrectable; empty
+    when ``check`` is off), on the device, with no host synchronisation. ``sums``:
+    ``weight_sums(weight, tiles_for(x.device).block_n)``, made here when None. ``fault``: (row,
+    column, value, persistent), a value written into the accumulator before the check, for
+    tests. CUDA tensors run compiled (bf16 or fp16); CPU tensors run in Triton's interpreter
+    (fp32, bf16 computed in fp32, fp16), slowly."""
+    _validate(x, weight, bias)
+    from megatron_abft.flash import build
+
+    k = x.shape[-1]
+    n = weight.shape[0]
+    flat = x.reshape(-1, k)
+    m = flat.shape[0]
+    tile = tiles_for(x.device, check)
+    out_dtype = x.dtype
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        # the interpreter's tl.dot multiplies bf16 bit patterns; fp32 holds bf16's products exactly
+        flat, weight = flat.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+    y = torch.empty(m, n, dtype=flat.dtype, device=x.device)
+    codes = torch.empty(_programs(m, n, tile) if check else 0, dtype=torch.int32, device=x.device)
+    if check:
+        if sums is None:
+            sums = weight_sums(weight, tile.block_n)
+        expected = (triton.cdiv(n, tile.block_n), 2, k)
+        if tuple(sums.shape) != expected or sums.dtype != torch.float32:
+            raise ValueError(
+                f"checked_linear: sums {tuple(sums.shape)} {sums.dtype}, expected {expected} "
+                f"float32 (weight_sums(weight, {tile.block_n}))"
+            )
+    inject = None
+    if fault is not None:
+        row, col, value, persistent = fault
+        inject = torch.tensor(
+            [row, col, value, float(persistent)], dtype=torch.float32, device=x.device
+        )
+    if m:
+        args, options = arguments(
+            flat, weight, bias, y, sums, codes, inject, tile, threshold_scale, near_inf, check
+        )
+        kernel = build.for_device(sys.modules[__name__], x.device)._checked_gemm_kernel
+        kernel[(codes.numel() if check else _programs(m, n, tile),)](*args, **options)
+    return y.to(out_dtype).view(*x.shape[:-1], n), codes
+
+
+def _programs(m: int, n: int, tile: Tiles) -> int:
+    return triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+
+
+def arguments(
+    flat: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    y: Tensor,
+    sums: Tensor | None,
+    codes: Tensor,
+    inject: Tensor | None,
+    tile: Tiles,
+    threshold_scale: float,
+    near_inf: float,
+    check: bool,
+) -> tuple[tuple, dict]:
+    """The kernel's arguments and constexprs for ``y = flat @ weight.T (+ bias)``, as
+    checked_linear launches it (and the static gate builds it)."""
+    (m, k), n = flat.shape, weight.shape[0]
+    placeholder = codes if codes.numel() else y
+    args = (
+        flat, weight, bias if bias is not None else placeholder, y,
+        sums if check else placeholder, codes if check else placeholder,
+        inject if inject is not None else placeholder,
+        m, n, k, *flat.stride(), *weight.stride(), *y.stride(),
+        rounding_factor(k, tile.block_n, threshold_scale), near_inf,
+    )  # fmt: skip
+    options = {
+        "BLOCK_M": tile.block_m,
+        "BLOCK_N": tile.block_n,
+        "BLOCK_K": tile.block_k,
+        "GROUP_M": tile.group_m,
+        "EVEN_K": k % tile.block_k == 0,
+        "HAS_BIAS": bias is not None,
+        "CHECK": check,
+        "INJECT": inject is not None,
+        "num_warps": tile.num_warps,
+        "num_stages": tile.num_stages,
+    }
+    return args, options
+
+
+def _validate(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """Raise, naming the bad value, for inputs the kernel does not take."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"checked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
+            "multiply as x @ weight.T"
+        )
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(
+            f"checked_linear: x and weight must share one dtype of float32, bfloat16, float16; "
+            f"got {x.dtype}, {weight.dtype}"
+        )
+    if x.device != weight.device or x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"checked_linear: x on {x.device}, weight on {weight.device}")
+    if x.device.type == "cuda" and x.dtype not in GPU_DTYPES:
+        raise ValueError(f"checked_linear: on a GPU the kernel takes bf16 or fp16, not {x.dtype}")
+    if bias is not None and (
+        bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
+    ):
+        raise ValueError(
+            f"checked_linear: bias {tuple(bias.shape)} {bias.dtype} on {bias.device}, expected "
+            f"({weight.shape[0]},) {x.dtype} on {x.device}"
+        )

@@ -1,0 +1,173 @@
+"""The checked GEMM (megatron_abft.ops.checked_gemm) in Triton's interpreter, on CPU tensors:
+the same kernel source a GPU compiles. Its output equals the GEMM; a fault written into the
+accumulator is flagged on its tile only, corrected by the tile's second pass when transient and
+reported uncorrectable when it stays; the bound flags an error at twice its value and none on
+clean data with heavy cancellation."""
+
+import pytest
+import torch
+
+from megatron_abft.config import KINDS
+from megatron_abft.ops.checked_gemm import (
+    INTERPRETED,
+    checked_linear,
+    weight_sums,
+)
+
+CORRECTED, UNCORRECTABLE = 1, 2
+
+
+def operands(m, n, k, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def expected(x, w, b):
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+def tile_of(row, col, m):
+    """The program of element (row, col) of an output of ``m`` rows, for the interpreter's
+    tiles: in one group of row blocks (these tests have fewer than GROUP_M), the programs walk
+    a column block's row blocks, then the next column block's."""
+    t = INTERPRETED
+    assert -(-m // t.block_m) <= t.group_m
+    return (col // t.block_n) * -(-m // t.block_m) + row // t.block_m
+
+
+@pytest.mark.parametrize("shape", [(64, 64, 64), (70, 50, 40), (1, 33, 17)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_output_is_the_gemm_and_clean_tiles_report_nothing(shape, bias):
+    x, w, b = operands(*shape, bias=bias)
+    y, codes = checked_linear(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == (shape[0], shape[1])
+    torch.testing.assert_close(y.double(), expected(x, w, b), rtol=1e-5, atol=1e-5)
+    assert codes.numel() == -(-shape[0] // 32) * -(-shape[1] // 32)
+    assert codes.tolist() == [0] * codes.numel()
+    plain, none = checked_linear(x, w, b, check=False)
+    assert none.numel() == 0
+    torch.testing.assert_close(plain, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_give_the_fp32_accumulated_product_rounded_once(dtype):
+    x, w, b = operands(48, 40, 72, dtype)
+    y, codes = checked_linear(x.view(4, 12, 72), w, b)
+    assert y.dtype == dtype and y.shape == (4, 12, 40)
+    assert codes.tolist() == [0] * codes.numel()
+    torch.testing.assert_close(y.view(48, 40), expected(x, w, b).to(dtype), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "value, kind",
+    [(float("nan"), "nan"), (float("inf"), "inf"), (-3e20, "near_inf"), (40.0, "finite")],
+)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_fault_is_flagged_on_its_tile_and_corrected_unless_it_stays(value, kind, persistent):
+    x, w, b = operands(70, 50, 40)
+    clean, _ = checked_linear(x, w, b)
+    row, col = 37, 41
+    y, codes = checked_linear(x, w, b, fault=(row, col, value, persistent))
+    outcome = UNCORRECTABLE if persistent else CORRECTED
+    want = [0] * codes.numel()
+    want[tile_of(row, col, 70)] = outcome << 2 | KINDS.index(kind)
+    assert codes.tolist() == want
+    if persistent:  # the fault stays in the output, reported
+        assert not torch.equal(y[row, col], clean[row, col])
+        y[row, col] = clean[row, col]
+    torch.testing.assert_close(y, clean, rtol=0, atol=0)
+
+
+def bound(x, w, b, row, col):
+    """The kernel's bound for ``row`` of the column block holding ``col``, in float64."""
+    t = INTERPRETED
+    sums = weight_sums(w, t.block_n).double()
+    block = col // t.block_n
+    mass = x[row].double().abs() @ sums[block, 1]
+    if b is not None:
+        mass += b.double()[block * t.block_n : (block + 1) * t.block_n].abs().sum()
+    g = 2 * (x.shape[1] + t.block_n + 2) * 2.0**-24  # the unfused checks' rounding factor
+    return g * mass.item()
+
+
+@pytest.mark.parametrize("factor, flagged", [(2.0, True), (0.25, False)])
+def test_an_error_twice_the_bound_is_flagged_and_a_quarter_of_it_is_not(factor, flagged):
+    x, w, b = operands(64, 64, 64)
+    clean, _ = checked_linear(x, w, b)
+    row, col = 5, 40
+    value = clean[row, col].item() - (b[col].item()) + factor * bound(x, w, b, row, col)
+    y, codes = checked_linear(x, w, b, fault=(row, col, value, True))
+    want = [0] * codes.numel()
+    if flagged:
+        want[tile_of(row, col, 64)] = UNCORRECTABLE << 2 | KINDS.index("finite")
+    assert codes.tolist() == want
+
+
+def test_no_false_alarm_on_clean_data_with_heavy_cancellation():
+    g = torch.Generator().manual_seed(3)
+    # rows of large equal magnitude against weights summing near zero: |Y| << |X| |W|
+    x = (1000 + torch.randn(96, 512, generator=g)).to(torch.float16)
+    w = torch.randn(96, 512, generator=g)
+    w = (w - w.mean(1, keepdim=True)).to(torch.float16)
+    b = torch.randn(96, generator=g).to(torch.float16)
+    for threshold_scale in (1.0, 0.05):
+        _, codes = checked_linear(x, w, b, threshold_scale=threshold_scale)
+        assert codes.tolist() == [0] * codes.numel()
+    x32, w32 = x.float() * 1e-3, w.float() * 1e3
+    _, codes = checked_linear(x32, w32, b.float(), threshold_scale=0.05)
+    assert codes.tolist() == [0] * codes.numel()
+
+
+def test_weight_sums_are_each_column_blocks_sum_and_absolute_sum():
+    w = torch.tensor([[1.0, -2.0], [3.0, 4.0], [-5.0, 6.0]])
+    sums = weight_sums(w, 2)
+    assert sums.shape == (2, 2, 2) and sums.dtype == torch.float32
+    assert sums[0].tolist() == [[4.0, 2.0], [4.0, 6.0]]
+    assert sums[1].tolist() == [[-5.0, 6.0], [5.0, 6.0]]
+
+
+def test_bad_inputs_are_refused_with_what_was_given():
+    x, w, b = operands(8, 4, 6)
+    with pytest.raises(ValueError, match="do not multiply"):
+        checked_linear(x, w.T, b)
+    with pytest.raises(ValueError, match="share one dtype"):
+        checked_linear(x, w.double(), b)
+    with pytest.raises(ValueError, match="bias"):
+        checked_linear(x, w, b[:3])
+    with pytest.raises(ValueError, match="sums"):
+        checked_linear(x, w, b, sums=weight_sums(w[:, :5], INTERPRETED.block_n))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_cuda_the_compiled_kernel_is_the_gemm_without_a_false_alarm(dtype):
+    """GPT-3 350M's QKV projection at micro-batch 8 on the tensor cores: 1,536 tiles."""
+    x, w, b = (t.cuda() for t in operands(16384, 3072, 1024, dtype))
+    y, codes = checked_linear(x, w * 1024**-0.5, b)
+    want = torch.addmm(b.float(), x.float(), (w * 1024**-0.5).float().T).to(dtype)
+    torch.testing.assert_close(y, want, rtol=2e-2, atol=2e-2)
+    assert codes.numel() == 128 * 24 and int(codes.count_nonzero()) == 0
+    plain, _ = checked_linear(x, w * 1024**-0.5, b, check=False)
+    assert torch.equal(plain, y)
+
+
+@cuda
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e20, 40.0])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_on_cuda_a_fault_is_corrected_or_reported(value, persistent):
+    x, w, b = (t.cuda() for t in operands(1000, 768, 512, torch.bfloat16))
+    clean, _ = checked_linear(x, w, b)
+    y, codes = checked_linear(x, w, b, fault=(700, 300, value, persistent))
+    flagged = codes.nonzero().flatten().tolist()
+    assert len(flagged) == 1
+    assert int(codes[flagged[0]]) >> 2 == (UNCORRECTABLE if persistent else CORRECTED)
+    if persistent:
+        y[700, 300] = clean[700, 300]
+    assert torch.equal(y, clean)

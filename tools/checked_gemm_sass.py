@@ -1,0 +1,29 @@
+"""The checked GEMM's static gate, as a table: each launch of megatron_abft.ops.checked_gemm built
+for sm_90 as checked_linear runs it (megatron_abft.dev.gemm_gate), what ptxas and the SASS of its
+main loop say, and what fails the gate (tests/ops/test_checked_gemm_gate.py fails on the same).
+
+    python -m tools.checked_gemm_sass          # a markdown table, for docs/benchmarks.md
+"""
+
+from megatron_abft.dev.gemm_gate import builds
+
+
+def main() -> None:
+    print(
+        "| dtype | checked | bias | tile (m, n, k, warps, stages) | MMA in the loop | regs | "
+        "CTA/SM | shared KiB | loop instructions | issue / MMA cycles | gate |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for b in builds():
+        t = b.tile
+        mma = ", ".join(f"{op.split('.F32')[0]} x{n}" for op, n in b.mma)
+        print(
+            f"| {b.dtype} | {'yes' if b.check else 'no'} | {'yes' if b.bias else 'no'} | "
+            f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages} | {mma} | "
+            f"{b.registers} | {b.ctas_per_sm} | {b.shared // 1024} | {b.loop_instructions} | "
+            f"{b.issue_cycles:.0f} / {b.mma_cycles:.0f} | {'; '.join(b.problems) or 'pass'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
