@@ -92,6 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_false",
         help="keep Megatron's softmax (ABFTConfig.fused_softmax): the checks read S and P apart",
     )
+    p.add_argument(
+        "--checked-gemm",
+        action="store_true",
+        help="the QKV and output projections by the checked GEMM (ABFTConfig.checked_gemm), "
+        "which checks its tiles in its own epilogue",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON results")
     args = p.parse_args(argv)
     if args.decompose and args.attention == "flash":
@@ -460,6 +466,7 @@ def run(rank: int, args) -> dict | None:
         block_size=args.block,
         on_uncorrectable="log",
         fused_softmax=args.fused_softmax,
+        checked_gemm=args.checked_gemm,
     )
     model = build_model(args, config)
     device = next(model.parameters()).device

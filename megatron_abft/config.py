@@ -116,6 +116,14 @@ class ABFTConfig:
     equal Megatron's softmax to rounding (a few units in the last place), not bit for bit; False
     keeps Megatron's softmax, and a clean protected run bit for bit equal to an unprotected one."""
 
+    checked_gemm: bool = False
+    """Compute the QKV and output projections with the checked GEMM
+    (megatron_abft.ops.checked_gemm: a Triton GEMM that checks each output tile in its own
+    epilogue and computes a flagged tile again) instead of Megatron's GEMM and a check that reads
+    its output again, where it serves: bf16 and fp16 on a GPU, and CPU tensors through Triton's
+    interpreter (slowly). A projection with a fault to land takes Megatron's GEMM and the usual
+    check. Off by default until a GPU run has timed it against cuBLAS (docs/abft.md §9)."""
+
     on_uncorrectable: Policy = Policy.RECOMPUTE
     """Policy for a fault that cannot be corrected in place: recompute (run the work once more,
     then raise), raise, skip_step (discard the step's gradients), rerun (hand over to Megatron's
@@ -129,7 +137,7 @@ class ABFTConfig:
     _intervals: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "fused_softmax"):
+        for name in ("enabled", "fused_softmax", "checked_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use True or False")
         if self.sync_free is not None and not isinstance(self.sync_free, bool):

@@ -244,6 +244,7 @@ CONFIG_FLAGS: dict[str, ConfigFlag] = {
     "near_inf": ConfigFlag(_positive_float, "MAGNITUDE"),
     "sync_free": ConfigFlag(),
     "fused_softmax": ConfigFlag(),
+    "checked_gemm": ConfigFlag(),
     "on_uncorrectable": ConfigFlag(
         choices=POLICIES,
         note="Every such fault is printed and recorded. The command line's default: rerun "

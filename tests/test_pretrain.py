@@ -379,6 +379,7 @@ def test_every_config_field_is_one_flag_with_its_docstring_as_help(tmp_path):
         "near_inf": (["--abft-near-inf", "1e6"], 1e6),
         "sync_free": (["--no-abft-sync-free"], False),
         "fused_softmax": (["--no-abft-fused-softmax"], False),
+        "checked_gemm": (["--abft-checked-gemm"], True),
         "on_uncorrectable": (["--abft-on-uncorrectable", "raise"], "raise"),
         "events_file": (["--abft-events-file", events], events),
     }

@@ -8,7 +8,8 @@
 # Phase 1 sets up (the carried extension, else a build for sm_90). Phase 2 times the headline
 # figures first, alone on the GPU, so that no later step's time-out can lose them: the attention
 # per call (the protected flash kernels, their checks compiled out, SDPA's flash and cuDNN), GPT-3
-# 350M's step on the flash and the unfused path at micro-batch 8, the checksum kernels and the
+# 350M's step on the flash and the unfused path at micro-batch 8 (flash also with the checked
+# GEMM for the projections), the checksum kernels and the
 # projections' checks against their GEMMs, then summary.json (tools/gpu_summary.py). Phase 3 runs
 # the correctness work side by side, since none of it is timed: the GPU tests of the compiled
 # kernels and of the flash kernels, compute-sanitizer (every CUDA kernel through the known-answer
@@ -94,6 +95,11 @@ for attention in flash unfused; do
         --attention "$attention" --reps 6 --no-per-section --micro-batch 8 \
         --out "$WORK/bench_gpt3_350m_mb8_$attention.json"
 done
+# the flash step again with the projections by the checked GEMM (ABFTConfig.checked_gemm)
+# shellcheck disable=SC2086
+step overhead_350m_mb8_flash_checked_gemm 150 $PY -m tools.bench_overhead $GPT3_350M \
+    --attention flash --reps 6 --no-per-section --micro-batch 8 --checked-gemm \
+    --out "$WORK/bench_gpt3_350m_mb8_flash_checked_gemm.json"
 # the checksum kernels' read rates, and GPT-3 350M's projections at micro-batch 8 (16384
 # tokens) against their GEMMs
 step bench_kernels 45 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \

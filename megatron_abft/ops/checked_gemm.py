@@ -16,7 +16,8 @@ unfused checks' rounding factor (megatron_abft.check.tolerance: ``2 (k + block_n
 comparison is written so that NaN flags. A program that flags computes its tile once more:
 a transient fault is gone the second time (outcome corrected), one flagged again is
 uncorrectable. Each program writes its tile's code (``outcome << 2 | kind``, 0 clean; kinds as
-megatron_abft.config.KINDS), so the codes need no zero fill and the host reads nothing.
+megatron_abft.config.KINDS), so the codes need no zero fill and the host reads nothing;
+``findings`` folds them into one matrix's result, as a guard's ledger tallies it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from megatron_abft.check.eec import EECResult
 
 INTERPRETER = tl.constexpr(False)
 """True in the copy Triton's interpreter runs (megatron_abft.flash.build), which has no inline
@@ -154,7 +157,7 @@ def _checked_gemm_kernel(
 ):  # fmt: skip
     """One ``BLOCK_M x BLOCK_N`` tile of ``Y [M, N] = X [M, K] W[N, K]^T (+ BIAS)``, checked
     (CHECK) against ``SUMS`` [column blocks, 2, K] and computed again once if flagged; its code
-    into ``CODES`` [tiles]."""
+    into ``CODES`` [row blocks, column blocks]."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -195,7 +198,7 @@ def _checked_gemm_kernel(
             again = _verify(acc, ref, mass, bias_sum, bias_mass, row_ok, col_ok, g, near_inf)
             outcome = tl.where(tl.max(again, 0) > 0, 2, 1)
             code = (outcome << 2) | (kind - 1)
-        tl.store(CODES + pid, code)
+        tl.store(CODES + pid_m * grid_n + pid_n, code)
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * sym + offs_n[None, :] * syn
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(offs_m < M)[:, None] & col_ok[None, :])
 
@@ -231,9 +234,10 @@ def checked_linear(
     fault: tuple[int, int, float, bool] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``x @ weight.T + bias`` for ``x [..., k]``, ``weight [n, k]``, each output tile checked in
-    the kernel and computed again once where flagged. Returns the output and the tiles' codes
-    (int32, 0 clean, else ``outcome << 2 | kind``: outcome 1 corrected, 2 uncorrectable; empty
-    when ``check`` is off), on the device, with no host synchronisation. ``sums``:
+    the kernel and computed again once where flagged. Returns the output and the tiles' codes,
+    on the device, with no host synchronisation: int32, one a tile (its row block times the
+    column blocks plus its column block), 0 clean, else ``outcome << 2 | kind`` (outcome 1
+    corrected, 2 uncorrectable); empty when ``check`` is off. ``sums``:
     ``weight_sums(weight, tiles_for(x.device).block_n)``, made here when None. ``fault``: (row,
     column, value, persistent), a value written into the accumulator before the check, for
     tests. CUDA tensors run compiled (bf16 or fp16); CPU tensors run in Triton's interpreter
@@ -275,6 +279,24 @@ def checked_linear(
         kernel = build.for_device(sys.modules[__name__], x.device)._checked_gemm_kernel
         kernel[(codes.numel() if check else _programs(m, n, tile),)](*args, **options)
     return y.to(out_dtype).view(*x.shape[:-1], n), codes
+
+
+def findings(codes: Tensor, n: int, tile: Tiles) -> EECResult:
+    """One checked output's result from its tiles' ``codes`` (checked_linear), as
+    megatron_abft.check.ledger.Ledger.tally takes it: the worst tile's outcome and kind (an
+    uncorrectable tile before a corrected one), its first row and column (-1 where all are
+    clean), no magnitude (the kernel keeps none: NaN). Device ops, no host read."""
+    worst = codes.max().reshape(1)
+    at = codes.argmax().reshape(1).long()
+    grid_n = triton.cdiv(n, tile.block_n)
+    flagged = worst > 0
+    return EECResult(
+        status=(worst >> 2).to(torch.int8),
+        kind=(worst & 3).to(torch.int8),
+        row=torch.where(flagged, at // grid_n * tile.block_m, -1),
+        col=torch.where(flagged, at % grid_n * tile.block_n, -1),
+        magnitude=torch.full((1,), float("nan"), dtype=torch.float64, device=codes.device),
+    )
 
 
 def _programs(m: int, n: int, tile: Tiles) -> int:
