@@ -459,7 +459,7 @@ def run(rank: int, args) -> dict | None:
     """One rank of the benchmark; rank 0 returns the results."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_abft import set_step
+    from megatron_abft import set_step, stats
 
     config = ABFTConfig(
         check_interval=args.check_interval,
@@ -550,6 +550,7 @@ def run(rank: int, args) -> dict | None:
         # default 100 pairs took an H200 over two minutes)
         swap = fused_softmax_swap(model, forward_backward, max(12, 100 // args.micro_batch))
     rounds.append(micro_benchmarks(args, device, softmax))
+    found = stats(model)  # every step's clean data: what the checks flagged is a false alarm
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     result = {
@@ -563,6 +564,7 @@ def run(rank: int, args) -> dict | None:
         "machine_rounds": rounds,
         "median": {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()},
         "page_faults": {n: statistics.median(f) for n, f in faults.items()},  # per step
+        "false_alarms": sum(sum(s["detected"].values()) for s in found.values()),
         # one check of one layer, inside the measured "all" steps
         "check_seconds": {
             section: per_check(spans, timer, len(model.decoder.layers))
@@ -744,14 +746,20 @@ def print_table(result: dict) -> None:
         f"micro-batch {a['micro_batch']}, TP {a['tp']}, {a['dtype']}, block {a['block']}, "
         f"interval {a['check_interval']} on {result['device']} ({result['threads']} threads)"
     )
-    print(f"{'mode':<8} {'step ms':>9} {'step +%':>8} {'attn ms':>9} {'attn +%':>8} {'faults':>7}")
+    print(
+        f"{'mode':<8} {'step ms':>9} {'step +%':>8} {'attn ms':>9} {'attn +%':>8} "
+        f"{'page faults':>11}"
+    )
     for name, med in result["median"].items():
         over = result["overhead"][name]
         print(
             f"{name:<8} {med['step'] * 1e3:>9.1f} {over['step'] * 100:>8.2f} "
             f"{med['attention'] * 1e3:>9.1f} {over['attention'] * 100:>8.2f} "
-            f"{result['page_faults'][name]:>7.0f}"
+            f"{result['page_faults'][name]:>11.0f}"
         )
+    print(
+        f"matrices the checks flagged on this clean data (false alarms): {result['false_alarms']}"
+    )
     m = result["machine"]
     launches = m.get("check_launches")
     print(
