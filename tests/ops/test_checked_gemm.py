@@ -11,6 +11,7 @@ from megatron_abft.config import KINDS
 from megatron_abft.ops.checked_gemm import (
     INTERPRETED,
     checked_linear,
+    tiles_for,
     weight_sums,
 )
 
@@ -169,3 +170,26 @@ def test_on_cuda_a_fault_is_corrected_or_reported(value, persistent):
     if persistent:
         y[700, 300] = clean[700, 300]
     assert torch.equal(y, clean)
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=cuda)],
+)
+def test_megatrons_linear_function_with_the_checked_gemm_keeps_its_gradients(device, dtype):
+    """layers.linear._CheckedLinear: the forward by the checked GEMM, Megatron's backward as is."""
+    from megatron_abft.layers.linear import _CheckedLinear
+
+    x, w, b = (t.to(device) for t in operands(96, 80, 48, dtype))
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    sums = weight_sums(w, tiles_for(torch.device(device)).block_n)
+    y, codes = _CheckedLinear.apply(*leaves, False, False, None, None, None, sums, 1.0, 1e10)
+    assert int(codes.count_nonzero()) == 0 and not codes.requires_grad
+    grad = torch.randn(96, 80, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    y.backward(grad)
+    reference = [t.detach().requires_grad_() for t in (x, w, b)]
+    torch.nn.functional.linear(*reference).backward(grad)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(y, torch.nn.functional.linear(*reference), **tol)
+    for got, want in zip(leaves, reference, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, **tol)
