@@ -13,6 +13,11 @@ channels scaled by 100; LLM-like activations (heavy-tailed, a few massive channe
 with an attention sink in the scores. fp16's Q and K are scaled by 1/4, so that the scores fit
 its range; a product that still overflows is counted apart (``overflowed_repeats``): a check
 rightly flags its infinities.
+
+``--checked-gemm`` also runs the projections (qkv, proj) through the checked GEMM
+(megatron_abft.ops.checked_gemm; bf16 and fp16 on a GPU), which keeps no residuals: it records
+the tiles flagged at the bound and the smallest of SCALES at which none is (the margin is at
+least its inverse).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ import torch
 from megatron_abft.check.checksum import GemmOperands, encode
 from megatron_abft.check.eec import report, residuals, verify_and_correct
 from megatron_abft.config import FORWARD_SECTIONS, KINDS
-from megatron_abft.ops import compiled
+from megatron_abft.ops import checked_gemm, compiled
 
 KINDS_OF_INPUT = ("normal", "outlier_rows", "outlier_channels", "llm_like")
+SCALES = (1.0, 2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-10)
+"""The checked GEMM's threshold scales, tried from the bound down."""
 PRECISIONS = {
     "bf16": (torch.bfloat16, False),
     "fp16": (torch.float16, False),
@@ -89,6 +96,7 @@ def sweep(args, device: torch.device) -> list[dict]:
         for section in FORWARD_SECTIONS:
             for kind in KINDS_OF_INPUT:
                 worst, flagged, detected, checked, overflowed = 0.0, 0, 0, 0, 0
+                fused_alarms, fused_clean = 0, 0.0
                 for repeat in range(args.repeats):
                     g = torch.Generator(device).manual_seed(repeat)
                     a, b, alpha, bias = operands(section, kind, args, g, dtype)
@@ -119,6 +127,17 @@ def sweep(args, device: torch.device) -> list[dict]:
                     )
                     detected += sum(report(result)["detected"].values())
                     checked += c.shape[0] if c.dim() == 3 else 1
+                    if args.checked_gemm and section in ("qkv", "proj"):
+                        gemm = checked_gemm_alarms(a, b, bias)
+                        fused_alarms += gemm[0]
+                        fused_clean = max(fused_clean, gemm[1])
+                extra = {}
+                if args.checked_gemm and section in ("qkv", "proj"):
+                    extra = {
+                        "checked_gemm_tiles_flagged": fused_alarms,
+                        "checked_gemm_clean_scale": fused_clean,
+                    }
+                    detected += fused_alarms
                 rows.append(
                     dict(
                         precision=precision,
@@ -129,15 +148,39 @@ def sweep(args, device: torch.device) -> list[dict]:
                         flagged_vectors=flagged,
                         detected=detected,
                         overflowed_repeats=overflowed,
+                        **extra,
                     )
                 )
                 print(
                     f"{precision:>5} {section:>8} {kind:>17} {checked:>5} matrices  worst "
                     f"{worst:.3g} of the threshold  flagged {flagged}  detected {detected}"
-                    + (f"  ({overflowed} repeats overflowed)" if overflowed else ""),
+                    + (f"  ({overflowed} repeats overflowed)" if overflowed else "")
+                    + (
+                        f"  checked GEMM: {fused_alarms} tiles flagged, none at {fused_clean:g} "
+                        "of the bound"
+                        if extra
+                        else ""
+                    ),
                     flush=True,
                 )
     return rows
+
+
+def checked_gemm_alarms(a, b, bias) -> tuple[int, float]:
+    """The checked GEMM on ``a @ b + bias``: tiles flagged at its bound, and the smallest of
+    SCALES (from 1 down) at which none is (inf where one is at the bound)."""
+    weight = b.t().contiguous()
+    sums = checked_gemm.weight_sums(weight, checked_gemm.tiles_for(a.device).block_n)
+    at_bound, clean = 0, float("inf")
+    for scale in SCALES:
+        _, codes = checked_gemm.checked_linear(a, weight, bias, sums=sums, threshold_scale=scale)
+        flagged = int(codes.count_nonzero())
+        if scale == 1.0:
+            at_bound = flagged
+        if flagged:
+            break
+        clean = scale
+    return at_bound, clean
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,8 +200,15 @@ def main(argv: list[str] | None = None) -> None:
         "then no longer allow for (megatron_abft.check.tolerance.gemm_rounding): far tighter "
         "bounds",
     )
+    parser.add_argument(
+        "--checked-gemm",
+        action="store_true",
+        help="also the projections through the checked GEMM (bf16 and fp16; on a GPU)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.checked_gemm and not set(args.dtypes) <= {"bf16", "fp16"}:
+        parser.error("--checked-gemm takes --dtypes bf16 and/or fp16 (the kernel's on a GPU)")
     device = torch.device(args.device)
     matmul = torch.backends.cuda.matmul
     matmul.allow_fp16_reduced_precision_reduction = args.reduced

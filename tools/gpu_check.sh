@@ -14,7 +14,7 @@
 # the correctness work side by side, since none of it is timed: the GPU tests of the compiled
 # kernels and of the flash kernels, compute-sanitizer (every CUDA kernel through the known-answer
 # self-test, a few tests, the flash kernels), the no-false-alarm sweeps on the tensor cores
-# (unfused GEMMs, flash tiles), and Megatron-LM's own pretrain() with --abft and injected faults,
+# (unfused GEMMs, the checked GEMM, flash tiles), and Megatron-LM's own pretrain() with --abft and injected faults,
 # on both paths. Phase 4 times the rest one at a time: the step at micro-batch 1 and the host's
 # time a check and a flash call (tools/bench_host.py). Phase 5 times the flash kernels' tile
 # candidates (tools/flash_tune.py).
@@ -139,6 +139,9 @@ step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 
 {
     step gemm_false_alarms 150 $PY -m tools.gemm_false_alarms --device cuda --repeats 2 \
         --json "$WORK/gemm_false_alarms.json"
+    # the checked GEMM's projections on the tensor cores: no tile flagged, and its margin
+    step checked_gemm_false_alarms 120 $PY -m tools.gemm_false_alarms --device cuda \
+        --repeats 2 --dtypes bf16 fp16 --checked-gemm --json "$WORK/checked_gemm_false_alarms.json"
     step flash_false_alarms 220 $PY -m tools.flash_false_alarms --device cuda --seq 2048 \
         --tiles 200000 --dtypes bf16 fp16 --json "$WORK/flash_false_alarms.json"
     # the bf16/fp16 bounds without reduced-precision reductions are thousands of times tighter:
