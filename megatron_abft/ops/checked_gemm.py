@@ -140,11 +140,11 @@ def _eighths(x):
 @triton.jit
 def _verify(acc, ref, mass, bias_sum, bias_mass, row_ok, col_ok, g, near_inf):
     """Per row: 0 clean (or past the end), else 1 + the fault kind (config.KINDS) of its
-    residual."""
+    residual: near-INF where it exceeds its bound by more than ``near_inf``."""
     got = tl.sum(tl.where(col_ok[None, :], acc, 0.0), 1)
     residual = tl.abs(got - (ref + bias_sum))
     excess = residual - (g * (mass + bias_mass) + FLOOR)
-    kind = tl.where(residual > near_inf, 2, tl.where(excess > 0, 1, 0))
+    kind = tl.where(excess > near_inf, 2, tl.where(excess > 0, 1, 0))
     kind = tl.where(residual != residual, 4, tl.where(residual == INF, 3, kind))
     return tl.where(row_ok, kind, 0)
 

@@ -119,6 +119,10 @@ def test_no_false_alarm_on_clean_data_with_heavy_cancellation():
     x32, w32 = x.float() * 1e-3, w.float() * 1e3
     _, codes = checked_linear(x32, w32, b.float(), threshold_scale=0.05)
     assert codes.tolist() == [0] * codes.numel()
+    # values so large that their rounding alone is above near_inf: still within the bound
+    x32, w32 = x.float() * 1e8, w.float() * 1e8
+    y, codes = checked_linear(x32, w32, b.float())
+    assert float(y.abs().max()) > 1e17 and codes.tolist() == [0] * codes.numel()
 
 
 def test_weight_sums_are_each_column_blocks_sum_and_absolute_sum():
