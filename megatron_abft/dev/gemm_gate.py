@@ -97,17 +97,7 @@ def build(check: bool, dtype: str = "bfloat16", bias: bool = True) -> GemmBuild:
     args, options = checked_gemm.arguments(
         x, weight, b, y, sums, codes, None, tile, 1.0, 1e10, check
     )
-    made = aot.specialize(checked_gemm._checked_gemm_kernel, args, options, 90)
-    compiled = triton.compile(
-        ASTSource(
-            checked_gemm._checked_gemm_kernel,
-            dict(made.signature),
-            dict(made.constants),
-            dict(made.attrs),
-        ),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(made.options),
-    )
+    compiled = _compiled(checked_gemm._checked_gemm_kernel, args, options)
     registers, stack, spills, warnings = aot.ptxas_report(compiled.asm["ptx"], 90)
     loop = sass.main_loop(sass.disassemble(compiled.asm["cubin"], aot._tool("cuobjdump")))
     shared = compiled.metadata.shared
@@ -125,6 +115,36 @@ def build(check: bool, dtype: str = "bfloat16", bias: bool = True) -> GemmBuild:
         len(loop.body) if loop else 0,
         tuple(sorted(loop.mma.items())) if loop else (),
     )
+
+
+def _compiled(fn, args: tuple, options: dict):
+    """``fn`` launched with ``args`` and ``options``, built for sm_90 as Triton's launcher
+    specialises it."""
+    made = aot.specialize(fn, args, options, 90)
+    return triton.compile(
+        ASTSource(fn, dict(made.signature), dict(made.constants), dict(made.attrs)),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(made.options),
+    )
+
+
+def findings_build() -> tuple[int, int, tuple[str, ...]]:
+    """The sm_90 build of the launch that folds a call's tile codes (checked_gemm.findings):
+    registers, spill stores (bytes) and ptxas's warnings."""
+    m, n, _ = SHAPE
+    tile = checked_gemm.GPU_TILES[True]
+    codes = torch.empty(
+        triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), dtype=torch.int32
+    )
+    args = (
+        codes, codes.numel(), triton.cdiv(n, tile.block_n), tile.block_m, tile.block_n,
+        torch.empty(2, dtype=torch.int8), torch.empty(2, dtype=torch.int64),
+        torch.empty(1, dtype=torch.float64),
+    )  # fmt: skip
+    options = {"BLOCK": checked_gemm.FINDINGS_BLOCK, "num_warps": 4}
+    compiled = _compiled(checked_gemm._findings_kernel, args, options)
+    registers, stack, spills, warnings = aot.ptxas_report(compiled.asm["ptx"], 90)
+    return registers, stack + spills, warnings
 
 
 def builds() -> list[GemmBuild]:

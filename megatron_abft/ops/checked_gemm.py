@@ -243,8 +243,6 @@ def checked_linear(
     tests. CUDA tensors run compiled (bf16 or fp16); CPU tensors run in Triton's interpreter
     (fp32, bf16 computed in fp32, fp16), slowly."""
     _validate(x, weight, bias)
-    from megatron_abft.flash import build
-
     k = x.shape[-1]
     n = weight.shape[0]
     flat = x.reshape(-1, k)
@@ -276,7 +274,7 @@ def checked_linear(
         args, options = arguments(
             flat, weight, bias, y, sums, codes, inject, tile, threshold_scale, near_inf, check
         )
-        kernel = build.for_device(sys.modules[__name__], x.device)._checked_gemm_kernel
+        kernel = _built(x.device)._checked_gemm_kernel
         kernel[(codes.numel() if check else _programs(m, n, tile),)](*args, **options)
     return y.to(out_dtype).view(*x.shape[:-1], n), codes
 
@@ -284,19 +282,52 @@ def checked_linear(
 def findings(codes: Tensor, n: int, tile: Tiles) -> EECResult:
     """One checked output's result from its tiles' ``codes`` (checked_linear), as
     megatron_abft.check.ledger.Ledger.tally takes it: the worst tile's outcome and kind (an
-    uncorrectable tile before a corrected one), its first row and column (-1 where all are
-    clean), no magnitude (the kernel keeps none: NaN). Device ops, no host read."""
-    worst = codes.max().reshape(1)
-    at = codes.argmax().reshape(1).long()
-    grid_n = triton.cdiv(n, tile.block_n)
+    uncorrectable tile before a corrected one; the first of equals), its first row and column
+    (-1 where all are clean), no magnitude (the kernel keeps none: NaN). One launch, no host
+    read."""
+    flags = torch.empty(2, dtype=torch.int8, device=codes.device)
+    position = torch.empty(2, dtype=torch.int64, device=codes.device)
+    magnitude = torch.empty(1, dtype=torch.float64, device=codes.device)
+    kernel = _built(codes.device)._findings_kernel
+    kernel[(1,)](
+        codes, codes.numel(), triton.cdiv(n, tile.block_n), tile.block_m, tile.block_n, flags,
+        position, magnitude, BLOCK=FINDINGS_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return EECResult(flags[:1], flags[1:], position[:1], position[1:], magnitude)
+
+
+FINDINGS_BLOCK = 1024
+"""Codes _findings_kernel reads at a time: one shape, so that one build serves every call."""
+
+
+@triton.jit
+def _findings_kernel(
+    CODES, TILES, GRID_N, TILE_M, TILE_N, FLAGS, POSITION, MAGNITUDE, BLOCK: tl.constexpr
+):
+    """The worst of ``TILES`` codes into FLAGS (outcome, kind) and POSITION (the tile's first
+    row and column, -1 where all are clean), a NaN into MAGNITUDE."""
+    worst = 0
+    at = 0
+    for start in range(0, TILES, BLOCK):
+        index = start + tl.arange(0, BLOCK)
+        code = tl.load(CODES + index, mask=index < TILES, other=0)
+        top = tl.max(code, 0)
+        if top > worst:
+            worst = top
+            at = start + tl.argmax(code, 0)
+    tl.store(FLAGS, (worst >> 2).to(tl.int8))
+    tl.store(FLAGS + 1, (worst & 3).to(tl.int8))
     flagged = worst > 0
-    return EECResult(
-        status=(worst >> 2).to(torch.int8),
-        kind=(worst & 3).to(torch.int8),
-        row=torch.where(flagged, at // grid_n * tile.block_m, -1),
-        col=torch.where(flagged, at % grid_n * tile.block_n, -1),
-        magnitude=torch.full((1,), float("nan"), dtype=torch.float64, device=codes.device),
-    )
+    tl.store(POSITION, tl.where(flagged, at // GRID_N * TILE_M, -1).to(tl.int64))
+    tl.store(POSITION + 1, tl.where(flagged, at % GRID_N * TILE_N, -1).to(tl.int64))
+    tl.store(MAGNITUDE, float("nan"))
+
+
+def _built(device: torch.device):
+    """This module's kernels for ``device``: compiled on CUDA, interpreted on CPU."""
+    from megatron_abft.flash import build
+
+    return build.for_device(sys.modules[__name__], device)
 
 
 def _programs(m: int, n: int, tile: Tiles) -> int:

@@ -7,10 +7,12 @@ clean data with heavy cancellation."""
 import pytest
 import torch
 
+from megatron_abft.check.ledger import Ledger
 from megatron_abft.config import KINDS
 from megatron_abft.ops.checked_gemm import (
     INTERPRETED,
     checked_linear,
+    findings,
     tiles_for,
     weight_sums,
 )
@@ -197,3 +199,19 @@ def test_megatrons_linear_function_with_the_checked_gemm_keeps_its_gradients(dev
     torch.testing.assert_close(y, torch.nn.functional.linear(*reference), **tol)
     for got, want in zip(leaves, reference, strict=True):
         torch.testing.assert_close(got.grad, want.grad, **tol)
+
+
+def test_findings_name_the_worst_tile_first_of_equals_and_its_origin():
+    codes = torch.tensor([0, 5, 10, 10, 7], dtype=torch.int32)
+    found = findings(codes, 64, INTERPRETED)  # two column blocks of 32
+    assert [int(t) for t in found.fields[:4]] == [UNCORRECTABLE, 2, 32, 0]
+    assert found.magnitude.isnan().all()
+    clean = findings(torch.zeros(7, dtype=torch.int32), 64, INTERPRETED)
+    assert [int(t) for t in clean.fields[:4]] == [0, 0, -1, -1]
+    many = torch.zeros(2500, dtype=torch.int32)  # past one block of the kernel's reads
+    many[2301], many[2400] = CORRECTED << 2 | 3, CORRECTED << 2 | 1
+    found = findings(many, 96, INTERPRETED)  # three column blocks
+    assert [int(t) for t in found.fields[:4]] == [CORRECTED, 3, 2301 // 3 * 32, 2301 % 3 * 32]
+    ledger = Ledger.on(torch.device("cpu"), step=4)
+    assert bool(ledger.tally(found)) is False
+    assert ledger.counts[:, 3].tolist() == [1, 1, 0] and int(ledger.logged) == 1

@@ -43,3 +43,8 @@ def test_the_gate_names_what_fails(builds):
     assert "not all wgmma" in replace(good, mma=(("HMMA.16816.F32.BF16", 8),)).problems[0]
     slow = replace(good, loop_instructions=good.loop_instructions * 3)
     assert "issues in" in slow.problems[0]
+
+
+def test_the_findings_launch_builds_without_a_spill():
+    registers, spilled, warnings = gemm_gate.findings_build()
+    assert spilled == 0 and warnings == () and registers <= 64
