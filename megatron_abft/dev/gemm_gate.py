@@ -128,23 +128,43 @@ def _compiled(fn, args: tuple, options: dict):
     )
 
 
-def findings_build() -> tuple[int, int, tuple[str, ...]]:
-    """The sm_90 build of the launch that folds a call's tile codes (checked_gemm.findings):
-    registers, spill stores (bytes) and ptxas's warnings."""
-    m, n, _ = SHAPE
+def helper_builds() -> dict[str, tuple[int, int, tuple[str, ...]]]:
+    """The sm_90 builds of the checked GEMM's two helper launches, the weight sums
+    (checked_gemm.weight_sums, bf16) and the fold of a call's tile codes (checked_gemm.findings):
+    registers, bytes spilled and ptxas's warnings of each."""
+    m, n, k = SHAPE
     tile = checked_gemm.GPU_TILES[True]
-    codes = torch.empty(
-        triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), dtype=torch.int32
-    )
-    args = (
-        codes, codes.numel(), triton.cdiv(n, tile.block_n), tile.block_m, tile.block_n,
-        torch.empty(2, dtype=torch.int8), torch.empty(2, dtype=torch.int64),
-        torch.empty(1, dtype=torch.float64),
-    )  # fmt: skip
-    options = {"BLOCK": checked_gemm.FINDINGS_BLOCK, "num_warps": 4}
-    compiled = _compiled(checked_gemm._findings_kernel, args, options)
-    registers, stack, spills, warnings = aot.ptxas_report(compiled.asm["ptx"], 90)
-    return registers, stack + spills, warnings
+    blocks = triton.cdiv(n, tile.block_n)
+    codes = torch.empty(triton.cdiv(m, tile.block_m) * blocks, dtype=torch.int32)
+    weight = torch.empty(n, k, dtype=torch.bfloat16)
+    launches = {
+        "weight_sums": (
+            checked_gemm._weight_sums_kernel,
+            (weight, torch.empty(blocks, 2, k), n, k, *weight.stride()),
+            {"BLOCK_N": tile.block_n, "BLOCK_K": checked_gemm.SUMS_BLOCK_K, "num_warps": 4},
+        ),
+        "findings": (
+            checked_gemm._findings_kernel,
+            (
+                codes,
+                codes.numel(),
+                blocks,
+                tile.block_m,
+                tile.block_n,
+                torch.empty(2, dtype=torch.int8),
+                torch.empty(2, dtype=torch.int64),
+                torch.empty(1, dtype=torch.float64),
+            ),  # fmt: skip
+            {"BLOCK": checked_gemm.FINDINGS_BLOCK, "num_warps": 4},
+        ),
+    }
+    made = {}
+    for name, (fn, args, options) in launches.items():
+        registers, stack, spills, warnings = aot.ptxas_report(
+            _compiled(fn, args, options).asm["ptx"], 90
+        )
+        made[name] = (registers, stack + spills, warnings)
+    return made
 
 
 def builds() -> list[GemmBuild]:

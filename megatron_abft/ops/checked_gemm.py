@@ -208,13 +208,36 @@ def _checked_gemm_kernel(
 
 def weight_sums(weight: Tensor, block_n: int) -> Tensor:
     """``[column blocks, 2, k]`` fp32 for ``weight [n, k]``: per block of ``block_n`` of its rows
-    (a tile's columns of Y), their sum and their absolute sum, summed in float64. Make it once a
-    weight version (tiles_for(device).block_n) and pass it to every call."""
+    (a tile's columns of Y), their sum and their absolute sum, summed in float64 (exact for 16-bit
+    weights). One launch; make it once a weight version (tiles_for(device).block_n) and pass it
+    to every call."""
     n, k = weight.shape
-    blocks = -(-n // block_n)
-    w = weight.detach().to(torch.float64)
-    w = torch.nn.functional.pad(w, (0, 0, 0, blocks * block_n - n)).view(blocks, block_n, k)
-    return torch.stack((w.sum(1), w.abs().sum(1)), 1).to(torch.float32).contiguous()
+    sums = torch.empty(triton.cdiv(n, block_n), 2, k, dtype=torch.float32, device=weight.device)
+    grid = (sums.shape[0], triton.cdiv(k, SUMS_BLOCK_K))
+    _built(weight.device)._weight_sums_kernel[grid](
+        weight, sums, n, k, *weight.stride(), BLOCK_N=block_n, BLOCK_K=SUMS_BLOCK_K, num_warps=4
+    )
+    return sums
+
+
+SUMS_BLOCK_K = 32
+"""Columns of the weight a program of _weight_sums_kernel sums."""
+
+
+@triton.jit
+def _weight_sums_kernel(
+    W, SUMS, N, K, swn, swk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """Rows ``[pid 0 * BLOCK_N, + BLOCK_N)`` of ``W [N, K]``, columns of block ``pid 1``: their
+    sum and absolute sum, in float64, into ``SUMS [blocks, 2, K]`` (fp32)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(W + rows.to(tl.int64)[:, None] * swn + cols[None, :] * swk, mask=inside, other=0.0)
+    w = w.to(tl.float64)
+    out = SUMS + tl.program_id(0).to(tl.int64) * 2 * K + cols
+    tl.store(out, tl.sum(w, 0).to(tl.float32), mask=cols < K)
+    tl.store(out + K, tl.sum(tl.abs(w), 0).to(tl.float32), mask=cols < K)
 
 
 def rounding_factor(k: int, block_n: int, threshold_scale: float = 1.0) -> float:

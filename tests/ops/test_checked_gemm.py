@@ -135,6 +135,15 @@ def test_weight_sums_are_each_column_blocks_sum_and_absolute_sum():
     assert sums[1].tolist() == [[-5.0, 6.0], [5.0, 6.0]]
 
 
+def test_weight_sums_of_16_bit_weights_are_exact():
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(70, 40, generator=g).to(torch.bfloat16)
+    sums = weight_sums(w, 32)
+    blocks = torch.nn.functional.pad(w.double(), (0, 0, 0, 26)).view(3, 32, 40)
+    want = torch.stack((blocks.sum(1), blocks.abs().sum(1)), 1).float()
+    assert torch.equal(sums, want)
+
+
 def test_bad_inputs_are_refused_with_what_was_given():
     x, w, b = operands(8, 4, 6)
     with pytest.raises(ValueError, match="do not multiply"):
