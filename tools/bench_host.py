@@ -1,6 +1,7 @@
 """What protection costs the host on this machine: a guard's clean check against its op alone
 (the difference is the Python around it), with warm caches and with cold ones, as in a training
-step; set_step and finish_step, which run once a step, on a GPT model; and the protected flash
+step, and on a GPU the checked GEMM's call (megatron_abft.ops.checked_gemm) as the layers make
+it; set_step and finish_step, which run once a step, on a GPT model; and the protected flash
 attention's call, forward and backward. On a GPU this is the host side of a step, which the GPU
 hides only while the host runs ahead of it; the overhead model counts device time only
 (docs/benchmarks.md).
@@ -27,7 +28,7 @@ from bench.timing import best_per_call, call_ms
 from megatron_abft.check.checker import CompiledChecker, ReferenceChecker
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
-from megatron_abft.ops import compiled
+from megatron_abft.ops import checked_gemm, compiled
 from megatron_abft.runtime.guard import SectionGuard
 
 
@@ -75,13 +76,24 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
         else:
             int(ops.check_gemm.default(*arguments)[0])
 
-    return {
+    found = {
         "check": best_per_call(lambda: guard.check(y, operands), device, number),
         "ops_alone": best_per_call(alone, device, number),
         "check_cold": per_call_cold(lambda: guard.check(y, operands), device),
         "ops_alone_cold": per_call_cold(alone, device),
         "gemm_cold": per_call_cold(lambda: torch.addmm(bias, x, w.t()), device),
     }
+    if device.type == "cuda":  # the checked GEMM as the layers run it, against the GEMM alone
+        tile = checked_gemm.tiles_for(device)
+        sums = checked_gemm.weight_sums(w, tile.block_n)
+
+        def checked():
+            _, codes = checked_gemm.checked_linear(x, w, bias, sums=sums)
+            ledger.tally(checked_gemm.findings(codes, w.shape[0], tile))
+
+        found["checked_gemm"] = best_per_call(checked, device, number)
+        found["gemm"] = best_per_call(lambda: torch.addmm(bias, x, w.t()), device, number)
+    return found
 
 
 def torch_calls(fn) -> dict[str, int]:
@@ -279,6 +291,11 @@ def main() -> None:
         f" {check['ops_alone_cold'] * us:.1f} us, the GEMM it checks"
         f" {check['gemm_cold'] * us:.1f} us"
     )
+    if "checked_gemm" in check:
+        print(
+            f"the checked GEMM, its findings and their tally: {check['checked_gemm'] * us:.1f} us,"
+            f" the GEMM alone {check['gemm'] * us:.1f} us"
+        )
     if calls:
         print(
             f"a sync-free check's op on the CUDA kernels ({'on the GPU' if cuda else 'emulated'}):"
