@@ -34,6 +34,7 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
         s: {"gemm_ms": 0.2, "check_ms": 0.2 * share, "fraction": share}
         for s, share in (("qkv", 0.05), ("proj", 0.01))
     }
+    projections["qkv"]["checked_gemm_fraction"] = 0.03
     kernels = {"screen of S (a clean verify)": {"ms": 0.5, "of_copy": 0.75}}
     (raw / "bench_kernels.json").write_text(
         json.dumps({"projections": projections, "kernels": kernels})
@@ -54,13 +55,15 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
         "sdpa_cudnn_ms": None,
     }
     assert made["step"]["flash"] == {"micro_batch": 8, "overhead": 0.04}
-    assert made["step"]["unfused"] == {"micro_batch": None, "overhead": None}
+    for path in ("unfused", "flash_checked_gemm"):  # runs that did not finish
+        assert made["step"][path] == {"micro_batch": None, "overhead": None}
     assert made["projections"] == {
         "tokens": 16384,
         "hidden": 1024,
         "qkv": 0.05,
         "proj": 0.01,
         "floor": {"qkv": None, "proj": None},  # a run before the floor was measured
+        "checked_gemm": {"qkv": 0.03, "proj": None},
     }
     assert made["checksum_kernels_of_copy"] == {"screen of S (a clean verify)": 0.75}
 
