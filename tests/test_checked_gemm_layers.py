@@ -136,3 +136,33 @@ def test_what_the_kernel_finds_reaches_the_ledger_and_a_fault_to_land_takes_mega
     # layer 2's qkv took Megatron's GEMM and the usual check, which corrected the INF; the
     # other three projections took the checked GEMM
     assert landed == 1 and injected["qkv"]["corrected"]["inf"] == 1 and calls == 3
+
+
+def test_where_the_checked_gemm_serves_and_a_dtype_it_does_not_take_is_said_once(caplog):
+    from types import SimpleNamespace
+
+    from megatron_abft.layers.linear import _CheckedLocalGemm
+
+    layer = _CheckedLocalGemm()
+    layer.abft_config = ABFTConfig(checked_gemm=True)
+    layer.abft_guard = SimpleNamespace(section="qkv")
+
+    def tensors(device, dtype, trainable=True):
+        where = torch.device(device)
+        return (
+            SimpleNamespace(device=where, dtype=dtype),
+            SimpleNamespace(device=where, dtype=dtype, requires_grad=trainable),
+        )
+
+    assert layer._checked_gemm_serves(*tensors("cuda", torch.bfloat16), (), {})
+    assert layer._checked_gemm_serves(*tensors("cpu", torch.float32), (), {})
+    assert not layer._checked_gemm_serves(*tensors("cpu", torch.float32, False), (), {})
+    sharded = {"gtp_remat_size": 2}
+    assert not layer._checked_gemm_serves(*tensors("cuda", torch.float16), (), sharded)
+    assert not layer._checked_gemm_serves(*tensors("cpu", torch.float32), (1,), {})
+    for _ in range(2):
+        assert not layer._checked_gemm_serves(*tensors("cuda", torch.float32), (), {})
+    said = [r.getMessage() for r in caplog.records if r.name == "megatron_abft.layers.linear"]
+    assert len(said) == 1 and "bf16 and fp16 on GPUs" in said[0] and "qkv" in said[0]
+    layer.abft_config = ABFTConfig()
+    assert not layer._checked_gemm_serves(*tensors("cuda", torch.bfloat16), (), {})

@@ -14,8 +14,8 @@
 # the correctness work side by side, since none of it is timed: the GPU tests of the compiled
 # kernels and of the flash kernels, compute-sanitizer (every CUDA kernel through the known-answer
 # self-test, a few tests, the flash kernels), the no-false-alarm sweeps on the tensor cores
-# (unfused GEMMs, the checked GEMM, flash tiles), and Megatron-LM's own pretrain() with --abft and injected faults,
-# on both paths. Phase 4 times the rest one at a time: the step at micro-batch 1 and the host's
+# (unfused GEMMs, the checked GEMM, flash tiles), and Megatron-LM's own pretrain() with --abft
+# and injected faults, on both paths. Phase 4 times the rest one at a time: the step at micro-batch 1 and the host's
 # time a check and a flash call (tools/bench_host.py). Phase 5 times the flash kernels' tile
 # candidates (tools/flash_tune.py).
 # Each step has a time limit of its own (seconds) and none runs past DEADLINE; a step cut short
@@ -151,7 +151,8 @@ step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 
         --json "$WORK/gemm_false_alarms_strict.json"
 } &
 # Megatron-LM's own loop, pretrain(): a small GPT, 50 steps of mock data, faults in every
-# forward section (and, on the flash path, in the backward) at steps 10 to 40
+# forward section (and, on the flash path, in the backward) at steps 10 to 40; the flash run's
+# projections by the checked GEMM (those with a fault to land take Megatron's GEMM)
 PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
     --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024
     --micro-batch-size 2 --global-batch-size 2 --train-iters 50 --lr 1e-4
@@ -171,7 +172,7 @@ PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
         -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention unfused \
         --abft-events-file "$WORK/pretrain_unfused_events.jsonl"
     step pretrain_flash 120 $PY -m torch.distributed.run --nproc-per-node 1 \
-        -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention flash \
+        -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention flash --abft-checked-gemm \
         --abft-inject section=grad_v,layer=2,kind=inf,step=35 \
         --abft-events-file "$WORK/pretrain_flash_events.jsonl"
 } &

@@ -19,6 +19,8 @@ forward and Megatron's backward as is.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.tensor_parallel.layers import (
@@ -34,6 +36,8 @@ from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import checked_gemm
 from megatron_abft.runtime.guard import SectionGuard, View
 from megatron_abft.runtime.model_runtime import runtime_of
+
+_log = logging.getLogger(__name__)
 
 
 def qkv_part_views(config: TransformerConfig, tp_rank: int, width: int) -> dict[str, View]:
@@ -113,6 +117,7 @@ class _CheckedLocalGemm:
     abft_guard: SectionGuard
     fault_views: dict[str, View]
     _weight_sums: tuple[tuple, torch.Tensor] | None = None
+    _told_dtype = False  # the checked GEMM does not take this dtype here: said once
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if kwargs.get("sequence_parallel"):
@@ -152,9 +157,17 @@ class _CheckedLocalGemm:
             return False
         if input.dtype != weight.dtype or input.device != weight.device:
             return False
-        if input.device.type == "cuda":
-            return input.dtype in checked_gemm.GPU_DTYPES
-        return input.device.type == "cpu" and input.dtype in checked_gemm.DTYPES
+        if input.device.type == "cuda" and input.dtype not in checked_gemm.GPU_DTYPES:
+            if not self._told_dtype:
+                self._told_dtype = True
+                _log.warning(
+                    "[abft] checked_gemm: the checked GEMM takes bf16 and fp16 on GPUs; the %s "
+                    "projection's %s GEMM is Megatron's, checked after it",
+                    self.abft_guard.section,
+                    input.dtype,
+                )
+            return False
+        return input.device.type in ("cuda", "cpu") and input.dtype in checked_gemm.DTYPES
 
     def _checked_gemm(self, input, weight, kwargs: dict) -> torch.Tensor:
         """The rank-local GEMM by the checked GEMM, its tiles' outcome tallied into the guard's
