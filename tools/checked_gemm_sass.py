@@ -11,7 +11,8 @@ from megatron_abft.dev.gemm_gate import builds
 def main() -> None:
     print(
         "| dtype | checked | bias | tile (m, n, k, warps, stages) | MMA in the loop | regs | "
-        "CTA/SM | shared KiB | loop instructions | issue / MMA cycles | gate |"
+        "CTA/SM | shared KiB | loop instructions (in the wgmma's flight) | issue / MMA cycles | "
+        "gate |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b in builds():
@@ -20,8 +21,9 @@ def main() -> None:
         print(
             f"| {b.dtype} | {'yes' if b.check else 'no'} | {'yes' if b.bias else 'no'} | "
             f"{t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages} | {mma} | "
-            f"{b.registers} | {b.ctas_per_sm} | {b.shared // 1024} | {b.loop_instructions} | "
-            f"{b.issue_cycles:.0f} / {b.mma_cycles:.0f} | {'; '.join(b.problems) or 'pass'} |"
+            f"{b.registers} | {b.ctas_per_sm} | {b.shared // 1024} | "
+            f"{b.loop_instructions} ({b.in_flight}) | {b.issue_cycles:.0f} / {b.mma_cycles:.0f} | "
+            f"{'; '.join(b.problems) or 'pass'} |"
         )
 
 

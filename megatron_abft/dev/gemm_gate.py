@@ -4,7 +4,8 @@ ptxas and the SASS of the main loop say. tests/ops/test_checked_gemm_gate.py hol
 ``problems``; ``python -m tools.checked_gemm_sass`` prints the table.
 
 The checks' work is CUDA-core instructions beside the loop's wgmma: the kernel keeps the MMA's
-pace only while the loop issues in fewer cycles than its MMAs take. Both are counted here, not
+pace only while the loop issues in fewer cycles than its MMAs take, and while that work sits
+between the wgmma's issue and the wait for them (``in_flight``). Both are counted here, not
 timed: the instructions a warp issues an iteration times the warps over the SM's four
 schedulers, against the tile's multiply-adds at Hopper's dense 16-bit tensor rate.
 """
@@ -49,6 +50,9 @@ class GemmBuild:
     """Instructions a warp issues in one iteration of the main loop."""
     mma: tuple[tuple[str, int], ...]
     """The main loop's MMA instructions, by opcode."""
+    in_flight: int = 0
+    """Of ``loop_instructions``, those issued between the loop's first wgmma and its wait for
+    them (WARPGROUP.DEPBAR): work that overlaps the tensor cores'."""
 
     @property
     def issue_cycles(self) -> float:
@@ -114,7 +118,19 @@ def build(check: bool, dtype: str = "bfloat16", bias: bool = True) -> GemmBuild:
         sass.ctas_per_sm(registers, shared, tile.num_warps, 90),
         len(loop.body) if loop else 0,
         tuple(sorted(loop.mma.items())) if loop else (),
+        in_flight(loop.body) if loop else 0,
     )
+
+
+def in_flight(body: list[sass.Instruction]) -> int:
+    """Instructions of a loop ``body`` after its first wgmma and before its first wait on them,
+    the wgmma themselves not counted (0 where it has no such window)."""
+    issued = [i for i, x in enumerate(body) if x.base == "HGMMA"]
+    waits = [i for i, x in enumerate(body) if x.opcode.startswith("WARPGROUP.DEPBAR")]
+    if not issued or not waits or waits[0] < issued[0]:
+        return 0
+    window = body[issued[0] : waits[0]]
+    return sum(1 for x in window if x.base != "HGMMA")
 
 
 def _compiled(fn, args: tuple, options: dict):

@@ -1,8 +1,9 @@
 """The checked GEMM's static gate (megatron_abft.dev.gemm_gate): its launches built for sm_90 on
 this CPU machine as checked_linear specialises them, bf16 and fp16, checked and not, with a bias
 and without. None spills or has ptxas serialise its wgmma, every MMA of the main loop is a
-wgmma, and each loop issues in fewer cycles than its MMAs take, so that the checks' CUDA-core
-work can hide under the tensor cores' (about 15 s)."""
+wgmma, and each loop issues in fewer cycles than its MMAs take, the checks' CUDA-core work
+between the wgmma's issue and the wait for them, so that it can hide under the tensor cores'
+(about 15 s)."""
 
 from dataclasses import replace
 
@@ -32,6 +33,27 @@ def test_the_checks_add_work_but_no_stage_or_mma(builds):
         # X's tile read again into registers: about three instructions an element of it
         assert b.loop_instructions > plain[key].loop_instructions + 64
         assert b.shared >= plain[key].shared
+        # nearly all of it between the wgmma's issue and the wait for them
+        outside = b.loop_instructions - b.in_flight
+        assert outside <= plain[key].loop_instructions - plain[key].in_flight + 16, b
+
+
+def test_the_window_of_a_loop_is_between_its_first_wgmma_and_its_wait():
+    from megatron_abft.dev import sass
+
+    body = sass.parse(
+        """
+        /*0000*/                   LDS R2, [R3] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+        /*0020*/                   FFMA R4, R5, R6, R4 ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*0040*/                   FADD R4, R4, R7 ;
+        /*0050*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0060*/                   FADD R8, R8, R9 ;
+    """
+    )
+    assert gemm_gate.in_flight(body) == 2
+    assert gemm_gate.in_flight(body[:2]) == 0  # no wait: no window
 
 
 def test_the_gate_names_what_fails(builds):
