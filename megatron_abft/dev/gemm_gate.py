@@ -87,21 +87,8 @@ class GemmBuild:
 def build(check: bool, dtype: str = "bfloat16", bias: bool = True) -> GemmBuild:
     """The sm_90 build of one launch of checked_linear on GPU tensors of ``dtype``, laid out as
     Megatron's linear layers hold them (activations and weight row-major)."""
-    m, n, k = SHAPE
-    torch_dtype = getattr(torch, dtype)
+    compiled = _gemm(check, dtype, bias, 90)
     tile = checked_gemm.GPU_TILES[check]
-    x, y = torch.empty(m, k, dtype=torch_dtype), torch.empty(m, n, dtype=torch_dtype)
-    weight = torch.empty(n, k, dtype=torch_dtype)
-    sums = torch.empty(triton.cdiv(n, tile.block_n), 2, k) if check else None
-    codes = torch.empty(
-        triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n) if check else 0,
-        dtype=torch.int32,
-    )
-    b = torch.empty(n, dtype=torch_dtype) if bias else None
-    args, options = checked_gemm.arguments(
-        x, weight, b, y, sums, codes, None, tile, 1.0, 1e10, check
-    )
-    compiled = _compiled(checked_gemm._checked_gemm_kernel, args, options)
     registers, stack, spills, warnings = aot.ptxas_report(compiled.asm["ptx"], 90)
     loop = sass.main_loop(sass.disassemble(compiled.asm["cubin"], aot._tool("cuobjdump")))
     shared = compiled.metadata.shared
@@ -133,13 +120,47 @@ def in_flight(body: list[sass.Instruction]) -> int:
     return sum(1 for x in window if x.base != "HGMMA")
 
 
-def _compiled(fn, args: tuple, options: dict):
-    """``fn`` launched with ``args`` and ``options``, built for sm_90 as Triton's launcher
-    specialises it."""
-    made = aot.specialize(fn, args, options, 90)
+def _gemm(check: bool, dtype: str, bias: bool, arch: int):
+    """One launch of checked_linear (SHAPE, ``dtype``, with a bias or not) built for
+    ``sm_<arch>``."""
+    m, n, k = SHAPE
+    torch_dtype = getattr(torch, dtype)
+    tile = checked_gemm.GPU_TILES[check]
+    x, y = torch.empty(m, k, dtype=torch_dtype), torch.empty(m, n, dtype=torch_dtype)
+    weight = torch.empty(n, k, dtype=torch_dtype)
+    sums = torch.empty(triton.cdiv(n, tile.block_n), 2, k) if check else None
+    codes = torch.empty(
+        triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n) if check else 0,
+        dtype=torch.int32,
+    )
+    b = torch.empty(n, dtype=torch_dtype) if bias else None
+    args, options = checked_gemm.arguments(
+        x, weight, b, y, sums, codes, None, tile, 1.0, 1e10, check
+    )
+    return _compiled(checked_gemm._checked_gemm_kernel, args, options, arch)
+
+
+def a100_builds() -> list[tuple[bool, str, int, int]]:
+    """The sm_80 (A100) builds of checked_linear's launches, bf16 and fp16, checked and not:
+    (check, dtype, registers, bytes spilled). Hopper's tiles on mma.sync, through masked
+    pointers as there; no budget but no spill."""
+    made = []
+    for dtype in ("bfloat16", "float16"):
+        for check in (True, False):
+            registers, stack, spills, _ = aot.ptxas_report(
+                _gemm(check, dtype, True, 80).asm["ptx"], 80
+            )
+            made.append((check, dtype, registers, stack + spills))
+    return made
+
+
+def _compiled(fn, args: tuple, options: dict, arch: int = 90):
+    """``fn`` launched with ``args`` and ``options``, built for ``sm_<arch>`` as Triton's
+    launcher specialises it."""
+    made = aot.specialize(fn, args, options, arch)
     return triton.compile(
         ASTSource(fn, dict(made.signature), dict(made.constants), dict(made.attrs)),
-        target=GPUTarget("cuda", 90, 32),
+        target=GPUTarget("cuda", arch, 32),
         options=dict(made.options),
     )
 

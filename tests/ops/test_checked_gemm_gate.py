@@ -72,3 +72,8 @@ def test_the_helper_launches_build_without_a_spill():
     assert set(made) == {"weight_sums", "findings"}
     for name, (registers, spilled, warnings) in made.items():
         assert spilled == 0 and warnings == () and registers <= 128, (name, made[name])
+
+
+def test_an_a100_build_does_not_spill_either():
+    made = gemm_gate.a100_builds()
+    assert len(made) == 4 and all(spilled == 0 for *_, spilled in made), made
