@@ -281,21 +281,31 @@ def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int, tuple[str, ...]]:
     )
 
 
-def compile_launch(case: Case, made: Launch, arch: int) -> Build:
-    """Build ``made`` for ``sm_<arch>`` and read what it uses."""
-    start = time.perf_counter()
+def compile_made(made: Launch, arch: int):
+    """Triton's build of ``made`` for ``sm_<arch>`` (its PTX, cubin and metadata)."""
     fn = getattr(importlib.import_module(made.module), made.name)
-    compiled = triton.compile(
+    return triton.compile(
         ASTSource(fn, dict(made.signature), dict(made.constants), dict(made.attrs)),
         target=GPUTarget("cuda", arch, 32),
         options=dict(made.options),
     )
+
+
+def disassemble(compiled) -> list[sass.Instruction]:
+    """The SASS of a build (compile_made), by the cuobjdump that ships with Triton."""
+    return sass.disassemble(compiled.asm["cubin"], _tool("cuobjdump"))
+
+
+def compile_launch(case: Case, made: Launch, arch: int) -> Build:
+    """Build ``made`` for ``sm_<arch>`` and read what it uses."""
+    start = time.perf_counter()
+    compiled = compile_made(made, arch)
     registers, stack, spills, warnings = ptxas_report(compiled.asm["ptx"], arch)
     warps = made.get("num_warps")
     shared = compiled.metadata.shared
     loop, extra = None, {}
     if arch == 90:
-        instructions = sass.disassemble(compiled.asm["cubin"], _tool("cuobjdump"))
+        instructions = disassemble(compiled)
         found = sass.main_loop(instructions) if made.kernel in tiles.KERNELS else None
         if found is not None:
             loop = sass.LoopMetrics.of(found, 32 * warps, made.get("BLOCK_M") * made.get("BLOCK_N"))

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from megatron_abft.dev import aot, sass
 from megatron_abft.ops import checked_gemm
@@ -90,7 +88,7 @@ def build(check: bool, dtype: str = "bfloat16", bias: bool = True) -> GemmBuild:
     compiled = _gemm(check, dtype, bias, 90)
     tile = checked_gemm.GPU_TILES[check]
     registers, stack, spills, warnings = aot.ptxas_report(compiled.asm["ptx"], 90)
-    loop = sass.main_loop(sass.disassemble(compiled.asm["cubin"], aot._tool("cuobjdump")))
+    loop = sass.main_loop(aot.disassemble(compiled))
     shared = compiled.metadata.shared
     return GemmBuild(
         check,
@@ -157,12 +155,7 @@ def a100_builds() -> list[tuple[bool, str, int, int]]:
 def _compiled(fn, args: tuple, options: dict, arch: int = 90):
     """``fn`` launched with ``args`` and ``options``, built for ``sm_<arch>`` as Triton's
     launcher specialises it."""
-    made = aot.specialize(fn, args, options, arch)
-    return triton.compile(
-        ASTSource(fn, dict(made.signature), dict(made.constants), dict(made.attrs)),
-        target=GPUTarget("cuda", arch, 32),
-        options=dict(made.options),
-    )
+    return aot.compile_made(aot.specialize(fn, args, options, arch), arch)
 
 
 def helper_builds() -> dict[str, tuple[int, int, tuple[str, ...]]]:
