@@ -51,6 +51,9 @@ class GemmBuild:
     in_flight: int = 0
     """Of ``loop_instructions``, those issued between the loop's first wgmma and its wait for
     them (WARPGROUP.DEPBAR): work that overlaps the tensor cores'."""
+    launch: str = "linear"
+    """What the launch computes: ``linear`` (checked_linear), or the attention's ``scores``
+    or ``context`` at head dim 64 or 128 (checked_matmul), e.g. ``scores hd64``."""
 
     @property
     def issue_cycles(self) -> float:
@@ -85,8 +88,47 @@ class GemmBuild:
 def build(check: bool, dtype: str = "bfloat16", bias: bool = True) -> GemmBuild:
     """The sm_90 build of one launch of checked_linear on GPU tensors of ``dtype``, laid out as
     Megatron's linear layers hold them (activations and weight row-major)."""
-    compiled = _gemm(check, dtype, bias, 90)
-    tile = checked_gemm.GPU_TILES[check]
+    return _summary(_gemm(check, dtype, bias, 90), check, dtype, bias, "linear")
+
+
+def attention_build(gemm: str, check: bool, dtype: str, head_dim: int) -> GemmBuild:
+    """The sm_90 build of checked_matmul's launch for the unfused attention's ``gemm``
+    (``scores``: softmax scale * Q K^T; ``context``: P V) on ``dtype`` at ``head_dim``, its
+    operands laid out as the protected attention passes them (Q, K and V as Megatron's
+    ``[s, b, heads, head_dim]``, the scores contiguous, the context written as ``[s, b, heads,
+    head_dim]``)."""
+    b, heads, s = ATTENTION
+    torch_dtype = getattr(torch, dtype)
+    tile = checked_gemm.tiles_for(torch.device("cuda"), check)
+
+    def seq_major(*shape) -> torch.Tensor:  # [s, b, heads, d] as [b, heads, s, d]
+        return torch.empty(*shape, dtype=torch_dtype).permute(1, 2, 0, 3)
+
+    if gemm == "scores":
+        x, w = seq_major(s, b, heads, head_dim), seq_major(s, b, heads, head_dim)
+        y, alpha = torch.empty(b, heads, s, s, dtype=torch_dtype), head_dim**-0.5
+    else:
+        x = torch.empty(b, heads, s, s, dtype=torch_dtype)
+        w, y, alpha = seq_major(s, b, heads, head_dim).mT, seq_major(s, b, heads, head_dim), 1.0
+    n, k = w.shape[2:]
+    sums = torch.empty(b, heads, triton.cdiv(n, tile.block_n), 2, k) if check else None
+    codes = torch.empty(b, heads, checked_gemm._programs(s, n, tile) if check else 0)
+    args, options = checked_gemm.arguments(
+        x, w, None, y, sums, codes.int(), None, tile, 1.0, 1e10, check, alpha
+    )
+    compiled = _compiled(checked_gemm._checked_gemm_kernel, args, options)
+    return _summary(compiled, check, dtype, False, f"{gemm} hd{head_dim}", tile)
+
+
+ATTENTION = (2, 4, 256)
+"""(batch, heads, sequence) of the attention's builds (only divisibility matters)."""
+
+
+def _summary(
+    compiled, check: bool, dtype: str, bias: bool, launch: str, tile: Tiles | None = None
+) -> GemmBuild:
+    """What ptxas and the main loop's SASS say of one ``compiled`` launch."""
+    tile = tile or checked_gemm.GPU_TILES[check]
     registers, stack, spills, warnings = aot.ptxas_report(compiled.asm["ptx"], 90)
     loop = sass.main_loop(aot.disassemble(compiled))
     shared = compiled.metadata.shared
@@ -104,6 +146,7 @@ def build(check: bool, dtype: str = "bfloat16", bias: bool = True) -> GemmBuild:
         len(loop.body) if loop else 0,
         tuple(sorted(loop.mma.items())) if loop else (),
         in_flight(loop.body) if loop else 0,
+        launch,
     )
 
 
@@ -133,8 +176,9 @@ def _gemm(check: bool, dtype: str, bias: bool, arch: int):
     )
     b = torch.empty(n, dtype=torch_dtype) if bias else None
     args, options = checked_gemm.arguments(
-        x, weight, b, y, sums, codes, None, tile, 1.0, 1e10, check
-    )
+        x[None, None], weight[None, None], b, y[None, None], sums, codes, None, tile, 1.0, 1e10,
+        check,
+    )  # fmt: skip
     return _compiled(checked_gemm._checked_gemm_kernel, args, options, arch)
 
 
@@ -170,7 +214,7 @@ def helper_builds() -> dict[str, tuple[int, int, tuple[str, ...]]]:
     launches = {
         "weight_sums": (
             checked_gemm._weight_sums_kernel,
-            (weight, torch.empty(blocks, 2, k), n, k, *weight.stride()),
+            (weight, torch.empty(blocks, 2, k), n, k, 1, 0, 0, *weight.stride()),
             {"BLOCK_N": tile.block_n, "BLOCK_K": checked_gemm.SUMS_BLOCK_K, "num_warps": 4},
         ),
         "findings": (
@@ -178,6 +222,7 @@ def helper_builds() -> dict[str, tuple[int, int, tuple[str, ...]]]:
             (
                 codes,
                 codes.numel(),
+                1,
                 blocks,
                 tile.block_m,
                 tile.block_n,
@@ -198,10 +243,23 @@ def helper_builds() -> dict[str, tuple[int, int, tuple[str, ...]]]:
 
 
 def builds() -> list[GemmBuild]:
-    """Every launch the gate holds: bf16 and fp16, checked and not, with a bias and without."""
+    """Every launch the gate holds: bf16 and fp16, checked and not, checked_linear's with a bias
+    and without."""
     return [
         build(check, dtype, bias)
         for dtype in ("bfloat16", "float16")
         for check in (True, False)
         for bias in (True, False)
+    ]
+
+
+def attention_builds() -> list[GemmBuild]:
+    """checked_matmul's launches for the unfused attention: the scores and the context at head
+    dims 64 and 128, bf16 and fp16, checked and not."""
+    return [
+        attention_build(gemm, check, dtype, head_dim)
+        for gemm in ("scores", "context")
+        for head_dim in (64, 128)
+        for dtype in ("bfloat16", "float16")
+        for check in (True, False)
     ]

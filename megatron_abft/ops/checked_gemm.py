@@ -64,6 +64,14 @@ GPU_DTYPES = (torch.bfloat16, torch.float16)
 DTYPES = (torch.float32, *GPU_DTYPES)
 
 
+def takes(t: Tensor) -> bool:
+    """Whether the kernel runs on ``t``'s device and dtype: bf16 and fp16 compiled on GPUs; fp32
+    too on the CPU, in Triton's interpreter."""
+    if t.device.type == "cuda":
+        return t.dtype in GPU_DTYPES
+    return t.device.type == "cpu" and t.dtype in DTYPES
+
+
 def tiles_for(device: torch.device, check: bool = True) -> Tiles:
     """The tile a launch on ``device`` takes (the checked and unchecked kernels' column blocks
     are the same, so one ``weight_sums`` serves both)."""
@@ -72,13 +80,13 @@ def tiles_for(device: torch.device, check: bool = True) -> Tiles:
 
 @triton.jit
 def _accumulate(
-    X, W, SUMS, INJ, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, fresh,
+    X, W, SUMS, INJ, z, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, fresh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     CHECK: tl.constexpr, INJECT: tl.constexpr,
 ):  # fmt: skip
     """The tile's ``X W^T`` in fp32 and, when checking, its rows' references ``X_i . c`` and
     masses ``|X_i| . a`` (``SUMS``: c then a, K values each). ``fresh``: the first pass, where a
-    transient injected fault lands."""
+    transient injected fault lands; ``z`` the matrix, where an injected fault names one."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + rm.to(tl.int64)[:, None] * sxm + offs_k[None, :] * sxk
     w_ptrs = W + rn.to(tl.int64)[None, :] * swn + offs_k[:, None] * swk
@@ -108,12 +116,12 @@ def _accumulate(
         x_ptrs += BLOCK_K * sxk
         w_ptrs += BLOCK_K * swk
         s_ptrs += BLOCK_K
-    if INJECT:  # INJ: row, column, value, persistent (fp32)
-        hit = (offs_m[:, None] == tl.load(INJ).to(tl.int32)) & (
-            offs_n[None, :] == tl.load(INJ + 1).to(tl.int32)
+    if INJECT:  # INJ: matrix, row, column, value, persistent (fp32)
+        hit = (offs_m[:, None] == tl.load(INJ + 1).to(tl.int32)) & (
+            offs_n[None, :] == tl.load(INJ + 2).to(tl.int32)
         )
-        landed = fresh | (tl.load(INJ + 3) != 0)
-        acc = tl.where(hit & landed, tl.load(INJ + 2), acc)
+        landed = (fresh | (tl.load(INJ + 4) != 0)) & (z == tl.load(INJ).to(tl.int32))
+        acc = tl.where(hit & landed, tl.load(INJ + 3), acc)
     return acc, tl.sum(ref, 1), tl.sum(mass, 1)
 
 
@@ -151,14 +159,19 @@ def _verify(acc, ref, mass, bias_sum, bias_mass, row_ok, col_ok, g, near_inf):
 
 @triton.jit
 def _checked_gemm_kernel(
-    X, W, BIAS, Y, SUMS, CODES, INJ, M, N, K, sxm, sxk, swn, swk, sym, syn, g, near_inf,
+    X, W, BIAS, Y, SUMS, CODES, INJ, M, N, K, HEADS, REP, sxb, sxh, sxm, sxk, swb, swh, swn, swk,
+    syb, syh, sym, syn, alpha, g, near_inf,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr,
+    SCALE: tl.constexpr, BATCHED: tl.constexpr,
 ):  # fmt: skip
-    """One ``BLOCK_M x BLOCK_N`` tile of ``Y [M, N] = X [M, K] W[N, K]^T (+ BIAS)``, checked
-    (CHECK) against ``SUMS`` [column blocks, 2, K] and computed again once if flagged; its code
-    into ``CODES`` [row blocks, column blocks]."""
+    """One ``BLOCK_M x BLOCK_N`` tile of matrix ``pid 1`` of ``Y [B, HEADS, M, N] = alpha X
+    [B, HEADS, M, K] W[B, HEADS / REP, N, K]^T (+ BIAS)``, checked (CHECK) against ``SUMS``
+    [B, HEADS / REP, column blocks, 2, K] before the scaling and computed again once if
+    flagged; its code into ``CODES`` [B, HEADS, row blocks, column blocks]. Head ``h`` reads
+    W's ``h // REP`` (grouped-query attention's shared keys and values)."""
     pid = tl.program_id(0)
+    z = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n
@@ -166,14 +179,22 @@ def _checked_gemm_kernel(
     size_m = tl.minimum(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
+    sums = SUMS + pid_n.to(tl.int64) * 2 * K
+    if BATCHED:  # one matrix needs no offsets (its loop then keeps the kernel parameters' bases)
+        batch = (z // HEADS).to(tl.int64)
+        head = (z % HEADS).to(tl.int64)
+        group = head // REP
+        X += batch * sxb + head * sxh
+        W += batch * swb + group * swh
+        Y += batch * syb + head * syh
+        sums += (batch * (HEADS // REP) + group) * grid_n * 2 * K
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = offs_m % M  # rows and columns past the end read again, and are not stored
     rn = offs_n % N
-    sums = SUMS + pid_n.to(tl.int64) * 2 * K
     acc, ref, mass = _accumulate(
-        X, W, sums, INJ, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, True, BLOCK_M, BLOCK_N,
-        BLOCK_K, EVEN_K, CHECK, INJECT,
+        X, W, sums, INJ, z, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, True, BLOCK_M,
+        BLOCK_N, BLOCK_K, EVEN_K, CHECK, INJECT,
     )  # fmt: skip
     col_ok = offs_n < N
     bias_sum = 0.0
@@ -190,15 +211,17 @@ def _checked_gemm_kernel(
         code = 0
         if kind > 0:  # once more: a transient fault is gone the second time
             acc, ref, mass = _accumulate(
-                X, W, sums, INJ, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, False, BLOCK_M,
-                BLOCK_N, BLOCK_K, EVEN_K, CHECK, INJECT,
+                X, W, sums, INJ, z, offs_m, offs_n, rm, rn, K, sxm, sxk, swn, swk, False,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, CHECK, INJECT,
             )  # fmt: skip
             if HAS_BIAS:
                 acc += bias[None, :]
             again = _verify(acc, ref, mass, bias_sum, bias_mass, row_ok, col_ok, g, near_inf)
             outcome = tl.where(tl.max(again, 0) > 0, 2, 1)
             code = (outcome << 2) | (kind - 1)
-        tl.store(CODES + pid_m * grid_n + pid_n, code)
+        tl.store(CODES + (z * grid_m + pid_m) * grid_n + pid_n, code)
+    if SCALE:
+        acc = acc * alpha
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * sym + offs_n[None, :] * syn
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(offs_m < M)[:, None] & col_ok[None, :])
 
@@ -207,17 +230,22 @@ def _checked_gemm_kernel(
 
 
 def weight_sums(weight: Tensor, block_n: int) -> Tensor:
-    """``[column blocks, 2, k]`` fp32 for ``weight [n, k]``: per block of ``block_n`` of its rows
-    (a tile's columns of Y), their sum and their absolute sum, summed in float64 (exact for 16-bit
-    weights). One launch; make it once a weight version (tiles_for(device).block_n) and pass it
-    to every call."""
-    n, k = weight.shape
-    sums = torch.empty(triton.cdiv(n, block_n), 2, k, dtype=torch.float32, device=weight.device)
-    grid = (sums.shape[0], triton.cdiv(k, SUMS_BLOCK_K))
-    _built(weight.device)._weight_sums_kernel[grid](
-        weight, sums, n, k, *weight.stride(), BLOCK_N=block_n, BLOCK_K=SUMS_BLOCK_K, num_warps=4
-    )
-    return sums
+    """For ``weight [n, k]``, ``[column blocks, 2, k]`` fp32; for a batch of them ``[B, G, n,
+    k]`` (checked_matmul's), ``[B, G, column blocks, 2, k]``: per block of ``block_n`` of a
+    matrix's rows (a tile's columns of Y), their sum and their absolute sum, summed in float64
+    (exact for 16-bit weights). One launch; make it once a weight version
+    (tiles_for(device).block_n) and pass it to every call."""
+    w = weight if weight.dim() == 4 else weight[None, None]
+    b, groups, n, k = w.shape
+    blocks = triton.cdiv(n, block_n)
+    sums = torch.empty(b, groups, blocks, 2, k, dtype=torch.float32, device=weight.device)
+    grid = (blocks, triton.cdiv(k, SUMS_BLOCK_K), b * groups)
+    if sums.numel():
+        _built(weight.device)._weight_sums_kernel[grid](
+            w, sums, n, k, groups, *w.stride(), BLOCK_N=block_n, BLOCK_K=SUMS_BLOCK_K,
+            num_warps=4,
+        )  # fmt: skip
+    return sums if weight.dim() == 4 else sums[0, 0]
 
 
 SUMS_BLOCK_K = 32
@@ -226,16 +254,20 @@ SUMS_BLOCK_K = 32
 
 @triton.jit
 def _weight_sums_kernel(
-    W, SUMS, N, K, swn, swk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    W, SUMS, N, K, GROUPS, swb, swg, swn, swk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """Rows ``[pid 0 * BLOCK_N, + BLOCK_N)`` of ``W [N, K]``, columns of block ``pid 1``: their
-    sum and absolute sum, in float64, into ``SUMS [blocks, 2, K]`` (fp32)."""
+    """Rows ``[pid 0 * BLOCK_N, + BLOCK_N)`` of matrix ``pid 2`` of ``W [B, GROUPS, N, K]``,
+    columns of block ``pid 1``: their sum and absolute sum, in float64, into ``SUMS [B, GROUPS,
+    blocks, 2, K]`` (fp32)."""
+    z = tl.program_id(2)
+    W += (z // GROUPS).to(tl.int64) * swb + (z % GROUPS).to(tl.int64) * swg
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = (rows < N)[:, None] & (cols < K)[None, :]
     w = tl.load(W + rows.to(tl.int64)[:, None] * swn + cols[None, :] * swk, mask=inside, other=0.0)
     w = w.to(tl.float64)
-    out = SUMS + tl.program_id(0).to(tl.int64) * 2 * K + cols
+    block = z.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+    out = SUMS + block * 2 * K + cols
     tl.store(out, tl.sum(w, 0).to(tl.float32), mask=cols < K)
     tl.store(out + K, tl.sum(tl.abs(w), 0).to(tl.float32), mask=cols < K)
 
@@ -265,58 +297,129 @@ def checked_linear(
     column, value, persistent), a value written into the accumulator before the check, for
     tests. CUDA tensors run compiled (bf16 or fp16); CPU tensors run in Triton's interpreter
     (fp32, bf16 computed in fp32, fp16), slowly."""
-    _validate(x, weight, bias)
-    k = x.shape[-1]
-    n = weight.shape[0]
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"checked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
+            "multiply as x @ weight.T"
+        )
+    _validate("checked_linear", x, weight, bias)
+    k, n = x.shape[-1], weight.shape[0]
     flat = x.reshape(-1, k)
-    m = flat.shape[0]
+    y, codes = _launch(
+        flat[None, None], weight[None, None], bias, None, sums, 1.0, check, threshold_scale,
+        near_inf, None if fault is None else (0, *fault),
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], n), codes.view(-1)
+
+
+def checked_matmul(
+    x: Tensor,
+    w: Tensor,
+    *,
+    alpha: float = 1.0,
+    out: Tensor | None = None,
+    sums: Tensor | None = None,
+    check: bool = True,
+    threshold_scale: float = 1.0,
+    near_inf: float = 1e10,
+    fault: tuple[int, int, int, float, bool] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``alpha * x @ w^T`` matrix by matrix, for ``x [B, H, m, k]`` and ``w [B, G, n, k]``, any
+    strides, head ``h`` reading ``w``'s ``h // (H / G)`` (grouped-query attention's shared keys
+    and values): the attention's scores ``Q K^T`` and, with ``w`` = V^T, its context ``P V``.
+    Each tile is checked before the scaling, as checked_linear's. Returns the output ``[B, H,
+    m, n]`` (written into ``out`` where given) and the codes ``[B, H, tiles]``. ``sums``:
+    ``weight_sums(w, tiles_for(x.device).block_n)``. ``fault``: (matrix of ``B * H``, row,
+    column, value, persistent), for tests."""
+    if x.dim() != 4 or w.dim() != 4 or x.shape[0] != w.shape[0] or x.shape[3] != w.shape[3]:
+        raise ValueError(
+            f"checked_matmul: x {tuple(x.shape)} [B, H, m, k] and w {tuple(w.shape)} "
+            "[B, G, n, k] do not multiply as x @ w^T"
+        )
+    if w.shape[1] == 0 or x.shape[1] % w.shape[1]:
+        raise ValueError(
+            f"checked_matmul: x's {x.shape[1]} heads are not a multiple of w's {w.shape[1]} groups"
+        )
+    _validate("checked_matmul", x, w, None)
+    shape = (*x.shape[:3], w.shape[2])
+    if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype):
+        raise ValueError(
+            f"checked_matmul: out {tuple(out.shape)} {out.dtype}, expected {shape} {x.dtype}"
+        )
+    return _launch(x, w, None, out, sums, alpha, check, threshold_scale, near_inf, fault)
+
+
+def _launch(
+    x: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    out: Tensor | None,
+    sums: Tensor | None,
+    alpha: float,
+    check: bool,
+    threshold_scale: float,
+    near_inf: float,
+    fault: tuple | None,
+) -> tuple[Tensor, Tensor]:
+    """One launch over the matrices of ``x [B, H, m, k]`` and ``w [B, G, n, k]``: the output
+    (``out`` where given) and the codes ``[B, H, tiles]``."""
+    (b, heads, m, k), (groups, n) = x.shape, w.shape[1:3]
     tile = tiles_for(x.device, check)
     out_dtype = x.dtype
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
         # the interpreter's tl.dot multiplies bf16 bit patterns; fp32 holds bf16's products exactly
-        flat, weight = flat.float(), weight.float()
+        x, w = x.float(), w.float()
         bias = bias.float() if bias is not None else None
-    y = torch.empty(m, n, dtype=flat.dtype, device=x.device)
-    codes = torch.empty(_programs(m, n, tile) if check else 0, dtype=torch.int32, device=x.device)
+    y = out if out is not None and out.dtype == x.dtype else x.new_empty(b, heads, m, n)
+    programs = _programs(m, n, tile)
+    codes = torch.empty(b, heads, programs if check else 0, dtype=torch.int32, device=x.device)
     if check:
         if sums is None:
-            sums = weight_sums(weight, tile.block_n)
-        expected = (triton.cdiv(n, tile.block_n), 2, k)
+            sums = weight_sums(w, tile.block_n)
+        sums = sums.view(1, 1, *sums.shape) if sums.dim() == 3 and w.shape[:2] == (1, 1) else sums
+        expected = (b, groups, triton.cdiv(n, tile.block_n), 2, k)
         if tuple(sums.shape) != expected or sums.dtype != torch.float32:
             raise ValueError(
-                f"checked_linear: sums {tuple(sums.shape)} {sums.dtype}, expected {expected} "
-                f"float32 (weight_sums(weight, {tile.block_n}))"
+                f"checked GEMM: sums {tuple(sums.shape)} {sums.dtype}, expected {expected} "
+                f"float32 (weight_sums(w, {tile.block_n}))"
             )
     inject = None
     if fault is not None:
-        row, col, value, persistent = fault
+        matrix, row, col, value, persistent = fault
         inject = torch.tensor(
-            [row, col, value, float(persistent)], dtype=torch.float32, device=x.device
+            [matrix, row, col, value, float(persistent)], dtype=torch.float32, device=x.device
         )
-    if m:
+    if m and n and b * heads:
         args, options = arguments(
-            flat, weight, bias, y, sums, codes, inject, tile, threshold_scale, near_inf, check
+            x, w, bias, y, sums, codes, inject, tile, threshold_scale, near_inf, check, alpha
         )
         kernel = _built(x.device)._checked_gemm_kernel
-        kernel[(codes.numel() if check else _programs(m, n, tile),)](*args, **options)
-    return y.to(out_dtype).view(*x.shape[:-1], n), codes
+        kernel[(programs, b * heads)](*args, **options)
+    if y.dtype != out_dtype:
+        y = out.copy_(y) if out is not None else y.to(out_dtype)
+    return y, codes
 
 
 def findings(codes: Tensor, n: int, tile: Tiles) -> EECResult:
-    """One checked output's result from its tiles' ``codes`` (checked_linear), as
-    megatron_abft.check.ledger.Ledger.tally takes it: the worst tile's outcome and kind (an
+    """The result of a checked output from its tiles' ``codes`` (``[tiles]`` of checked_linear,
+    ``[*batch, tiles]`` of checked_matmul), as megatron_abft.check.ledger.Ledger.tally takes
+    it, one entry a matrix (shape ``batch``, or ``[1]``): the worst tile's outcome and kind (an
     uncorrectable tile before a corrected one; the first of equals), its first row and column
-    (-1 where all are clean), no magnitude (the kernel keeps none: NaN). One launch, no host
-    read."""
-    flags = torch.empty(2, dtype=torch.int8, device=codes.device)
-    position = torch.empty(2, dtype=torch.int64, device=codes.device)
-    magnitude = torch.empty(1, dtype=torch.float64, device=codes.device)
-    kernel = _built(codes.device)._findings_kernel
-    kernel[(1,)](
-        codes, codes.numel(), triton.cdiv(n, tile.block_n), tile.block_m, tile.block_n, flags,
-        position, magnitude, BLOCK=FINDINGS_BLOCK, num_warps=4,
-    )  # fmt: skip
-    return EECResult(flags[:1], flags[1:], position[:1], position[1:], magnitude)
+    in its matrix (-1 where all are clean), no magnitude (the kernel keeps none: NaN). One
+    launch, no host read."""
+    batch = tuple(codes.shape[:-1]) or (1,)
+    matrices = codes.reshape(-1, codes.shape[-1])
+    flags = torch.empty(2, *batch, dtype=torch.int8, device=codes.device)
+    position = torch.empty(2, *batch, dtype=torch.int64, device=codes.device)
+    magnitude = torch.empty(batch, dtype=torch.float64, device=codes.device)
+    if matrices.shape[0]:
+        kernel = _built(codes.device)._findings_kernel
+        kernel[(matrices.shape[0],)](
+            matrices, matrices.shape[1], matrices.shape[0], triton.cdiv(n, tile.block_n),
+            tile.block_m, tile.block_n, flags, position, magnitude, BLOCK=FINDINGS_BLOCK,
+            num_warps=4,
+        )  # fmt: skip
+    return EECResult(flags[0], flags[1], position[0], position[1], magnitude)
 
 
 FINDINGS_BLOCK = 1024
@@ -325,25 +428,29 @@ FINDINGS_BLOCK = 1024
 
 @triton.jit
 def _findings_kernel(
-    CODES, TILES, GRID_N, TILE_M, TILE_N, FLAGS, POSITION, MAGNITUDE, BLOCK: tl.constexpr
-):
-    """The worst of ``TILES`` codes into FLAGS (outcome, kind) and POSITION (the tile's first
-    row and column, -1 where all are clean), a NaN into MAGNITUDE."""
+    CODES, TILES, MATRICES, GRID_N, TILE_M, TILE_N, FLAGS, POSITION, MAGNITUDE,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The worst of matrix ``pid``'s ``TILES`` codes (``CODES [MATRICES, TILES]``) into FLAGS
+    (outcome, kind; ``[2, MATRICES]``) and POSITION (the tile's first row and column, -1 where
+    all are clean), a NaN into MAGNITUDE."""
+    z = tl.program_id(0)
+    row = CODES + z.to(tl.int64) * TILES
     worst = 0
     at = 0
     for start in range(0, TILES, BLOCK):
         index = start + tl.arange(0, BLOCK)
-        code = tl.load(CODES + index, mask=index < TILES, other=0)
+        code = tl.load(row + index, mask=index < TILES, other=0)
         top = tl.max(code, 0)
         if top > worst:
             worst = top
             at = start + tl.argmax(code, 0)
-    tl.store(FLAGS, (worst >> 2).to(tl.int8))
-    tl.store(FLAGS + 1, (worst & 3).to(tl.int8))
+    tl.store(FLAGS + z, (worst >> 2).to(tl.int8))
+    tl.store(FLAGS + MATRICES + z, (worst & 3).to(tl.int8))
     flagged = worst > 0
-    tl.store(POSITION, tl.where(flagged, at // GRID_N * TILE_M, -1).to(tl.int64))
-    tl.store(POSITION + 1, tl.where(flagged, at % GRID_N * TILE_N, -1).to(tl.int64))
-    tl.store(MAGNITUDE, float("nan"))
+    tl.store(POSITION + z, tl.where(flagged, at // GRID_N * TILE_M, -1).to(tl.int64))
+    tl.store(POSITION + MATRICES + z, tl.where(flagged, at % GRID_N * TILE_N, -1).to(tl.int64))
+    tl.store(MAGNITUDE + z, float("nan"))
 
 
 def _built(device: torch.device):
@@ -358,8 +465,8 @@ def _programs(m: int, n: int, tile: Tiles) -> int:
 
 
 def arguments(
-    flat: Tensor,
-    weight: Tensor,
+    x: Tensor,
+    w: Tensor,
     bias: Tensor | None,
     y: Tensor,
     sums: Tensor | None,
@@ -369,16 +476,18 @@ def arguments(
     threshold_scale: float,
     near_inf: float,
     check: bool,
+    alpha: float = 1.0,
 ) -> tuple[tuple, dict]:
-    """The kernel's arguments and constexprs for ``y = flat @ weight.T (+ bias)``, as
-    checked_linear launches it (and the static gate builds it)."""
-    (m, k), n = flat.shape, weight.shape[0]
+    """The kernel's arguments and constexprs for ``y = alpha x @ w^T (+ bias)`` (``x [B, H, m,
+    k]``, ``w [B, G, n, k]``, ``y [B, H, m, n]``), as checked_linear and checked_matmul launch
+    it (and the static gate builds it)."""
+    (_, heads, m, k), (groups, n) = x.shape, w.shape[1:3]
     placeholder = codes if codes.numel() else y
     args = (
-        flat, weight, bias if bias is not None else placeholder, y,
+        x, w, bias if bias is not None else placeholder, y,
         sums if check else placeholder, codes if check else placeholder,
         inject if inject is not None else placeholder,
-        m, n, k, *flat.stride(), *weight.stride(), *y.stride(),
+        m, n, k, heads, heads // groups, *x.stride(), *w.stride(), *y.stride(), alpha,
         rounding_factor(k, tile.block_n, threshold_scale), near_inf,
     )  # fmt: skip
     options = {
@@ -390,32 +499,29 @@ def arguments(
         "HAS_BIAS": bias is not None,
         "CHECK": check,
         "INJECT": inject is not None,
+        "SCALE": alpha != 1.0,
+        "BATCHED": x.shape[0] * heads > 1,
         "num_warps": tile.num_warps,
         "num_stages": tile.num_stages,
     }
     return args, options
 
 
-def _validate(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
-    """Raise, naming the bad value, for inputs the kernel does not take."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"checked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
-            "multiply as x @ weight.T"
-        )
+def _validate(where: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """Raise, naming the bad value, for dtypes, devices and biases the kernel does not take."""
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(
-            f"checked_linear: x and weight must share one dtype of float32, bfloat16, float16; "
+            f"{where}: x and weight must share one dtype of float32, bfloat16, float16; "
             f"got {x.dtype}, {weight.dtype}"
         )
     if x.device != weight.device or x.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"checked_linear: x on {x.device}, weight on {weight.device}")
+        raise ValueError(f"{where}: x on {x.device}, weight on {weight.device}")
     if x.device.type == "cuda" and x.dtype not in GPU_DTYPES:
-        raise ValueError(f"checked_linear: on a GPU the kernel takes bf16 or fp16, not {x.dtype}")
+        raise ValueError(f"{where}: on a GPU the kernel takes bf16 or fp16, not {x.dtype}")
     if bias is not None and (
         bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
     ):
         raise ValueError(
-            f"checked_linear: bias {tuple(bias.shape)} {bias.dtype} on {bias.device}, expected "
+            f"{where}: bias {tuple(bias.shape)} {bias.dtype} on {bias.device}, expected "
             f"({weight.shape[0]},) {x.dtype} on {x.device}"
         )
