@@ -1,8 +1,9 @@
-"""The protected projections with ``ABFTConfig.checked_gemm``: the checked GEMM (Triton's
+"""The protected layers with ``ABFTConfig.checked_gemm``: the checked GEMM (Triton's
 interpreter on these CPU ranks) computes every due QKV and output projection inside Megatron's
-own autograd function, so that losses and gradients equal Megatron's GEMM's to the GEMM's
-rounding, clean tiles tally nothing, and what the kernel reports reaches the guard's ledger and
-the policy; a projection with a fault to land takes Megatron's GEMM and the usual check.
+own autograd function, and the unfused attention's scores and context, so that losses and
+gradients equal Megatron's GEMMs' to their rounding, clean tiles tally nothing, and what the
+kernel reports reaches the guard's ledger, the policy and the events (which name the sample and
+head); a section with a fault to land takes Megatron's GEMM and the usual check.
 
 Spawns gloo ranks on CPU (tests/mcore.py); each test says how many."""
 
@@ -13,23 +14,31 @@ from mcore import Shape, build_gpt, loss_and_grads, spawn
 from megatron_abft.config import ABFTConfig
 
 CASES = {
-    1: [Shape(), Shape(groups=2, dtype=torch.bfloat16), Shape(recompute="full")],
+    1: [
+        Shape(),
+        Shape(groups=2, dtype=torch.bfloat16),
+        Shape(recompute="full"),
+        Shape(padding=True, dropout=0.1),
+    ],
     2: [Shape(groups=2), Shape(sequence_parallel=True)],
 }
 
 
-def _spy(calls: list):
-    """Count the checked GEMM's calls (and keep their worst code) on this rank."""
+def _spy(calls: dict):
+    """Count the checked GEMM's calls (and keep their worst code) on this rank, the projections'
+    (``linear``) and the attention's (``matmul``) apart."""
     from megatron_abft.ops import checked_gemm
 
-    real = checked_gemm.checked_linear
+    for name in ("linear", "matmul"):
+        real = getattr(checked_gemm, f"checked_{name}")
+        calls[name] = []
 
-    def counted(*args, **kwargs):
-        y, codes = real(*args, **kwargs)
-        calls.append(int(codes.max()))
-        return y, codes
+        def counted(*args, real=real, name=name, **kwargs):
+            y, codes = real(*args, **kwargs)
+            calls[name].append(int(codes.max()) if codes.numel() else None)
+            return y, codes
 
-    checked_gemm.checked_linear = counted
+        setattr(checked_gemm, f"checked_{name}", counted)
 
 
 def _equality_worker(shapes):
@@ -38,7 +47,7 @@ def _equality_worker(shapes):
     from megatron_abft import stats
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
-    calls: list = []
+    calls: dict = {}
     _spy(calls)
     results = []
     for shape in shapes:
@@ -54,8 +63,9 @@ def _equality_worker(shapes):
             torch.manual_seed(7)
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
             runs[name] = [loss_and_grads(model, shape, step) for step in range(2)]
-        runs["calls"], runs["stats"] = list(calls), stats(model)
-        calls.clear()
+        runs["calls"], runs["stats"] = {k: list(v) for k, v in calls.items()}, stats(model)
+        for made in calls.values():
+            made.clear()
         results.append(runs)
     return results
 
@@ -69,10 +79,11 @@ def test_the_checked_gemm_computes_the_projections_as_megatron_does(tp):
             raise AssertionError(f"rank {rank} failed") from result
     for result in ranks:
         for shape, runs in zip(CASES[tp], result, strict=True):
-            # two projections a layer, two steps (each forward twice under full recompute),
-            # every tile clean
+            # two projections and two attention GEMMs a layer, two steps (each forward twice
+            # under full recompute), every tile clean
             passes = 2 if shape.recompute == "full" else 1
-            assert runs["calls"] == [0] * (2 * shape.layers * 2 * passes), shape
+            for kind in ("linear", "matmul"):
+                assert runs["calls"][kind] == [0] * (2 * shape.layers * 2 * passes), shape
             counts = runs["stats"]
             assert all(n == 0 for s in counts.values() for o in s.values() for n in o.values())
             half = shape.dtype != torch.float32
@@ -86,7 +97,7 @@ def test_the_checked_gemm_computes_the_projections_as_megatron_does(tp):
 
 
 def _ledger_worker():
-    from megatron_abft import inject, stats
+    from megatron_abft import collect_events, inject, stats
     from megatron_abft.faults import Fault
     from megatron_abft.ops import checked_gemm
     from megatron_abft.runtime.guard import iter_guards
@@ -96,30 +107,37 @@ def _ledger_worker():
     config = ABFTConfig(fused_softmax=False, checked_gemm=True, on_uncorrectable="log")
     model = build_gpt(shape, get_gpt_layer_abft_spec(config))
     out = {}
-    real = checked_gemm.checked_linear
-    for persistent in (False, True):  # a fault inside the kernel of layer 1's qkv projection
-        armed = [True]
+    # a NaN inside the kernel of layer 1's qkv projection (its first call) and of layer 1's
+    # scores (the attention's first call; matrix 3: sample 0, head 3)
+    targets = {"linear": (5, 7), "matmul": (3, 5, 7)}
+    for name, where in targets.items():
+        real = getattr(checked_gemm, f"checked_{name}")
+        for persistent in (False, True):
+            armed = [True]
 
-        def faulty(*args, persistent=persistent, armed=armed, **kwargs):
-            if armed.pop() if armed else False:
-                kwargs["fault"] = (5, 7, float("nan"), persistent)
-            return real(*args, **kwargs)
+            def faulty(*args, real=real, where=where, persistent=persistent, armed=armed, **kw):
+                if armed.pop() if armed else False:
+                    kw["fault"] = (*where, float("nan"), persistent)
+                return real(*args, **kw)
 
-        checked_gemm.checked_linear = faulty
-        loss_and_grads(model, shape)
-        pending = [
-            (g.layer, g.section) for g in iter_guards(model) if g.pending is not None and g.pending
-        ]
-        out[persistent] = (stats(model), pending)
-        for guard in iter_guards(model):
-            guard.pending = None
-            guard.reset()
-    checked_gemm.checked_linear = real
-    calls: list = []
+            setattr(checked_gemm, f"checked_{name}", faulty)
+            loss_and_grads(model, shape)
+            pending = [
+                (g.layer, g.section)
+                for g in iter_guards(model)
+                if g.pending is not None and g.pending
+            ]
+            out[name, persistent] = (stats(model), pending, collect_events(model))
+            for guard in iter_guards(model):
+                guard.pending = None
+                guard.reset()
+        setattr(checked_gemm, f"checked_{name}", real)
+    calls: dict = {}
     _spy(calls)
-    with inject(model, [Fault("qkv", "inf", "0d", layer=2, seed=1)]) as landed:
+    faults = [Fault("qkv", "inf", "0d", layer=2, seed=1), Fault("scores", "inf", "0d", layer=1)]
+    with inject(model, faults) as landed:
         loss_and_grads(model, shape)
-    out["injected"] = (len(landed), stats(model), len(calls))
+    out["injected"] = (len(landed), stats(model), calls)
     return out
 
 
@@ -128,16 +146,25 @@ def test_what_the_kernel_finds_reaches_the_ledger_and_a_fault_to_land_takes_mega
     (result,) = spawn(1, 1, _ledger_worker)
     if isinstance(result, Exception):
         raise AssertionError("the rank failed") from result
-    corrected, pending = result[False]
-    assert corrected["qkv"]["corrected"]["nan"] == 1
-    assert sum(corrected["qkv"]["uncorrectable"].values()) == 0 and pending == []
-    # a persistent NaN is uncorrectable where it begins, and later checks see it in their inputs
-    uncorrectable, pending = result[True]
-    assert uncorrectable["qkv"]["uncorrectable"]["nan"] >= 1 and (1, "qkv") in pending
+    for name, section in (("linear", "qkv"), ("matmul", "scores")):
+        corrected, pending, events = result[name, False]
+        assert corrected[section]["corrected"]["nan"] == 1
+        assert sum(corrected[section]["uncorrectable"].values()) == 0 and pending == []
+        (event,) = [e for e in events if e["section"] == section]
+        assert (event["layer"], event["kind"], event["action"]) == (1, "nan", "corrected")
+        if section == "scores":  # the matrix named as sample and head, the tile by its origin
+            assert (event["sample"], event["head"], event["row"], event["col"]) == (0, 3, 0, 0)
+        # a persistent NaN is uncorrectable where it begins, and later checks see it in their
+        # inputs
+        uncorrectable, pending, _ = result[name, True]
+        assert uncorrectable[section]["uncorrectable"]["nan"] >= 1 and (1, section) in pending
     landed, injected, calls = result["injected"]
-    # layer 2's qkv took Megatron's GEMM and the usual check, which corrected the INF; the
-    # other three projections took the checked GEMM
-    assert landed == 1 and injected["qkv"]["corrected"]["inf"] == 1 and calls == 3
+    # layer 2's qkv and layer 1's attention took Megatron's GEMMs and the usual checks, which
+    # corrected the INFs; the other three projections and layer 2's attention took the checked
+    # GEMM
+    assert landed == 2
+    assert injected["qkv"]["corrected"]["inf"] == injected["scores"]["corrected"]["inf"] == 1
+    assert (len(calls["linear"]), len(calls["matmul"])) == (3, 2)
 
 
 def test_where_the_checked_gemm_serves_and_a_dtype_it_does_not_take_is_said_once(caplog):

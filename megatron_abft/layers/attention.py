@@ -13,6 +13,8 @@ Softmax and dropout are elementwise and outside the GEMM checksums: a fault in P
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -24,10 +26,13 @@ from torch import Tensor
 
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
-from megatron_abft.ops import fused_softmax
+from megatron_abft.layers import checked_attention
+from megatron_abft.ops import checked_gemm, fused_softmax
 from megatron_abft.runtime import guard
 from megatron_abft.runtime.guard import SectionGuard
 from megatron_abft.runtime.model_runtime import runtime_of
+
+_log = logging.getLogger(__name__)
 
 
 def reject_unsupported(config: TransformerConfig, where: str, flash: bool = False) -> None:
@@ -72,6 +77,8 @@ def reject_unsupported(config: TransformerConfig, where: str, flash: bool = Fals
 class ProtectedDotProductAttention(DotProductAttention):
     """Drop-in for DotProductAttention (same constructor and forward contract) that verifies and
     corrects its two GEMMs. ``abft_config`` comes through the layer spec's params."""
+
+    _told_dtype = False  # the checked GEMM does not take this dtype here: said once
 
     def __init__(
         self,
@@ -134,14 +141,60 @@ class ProtectedDotProductAttention(DotProductAttention):
         ``protected_forward``, or, with nothing to check or land, Megatron's own forward (which
         computes the same)."""
         due = self.scores_guard.due or self.context_guard.due
-        forward = (
-            self.protected_forward
-            if due or self.scores_guard.faults or self.context_guard.faults
-            else super().forward
-        )
+        faults = self.scores_guard.faults or self.context_guard.faults
+        if due and not faults and self._checked_gemm_serves(query, key, value):
+            forward = self.checked_gemm_forward
+        elif due or faults:
+            forward = self.protected_forward
+        else:
+            forward = super().forward
         return forward(
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
         )
+
+    def _checked_gemm_serves(self, query: Tensor, key: Tensor, value: Tensor) -> bool:
+        """Whether the checked GEMM computes the two GEMMs (ABFTConfig.checked_gemm): operands of
+        one dtype it takes on their device, and no torch.compile trace (it would trace the
+        launches)."""
+        if not self.abft_config.checked_gemm or torch.compiler.is_compiling():
+            return False
+        if not query.dtype == key.dtype == value.dtype:
+            return False
+        if checked_gemm.takes(query):
+            return True
+        if query.device.type == "cuda" and not self._told_dtype:
+            self._told_dtype = True
+            _log.warning(
+                "[abft] checked_gemm: the checked GEMM takes bf16 and fp16 on GPUs; the "
+                "attention's %s GEMMs are Megatron's, checked after them",
+                query.dtype,
+            )
+        return False
+
+    def checked_gemm_forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        """Megatron's forward with its scores and context GEMMs by the checked GEMM, each checked
+        where its section is due (megatron_abft.layers.checked_attention): keys and values are
+        read per KV group, not repeated, and the context is written in its output's layout."""
+        _refuse(packed_seq_params, attention_bias)
+        scores = checked_attention.scores(
+            query, key, self.softmax_scale, self.scores_guard, self.abft_config
+        )
+        probs = self.scale_mask_softmax(scores, attention_mask, self.softmax_offset)
+        if not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                probs = self.attention_dropout(probs)
+        else:
+            probs = self.attention_dropout(probs)
+        return checked_attention.context(probs, value, self.context_guard, self.abft_config)
 
     def protected_forward(
         self,
@@ -154,13 +207,7 @@ class ProtectedDotProductAttention(DotProductAttention):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
         """The forward with the due sections checked and the armed faults landed."""
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                "ProtectedDotProductAttention does not support packed sequences (THD); pass "
-                "padded batches with an attention mask"
-            )
-        if attention_bias is not None:
-            raise NotImplementedError("attention_bias is not supported by DotProductAttention")
+        _refuse(packed_seq_params, attention_bias)
 
         sq, b, heads, hn = query.shape
         sk, groups = key.size(0), key.size(2)
@@ -233,3 +280,14 @@ class ProtectedDotProductAttention(DotProductAttention):
         return fused_softmax.SoftmaxReader.of(
             self.scale_mask_softmax, scores, mask, self.softmax_offset, values, self.abft_config
         )
+
+
+def _refuse(packed_seq_params: PackedSeqParams | None, attention_bias: Tensor | None) -> None:
+    """Raise for the forward arguments DotProductAttention does not take."""
+    if packed_seq_params is not None:
+        raise NotImplementedError(
+            "ProtectedDotProductAttention does not support packed sequences (THD); pass "
+            "padded batches with an attention mask"
+        )
+    if attention_bias is not None:
+        raise NotImplementedError("attention_bias is not supported by DotProductAttention")

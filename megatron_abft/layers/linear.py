@@ -157,17 +157,17 @@ class _CheckedLocalGemm:
             return False
         if input.dtype != weight.dtype or input.device != weight.device:
             return False
-        if input.device.type == "cuda" and input.dtype not in checked_gemm.GPU_DTYPES:
-            if not self._told_dtype:
-                self._told_dtype = True
-                _log.warning(
-                    "[abft] checked_gemm: the checked GEMM takes bf16 and fp16 on GPUs; the %s "
-                    "projection's %s GEMM is Megatron's, checked after it",
-                    self.abft_guard.section,
-                    input.dtype,
-                )
-            return False
-        return input.device.type in ("cuda", "cpu") and input.dtype in checked_gemm.DTYPES
+        if checked_gemm.takes(input):
+            return True
+        if input.device.type == "cuda" and not self._told_dtype:
+            self._told_dtype = True
+            _log.warning(
+                "[abft] checked_gemm: the checked GEMM takes bf16 and fp16 on GPUs; the %s "
+                "projection's %s GEMM is Megatron's, checked after it",
+                self.abft_guard.section,
+                input.dtype,
+            )
+        return False
 
     def _checked_gemm(self, input, weight, kwargs: dict) -> torch.Tensor:
         """The rank-local GEMM by the checked GEMM, its tiles' outcome tallied into the guard's
@@ -188,9 +188,7 @@ class _CheckedLocalGemm:
             config.near_inf,
         )
         tile = checked_gemm.tiles_for(output.device)
-        found = checked_gemm.findings(codes, output.shape[-1], tile)
-        failed = guard.ledger_on(output.device).tally(found)
-        guard.pending = failed if guard.pending is None else guard.pending | failed
+        guard.tally(checked_gemm.findings(codes, output.shape[-1], tile))
         return output
 
     def _sums_of(self, weight) -> torch.Tensor:
