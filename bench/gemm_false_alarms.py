@@ -27,6 +27,7 @@ import json
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -127,12 +128,12 @@ def sweep(args, device: torch.device) -> list[dict]:
                     )
                     detected += sum(report(result)["detected"].values())
                     checked += c.shape[0] if c.dim() == 3 else 1
-                    if args.checked_gemm and section in ("qkv", "proj"):
-                        gemm = checked_gemm_alarms(a, b, bias)
+                    if args.checked_gemm:
+                        gemm = checked_gemm_alarms(a, b, alpha, bias)
                         fused_alarms += gemm[0]
                         fused_clean = max(fused_clean, gemm[1])
                 extra = {}
-                if args.checked_gemm and section in ("qkv", "proj"):
+                if args.checked_gemm:
                     extra = {
                         "checked_gemm_tiles_flagged": fused_alarms,
                         "checked_gemm_clean_scale": fused_clean,
@@ -166,14 +167,21 @@ def sweep(args, device: torch.device) -> list[dict]:
     return rows
 
 
-def checked_gemm_alarms(a, b, bias) -> tuple[int, float]:
-    """The checked GEMM on ``a @ b + bias``: tiles flagged at its bound, and the smallest of
-    SCALES (from 1 down) at which none is (inf where one is at the bound)."""
-    weight = b.t().contiguous()
-    sums = checked_gemm.weight_sums(weight, checked_gemm.tiles_for(a.device).block_n)
+def checked_gemm_alarms(a, b, alpha, bias) -> tuple[int, float]:
+    """The checked GEMM on ``alpha a @ b + bias`` (a projection's, or the attention's batch of
+    heads): tiles flagged at its bound, and the smallest of SCALES (from 1 down) at which none
+    is (inf where one is at the bound)."""
+    block_n = checked_gemm.tiles_for(a.device).block_n
+    if a.dim() == 3:  # [heads, m, k] @ [heads, k, n]: one sample of checked_matmul's batch
+        x, w = a[None], b.mT[None]
+        gemm = partial(checked_gemm.checked_matmul, x, w, alpha=alpha)
+    else:
+        x, w = a, b.t().contiguous()
+        gemm = partial(checked_gemm.checked_linear, x, w, bias)
+    sums = checked_gemm.weight_sums(w, block_n)
     at_bound, clean = 0, float("inf")
     for scale in SCALES:
-        _, codes = checked_gemm.checked_linear(a, weight, bias, sums=sums, threshold_scale=scale)
+        _, codes = gemm(sums=sums, threshold_scale=scale)
         flagged = int(codes.count_nonzero())
         if scale == 1.0:
             at_bound = flagged
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--checked-gemm",
         action="store_true",
-        help="also the projections through the checked GEMM (bf16 and fp16; on a GPU)",
+        help="also each GEMM through the checked GEMM (bf16 and fp16; on a GPU)",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -3,12 +3,12 @@
     python -m tools.gpu_summary RAW_DIR --out docs/figures/gpu/summary.json
 
 RAW_DIR holds ``environment.json`` (the device), ``bench_attention.json``
-(tools.bench_attention), ``bench_gpt3_350m_mb8_{flash,unfused,flash_checked_gemm}.json``
-(tools.bench_overhead at micro-batch 8, the last with the projections by the checked GEMM; the
-micro-batch-1 runs beside them are kept as raw files) and ``bench_kernels.json``
-(tools.bench_kernels: the projections' checks against their GEMMs, and the checked GEMM's time
-over theirs, the checksum kernels' read rates as fractions of a copy's). A figure whose run did
-not finish is null.
+(tools.bench_attention), ``bench_gpt3_350m_mb8_{flash,unfused}[_checked_gemm].json``
+(tools.bench_overhead at micro-batch 8, the ``_checked_gemm`` runs with
+ABFTConfig.checked_gemm; the micro-batch-1 runs beside them are kept as raw files) and
+``bench_kernels.json`` (tools.bench_kernels: the projections' checks against their GEMMs, and
+the checked GEMM's time over theirs and over the attention's GEMMs, the checksum kernels' read
+rates as fractions of a copy's). A figure whose run did not finish is null.
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ def step(raw: dict | None) -> dict:
 def kernels(raw: dict | None) -> dict:
     """The projections' clean checks as fractions of their GEMMs' time (and the shape; ``floor``,
     a read of each output as the same fraction, and ``checked_gemm``, what the checked GEMM
-    takes over the GEMM, where the run measured them), and each checksum kernel's read rate as a
-    fraction of a copy's."""
+    takes over the GEMM, where the run measured them), the checked GEMM's time over Megatron's
+    for the attention's scores and context (``attention_gemms``), and each checksum kernel's
+    read rate as a fraction of a copy's."""
     if raw is None:
-        return {"projections": None, "checksum_kernels_of_copy": None}
-    projected = raw["projections"]
+        return {"projections": None, "attention_gemms": None, "checksum_kernels_of_copy": None}
+    projected, attention_gemms = raw["projections"], raw.get("attention_gemms")
     return {
         "projections": {
             "tokens": projected["tokens"],
@@ -66,6 +67,8 @@ def kernels(raw: dict | None) -> dict:
             "floor": {s: projected[s].get("floor_fraction") for s in ("qkv", "proj")},
             "checked_gemm": {s: projected[s].get("checked_gemm_fraction") for s in ("qkv", "proj")},
         },
+        "attention_gemms": attention_gemms
+        and {s: attention_gemms[s]["checked_gemm_fraction"] for s in ("scores", "context")},
         "checksum_kernels_of_copy": {k: v["of_copy"] for k, v in raw["kernels"].items()} or None,
     }
 
@@ -88,7 +91,7 @@ def summary(raw_dir: Path, date: str | None = None, at: str | None = None) -> di
         "attention": {"gpt3_350m_s2048": attention(_read(raw_dir / "bench_attention.json"))},
         "step": {
             path: step(_read(raw_dir / f"bench_gpt3_350m_mb8_{path}.json"))
-            for path in ("flash", "unfused", "flash_checked_gemm")
+            for path in ("flash", "unfused", "flash_checked_gemm", "unfused_checked_gemm")
         },
         **kernels(_read(raw_dir / "bench_kernels.json")),
     }

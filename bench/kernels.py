@@ -11,11 +11,12 @@ softmax over S (the unprotected work around them), without and with the GEMM's o
 (verify_correct: clean, and correcting one 0D fault); runs of the two paths alternate, and each
 line reports the median. Then a layer's QKV and output projections (hidden = heads x head-dim,
 ``--projection-tokens`` tokens), each GEMM against its clean check as a protected linear layer
-runs it. Then each kernel alone (the ops a clean check runs, screen or
-verify_correct and encode_pair, and the kernels they are made of), with its achieved bandwidth
-against a copy of the same tensor on the same device (the bandwidth the device sustains). Last,
-the fused softmax against Megatron's softmax with the checks it replaces, and softmax_correct_tally
-(the GPU's sync-free check of the scores), clean and correcting one fault.
+runs it; on a GPU each against the GEMM that checks itself, and so the attention's two GEMMs.
+Then each kernel alone (the ops a clean check runs, screen or verify_correct and encode_pair,
+and the kernels they are made of), with its achieved bandwidth against a copy of the same
+tensor on the same device (the bandwidth the device sustains). Last, the fused softmax against
+Megatron's softmax with the checks it replaces, and softmax_correct_tally (the GPU's sync-free
+check of the scores), clean and correcting one fault.
 """
 
 from __future__ import annotations
@@ -126,6 +127,39 @@ def projections(
     return found
 
 
+def attention_gemms(
+    q: torch.Tensor, k: torch.Tensor, probs: torch.Tensor, v: torch.Tensor, scale: float,
+    device: torch.device, number: int,
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """The unfused attention's scores ``scale Q K^T`` and context ``P V`` (``[b, heads, s, d]``
+    operands): Megatron's GEMMs (``baddbmm``, ``bmm``) against the checked GEMM
+    (checked_matmul, its K's or V's sums made in the call as the layers make them), checked and
+    not, ms each as ``projections`` times them, and the checked GEMM's time over Megatron's."""
+    b, heads, s, d = q.shape
+    q3, k3, p3, v3 = (t.reshape(b * heads, *t.shape[2:]) for t in (q, k, probs, v))
+    buffer = q3.new_empty(b * heads, s, s)
+    gemms = {
+        "scores": (
+            partial(torch.baddbmm, buffer, q3, k3.mT, beta=0.0, alpha=scale),
+            partial(checked_gemm.checked_matmul, q, k, alpha=scale),
+        ),
+        "context": (partial(torch.bmm, p3, v3), partial(checked_gemm.checked_matmul, probs, v.mT)),
+    }
+    found = {}
+    for name, (megatron, checked) in gemms.items():
+        gemm_ms, checked_ms, plain_ms = (
+            best_per_call(fn, device, number) * 1e3
+            for fn in (megatron, checked, partial(checked, check=False))
+        )
+        found[name] = {
+            "gemm_ms": gemm_ms,
+            "checked_gemm_ms": checked_ms,
+            "checked_gemm_fraction": checked_ms / gemm_ms - 1,
+            "triton_gemm_ms": plain_ms,
+        }
+    return found
+
+
 def _write(path: Path | None, result: dict) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,6 +254,15 @@ def main(argv: list[str] | None = None) -> None:
         "projections": {"tokens": tokens, "hidden": hidden, **projected},
         "kernels": {},
     }
+    if device.type == "cuda":
+        result["attention_gemms"] = attention_gemms(q, k, probs, v, scale, device, args.repeat)
+        print("\nthe attention's GEMMs, Megatron's against the checked GEMM: ms")
+        for name, a in result["attention_gemms"].items():
+            print(
+                f"{name:<8} GEMM {a['gemm_ms']:>8.3f}  checked GEMM {a['checked_gemm_ms']:>8.3f} "
+                f"({a['checked_gemm_fraction']:+.1%}), its checks compiled out "
+                f"{a['triton_gemm_ms']:>8.3f}"
+            )
     if not compiled.available():
         _write(args.json, result)
         return

@@ -95,8 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--checked-gemm",
         action="store_true",
-        help="the QKV and output projections by the checked GEMM (ABFTConfig.checked_gemm), "
-        "which checks its tiles in its own epilogue",
+        help="the QKV and output projections, and the unfused attention's scores and context, "
+        "by the checked GEMM (ABFTConfig.checked_gemm), which checks its tiles in its own "
+        "epilogue",
     )
     p.add_argument("--out", type=Path, default=None, help="JSON results")
     args = p.parse_args(argv)

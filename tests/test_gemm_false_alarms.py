@@ -26,8 +26,9 @@ def test_clean_gemms_raise_no_alarm(tmp_path):
 
 
 def test_the_checked_gemm_flags_no_clean_tile_and_says_its_margin(tmp_path):
-    """In Triton's interpreter (bf16 from fp32 copies): no tile flagged at the bound, and a
-    margin of at least 4 (none flagged at a quarter of it)."""
+    """In Triton's interpreter (bf16 from fp32 copies), the projections and the attention's
+    scores and context: no tile flagged at the bound, and a margin of at least 4 (none flagged
+    at a quarter of it)."""
     out = tmp_path / "alarms.json"
     from bench import gemm_false_alarms as tool
 
@@ -38,6 +39,6 @@ def test_the_checked_gemm_flags_no_clean_tile_and_says_its_margin(tmp_path):
     report = json.loads(out.read_text())
     assert report["false_alarms"] == 0
     fused = [r for r in report["rows"] if "checked_gemm_clean_scale" in r]
-    assert {r["section"] for r in fused} == {"qkv", "proj"} and len(fused) == 8
+    assert {r["section"] for r in fused} == set(FORWARD_SECTIONS) and len(fused) == 16
     assert all(r["checked_gemm_tiles_flagged"] == 0 for r in fused)
     assert all(r["checked_gemm_clean_scale"] <= 0.25 for r in fused), fused

@@ -36,8 +36,14 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
     }
     projections["qkv"]["checked_gemm_fraction"] = 0.03
     kernels = {"screen of S (a clean verify)": {"ms": 0.5, "of_copy": 0.75}}
+    attention_gemms = {
+        s: {"gemm_ms": 1.0, "checked_gemm_ms": 1.0 + f, "checked_gemm_fraction": f}
+        for s, f in (("scores", 0.02), ("context", 0.04))
+    }
     (raw / "bench_kernels.json").write_text(
-        json.dumps({"projections": projections, "kernels": kernels})
+        json.dumps(
+            {"projections": projections, "kernels": kernels, "attention_gemms": attention_gemms}
+        )
     )
     out = tmp_path / "summary.json"
     subprocess.run(
@@ -55,7 +61,7 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
         "sdpa_cudnn_ms": None,
     }
     assert made["step"]["flash"] == {"micro_batch": 8, "overhead": 0.04}
-    for path in ("unfused", "flash_checked_gemm"):  # runs that did not finish
+    for path in ("unfused", "flash_checked_gemm", "unfused_checked_gemm"):  # did not finish
         assert made["step"][path] == {"micro_batch": None, "overhead": None}
     assert made["projections"] == {
         "tokens": 16384,
@@ -65,6 +71,7 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
         "floor": {"qkv": None, "proj": None},  # a run before the floor was measured
         "checked_gemm": {"qkv": 0.03, "proj": None},
     }
+    assert made["attention_gemms"] == {"scores": 0.02, "context": 0.04}
     assert made["checksum_kernels_of_copy"] == {"screen of S (a clean verify)": 0.75}
 
 
@@ -94,3 +101,19 @@ def test_bench_kernels_writes_the_projections_and_kernels_the_summary_reads(tmp_
     read = kernels(raw)
     assert read["projections"]["qkv"] == projected["qkv"]["fraction"]
     assert read["projections"]["floor"]["proj"] == projected["proj"]["floor_fraction"]
+    assert read["attention_gemms"] is None  # timed on GPUs only
+
+
+def test_the_attention_gemms_are_timed_against_megatrons():
+    """bench_kernels' attention_gemms, run here through Triton's interpreter at a tiny shape:
+    every figure measured and the fraction the checked GEMM's time over Megatron's."""
+    import torch
+
+    from bench.kernels import attention_gemms
+
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    found = attention_gemms(q, k, torch.rand(1, 2, 32, 32), v, 0.25, torch.device("cpu"), 1)
+    assert set(found) == {"scores", "context"}
+    for a in found.values():
+        assert a["gemm_ms"] > 0 and a["checked_gemm_ms"] > 0 and a["triton_gemm_ms"] > 0
+        assert a["checked_gemm_fraction"] == a["checked_gemm_ms"] / a["gemm_ms"] - 1

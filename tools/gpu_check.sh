@@ -95,11 +95,14 @@ for attention in flash unfused; do
         --attention "$attention" --reps 6 --no-per-section --micro-batch 8 \
         --out "$WORK/bench_gpt3_350m_mb8_$attention.json"
 done
-# the flash step again with the projections by the checked GEMM (ABFTConfig.checked_gemm)
+# both steps again with the checked GEMM (ABFTConfig.checked_gemm): the projections, and the
+# unfused attention's scores and context
 # shellcheck disable=SC2086
-step overhead_350m_mb8_flash_checked_gemm 150 $PY -m tools.bench_overhead $GPT3_350M \
-    --attention flash --reps 6 --no-per-section --micro-batch 8 --checked-gemm \
-    --out "$WORK/bench_gpt3_350m_mb8_flash_checked_gemm.json"
+for attention in flash unfused; do
+    step "overhead_350m_mb8_${attention}_checked_gemm" 150 $PY -m tools.bench_overhead \
+        $GPT3_350M --attention "$attention" --reps 6 --no-per-section --micro-batch 8 \
+        --checked-gemm --out "$WORK/bench_gpt3_350m_mb8_${attention}_checked_gemm.json"
+done
 # the checksum kernels' read rates, and GPT-3 350M's projections at micro-batch 8 (16384
 # tokens) against their GEMMs
 step bench_kernels 45 $PY -m tools.bench_kernels --device cuda --dtype bf16 --seq 2048 \
@@ -112,7 +115,8 @@ SELFTEST="import torch; from megatron_abft.ops.selftest import mismatches
 wrong = mismatches(torch.device('cuda')); print(wrong); assert not wrong"
 GPU_TESTS="tests/ops/test_ext.py tests/ops/test_ext_correct.py tests/ops/test_ext_tally.py tests/check/test_eec.py
     tests/check/test_checksum.py tests/ops/test_fused_softmax.py tests/ops/test_fused_softmax_correct.py
-    tests/ops/test_check_gemm.py tests/ops/test_checker.py tests/ops/test_checked_gemm.py"
+    tests/ops/test_check_gemm.py tests/ops/test_checker.py tests/ops/test_checked_gemm.py
+    tests/ops/test_checked_matmul.py"
 # shellcheck disable=SC2086  # the lists split into arguments
 {
     step kernel_tests 200 $PY -m pytest -q -rf -vv -n 8 -p no:cacheprovider $GPU_TESTS \
@@ -139,7 +143,8 @@ step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 
 {
     step gemm_false_alarms 150 $PY -m tools.gemm_false_alarms --device cuda --repeats 2 \
         --json "$WORK/gemm_false_alarms.json"
-    # the checked GEMM's projections on the tensor cores: no tile flagged, and its margin
+    # the checked GEMM on the tensor cores (the projections, the attention's scores and
+    # context): no tile flagged, and its margin
     step checked_gemm_false_alarms 120 $PY -m tools.gemm_false_alarms --device cuda \
         --repeats 2 --dtypes bf16 fp16 --checked-gemm --json "$WORK/checked_gemm_false_alarms.json"
     step flash_false_alarms 220 $PY -m tools.flash_false_alarms --device cuda --seq 2048 \
@@ -151,8 +156,9 @@ step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 
         --json "$WORK/gemm_false_alarms_strict.json"
 } &
 # Megatron-LM's own loop, pretrain(): a small GPT, 50 steps of mock data, faults in every
-# forward section (and, on the flash path, in the backward) at steps 10 to 40; the flash run's
-# projections by the checked GEMM (those with a fault to land take Megatron's GEMM)
+# forward section (and, on the flash path, in the backward) at steps 10 to 40; the GEMMs by the
+# checked GEMM (the projections, and the unfused attention's; those with a fault to land take
+# Megatron's GEMM)
 PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
     --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024
     --micro-batch-size 2 --global-batch-size 2 --train-iters 50 --lr 1e-4
@@ -169,7 +175,7 @@ PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
 # shellcheck disable=SC2086
 {
     step pretrain_unfused 110 $PY -m torch.distributed.run --nproc-per-node 1 \
-        -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention unfused \
+        -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention unfused --abft-checked-gemm \
         --abft-events-file "$WORK/pretrain_unfused_events.jsonl"
     step pretrain_flash 120 $PY -m torch.distributed.run --nproc-per-node 1 \
         -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention flash --abft-checked-gemm \

@@ -77,3 +77,22 @@ def test_the_helper_launches_build_without_a_spill():
 def test_an_a100_build_does_not_spill_either():
     made = gemm_gate.a100_builds()
     assert len(made) == 4 and all(spilled == 0 for *_, spilled in made), made
+
+
+@pytest.fixture(scope="module")
+def attention():
+    return gemm_gate.attention_builds()
+
+
+def test_the_attentions_launches_pass_the_gate_on_wgmma(attention):
+    """The scores (K read as Megatron holds it, k-contiguous) and the context (V^T: n-contiguous)
+    at head dims 64 and 128: every main-loop MMA a wgmma of the linear's shape, no spill or
+    C7515, and a loop that issues in fewer cycles than its MMAs take, checked or not."""
+    assert len(attention) == 16
+    assert [(b.launch, b.dtype, b.check, b.problems) for b in attention if b.problems] == []
+    for b in attention:
+        assert [op.split(".F32")[0] for op, _ in b.mma] == ["HGMMA.64x128x16"], b
+    plain = {(b.launch, b.dtype): b for b in attention if not b.check}
+    for b in attention:
+        if b.check:  # the checks' CUDA-core work, most of it in the wgmma's flight
+            assert b.in_flight > plain[b.launch, b.dtype].in_flight + 64, b

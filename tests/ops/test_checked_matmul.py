@@ -16,6 +16,7 @@ from megatron_abft.ops.checked_gemm import (
 )
 
 CORRECTED, UNCORRECTABLE = 1, 2
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 B, HEADS, GROUPS = 2, 4, 2  # two query heads a key and value head
 
 
@@ -117,3 +118,72 @@ def test_bad_operands_are_refused_with_what_was_given():
         checked_matmul(q, q, out=torch.empty(B, HEADS, 8, 9))
     with pytest.raises(ValueError, match="sums"):
         checked_matmul(q, q, sums=weight_sums(q[:, :2], INTERPRETED.block_n))
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=cuda)],
+)
+def test_the_attentions_autograd_functions_keep_megatrons_gradients(device, dtype):
+    """layers.checked_attention: scores and context by the checked GEMM, keys and values per KV
+    group; gradients equal those of Megatron's repeat_interleave, baddbmm and bmm."""
+    from megatron_abft.config import ABFTConfig
+    from megatron_abft.layers import checked_attention
+    from megatron_abft.runtime.guard import SectionGuard
+
+    config = ABFTConfig()
+    guards = [SectionGuard(s, config, 0) for s in ("scores", "context")]
+    q, k, v = (seq_major(48, 32, h, seed=i)[0].to(device, dtype) for i, h in
+               enumerate((HEADS, GROUPS, GROUPS)))  # fmt: skip
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    s = checked_attention.scores(leaves[0], leaves[1], 0.2, guards[0], config)
+    out = checked_attention.context(s.softmax(-1), leaves[2], guards[1], config)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(6)).to(device, dtype)
+    out.backward(grad)
+    ref = [t.detach().requires_grad_() for t in (q, k, v)]
+    kr, vr = (t.repeat_interleave(HEADS // GROUPS, dim=2) for t in ref[1:])
+    q3, k3, v3 = (t.reshape(48, B * HEADS, 32).transpose(0, 1) for t in (ref[0], kr, vr))
+    p = torch.baddbmm(q3.new_empty(()), q3, k3.mT, beta=0.0, alpha=0.2).softmax(-1)
+    want = torch.bmm(p, v3).view(B, HEADS, 48, 32).permute(2, 0, 1, 3).reshape(48, B, -1)
+    want.backward(grad)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, want, **tol)
+    for got, expect in zip(leaves, ref, strict=True):
+        torch.testing.assert_close(got.grad, expect.grad, **tol)
+    assert all(int(g.counts.sum()) == 0 and g.pending is not None for g in guards)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_cuda_gpt3_350ms_attention_gemms_equal_megatrons_without_a_false_alarm(dtype):
+    """GPT-3 350M's heads (64 wide) at sequence 2048, two samples: 16 x 16 tiles a matrix."""
+    b, heads, s, d = 2, 16, 2048, 64
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(s, b, heads, d, generator=g).to("cuda", dtype) for _ in range(3))
+    scores, codes = checked_matmul(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), alpha=d**-0.5)
+    q3, k3, v3 = (t.reshape(s, b * heads, d).transpose(0, 1) for t in (q, k, v))
+    want = torch.baddbmm(q3.new_empty(()), q3, k3.mT, beta=0.0, alpha=d**-0.5)
+    torch.testing.assert_close(scores.view(b * heads, s, s), want, rtol=2e-2, atol=2e-2)
+    assert codes.shape == (b, heads, 256) and int(codes.count_nonzero()) == 0
+    p = scores.float().softmax(-1).to(dtype)
+    context, codes = checked_matmul(p, v.permute(1, 2, 3, 0))
+    want = torch.bmm(p.view(b * heads, s, s), v3).view(b, heads, s, d)
+    torch.testing.assert_close(context, want, rtol=2e-2, atol=2e-2)
+    assert int(codes.count_nonzero()) == 0
+
+
+@cuda
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e20, 40.0])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_on_cuda_a_fault_in_one_head_is_corrected_or_reported(value, persistent):
+    _, q = seq_major(300, 64)
+    _, k = seq_major(300, 64, GROUPS, seed=1)
+    q, k = q.to("cuda", torch.bfloat16), k.to("cuda", torch.bfloat16)
+    clean, _ = checked_matmul(q, k, alpha=0.125)
+    y, codes = checked_matmul(q, k, alpha=0.125, fault=(6, 200, 150, value, persistent))
+    flagged = codes.view(-1).nonzero().flatten().tolist()
+    assert len(flagged) == 1 and flagged[0] // codes.shape[-1] == 6
+    assert int(codes.view(-1)[flagged[0]]) >> 2 == (UNCORRECTABLE if persistent else CORRECTED)
+    if persistent:
+        y[1, 2, 200, 150] = clean[1, 2, 200, 150]
+    assert torch.equal(y, clean)
