@@ -117,12 +117,13 @@ class ABFTConfig:
     keeps Megatron's softmax, and a clean protected run bit for bit equal to an unprotected one."""
 
     checked_gemm: bool = False
-    """Compute the QKV and output projections with the checked GEMM
-    (megatron_abft.ops.checked_gemm: a Triton GEMM that checks each output tile in its own
-    epilogue and computes a flagged tile again) instead of Megatron's GEMM and a check that reads
-    its output again, where it serves: bf16 and fp16 on a GPU, and CPU tensors through Triton's
-    interpreter (slowly). A projection with a fault to land takes Megatron's GEMM and the usual
-    check. Off by default until a GPU run has timed it against cuBLAS (docs/abft.md §9)."""
+    """Compute the QKV and output projections, and the unfused attention's scores and context,
+    with the checked GEMM (megatron_abft.ops.checked_gemm: a Triton GEMM that checks each output
+    tile in its own epilogue and computes a flagged tile again) instead of Megatron's GEMMs and
+    checks that read their outputs again, where it serves: bf16 and fp16 on a GPU, and CPU
+    tensors through Triton's interpreter (slowly). A section with a fault to land takes
+    Megatron's GEMM and the usual check. Off by default until a GPU run has timed it against
+    cuBLAS (docs/abft.md §9)."""
 
     on_uncorrectable: Policy = Policy.RECOMPUTE
     """Policy for a fault that cannot be corrected in place: recompute (run the work once more,
