@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from megatron_abft.check.ledger import EVENT_FIELDS, LOG_CAPACITY
+from megatron_abft.config import KINDS, OUTCOMES
 from megatron_abft.dev import aot, sass
 from megatron_abft.ops import checked_gemm
 from megatron_abft.ops.checked_gemm import Tiles
@@ -204,33 +206,44 @@ def _compiled(fn, args: tuple, options: dict, arch: int = 90):
 
 def helper_builds() -> dict[str, tuple[int, int, tuple[str, ...]]]:
     """The sm_90 builds of the checked GEMM's two helper launches, the weight sums
-    (checked_gemm.weight_sums, bf16) and the fold of a call's tile codes (checked_gemm.findings):
-    registers, bytes spilled and ptxas's warnings of each."""
+    (checked_gemm.weight_sums, bf16) and the tally of a call's tile codes into a ledger
+    (checked_gemm.tally): registers, bytes spilled and ptxas's warnings of each."""
     m, n, k = SHAPE
     tile = checked_gemm.GPU_TILES[True]
     blocks = triton.cdiv(n, tile.block_n)
     codes = torch.empty(triton.cdiv(m, tile.block_m) * blocks, dtype=torch.int32)
     weight = torch.empty(n, k, dtype=torch.bfloat16)
+    ledger = (
+        torch.empty(len(OUTCOMES), len(KINDS), dtype=torch.int64),
+        torch.empty(1, dtype=torch.float64),
+        torch.empty(LOG_CAPACITY, len(EVENT_FIELDS), dtype=torch.float64),
+        torch.empty(1, dtype=torch.int64),
+    )
     launches = {
         "weight_sums": (
             checked_gemm._weight_sums_kernel,
             (weight, torch.empty(blocks, 2, k), n, k, 1, 0, 0, *weight.stride()),
             {"BLOCK_N": tile.block_n, "BLOCK_K": checked_gemm.SUMS_BLOCK_K, "num_warps": 4},
         ),
-        "findings": (
-            checked_gemm._findings_kernel,
+        "tally": (
+            checked_gemm._tally_kernel,
             (
                 codes,
-                codes.numel(),
                 1,
+                codes.numel(),
                 blocks,
                 tile.block_m,
                 tile.block_n,
-                torch.empty(2, dtype=torch.int8),
-                torch.empty(2, dtype=torch.int64),
-                torch.empty(1, dtype=torch.float64),
-            ),  # fmt: skip
-            {"BLOCK": checked_gemm.FINDINGS_BLOCK, "num_warps": 4},
+                *ledger,
+                torch.empty((), dtype=torch.int8),
+                LOG_CAPACITY,
+                len(EVENT_FIELDS),
+            ),
+            {
+                "BLOCK_Z": checked_gemm.TALLY_BLOCK[0],
+                "BLOCK_T": checked_gemm.TALLY_BLOCK[1],
+                "num_warps": 4,
+            },
         ),
     }
     made = {}

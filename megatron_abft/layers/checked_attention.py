@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_abft.check.eec import EECResult
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import checked_gemm
 from megatron_abft.runtime.guard import SectionGuard
@@ -102,9 +101,9 @@ def context(p: Tensor, v: Tensor, guard: SectionGuard, config: ABFTConfig) -> Te
 
 
 def _tally(guard: SectionGuard, codes: Tensor, n: int, groups: int) -> None:
-    """The tiles' ``codes [b, heads, tiles]`` into ``guard``'s ledger, one entry a matrix, named
-    as the attention's checks name them (``[b, groups, heads a group]``)."""
+    """The tiles' ``codes [b, heads, tiles]`` into ``guard``'s ledger, a matrix by its worst
+    tile, named as the attention's checks name them (``[b, groups, heads a group]``)."""
     b, heads = codes.shape[:2]
-    found = checked_gemm.findings(codes, n, checked_gemm.tiles_for(codes.device))
-    shape = (b, groups, heads // groups)
-    guard.tally(EECResult(*(f.view(shape) for f in found.fields)), shape)
+    tile, ledger = checked_gemm.tiles_for(codes.device), guard.ledger_on(codes.device)
+    failed = checked_gemm.tally(codes, n, tile, ledger)
+    guard.keep_pending(failed, (b, groups, heads // groups))

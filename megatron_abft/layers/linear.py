@@ -187,8 +187,8 @@ class _CheckedLocalGemm:
             config.threshold_scale,
             config.near_inf,
         )
-        tile = checked_gemm.tiles_for(output.device)
-        guard.tally(checked_gemm.findings(codes, output.shape[-1], tile))
+        tile, ledger = checked_gemm.tiles_for(output.device), guard.ledger_on(output.device)
+        guard.keep_pending(checked_gemm.tally(codes, output.shape[-1], tile, ledger))
         return output
 
     def _sums_of(self, weight) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""A GEMM that checks itself: ``Y = X W^T (+ bias)`` in a Triton kernel whose epilogue verifies
-each output tile from the kernel's own fp32 accumulators, so that the check reads nothing again
-(docs/abft.md, "The checked GEMM").
+"""A GEMM that checks itself: ``Y = X W^T (+ bias)`` (``checked_linear``: the projections) or
+``alpha X W^T`` over a batch of matrices (``checked_matmul``: the attention's scores and context)
+in a Triton kernel whose epilogue verifies each output tile from the kernel's own fp32
+accumulators, so that the check reads nothing again (docs/abft.md, "The checked GEMM").
 
 A check that runs after a cuBLAS GEMM must read Y once more to sum it, which costs about
 ``(matmul rate / bandwidth) / k`` of the GEMM (``k`` its inner dimension; 15% at k = 1024 on an
@@ -17,7 +18,7 @@ comparison is written so that NaN flags. A program that flags computes its tile 
 a transient fault is gone the second time (outcome corrected), one flagged again is
 uncorrectable. Each program writes its tile's code (``outcome << 2 | kind``, 0 clean; kinds as
 megatron_abft.config.KINDS), so the codes need no zero fill and the host reads nothing;
-``findings`` folds them into one matrix's result, as a guard's ledger tallies it.
+``tally`` folds them into a guard's ledger, a matrix by its worst tile.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megatron_abft.check.eec import EECResult
+from megatron_abft.check.ledger import EVENT_FIELDS, Ledger
 
 INTERPRETER = tl.constexpr(False)
 """True in the copy Triton's interpreter runs (megatron_abft.flash.build), which has no inline
@@ -400,57 +401,85 @@ def _launch(
     return y, codes
 
 
-def findings(codes: Tensor, n: int, tile: Tiles) -> EECResult:
-    """The result of a checked output from its tiles' ``codes`` (``[tiles]`` of checked_linear,
-    ``[*batch, tiles]`` of checked_matmul), as megatron_abft.check.ledger.Ledger.tally takes
-    it, one entry a matrix (shape ``batch``, or ``[1]``): the worst tile's outcome and kind (an
-    uncorrectable tile before a corrected one; the first of equals), its first row and column
-    in its matrix (-1 where all are clean), no magnitude (the kernel keeps none: NaN). One
-    launch, no host read."""
-    batch = tuple(codes.shape[:-1]) or (1,)
+def tally(codes: Tensor, n: int, tile: Tiles, ledger: Ledger) -> Tensor:
+    """Fold one checked output's tile ``codes`` (checked_linear's ``[tiles]``, checked_matmul's
+    ``[*batch, tiles]``; ``n`` its columns, ``tile`` the launch's) into a guard's ``ledger`` as
+    Ledger.tally folds a check's result: each matrix counted once, by the outcome and kind of
+    its worst tile (an uncorrectable tile before a corrected one; the first of equals); the
+    worst matrix (the first uncorrectable, else the first corrected) logged with its worst
+    tile's first row and column in it and no magnitude (the kernel keeps none: NaN). Returns
+    whether a matrix is uncorrectable, a bool tensor. One launch, no host read."""
     matrices = codes.reshape(-1, codes.shape[-1])
-    flags = torch.empty(2, *batch, dtype=torch.int8, device=codes.device)
-    position = torch.empty(2, *batch, dtype=torch.int64, device=codes.device)
-    magnitude = torch.empty(batch, dtype=torch.float64, device=codes.device)
-    if matrices.shape[0]:
-        kernel = _built(codes.device)._findings_kernel
-        kernel[(matrices.shape[0],)](
-            matrices, matrices.shape[1], matrices.shape[0], triton.cdiv(n, tile.block_n),
-            tile.block_m, tile.block_n, flags, position, magnitude, BLOCK=FINDINGS_BLOCK,
-            num_warps=4,
-        )  # fmt: skip
-    return EECResult(flags[0], flags[1], position[0], position[1], magnitude)
+    failed = torch.empty((), dtype=torch.int8, device=codes.device)
+    _built(codes.device)._tally_kernel[(1,)](
+        matrices, matrices.shape[0], matrices.shape[1], triton.cdiv(n, tile.block_n),
+        tile.block_m, tile.block_n, ledger.counts, ledger.clock, ledger.log, ledger.logged, failed,
+        ledger.capacity, len(EVENT_FIELDS),
+        BLOCK_Z=TALLY_BLOCK[0], BLOCK_T=TALLY_BLOCK[1], num_warps=4,
+    )  # fmt: skip
+    return failed.view(torch.bool)
 
 
-FINDINGS_BLOCK = 1024
-"""Codes _findings_kernel reads at a time: one shape, so that one build serves every call."""
+TALLY_BLOCK = (8, 256)
+"""Matrices and tiles _tally_kernel reads at a time: one shape, so that one build serves every
+call."""
 
 
 @triton.jit
-def _findings_kernel(
-    CODES, TILES, MATRICES, GRID_N, TILE_M, TILE_N, FLAGS, POSITION, MAGNITUDE,
-    BLOCK: tl.constexpr,
+def _tally_kernel(
+    CODES, MATRICES, TILES, GRID_N, TILE_M, TILE_N, COUNTS, CLOCK, LOG, LOGGED, FAILED, CAPACITY,
+    FIELDS, BLOCK_Z: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """The worst of matrix ``pid``'s ``TILES`` codes (``CODES [MATRICES, TILES]``) into FLAGS
-    (outcome, kind; ``[2, MATRICES]``) and POSITION (the tile's first row and column, -1 where
-    all are clean), a NaN into MAGNITUDE."""
-    z = tl.program_id(0)
-    row = CODES + z.to(tl.int64) * TILES
-    worst = 0
-    at = 0
-    for start in range(0, TILES, BLOCK):
-        index = start + tl.arange(0, BLOCK)
-        code = tl.load(row + index, mask=index < TILES, other=0)
-        top = tl.max(code, 0)
-        if top > worst:
-            worst = top
-            at = start + tl.argmax(code, 0)
-    tl.store(FLAGS + z, (worst >> 2).to(tl.int8))
-    tl.store(FLAGS + MATRICES + z, (worst & 3).to(tl.int8))
-    flagged = worst > 0
-    tl.store(POSITION + z, tl.where(flagged, at // GRID_N * TILE_M, -1).to(tl.int64))
-    tl.store(POSITION + MATRICES + z, tl.where(flagged, at % GRID_N * TILE_N, -1).to(tl.int64))
-    tl.store(MAGNITUDE + z, float("nan"))
+    """``CODES [MATRICES, TILES]`` into a ledger: COUNTS [3, 4] (detected, corrected,
+    uncorrectable by kind, a matrix by its worst tile), the worst matrix's record into LOG at
+    slot LOGGED (EVENT_FIELDS: step, outcome, matrix, kind, row, col, magnitude) where it has
+    room, LOGGED counting it either way, and FAILED, whether a matrix is uncorrectable."""
+    kinds = tl.arange(0, 4)
+    detected = tl.zeros([4], tl.int64)
+    corrected = tl.zeros([4], tl.int64)
+    uncorrectable = tl.zeros([4], tl.int64)
+    top = 0  # the worst matrix's code, the matrix and its worst tile
+    top_matrix = 0
+    top_tile = 0
+    for z0 in range(0, MATRICES, BLOCK_Z):
+        zs = z0 + tl.arange(0, BLOCK_Z)
+        worst = tl.zeros([BLOCK_Z], tl.int32)
+        at = tl.zeros([BLOCK_Z], tl.int32)
+        for t0 in range(0, TILES, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            inside = (zs < MATRICES)[:, None] & (ts < TILES)[None, :]
+            code = tl.load(CODES + zs.to(tl.int64)[:, None] * TILES + ts[None, :], inside, other=0)
+            block_top = tl.max(code, 1)
+            better = block_top > worst
+            at = tl.where(better, t0 + tl.argmax(code, 1), at)
+            worst = tl.where(better, block_top, worst)
+        of_kind = ((worst & 3)[:, None] == kinds[None, :]) & (worst > 0)[:, None]
+        detected += tl.sum(of_kind.to(tl.int64), 0)
+        corrected += tl.sum((of_kind & ((worst >> 2) == 1)[:, None]).to(tl.int64), 0)
+        uncorrectable += tl.sum((of_kind & ((worst >> 2) == 2)[:, None]).to(tl.int64), 0)
+        outcome = worst >> 2
+        block_top = tl.max(outcome, 0)
+        if block_top > (top >> 2):
+            first = tl.argmax(outcome, 0)
+            top_matrix = z0 + first
+            top = tl.max(tl.where(zs == top_matrix, worst, 0), 0)
+            top_tile = tl.max(tl.where(zs == top_matrix, at, 0), 0)
+    tl.store(COUNTS + kinds, tl.load(COUNTS + kinds) + detected)
+    tl.store(COUNTS + 4 + kinds, tl.load(COUNTS + 4 + kinds) + corrected)
+    tl.store(COUNTS + 8 + kinds, tl.load(COUNTS + 8 + kinds) + uncorrectable)
+    tl.store(FAILED, ((top >> 2) == 2).to(tl.int8))
+    if top > 0:
+        slot = tl.load(LOGGED)
+        if slot < CAPACITY:
+            entry = LOG + slot * FIELDS
+            tl.store(entry, tl.load(CLOCK))
+            tl.store(entry + 1, (top >> 2).to(tl.float64))
+            tl.store(entry + 2, top_matrix.to(tl.float64))
+            tl.store(entry + 3, (top & 3).to(tl.float64))
+            tl.store(entry + 4, (top_tile // GRID_N * TILE_M).to(tl.float64))
+            tl.store(entry + 5, (top_tile % GRID_N * TILE_N).to(tl.float64))
+            tl.store(entry + 6, float("nan"))
+        tl.store(LOGGED, slot + 1)
 
 
 def _built(device: torch.device):

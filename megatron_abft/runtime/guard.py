@@ -31,7 +31,7 @@ from megatron_abft.check.checker import (
     signature,
 )
 from megatron_abft.check.checksum import Checksums
-from megatron_abft.check.eec import KINDS, OUTCOMES, EECResult, GemmOperands
+from megatron_abft.check.eec import KINDS, OUTCOMES, GemmOperands
 from megatron_abft.check.ledger import EVENT_FIELDS, Ledger, drain
 from megatron_abft.check.sides import NO_SCREEN, KernelSides
 from megatron_abft.config import CORRECTED, SECTIONS, UNCORRECTABLE, ABFTConfig, Policy
@@ -312,12 +312,12 @@ class SectionGuard:
             self.ledger = Ledger.on(device, self.step)
         return self.ledger
 
-    def tally(self, found: EECResult, batch_shape: tuple[int, ...] = ()) -> None:
-        """Count what a GEMM that checks its own output found (its matrices laid out as
-        ``batch_shape``) into the ledger, with no host read; an uncorrectable matrix stays
-        pending for the step's policy (that GEMM already computed it twice)."""
+    def keep_pending(self, failed: Tensor, batch_shape: tuple[int, ...] = ()) -> None:
+        """After a GEMM that checks its own output tallied what it found into this guard's
+        ledger (its matrices laid out as ``batch_shape``, to name heads): ``failed``, whether a
+        matrix stayed uncorrectable (a device bool), is pending for the step's policy (that GEMM
+        already computed it twice)."""
         self.batch_shape = batch_shape
-        failed = self.ledger_on(found.status.device).tally(found)
         self.pending = failed if self.pending is None else self.pending | failed
 
     def _verify(

@@ -12,7 +12,7 @@ from megatron_abft.config import KINDS
 from megatron_abft.ops.checked_gemm import (
     INTERPRETED,
     checked_linear,
-    findings,
+    tally,
     tiles_for,
     weight_sums,
 )
@@ -210,17 +210,42 @@ def test_megatrons_linear_function_with_the_checked_gemm_keeps_its_gradients(dev
         torch.testing.assert_close(got.grad, want.grad, **tol)
 
 
-def test_findings_name_the_worst_tile_first_of_equals_and_its_origin():
+def logged(ledger):
+    """The ledger's kept records, as lists of EVENT_FIELDS."""
+    return ledger.log[: int(ledger.logged)].tolist()
+
+
+def test_the_tally_counts_a_matrix_by_its_worst_tile_and_logs_where_it_began():
+    ledger = Ledger.on(torch.device("cpu"), step=4)
     codes = torch.tensor([0, 5, 10, 10, 7], dtype=torch.int32)
-    found = findings(codes, 64, INTERPRETED)  # two column blocks of 32
-    assert [int(t) for t in found.fields[:4]] == [UNCORRECTABLE, 2, 32, 0]
-    assert found.magnitude.isnan().all()
-    clean = findings(torch.zeros(7, dtype=torch.int32), 64, INTERPRETED)
-    assert [int(t) for t in clean.fields[:4]] == [0, 0, -1, -1]
+    failed = tally(codes, 64, INTERPRETED, ledger)  # two column blocks of 32
+    assert failed.dtype == torch.bool and bool(failed)
+    # one matrix, an uncorrectable INF (code 10: the first of equals, tile 2: row 32, column 0)
+    assert ledger.counts[:, KINDS.index("inf")].tolist() == [1, 0, 1]
+    assert int(ledger.counts.sum()) == 2
+    (record,) = logged(ledger)
+    assert record[:6] == [4.0, UNCORRECTABLE, 0.0, KINDS.index("inf"), 32.0, 0.0]
+    assert record[6] != record[6]  # no magnitude: NaN
+    clean = tally(torch.zeros(7, dtype=torch.int32), 64, INTERPRETED, ledger)
+    assert not bool(clean) and int(ledger.counts.sum()) == 2 and int(ledger.logged) == 1
     many = torch.zeros(2500, dtype=torch.int32)  # past one block of the kernel's reads
     many[2301], many[2400] = CORRECTED << 2 | 3, CORRECTED << 2 | 1
-    found = findings(many, 96, INTERPRETED)  # three column blocks
-    assert [int(t) for t in found.fields[:4]] == [CORRECTED, 3, 2301 // 3 * 32, 2301 % 3 * 32]
-    ledger = Ledger.on(torch.device("cpu"), step=4)
-    assert bool(ledger.tally(found)) is False
-    assert ledger.counts[:, 3].tolist() == [1, 1, 0] and int(ledger.logged) == 1
+    assert not bool(tally(many, 96, INTERPRETED, ledger))  # three column blocks
+    assert ledger.log[1, :6].tolist() == [4.0, CORRECTED, 0.0, 3, 2301 // 3 * 32, 2301 % 3 * 32]
+
+
+def test_the_tally_of_a_batch_counts_each_matrix_and_logs_the_first_worst():
+    ledger = Ledger.on(torch.device("cpu"), step=1, capacity=2)
+    codes = torch.zeros(3, 11, 300, dtype=torch.int32)  # 33 matrices, past blocks of both
+    codes[0, 4, 7] = CORRECTED << 2 | 2
+    codes[1, 9, 299] = UNCORRECTABLE << 2 | 0
+    codes[2, 10, 3] = UNCORRECTABLE << 2 | 3  # a later uncorrectable matrix: counted, not logged
+    codes[2, 10, 250] = CORRECTED << 2 | 1  # the same matrix's lesser tile: not counted
+    assert bool(tally(codes, 32, INTERPRETED, ledger))
+    counts = ledger.counts.tolist()
+    assert counts[0] == [1, 0, 1, 1] and counts[1] == [0, 0, 1, 0] and counts[2] == [1, 0, 0, 1]
+    (record,) = logged(ledger)
+    assert record[:6] == [1.0, UNCORRECTABLE, 20.0, 0.0, 299 * 32, 0.0]
+    for _ in range(2):  # the log keeps its capacity and counts the rest
+        tally(codes, 32, INTERPRETED, ledger)
+    assert int(ledger.logged) == 3 and len(ledger.log) == 2

@@ -69,7 +69,7 @@ def test_the_gate_names_what_fails(builds):
 
 def test_the_helper_launches_build_without_a_spill():
     made = gemm_gate.helper_builds()
-    assert set(made) == {"weight_sums", "findings"}
+    assert set(made) == {"weight_sums", "tally"}
     for name, (registers, spilled, warnings) in made.items():
         assert spilled == 0 and warnings == () and registers <= 128, (name, made[name])
 

@@ -2,16 +2,17 @@
 Triton's interpreter: the unfused attention's scores ``alpha Q K^T`` and context ``P V`` with
 their operands laid out as Megatron holds them (``[s, b, heads, d]``, keys and values shared by
 a group of heads), equal to the float64 products; a fault in one matrix is flagged on that
-matrix's tile only and corrected or reported, and the findings name the matrix."""
+matrix's tile only and corrected or reported, and the tally names the matrix."""
 
 import pytest
 import torch
 
+from megatron_abft.check.ledger import Ledger
 from megatron_abft.config import KINDS
 from megatron_abft.ops.checked_gemm import (
     INTERPRETED,
     checked_matmul,
-    findings,
+    tally,
     weight_sums,
 )
 
@@ -72,17 +73,11 @@ def test_a_fault_in_one_matrix_is_found_on_its_tile_and_named(value, kind, persi
         assert not torch.equal(y[1, 1, row, col], clean[1, 1, row, col])
         y[1, 1, row, col] = clean[1, 1, row, col]
     torch.testing.assert_close(y, clean, rtol=0, atol=0)
-    found = findings(codes, 64, INTERPRETED)
-    assert found.status.shape == (B, HEADS)
-    status = torch.zeros(B, HEADS, dtype=torch.int8)
-    status[1, 1] = outcome
-    assert torch.equal(found.status, status)
-    assert (int(found.kind[1, 1]), int(found.row[1, 1]), int(found.col[1, 1])) == (
-        KINDS.index(kind),
-        32,
-        32,
-    )
-    assert found.row.flatten().tolist().count(-1) == B * HEADS - 1
+    ledger = Ledger.on(torch.device("cpu"), step=0)
+    assert bool(tally(codes, 64, INTERPRETED, ledger)) is persistent
+    assert int(ledger.counts[0].sum()) == 1 and int(ledger.logged) == 1
+    # the matrix (sample 1, head 1), the kind and the tile's origin in its matrix
+    assert ledger.log[0, 1:6].tolist() == [outcome, matrix, KINDS.index(kind), 32.0, 32.0]
 
 
 def test_a_fault_below_the_bound_of_its_row_is_not_flagged_and_one_above_is():
