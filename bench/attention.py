@@ -1,7 +1,8 @@
 """Time attention implementations, forward and backward, against the protected flash attention.
 
 The protected flash attention (megatron_abft.flash) against the same kernels with the checks
-compiled out, PyTorch's SDPA backends, and Megatron-core's unfused attention, protected and not.
+compiled out, PyTorch's SDPA backends, and Megatron-core's unfused attention, protected (its
+GEMMs checked after them, or by the checked GEMM) and not.
 
     python -m tools.bench_attention [--json PATH] [--models NAME ...] [--seqs N ...]
                                     [--repeats N] [--warmup N] [--implementations NAME ...]
@@ -58,6 +59,7 @@ GPU_IMPLEMENTATIONS = (
     "sdpa_cudnn",
     "megatron_unfused",
     "protected_unfused",
+    "protected_unfused_checked_gemm",
 )
 CPU_IMPLEMENTATIONS = (
     "flash",
@@ -65,13 +67,14 @@ CPU_IMPLEMENTATIONS = (
     "sdpa_math",
     "megatron_unfused",
     "protected_unfused",
+    "protected_unfused_checked_gemm",
 )
 IMPLEMENTATIONS = (*GPU_IMPLEMENTATIONS, "sdpa_math")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2**-4, torch.float16: 2**-7}
 """Largest accepted |output - fp32 reference| for unit-normal q, k, v: 2.5x the worst error of
 Megatron's unfused attention, which rounds S and P to the input dtype (0.025 in bf16 over 256
 heads of 256 queries; flash attention rounds only P and O, and errs half as much)."""
-MEGATRON = ("megatron_unfused", "protected_unfused")
+MEGATRON = ("megatron_unfused", "protected_unfused", "protected_unfused_checked_gemm")
 
 
 @dataclass(frozen=True)
@@ -234,10 +237,13 @@ def sdpa_run(case: Case, q: Tensor, k: Tensor, v: Tensor, do: Tensor, backend: s
     raise Refused("; ".join(reasons))
 
 
-def megatron_run(case: Case, q: Tensor, k: Tensor, v: Tensor, do: Tensor, protected: bool) -> Run:
-    """Megatron-core's DotProductAttention, or this project's ProtectedDotProductAttention, as a
-    TP=1 GPT layer builds it: inputs [seq, batch, heads, head_dim], output [seq, batch,
-    heads * head_dim]; the causal mask None (Megatron makes its own)."""
+def megatron_run(
+    case: Case, q: Tensor, k: Tensor, v: Tensor, do: Tensor, protected: bool, checked_gemm: bool
+) -> Run:
+    """Megatron-core's DotProductAttention, or this project's ProtectedDotProductAttention (its
+    GEMMs by the checked GEMM with ``checked_gemm``), as a TP=1 GPT layer builds it: inputs
+    [seq, batch, heads, head_dim], output [seq, batch, heads * head_dim]; the causal mask None
+    (Megatron makes its own)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -260,7 +266,8 @@ def megatron_run(case: Case, q: Tensor, k: Tensor, v: Tensor, do: Tensor, protec
     )
     common = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     if protected:
-        module = ProtectedDotProductAttention(config, **common, abft_config=ABFTConfig())
+        abft = ABFTConfig(checked_gemm=checked_gemm)
+        module = ProtectedDotProductAttention(config, **common, abft_config=abft)
     else:
         module = DotProductAttention(config, **common)
     q, k, v = leaves(*(t.permute(2, 0, 1, 3).contiguous() for t in (q, k, v)))
@@ -285,7 +292,8 @@ def setup(name: str, case: Case, q: Tensor, k: Tensor, v: Tensor, do: Tensor) ->
     if name.startswith("sdpa_"):
         backend = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
         return sdpa_run(case, q, k, v, do, backend[name.removeprefix("sdpa_")])
-    return megatron_run(case, q, k, v, do, protected=name == "protected_unfused")
+    protected = name.startswith("protected_unfused")
+    return megatron_run(case, q, k, v, do, protected, name.endswith("_checked_gemm"))
 
 
 def inputs(case: Case, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -47,7 +47,8 @@ def test_cpu_run_times_every_implementation(tmp_path):
         # bf16 against fp32: rounding, but no more than the dtype's tolerance
         assert 0 < row["max_error"] <= row["tolerance"] == 2**-4, name
     # the checks ran, over clean inputs: nothing flagged
-    assert rows["flash"]["detected"] == 0 and rows["protected_unfused"]["detected"] == 0
+    for name in ("flash", "protected_unfused", "protected_unfused_checked_gemm"):
+        assert rows[name]["detected"] == 0, name
     assert rows["flash_unchecked"]["detected"] is None
 
 
