@@ -25,8 +25,13 @@ ATTENTION = {
     "unchecked_ms": "flash_unchecked",
     "sdpa_flash_ms": "sdpa_flash",
     "sdpa_cudnn_ms": "sdpa_cudnn",
+    "unfused_ms": "megatron_unfused",
+    "unfused_checked_ms": "protected_unfused",
+    "unfused_checked_gemm_ms": "protected_unfused_checked_gemm",
 }
-"""summary.json's fields of the attention and bench_attention's implementations: fwd+bwd."""
+"""summary.json's fields of the attention and bench_attention's implementations: fwd+bwd (the
+protected flash attention checked and not, SDPA's, Megatron's unfused attention and the
+protected one, its checks after its GEMMs or by the checked GEMM)."""
 
 
 def _read(path: Path) -> dict | None:

@@ -19,7 +19,10 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
     rows = [
         {"model": "GPT-3 350M", "seq": 2048, "implementation": name, "status": "ok",
          "fwd_bwd_ms": ms}
-        for name, ms in (("flash", 1.5), ("flash_unchecked", 1.4), ("sdpa_flash", 0.6))
+        for name, ms in (
+            ("flash", 1.5), ("flash_unchecked", 1.4), ("sdpa_flash", 0.6),
+            ("megatron_unfused", 7.0), ("protected_unfused_checked_gemm", 7.5),
+        )
     ] + [
         {"model": "GPT-3 350M", "seq": 2048, "implementation": "sdpa_cudnn", "status": "oom",
          "fwd_bwd_ms": None},
@@ -59,6 +62,9 @@ def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
         "unchecked_ms": 1.4,
         "sdpa_flash_ms": 0.6,
         "sdpa_cudnn_ms": None,
+        "unfused_ms": 7.0,
+        "unfused_checked_ms": None,
+        "unfused_checked_gemm_ms": 7.5,
     }
     assert made["step"]["flash"] == {"micro_batch": 8, "overhead": 0.04}
     for path in ("unfused", "flash_checked_gemm", "unfused_checked_gemm"):  # did not finish
