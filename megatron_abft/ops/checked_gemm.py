@@ -288,6 +288,7 @@ def checked_linear(
     threshold_scale: float = 1.0,
     near_inf: float = 1e10,
     fault: tuple[int, int, float, bool] | None = None,
+    tile: Tiles | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``x @ weight.T + bias`` for ``x [..., k]``, ``weight [n, k]``, each output tile checked in
     the kernel and computed again once where flagged. Returns the output and the tiles' codes,
@@ -295,9 +296,10 @@ def checked_linear(
     column blocks plus its column block), 0 clean, else ``outcome << 2 | kind`` (outcome 1
     corrected, 2 uncorrectable); empty when ``check`` is off. ``sums``:
     ``weight_sums(weight, tiles_for(x.device).block_n)``, made here when None. ``fault``: (row,
-    column, value, persistent), a value written into the accumulator before the check, for
-    tests. CUDA tensors run compiled (bf16 or fp16); CPU tensors run in Triton's interpreter
-    (fp32, bf16 computed in fp32, fp16), slowly."""
+    column, value, persistent), a value written into the accumulator before the check, and
+    ``tile``, another tile than ``tiles_for(x.device, check)`` (``sums`` then made for it), for
+    tests and tools. CUDA tensors run compiled (bf16 or fp16); CPU tensors run in Triton's
+    interpreter (fp32, bf16 computed in fp32, fp16), slowly."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"checked_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
@@ -308,7 +310,7 @@ def checked_linear(
     flat = x.reshape(-1, k)
     y, codes = _launch(
         flat[None, None], weight[None, None], bias, None, sums, 1.0, check, threshold_scale,
-        near_inf, None if fault is None else (0, *fault),
+        near_inf, None if fault is None else (0, *fault), tile,
     )  # fmt: skip
     return y.view(*x.shape[:-1], n), codes.view(-1)
 
@@ -324,6 +326,7 @@ def checked_matmul(
     threshold_scale: float = 1.0,
     near_inf: float = 1e10,
     fault: tuple[int, int, int, float, bool] | None = None,
+    tile: Tiles | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``alpha * x @ w^T`` matrix by matrix, for ``x [B, H, m, k]`` and ``w [B, G, n, k]``, any
     strides, head ``h`` reading ``w``'s ``h // (H / G)`` (grouped-query attention's shared keys
@@ -331,7 +334,7 @@ def checked_matmul(
     Each tile is checked before the scaling, as checked_linear's. Returns the output ``[B, H,
     m, n]`` (written into ``out`` where given) and the codes ``[B, H, tiles]``. ``sums``:
     ``weight_sums(w, tiles_for(x.device).block_n)``. ``fault``: (matrix of ``B * H``, row,
-    column, value, persistent), for tests."""
+    column, value, persistent) and ``tile``, as checked_linear's."""
     if x.dim() != 4 or w.dim() != 4 or x.shape[0] != w.shape[0] or x.shape[3] != w.shape[3]:
         raise ValueError(
             f"checked_matmul: x {tuple(x.shape)} [B, H, m, k] and w {tuple(w.shape)} "
@@ -347,7 +350,7 @@ def checked_matmul(
         raise ValueError(
             f"checked_matmul: out {tuple(out.shape)} {out.dtype}, expected {shape} {x.dtype}"
         )
-    return _launch(x, w, None, out, sums, alpha, check, threshold_scale, near_inf, fault)
+    return _launch(x, w, None, out, sums, alpha, check, threshold_scale, near_inf, fault, tile)
 
 
 def _launch(
@@ -361,11 +364,12 @@ def _launch(
     threshold_scale: float,
     near_inf: float,
     fault: tuple | None,
+    tile: Tiles | None,
 ) -> tuple[Tensor, Tensor]:
     """One launch over the matrices of ``x [B, H, m, k]`` and ``w [B, G, n, k]``: the output
     (``out`` where given) and the codes ``[B, H, tiles]``."""
     (b, heads, m, k), (groups, n) = x.shape, w.shape[1:3]
-    tile = tiles_for(x.device, check)
+    tile = tile or tiles_for(x.device, check)
     out_dtype = x.dtype
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
         # the interpreter's tl.dot multiplies bf16 bit patterns; fp32 holds bf16's products exactly
