@@ -7,10 +7,11 @@
 #     with carry: ["wheels", "megatron_abft/_C.cpython-312-x86_64-linux-gnu.so"]
 # Phase 1 sets up (the carried extension, else a build for sm_90). Phase 2 times the headline
 # figures first, alone on the GPU, so that no later step's time-out can lose them: the attention
-# per call (the protected flash kernels, their checks compiled out, SDPA's flash and cuDNN), GPT-3
-# 350M's step on the flash and the unfused path at micro-batch 8 (flash also with the checked
-# GEMM for the projections), the checksum kernels and the
-# projections' checks against their GEMMs, then summary.json (tools/gpu_summary.py). Phase 3 runs
+# per call (the protected flash kernels, their checks compiled out, SDPA's flash and cuDNN,
+# Megatron's unfused attention and the protected one), GPT-3 350M's step on the flash and the
+# unfused path at micro-batch 8 (each also with the checked GEMM), the checksum kernels, the
+# projections' checks and the checked GEMM against their GEMMs, then summary.json
+# (tools/gpu_summary.py). Phase 3 runs
 # the correctness work side by side, since none of it is timed: the GPU tests of the compiled
 # kernels and of the flash kernels, compute-sanitizer (every CUDA kernel through the known-answer
 # self-test, a few tests, the flash kernels), the no-false-alarm sweeps on the tensor cores
