@@ -24,7 +24,8 @@ from one read of it:
 - ``rows``: each row summed over dim, ``sum_d X[r, d]`` (a [block] vector), for a GEMM that
   reduces over X's rows (P~V: V's row sums); beside them, in columns 3 to 5, the rows' absolute
   sums ``sum_d |X[r, d]|``, so that where the GEMM's other operand is non-negative (P~) the same
-  MMA gives the bound's mass ``|A| (|X| e)``.
+  MMA gives the bound's mass ``|A| (|X| e)``; and a column of ones (tiles.ONES), so that it
+  also gives ``A e``, the other operand's row sums (dQ's ``sum dS~ = 0``).
 
 With each, the masses the bound needs: the L2 norm of the tile's absolute rows summed
 (columns) or its largest absolute row sum (rows), and its largest row's L2 norm.
@@ -42,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megatron_abft.flash import build
-from megatron_abft.flash.tiles import WIDTH
+from megatron_abft.flash.tiles import ONES, WIDTH
 
 ROWS = 128
 """The LSE's and Delta's rows a head are padded to a multiple of this (every query tile
@@ -54,6 +55,7 @@ PART_LOSS = 2.0**-25
 """The most a value's three fp16 parts lose to subnormals, in units of their scale: half of
 fp16's smallest subnormal (the last nonzero part rounds to that grid; a value whose parts stay
 normal loses about 2**-33 of itself, fp32's rounding covers it)."""
+ONES_COLUMN = tl.constexpr(ONES)
 SCAN = tl.constexpr(1024)
 """Column-sum values (tiles x head dim) the running-sum launches add up in one step."""
 CHUNK = tl.constexpr(256)
@@ -77,7 +79,7 @@ class Sums:
     parts: Tensor
     """The vectors split for the MMA, in the input dtype: ``[batch * heads, tiles, width,
     WIDTH]`` for column sums, ``[batch * heads, tiles * block, WIDTH]`` for row sums (columns
-    0-2, and their absolute values' in 3-5)."""
+    0-2, their absolute values' in 3-5, and ones in tiles.ONES)."""
     stats: Tensor
     """``[batch * heads, tiles, 3]`` fp32: the scale, then the masses. Column sums (a prefix):
     the L2 norms of the tiles' absolute rows summed, added over the prefix, and the tile's
@@ -239,10 +241,12 @@ def _tile_sums(
 @triton.jit
 def _store_parts(RP, at_rows, r, a, scale, slack, ok):
     """Rows ``at_rows`` of RP (those ``ok``): the parts of ``r`` and of ``a`` widened by
-    ``slack`` (columns 0-2 and 3-5), at ``scale``."""
+    ``slack`` (columns 0-2 and 3-5), at ``scale``, and ones in column ONES."""
     dtype = RP.dtype.element_ty
     parts = _split(r / scale, 0, dtype) + _split(a / scale + slack, 3, dtype)
-    at = RP + at_rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+    column = tl.arange(0, 16)[None, :]
+    parts = tl.where(column == ONES_COLUMN, 1.0, parts)
+    at = RP + at_rows[:, None] * 16 + column
     tl.store(at, parts.to(dtype), mask=ok[:, None])
 
 

@@ -51,6 +51,8 @@ and keeps the value in fp32.
 import triton
 import triton.language as tl
 
+from megatron_abft.flash.tiles import ONES
+
 INTERPRETER = tl.constexpr(False)
 
 # Section codes: rows of CODES, bits of DUE. Order as megatron_abft.config.FLASH_SECTIONS.
@@ -72,6 +74,7 @@ small."""
 NO_ROW = tl.constexpr(2147483647)
 INF = tl.constexpr(float("inf"))
 W = tl.constexpr(16)
+ONES_COLUMN = tl.constexpr(ONES)  # of a row-sum tile (checksums.py): ones
 """Columns of a checksum tile (checksums.WIDTH): parts of ``B e`` in 0 to 2, of ``|B| e`` in 3
 to 5 (row sums only)."""
 
@@ -189,6 +192,12 @@ def _columns(x, first: tl.constexpr):
     """Per row, the sum of ``x``'s columns ``first`` to ``first + 2`` (a split vector's parts)."""
     column = tl.arange(0, W)[None, :]
     return tl.sum(tl.where((column >= first) & (column < first + 3), x, 0.0), 1)
+
+
+@triton.jit
+def _column(x, which: tl.constexpr):
+    """Per row, ``x``'s column ``which``."""
+    return tl.sum(tl.where(tl.arange(0, W)[None, :] == which, x, 0.0), 1)
 
 
 @triton.jit
@@ -754,14 +763,15 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(
-    dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D, skn,
-    svn, qk_scale, bh, N_K, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    dq, qref, dsabs, psum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D, skn, svn,
+    qk_scale, bh, N_K, lo, hi, first_pass, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, CHECK_S: tl.constexpr, CHECK_P: tl.constexpr,
     CHECK_Q: tl.constexpr, INJECT: tl.constexpr, TMA: tl.constexpr,
 ):
     """The query block's key tiles ``[lo, hi)``: S = Q K^T, dP = dO V^T, dQ += dS K, with
-    dQ's reference and its mass ``|dS| (|K| e)`` accumulated beside it, and the partial sums
-    of the row identities."""
+    dQ's reference and its mass ``|dS| (|K| e)`` accumulated beside it (and in their column
+    ONES_COLUMN the rows' sums of dS~ and |dS~|, dS as the MMA takes it), and the partial sums
+    of P's rows."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
@@ -790,13 +800,11 @@ def _dq_tiles(
             dq = _corrupt(dq, offs_m[:, None], offs_d[None, :], bh, GRAD_Q, fresh, INJ)
         if CHECK_S or CHECK_P:
             psum = _partial_sums(p, psum)
-        if CHECK_P:
-            dssum = _partial_sums(ds, dssum)
-        if CHECK_Q:  # (dS K) e = dS (K e), and the mass |dS| (|K| e), unscaled
+        if CHECK_P or CHECK_Q:  # (dS K) e = dS (K e), and the mass |dS| (|K| e), unscaled
             w = _read(kr_src, start_n, N_K, W, W, BLOCK_N, W, TMA)
             qref = _mma(ds_lo, w, qref)
             dsabs += _mma(_abs16(ds_lo), w, None)
-    return dq, qref, dsabs, psum, dssum
+    return dq, qref, dsabs, psum
 
 
 @triton.jit
@@ -808,8 +816,9 @@ def _dq_pass(
     CALIBRATE: tl.constexpr, TMA: tl.constexpr,
 ):
     """One pass of a query block over its keys for dQ, and the rows' fault kinds: S through
-    sum P = 1, dP through sum dS = 0, dS K through its accumulated reference. The identities'
-    bounds are made before the loop, which then holds two vectors for them."""
+    sum P = 1, dP through sum dS = 0 (dS as dQ's MMA takes it, summed by that MMA's reference),
+    dS K through its accumulated reference. The identities' bounds are made before the loop,
+    which then holds two vectors for them."""
     count = tl.cdiv(hi, BLOCK_N)
     tiles = count.to(tl.float32)
     bound_p = tl.zeros([BLOCK_M], tl.float32)
@@ -828,15 +837,14 @@ def _dq_pass(
     qref = tl.zeros([BLOCK_M, W], tl.float32)
     dsabs = tl.zeros([BLOCK_M, W], tl.float32)
     psum = tl.zeros([BLOCK_M, 8], tl.float32)  # as _partial_sums add
-    dssum = tl.zeros([BLOCK_M, 8], tl.float32)
-    dq, qref, dsabs, psum, dssum = _dq_tiles(
-        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D,
-        skn, svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False, CAUSAL,
+    dq, qref, dsabs, psum = _dq_tiles(
+        dq, qref, dsabs, psum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D, skn,
+        svn, qk_scale, bh, N_K, 0, interior, first_pass, BLOCK_N, HEAD_DIM, False, CAUSAL,
         CHECK_S, CHECK_P, CHECK_Q, INJECT, TMA,
     )
-    dq, qref, dsabs, psum, dssum = _dq_tiles(
-        dq, qref, dsabs, psum, dssum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D,
-        skn, svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True, CAUSAL,
+    dq, qref, dsabs, psum = _dq_tiles(
+        dq, qref, dsabs, psum, q, do, lse, delta, offs_m, k_src, v_src, kr_src, INJ, D, skn,
+        svn, qk_scale, bh, N_K, interior, hi, first_pass, BLOCK_N, HEAD_DIM, True, CAUSAL,
         CHECK_S, CHECK_P, CHECK_Q, INJECT, TMA,
     )
     state_s = tl.zeros([BLOCK_M], tl.int32)
@@ -847,12 +855,19 @@ def _dq_pass(
     ratio_q = tl.zeros([BLOCK_M], tl.float32)
     none = tl.full([BLOCK_M], -INF, tl.float32)
     psum = tl.sum(psum, 1)
-    dssum = tl.sum(dssum, 1)
     if CHECK_S:
         worst, ratio_s = _fold(psum, 1.0, bound_p / tol, tol, none, ratio_s, CALIBRATE)
         state_s = tl.where(m_ok, _kinds(worst, near_inf), 0)
-    if CHECK_P:
-        worst, ratio_p = _fold(dssum, 0.0, bound_ds / tol, tol, none, ratio_p, CALIBRATE)
+    if CHECK_P:  # sum dS~ from dQ's reference MMA: dS rounded to the input dtype (at most
+        # 1.01 u_out of sum |dS~|, and fp16's subnormals 2**-25 an element) and accumulated in
+        # fp32 as the reference is (tol sqrt(tiles / 16) of the same)
+        dsmass = _column(dsabs, ONES_COLUMN)
+        growth = tl.maximum(1.0, tl.sqrt(tiles / 16.0))
+        mass = bound_ds / tol + (1.01 * u_out / tol + growth) * dsmass
+        if q.dtype == tl.float16:
+            mass += hi.to(tl.float32) * (2.0**-25 / tol)
+        dssum = _column(qref, ONES_COLUMN)
+        worst, ratio_p = _fold(dssum, 0.0, mass, tol, none, ratio_p, CALIBRATE)
         state_p = tl.where(m_ok & (state_s == 0), _kinds(worst, near_inf), 0)
     if CHECK_Q:  # the mass |dS| (|K| e), 1% for dS's rounding
         qmass = 1.01 * _columns(dsabs, 3)

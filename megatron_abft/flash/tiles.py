@@ -20,6 +20,9 @@ KERNELS: tuple[str, ...] = ("forward", "dkdv", "dq")
 
 WIDTH = 16
 """Columns of a checksum tile W (megatron_abft.flash.checksums): tl.dot's smallest N."""
+ONES = 6
+"""The column of a row-sum tile (checksums: K's and V's) that holds ones, so that an MMA taking
+the tile also sums its other operand's rows (dQ's sum of dS~, the identity that checks dP)."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,8 @@ BUDGETS: dict[tuple[str, int], Budget] = {
     ("forward", 128): Budget(14, 2, registers=64),
     ("dkdv", 64): Budget(16, 4, registers=80),
     ("dkdv", 128): Budget(20, 5, registers=48),
-    ("dq", 64): Budget(14, 4, registers=72),
-    ("dq", 128): Budget(16, 4.2, registers=80),
+    ("dq", 64): Budget(14, 3, registers=64),
+    ("dq", 128): Budget(16, 3, registers=64),
 }
 """The gate's budgets for TILES (sm_90, bf16 and fp16, causal or not). The forward's at head
 dim 64: its causal checked build holds 234 registers, as before its exponent became one explicit

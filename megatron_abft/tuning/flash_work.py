@@ -198,9 +198,10 @@ CHECK_ROW_OPS = 33
 """CUDA-core ops of one program's comparison for each of its rows, as the kernels write them:
 the reference's parts summed (16) and scaled (1), the mass and the bound (2), and _fold's
 comparison, fault kind and state (14)."""
-IDENTITY_OPS = 2
+IDENTITY_OPS = 1
 """CUDA-core ops an element of S the dQ kernel spends on its row identities when bwd_scores or
-grad_probs is due: sum P and sum dS (their bounds take |dP| from the rows' norms, per row)."""
+grad_probs is due: sum P (their bounds take |dP| from the rows' norms, per row). Sum dS comes
+out of grad_q's reference MMA and its mass MMA, whose checksum tile holds a column of ones."""
 RETRY_OPS = 3
 """Launches of the kernels' second pass (launch._twice), one a kernel that checks anything:
 each program reads its flag and returns, unless its first pass flagged."""
