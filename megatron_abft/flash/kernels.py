@@ -74,9 +74,10 @@ small."""
 NO_ROW = tl.constexpr(2147483647)
 INF = tl.constexpr(float("inf"))
 W = tl.constexpr(16)
-ONES_COLUMN = tl.constexpr(ONES)  # of a row-sum tile (checksums.py): ones
 """Columns of a checksum tile (checksums.WIDTH): parts of ``B e`` in 0 to 2, of ``|B| e`` in 3
 to 5 (row sums only)."""
+ONES_COLUMN = tl.constexpr(ONES)
+"""The column of a row-sum tile that holds ones (tiles.ONES)."""
 
 # Injection parameters, one int32 each in INJ (megatron_abft.flash.faults.kernel_args).
 I_SECTION = tl.constexpr(0)
