@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
+from bench.detection import smallest_flagged
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.faults import TensorFault
 from megatron_abft.flash import FlashFault, FlashLedger, flash_attention
@@ -48,20 +48,10 @@ def flagged(q, k, v, do, section: str, at: tuple[int, int], value: float) -> boo
 
 
 def limit(q, k, v, do, section, at, matrix, steps: int) -> float:
-    """The smallest relative error flagged at ``at`` (bisection in log space)."""
-    r, c = at
-    window = matrix[max(r - 16, 0) : r + 16, max(c - 16, 0) : c + 16]
-    rms = window.pow(2).mean().sqrt().item()
-    lo, hi = -9.0, 3.0  # log10 of the relative error
-    if not flagged(q, k, v, do, section, at, matrix[r, c].item() + 10**hi * rms):
-        return math.inf
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        if flagged(q, k, v, do, section, at, matrix[r, c].item() + 10**mid * rms):
-            hi = mid
-        else:
-            lo = mid
-    return 10**hi
+    """The smallest relative error flagged at ``at`` (bench.detection.smallest_flagged)."""
+    return smallest_flagged(
+        matrix, at, lambda value: flagged(q, k, v, do, section, at, value), steps
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
+from bench.detection import smallest_flagged
 from bench.gemm_false_alarms import PRECISIONS, operands
 from megatron_abft.check.checksum import encode
 from megatron_abft.check.eec import GemmOperands, verify_and_correct
@@ -82,22 +82,9 @@ def positions(acc: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def limit(gemm: Gemm, flags, at: tuple[int, int], steps: int) -> float:
-    """The smallest error, relative to the window's RMS, that ``flags`` finds at ``at``
-    (bisection in log space); inf where even 1000 times the RMS is not found."""
-    r, c = at
-    window = gemm.acc[max(r - 16, 0) : r + 16, max(c - 16, 0) : c + 16]
-    rms = window.pow(2).mean().sqrt().item()
-    clean = gemm.acc[r, c].item()
-    lo, hi = -9.0, 3.0  # log10 of the relative error
-    if not flags(at, clean + 10**hi * rms):
-        return math.inf
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        if flags(at, clean + 10**mid * rms):
-            hi = mid
-        else:
-            lo = mid
-    return 10**hi
+    """The smallest error, relative to the window's RMS, that ``flags`` finds at ``at`` in the
+    accumulator (bench.detection.smallest_flagged)."""
+    return smallest_flagged(gemm.acc, at, lambda value: flags(at, value), steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,32 @@
+"""The bisection the detection-limit sweeps share (bench.flash_detection, bench.gemm_detection):
+the smallest error of one element a check flags, relative to the RMS of the 32 x 32 window of
+the matrix around it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def smallest_flagged(
+    matrix: torch.Tensor, at: tuple[int, int], flags: Callable[[float], bool], steps: int
+) -> float:
+    """The smallest ``r`` for which ``flags(matrix[at] + r * rms)`` holds, ``rms`` the window's
+    around ``at``: bisection in log space between 1e-9 and 1e3, to ``12 / 2**steps`` decades;
+    inf where even 1e3 is not flagged."""
+    r, c = at
+    window = matrix[max(r - 16, 0) : r + 16, max(c - 16, 0) : c + 16]
+    rms = window.pow(2).mean().sqrt().item()
+    clean = matrix[r, c].item()
+    lo, hi = -9.0, 3.0  # log10 of the relative error
+    if not flags(clean + 10**hi * rms):
+        return math.inf
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if flags(clean + 10**mid * rms):
+            hi = mid
+        else:
+            lo = mid
+    return 10**hi
