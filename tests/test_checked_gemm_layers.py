@@ -195,3 +195,29 @@ def test_where_the_checked_gemm_serves_and_a_dtype_it_does_not_take_is_said_once
     assert len(said) == 1 and "bf16 and fp16 on GPUs" in said[0] and "qkv" in said[0]
     layer.abft_config = ABFTConfig()
     assert not layer._checked_gemm_serves(*tensors("cuda", torch.bfloat16), (), {})
+
+
+def test_where_the_attentions_checked_gemm_serves_and_a_dtype_it_does_not_take_is_said_once(
+    caplog,
+):
+    from types import SimpleNamespace
+
+    from megatron_abft.layers.attention import ProtectedDotProductAttention
+
+    layer = ProtectedDotProductAttention.__new__(ProtectedDotProductAttention)
+    layer.abft_config = ABFTConfig(checked_gemm=True)
+
+    def operands(device, *dtypes):
+        return [SimpleNamespace(device=torch.device(device), dtype=d) for d in dtypes]
+
+    assert layer._checked_gemm_serves(*operands("cuda", *[torch.bfloat16] * 3))
+    assert layer._checked_gemm_serves(*operands("cpu", *[torch.float32] * 3))
+    assert not layer._checked_gemm_serves(
+        *operands("cpu", torch.float32, torch.float16, torch.float32)
+    )
+    for _ in range(2):
+        assert not layer._checked_gemm_serves(*operands("cuda", *[torch.float32] * 3))
+    said = [r.getMessage() for r in caplog.records if r.name == "megatron_abft.layers.attention"]
+    assert len(said) == 1 and "bf16 and fp16 on GPUs" in said[0] and "attention" in said[0]
+    layer.abft_config = ABFTConfig()
+    assert not layer._checked_gemm_serves(*operands("cuda", *[torch.bfloat16] * 3))

@@ -138,7 +138,8 @@ class ProtectedDotProductAttention(DotProductAttention):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
         """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> context [sq, b, np * hn]:
-        ``protected_forward``, or, with nothing to check or land, Megatron's own forward (which
+        ``checked_gemm_forward`` where the checked GEMM serves and no fault waits to land, else
+        ``protected_forward``; with nothing to check or land, Megatron's own forward (which
         computes the same)."""
         due = self.scores_guard.due or self.context_guard.due
         faults = self.scores_guard.faults or self.context_guard.faults
