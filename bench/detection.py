@@ -4,8 +4,11 @@ the matrix around it."""
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -30,3 +33,18 @@ def smallest_flagged(
         else:
             lo = mid
     return 10**hi
+
+
+def write_report(path: Path, tool: str, argv: list[str] | None, started: float, results: dict,
+                 **setting) -> None:  # fmt: skip
+    """A sweep's JSON: the command that made it, its ``setting``, torch's version, its seconds
+    since ``started`` (time.perf_counter) and the limits, by dtype and section."""
+    report = {
+        "command": f"python -m tools.{tool} " + " ".join(argv or []),
+        **setting,
+        "torch": torch.__version__,
+        "seconds": round(time.perf_counter() - started),
+        "limit_over_window_rms": results,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")

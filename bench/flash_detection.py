@@ -11,13 +11,12 @@ head), causal, standard normal inputs; each run checks only the section under te
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from bench.detection import smallest_flagged
+from bench.detection import smallest_flagged, write_report
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.faults import TensorFault
 from megatron_abft.flash import FlashFault, FlashLedger, flash_attention
@@ -79,14 +78,5 @@ def main(argv: list[str] | None = None) -> int:
             ]
             results.setdefault(name, {})[section] = max(limits)
             print(name, section, [f"{x:.2e}" for x in limits], flush=True)
-    report = {
-        "command": "python -m tools.flash_detection " + " ".join(argv or []),
-        "seq": args.seq,
-        "dim": args.dim,
-        "torch": torch.__version__,
-        "seconds": round(time.perf_counter() - start),
-        "limit_over_window_rms": results,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.json, "flash_detection", argv, start, results, seq=args.seq, dim=args.dim)
     return 0

@@ -15,13 +15,12 @@ rounded to its dtype. Inputs: tools.gemm_false_alarms's ``normal`` kind at a sma
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from bench.detection import smallest_flagged
+from bench.detection import smallest_flagged, write_report
 from bench.gemm_false_alarms import PRECISIONS, operands
 from megatron_abft.check.checksum import encode
 from megatron_abft.check.eec import GemmOperands, verify_and_correct
@@ -115,15 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"after the GEMM {found['after']:.2e}  (x the window's RMS)",
                 flush=True,
             )
-    report = {
-        "command": "python -m tools.gemm_detection " + " ".join(argv or []),
-        "shape": {"hidden": args.hidden, "heads": args.heads, "seq": args.seq},
-        "tile": vars(TILES[args.tile]),
-        "block": args.block,
-        "torch": torch.__version__,
-        "seconds": round(time.perf_counter() - start),
-        "limit_over_window_rms": results,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    shape = {"hidden": args.hidden, "heads": args.heads, "seq": args.seq}
+    write_report(
+        args.json, "gemm_detection", argv, start, results, shape=shape,
+        tile=vars(TILES[args.tile]), block=args.block,
+    )  # fmt: skip
     return 0
