@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from megatron_abft.check.ledger import EVENT_FIELDS, LOG_CAPACITY
-from megatron_abft.config import KINDS, OUTCOMES
+from megatron_abft.check.ledger import EVENT_FIELDS, Ledger
 from megatron_abft.dev import aot, sass
 from megatron_abft.ops import checked_gemm
 from megatron_abft.ops.checked_gemm import Tiles
@@ -114,9 +113,10 @@ def attention_build(gemm: str, check: bool, dtype: str, head_dim: int) -> GemmBu
         w, y, alpha = seq_major(s, b, heads, head_dim).mT, seq_major(s, b, heads, head_dim), 1.0
     n, k = w.shape[2:]
     sums = torch.empty(b, heads, triton.cdiv(n, tile.block_n), 2, k) if check else None
-    codes = torch.empty(b, heads, checked_gemm._programs(s, n, tile) if check else 0)
+    programs = checked_gemm._programs(s, n, tile) if check else 0
+    codes = torch.empty(b, heads, programs, dtype=torch.int32)
     args, options = checked_gemm.arguments(
-        x, w, None, y, sums, codes.int(), None, tile, 1.0, 1e10, check, alpha
+        x, w, None, y, sums, codes, None, tile, 1.0, 1e10, check, alpha
     )
     compiled = _compiled(checked_gemm._checked_gemm_kernel, args, options)
     return _summary(compiled, check, dtype, False, f"{gemm} hd{head_dim}", tile)
@@ -213,12 +213,7 @@ def helper_builds() -> dict[str, tuple[int, int, tuple[str, ...]]]:
     blocks = triton.cdiv(n, tile.block_n)
     codes = torch.empty(triton.cdiv(m, tile.block_m) * blocks, dtype=torch.int32)
     weight = torch.empty(n, k, dtype=torch.bfloat16)
-    ledger = (
-        torch.empty(len(OUTCOMES), len(KINDS), dtype=torch.int64),
-        torch.empty(1, dtype=torch.float64),
-        torch.empty(LOG_CAPACITY, len(EVENT_FIELDS), dtype=torch.float64),
-        torch.empty(1, dtype=torch.int64),
-    )
+    ledger = Ledger.on(torch.device("cpu"), step=0)
     launches = {
         "weight_sums": (
             checked_gemm._weight_sums_kernel,
@@ -234,9 +229,12 @@ def helper_builds() -> dict[str, tuple[int, int, tuple[str, ...]]]:
                 blocks,
                 tile.block_m,
                 tile.block_n,
-                *ledger,
+                ledger.counts,
+                ledger.clock,
+                ledger.log,
+                ledger.logged,
                 torch.empty((), dtype=torch.int8),
-                LOG_CAPACITY,
+                ledger.capacity,
                 len(EVENT_FIELDS),
             ),
             {
