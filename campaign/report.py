@@ -90,7 +90,7 @@ def vulnerability(trials: list[dict]) -> tuple[dict, dict]:
 def optimizer_check(path: Path) -> dict:
     """Load the vulnerability file through the launch script's flags, as a run would, and ask
     the check-frequency optimizer for intervals (equal fault rates, 99% coverage, H100 costs)."""
-    from megatron_abft.megatron_lm import coverage_intervals
+    from megatron_abft.flags import coverage_intervals
     from pretrain import pretrain_gpt
 
     args = pretrain_gpt.parse_args(

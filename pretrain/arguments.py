@@ -2,7 +2,7 @@
 
 Megatron-LM's flags (kebab-case, ``--no-...`` for what is on by default) for the model, training,
 parallelism, data, checkpoints and logging; the ABFT flags of
-``megatron_abft.megatron_lm.add_abft_args``; and ``--config FILE.yaml``, which sets any flag.
+``megatron_abft.flags.add_abft_args``; and ``--config FILE.yaml``, which sets any flag.
 Flags on the command line win over the file; a repeatable flag given on the command line
 (``--abft-inject``) replaces the file's list.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from megatron_abft.megatron_lm import add_abft_args, flag_names, launch_problems
+from megatron_abft.flags import add_abft_args, flag_names, launch_problems
 from megatron_abft.runtime.telemetry import WANDB_MODES
 
 PREFIXED_BLOCKS = ("abft", "wandb")

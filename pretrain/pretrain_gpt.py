@@ -30,12 +30,8 @@ import torch
 
 from megatron_abft import ABFTUncorrectableError, finish_step, inject, set_step
 from megatron_abft.config import Policy
-from megatron_abft.megatron_lm import (
-    FaultPlan,
-    abft_config_from_args,
-    run_config,
-    unchecked_note,
-)
+from megatron_abft.fault_plan import FaultPlan
+from megatron_abft.flags import abft_config_from_args, run_config, unchecked_note
 from megatron_abft.runtime.guard import iter_guards
 from megatron_abft.runtime.telemetry import Telemetry, TelemetryConfig, log_to_console
 from pretrain.arguments import parse_args

@@ -318,7 +318,7 @@ def test_a_coverage_target_sets_the_check_intervals():
     """The check-frequency optimizer picks the sections and intervals
     (megatron_abft.tuning.frequency): nothing for a zero target, every section every step for full
     coverage, and in between the cheapest sections first, whose choice the launch banner logs."""
-    from megatron_abft.megatron_lm import abft_config_from_args
+    from megatron_abft.flags import abft_config_from_args
     from pretrain.arguments import parse_args
 
     def config(*flags):
@@ -345,7 +345,7 @@ def test_every_config_field_is_one_flag_with_its_docstring_as_help(tmp_path):
     import dataclasses
 
     from megatron_abft.config import ABFTConfig
-    from megatron_abft.megatron_lm import (
+    from megatron_abft.flags import (
         CONFIG_FLAGS,
         abft_config_from_args,
         config_flag,
@@ -527,7 +527,7 @@ def test_plain_python_runs_as_one_rank(tmp_path):
 
 
 def test_every_shipped_config_parses_for_its_world_size():
-    from megatron_abft.megatron_lm import abft_config_from_args
+    from megatron_abft.flags import abft_config_from_args
     from pretrain.arguments import parse_args
 
     worlds = {"tiny_cpu": 2, "gpt3_125m": 8, "gpt3_350m": 8, "gpt3_1.3b": 8, "llama2_7b": 8}
@@ -554,14 +554,14 @@ def test_every_shipped_config_parses_for_its_world_size():
 )
 def test_a_fault_spec_reads_back_as_the_same_fault(spec):
     """fault_spec writes what the W&B config shows of --abft-inject; parse_fault reads it."""
-    from megatron_abft.megatron_lm import fault_spec, parse_fault
+    from megatron_abft.fault_plan import fault_spec, parse_fault
 
     fault = parse_fault(spec)
     assert parse_fault(fault_spec(fault)) == fault
 
 
 def test_the_random_fault_stream_is_seeded_correctable_and_spans_the_sections():
-    from megatron_abft.megatron_lm import MATRIX_SECTIONS, FaultPlan
+    from megatron_abft.fault_plan import MATRIX_SECTIONS, FaultPlan
 
     plan = FaultPlan(every=3, num_layers=4, tp_size=2, seed=7)
     faults = [f for step in range(1, 601) for f in plan.at(step)]
@@ -695,7 +695,7 @@ def test_megatron_lm_defaults_to_rerun_and_says_what_a_policy_does_there(monkeyp
         "--abft-on-uncorrectable skip_step": "skip_step",
         "--abft-on-uncorrectable=log": "log",
     }
-    said = [r.getMessage() for r in caplog.records if r.name == "megatron_abft.megatron_lm"]
+    said = [r.getMessage() for r in caplog.records if r.name == "megatron_abft.flags"]
     assert said == [
         "[abft] --abft-on-uncorrectable skip_step: Megatron-LM's loop cannot recompute a GEMM or "
         "skip a step for ABFT, so an uncorrectable fault raises; rerun hands it to Megatron's "
