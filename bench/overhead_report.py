@@ -36,7 +36,6 @@ from megatron_abft.tuning.flash_work import (
     CHECK_ROW_OPS,
     IDENTITY_OPS,
     PREPASS,
-    RECORD_OPS,
     RETRY_OPS,
     flash_protection,
     flash_shared,
@@ -464,8 +463,8 @@ def flash_method() -> list[str]:
         f"of Delta, the dQ kernel its row identities ({IDENTITY_OPS} "
         f"op{'s' * (IDENTITY_OPS != 1)} an element of S), each "
         f"kernel launches a second pass ({RETRY_OPS} launches, whose clean programs return at "
-        f"once) and the ledger takes {RECORD_OPS} launch after each of the forward and the "
-        "backward: the "
+        "once; the last program of the forward's and of the backward's last one updates the "
+        "ledger): the "
         "`shared` column, paid once a step whichever flash sections are due (a kernel with none "
         "of its own sections due makes no tiles). qkv and proj are checked as by "
         "`kernels`. Every figure of the flash path is the model's count of what the code does, "
@@ -733,6 +732,9 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "(`DeviceProfile.baseline_scale`; the `baseline step, roofline` rows give the",
             "roofline's own step beside the measured one). The checks are never scaled: their",
             "time is the model's count of their work at the micro-benchmarks' rates.",
+            "That count is of the code as it is, not as it was when a run was made: the GPU",
+            "runs' flash calls launched two kernels a layer more (the ledger's updates, made",
+            "since by the kernels' last programs), which their rows do not price.",
             "Tolerance: ±25% relative or ±1 percentage point, whichever is looser.",
             "Each measured overhead comes with the half-width of its 95% bootstrap interval",
             "over the run's repetitions (`bench_overhead.py`): a row whose prediction falls",

@@ -45,7 +45,7 @@ checks with fault injection (faults=...), the checks with calibration
 must build."""
 ATTENTION = {"_fwd_kernel": "forward", "_bwd_dkdv_kernel": "dkdv", "_bwd_dq_kernel": "dq"}
 """The attention kernels' functions and tiles.KERNELS names; every other launch is a helper
-(Delta, the checksum vectors, the ledger's update)."""
+(Delta, the checksum vectors)."""
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,9 @@ def capture(case: Case) -> list[tuple]:
         if case.variant == "calibrate":
             checks = Checks((1 << len(FLASH_SECTIONS)) - 1, 2.0**-24, 1e10)
             found = Findings.empty(case.batch * case.heads, q.device, calibrate=True)
-            o, lse = launch.forward(q, k, v, case.causal, 0.125, checks, found)
-            launch.backward(do, q, k, v, o, lse, case.causal, 0.125, checks, found)
+            ledger = FlashLedger.on(q.device).tensors
+            o, lse = launch.forward(q, k, v, case.causal, 0.125, checks, found, ledger)
+            launch.backward(do, q, k, v, o, lse, case.causal, 0.125, checks, found, ledger)
             return launches
         options: dict = {"causal": case.causal, "ledger": FlashLedger.on(q.device)}
         if case.variant == "unchecked":

@@ -1,7 +1,7 @@
 """``flash_attention``: the protected flash attention as a differentiable PyTorch function.
 
 Two ``torch.library`` custom ops (forward, backward; fakes registered, so torch.compile traces
-them) joined by a ``torch.autograd.Function``. Each op folds what its kernels found into a
+them) joined by a ``torch.autograd.Function``. Each op's kernels fold what they found into a
 FlashLedger's device tensors, which it declares as mutated: no host synchronisation. Where
 nothing traces or watches the call, the Function calls the ops' bodies directly: the same
 launches without the dispatcher's hops through Python (a third of the call's host time).
@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from megatron_abft.config import FLASH_SECTIONS, FORWARD_SECTIONS
 from megatron_abft.flash import checksums, launch, tiles
 from megatron_abft.flash.faults import FlashFault, kernel_args
-from megatron_abft.flash.ledger import FlashLedger, record
+from megatron_abft.flash.ledger import FlashLedger
 
 FORWARD = frozenset(FLASH_SECTIONS) & frozenset(FORWARD_SECTIONS)
 """The flash sections of the forward (scores, context); the others are the backward's."""
@@ -50,12 +50,9 @@ def _forward(
     near_inf: float,
 ) -> tuple[Tensor, Tensor]:
     checks = launch.Checks(due, tol, near_inf)
-    checked = checks.has(*launch.KERNEL_SECTIONS["forward"])
-    found = _found(checked, q)
-    o, lse = launch.forward(q, k, v, causal, scale, checks, found, inject)
-    if checked:
-        record(found, counts, clock, log, logged)
-    return o, lse
+    found = _found(checks.has(*launch.KERNEL_SECTIONS["forward"]), q)
+    ledger = (counts, clock, log, logged)
+    return launch.forward(q, k, v, causal, scale, checks, found, ledger, inject)
 
 
 _forward_op = torch.library.custom_op(
@@ -88,12 +85,9 @@ def _backward(
     near_inf: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     checks = launch.Checks(due, tol, near_inf)
-    checked = checks.has(*launch.KERNEL_SECTIONS["dkdv"], *launch.KERNEL_SECTIONS["dq"])
-    found = _found(checked, q)
-    grads = launch.backward(do, q, k, v, o, lse, causal, scale, checks, found, inject)
-    if checked:
-        record(found, counts, clock, log, logged)
-    return grads
+    found = _found(checks.has(*launch.KERNEL_SECTIONS["dkdv"], *launch.KERNEL_SECTIONS["dq"]), q)
+    ledger = (counts, clock, log, logged)
+    return launch.backward(do, q, k, v, o, lse, causal, scale, checks, found, ledger, inject)
 
 
 _backward_op = torch.library.custom_op(

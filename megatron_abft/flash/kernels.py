@@ -35,7 +35,10 @@ second time, and what is flagged again is uncorrectable.
 Outcomes go to ``CODES [sections, batch * heads]`` (int32, atomic max of ``outcome << 2 | kind``:
 outcome 1 corrected, 2 uncorrectable; kind as megatron_abft.config.KINDS), and the first flagged
 row and column to ``ROWS``/``COLS`` (as ``NO_ROW - row``, atomic max, so that a zeroed buffer says
-none): one matrix a section, on the device, no host synchronisation.
+none): one matrix a section, on the device, no host synchronisation. A call's last launch
+(``RECORD``: the forward's second, the backward's last second one) ends with its last program
+folding them into the layer's ledger (``_record``), so that the ledger takes no launch of its
+own.
 
 Constexpr switches compile out what a launch does not need: ``DUE`` (the sections checked, bit
 i as FLASH_SECTIONS[i]; 0 compiles every check out), ``INJECT`` (fault injection,
@@ -72,6 +75,8 @@ absolute grid (2**-149), not a relative one, so that a bound relative to the dat
 flag their rounding (measured: fp32 rows whose P~ underflowed); no fault that matters is this
 small."""
 NO_ROW = tl.constexpr(2147483647)
+RECORD_BLOCK = tl.constexpr(128)
+"""Matrices _record reads at a time."""
 INF = tl.constexpr(float("inf"))
 W = tl.constexpr(16)
 """Columns of a checksum tile (checksums.WIDTH): parts of ``B e`` in 0 to 2, of ``|B| e`` in 3
@@ -186,6 +191,59 @@ def _report(
         ratio = tl.where(valid & (ratio < INF), ratio, 0.0)
         tl.atomic_max(RATIO + section * BH + bh, tl.max(ratio))
     return kind > 0
+
+
+@triton.jit
+def _last(DONE):
+    """Whether this program is the last of its launch to get here: each counts itself in DONE
+    (zeroed before the call), and the last one's count comes after every other program's
+    findings (acquire-release)."""
+    total = tl.num_programs(0) * tl.num_programs(1)
+    return tl.atomic_add(DONE, 1, sem="acq_rel") == total - 1
+
+
+@triton.jit
+def _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS):
+    """A call's findings into its ledger (megatron_abft.flash.ledger), by the last program of
+    its last launch: each section's codes, a matrix once by its outcome and kind, into COUNTS
+    [sections, 3, 4] (detected, corrected, uncorrectable), and its worst matrix, where it has
+    one, into LOG [sections, CAPACITY, FIELDS] at the section's LOGGED slot."""
+    kinds = tl.arange(0, 4)
+    for s in range(N_SECTIONS):
+        detected = tl.zeros([4], tl.int64)
+        corrected = tl.zeros([4], tl.int64)
+        uncorrectable = tl.zeros([4], tl.int64)
+        worst = 0
+        at = 0
+        for start in range(0, BH, RECORD_BLOCK):
+            matrix = start + tl.arange(0, RECORD_BLOCK)
+            code = tl.load(CODES + s * BH + matrix, mask=matrix < BH, other=0, cache_modifier=".cg")
+            of_kind = ((code & 3)[:, None] == kinds[None, :]) & (code > 0)[:, None]
+            detected += tl.sum(of_kind.to(tl.int64), 0)
+            corrected += tl.sum((of_kind & ((code >> 2) == 1)[:, None]).to(tl.int64), 0)
+            uncorrectable += tl.sum((of_kind & ((code >> 2) == 2)[:, None]).to(tl.int64), 0)
+            top = tl.max(code, 0)
+            if top > worst:
+                worst = top
+                at = start + tl.argmax(code, 0)
+        row = COUNTS + s * 12 + kinds
+        tl.store(row, tl.load(row) + detected)
+        tl.store(row + 4, tl.load(row + 4) + corrected)
+        tl.store(row + 8, tl.load(row + 8) + uncorrectable)
+        if worst > 0:
+            slot = tl.load(LOGGED + s)
+            if slot < CAPACITY:
+                first_row = tl.load(ROWS + s * BH + at, cache_modifier=".cg")
+                first_col = tl.load(COLS + s * BH + at, cache_modifier=".cg")
+                entry = LOG + (s * CAPACITY + slot) * FIELDS
+                tl.store(entry, tl.load(CLOCK))
+                tl.store(entry + 1, (worst >> 2).to(tl.float64))
+                tl.store(entry + 2, at.to(tl.float64))
+                tl.store(entry + 3, (worst & 3).to(tl.float64))
+                tl.store(entry + 4, tl.where(first_row > 0, NO_ROW - first_row, -1).to(tl.float64))
+                tl.store(entry + 5, tl.where(first_col > 0, NO_ROW - first_col, -1).to(tl.float64))
+                tl.store(entry + 6, float("nan"))
+            tl.store(LOGGED + s, slot + 1)
 
 
 @triton.jit
@@ -484,11 +542,12 @@ def _fwd_block(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN, qk_scale, tol,
-    near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, H,
-    GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
-    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr, TMA: tl.constexpr,
+    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN, DONE, COUNTS, CLOCK,
+    LOG, LOGGED, CAPACITY, FIELDS, qk_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    svb, svh, svn, svd, sob, soh, som, sod, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr,
+    SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
+    RECORD: tl.constexpr, TMA: tl.constexpr,
 ):
     """O = softmax(scale Q K^T) V for one query block of one (batch, head); LSE in log2 units,
     ROWS_Q (>= N_Q) a head, those past the end finite.
@@ -503,6 +562,9 @@ def _fwd_kernel(
     program = bh * tl.num_programs(0) + pid_m
     if RETRY:
         if tl.load(AGAIN + program) == 0:
+            if RECORD:
+                if _last(DONE):
+                    _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
             return
     b = bh // H
     h = bh % H
@@ -530,6 +592,9 @@ def _fwd_kernel(
     )
     if (CHECK_S or CHECK_C) and not RETRY:
         tl.store(AGAIN + program, again.to(tl.int32))
+    if RECORD:  # the last launch of a call: its last program folds the call into the ledger
+        if _last(DONE):
+            _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
 
 
 # --- backward: dK and dV ------------------------------------------------------------------------
@@ -599,12 +664,13 @@ def _dkdv_tiles(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, RW, CP, ST, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
-    qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, H, GROUP, N_Q, N_K, D,
-    ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
-    CALIBRATE: tl.constexpr, RETRY: tl.constexpr, TMA: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, RW, CP, ST, CODES, ROWS, COLS, RATIO, INJ, AGAIN, DONE, COUNTS,
+    CLOCK, LOG, LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd,
+    skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb,
+    sdvh, sdvn, sdvd, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
+    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr, RECORD: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dK and dV of one key block of one (batch, query head): with grouped-query attention
     each query head's share, into DK and DV of that head (the launch sums a group's). LSE and
@@ -627,6 +693,9 @@ def _bwd_dkdv_kernel(
     program = bh * tl.num_programs(0) + pid_n
     if RETRY:
         if tl.load(AGAIN + program) == 0:
+            if RECORD:
+                if _last(DONE):
+                    _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
             return
     b = bh // H
     h = bh % H
@@ -757,6 +826,9 @@ def _bwd_dkdv_kernel(
     DV += b.to(tl.int64) * sdvb + h.to(tl.int64) * sdvh
     _write(DK, start, dk, N_K, D, sdkn, BLOCK_N, HEAD_DIM, TMA)
     _write(DV, start, dv, N_K, D, sdvn, BLOCK_N, HEAD_DIM, TMA)
+    if RECORD:  # the last launch of a call: its last program folds the call into the ledger
+        if _last(DONE):
+            _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
 
 
 # --- backward: dQ -------------------------------------------------------------------------------
@@ -884,12 +956,13 @@ def _dq_pass(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, ODO, DQ, KR, KRS, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN,
-    qk_scale, sm_scale, tol, u_out, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh,
-    svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm, sdqd, H, GROUP, N_Q, N_K, D, ROWS_Q,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    DUE: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr,
-    RETRY: tl.constexpr, TMA: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, ODO, DQ, KR, KRS, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN, DONE,
+    COUNTS, CLOCK, LOG, LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, u_out, near_inf, sqb,
+    sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm,
+    sdqd, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
+    INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr, RECORD: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dQ of one query block of one (batch, head). ``ODO`` holds ``sum |O| |dO|`` a row, the
     rounding of the stored O in Delta. KR/KRS: K's row sums, VRS: V's row-sum stats, tiled by
@@ -903,6 +976,9 @@ def _bwd_dq_kernel(
     program = bh * tl.num_programs(0) + pid_m
     if RETRY:
         if tl.load(AGAIN + program) == 0:
+            if RECORD:
+                if _last(DONE):
+                    _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
             return
     b = bh // H
     h = bh % H
@@ -966,3 +1042,6 @@ def _bwd_dq_kernel(
     dq = _lo(dq * sm_scale, DQ.dtype.element_ty).to(DQ.dtype.element_ty)
     DQ += b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh
     _write(DQ, start, dq, N_Q, D, sdqm, BLOCK_M, HEAD_DIM, TMA)
+    if RECORD:  # the last launch of a call: its last program folds the call into the ledger
+        if _last(DONE):
+            _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)

@@ -96,14 +96,16 @@ out, and makes no checksum vectors."""
 
 @dataclass
 class Findings:
-    """What one launch's checks found, one entry a section and (batch, head) matrix, on the
+    """What one call's checks found, one entry a section and (batch, head) matrix, on the
     device: ``codes``, and the first flagged row and column (as ``kernels.NO_ROW - row``, 0
     none) as kernels.py describes them, and, in calibration runs, the largest clean residual
-    ratio."""
+    ratio; ``done`` counts the programs of the call's last launch, whose last folds the
+    findings into the ledger (kernels._record)."""
 
     codes: Tensor
     rows: Tensor
     cols: Tensor
+    done: Tensor
     ratio: Tensor | None = None
 
     @property
@@ -115,16 +117,19 @@ class Findings:
     @classmethod
     def empty(cls, matrices: int, device: torch.device, calibrate: bool = False) -> Findings:
         """Nothing found yet, in one zeroed buffer (one launch)."""
-        shape = (kernels.N_SECTIONS.value, matrices)
-        codes, rows, cols = torch.zeros(3, *shape, dtype=torch.int32, device=device)
-        ratio = torch.zeros(shape, dtype=torch.float32, device=device) if calibrate else None
-        return cls(codes, rows, cols, ratio)
+        size = kernels.N_SECTIONS.value * matrices
+        buffer = torch.zeros(3 * size + 1, dtype=torch.int32, device=device)
+        codes, rows, cols = buffer[:-1].view(3, kernels.N_SECTIONS.value, matrices)
+        ratio = None
+        if calibrate:
+            ratio = torch.zeros(codes.shape, dtype=torch.float32, device=device)
+        return cls(codes, rows, cols, buffer[-1:], ratio)
 
     @classmethod
     def unchecked(cls, device: torch.device) -> Findings:
         """Placeholders for a call that checks nothing (no launch)."""
         nothing = checksums.placeholder(torch.int32, device)
-        return cls(nothing, nothing, nothing)
+        return cls(nothing, nothing, nothing, nothing)
 
 
 def forward(
@@ -135,10 +140,13 @@ def forward(
     scale: float,
     checks: Checks,
     found: Findings,
+    ledger: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
     inject: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """O [B, H, Nq, D] (laid out as q, or as its TMA-ready copy) and LSE [B, H, rows] (fp32, log2
-    units; ``rows``: Nq padded to checksums.ROWS, finite past Nq)."""
+    units; ``rows``: Nq padded to checksums.ROWS, finite past Nq). What the checks find is in
+    ``found``, and, given a ``ledger`` (its tensors: counts, clock, log, logged;
+    megatron_abft.flash.ledger), folded into it by the last launch."""
     q, k, v = (tma_ready(t) for t in (q, k, v))
     batch, heads, n_q, dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -156,11 +164,12 @@ def forward(
     _twice(
         build.for_device(kernels, q.device)._fwd_kernel, grid,
         q, k, v, o, lse, *kc, *vr, *found.arguments, _fault(inject, q.device),
-        _flags(grid, checks, "forward", q.device),
+        _flags(grid, checks, "forward", q.device), *_ledger_args(found, ledger),
         scale * math.log2(math.e), checks.tol, checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         heads, heads // kv_heads, n_q, n_k, dim, rows,
         **_constants("forward", tile, width, causal, checks, found, inject, q),
+        record=ledger is not None,
     )
     # fmt: on
     return o, lse
@@ -177,9 +186,11 @@ def backward(
     scale: float,
     checks: Checks,
     found: Findings,
+    ledger: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
     inject: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ, dK, dV, laid out as q, k and v (or as their TMA-ready copies)."""
+    """dQ, dK, dV, laid out as q, k and v (or as their TMA-ready copies); the findings into
+    ``ledger``'s tensors, as the forward's."""
     do, q, k, v, o = (tma_ready(t) for t in (do, q, k, v, o))
     batch, heads, n_q, dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -212,11 +223,12 @@ def backward(
         module._bwd_dkdv_kernel, grid,
         q, k, v, do, lse, delta, dk_heads, dv_heads,
         made.rows, made.columns, made.stats, *found.arguments, fault,
-        _flags(grid, checks, "dkdv", q.device),
+        _flags(grid, checks, "dkdv", q.device), *_ledger_args(found, ledger),
         qk_scale, scale, checks.tol, checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk_heads.stride(),
         *dv_heads.stride(), heads, group, n_q, n_k, dim, rows,
         **_constants("dkdv", tile, width, causal, checks, found, inject, q),
+        record=ledger is not None and not checks.has(*KERNEL_SECTIONS["dq"]),  # dQ's last else
     )
     # fmt: on
     if group > 1:
@@ -234,11 +246,12 @@ def backward(
     _twice(
         module._bwd_dq_kernel, grid,
         q, k, v, do, lse, delta, odo, dq, *kr, vr[1], *found.arguments, fault,
-        _flags(grid, checks, "dq", q.device),
+        _flags(grid, checks, "dq", q.device), *_ledger_args(found, ledger),
         qk_scale, scale, checks.tol, unit_roundoff(o.dtype), checks.near_inf,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         heads, heads // kv_heads, n_q, n_k, dim, rows,
         **_constants("dq", tile, width, causal, checks, found, inject, q),
+        record=ledger is not None,
     )
     # fmt: on
     return dq, dk, dv
@@ -252,15 +265,26 @@ def _flags(grid: tuple[int, int], checks: Checks, kernel: str, device: torch.dev
     return torch.empty(grid[0] * grid[1], dtype=torch.int32, device=device)
 
 
-def _twice(kernel, grid: tuple[int, int], *args, **constants) -> None:
+def _twice(kernel, grid: tuple[int, int], *args, record: bool, **constants) -> None:
     """Launch an attention kernel, and, where it checks, launch it again in its RETRY mode:
     the programs whose first pass flagged (each sets its flag in AGAIN, on the device) compute
-    their block again, the others return at once."""
+    their block again, the others return at once; with ``record`` (the call's last launch)
+    its last program then folds the call's findings into the ledger."""
     if args[0].device.type == "cuda" and constants["TMA"]:
         _scratch_allocator()
-    kernel[grid](*args, RETRY=False, **constants)
+    kernel[grid](*args, RETRY=False, RECORD=False, **constants)
     if constants["DUE"] != 0:
-        kernel[grid](*args, RETRY=True, **constants)
+        kernel[grid](*args, RETRY=True, RECORD=record, **constants)
+
+
+def _ledger_args(found: Findings, ledger: tuple[Tensor, ...] | None) -> tuple:
+    """DONE, COUNTS, CLOCK, LOG, LOGGED, CAPACITY, FIELDS as the kernels take them
+    (placeholders without a ledger: nothing records)."""
+    if ledger is None:
+        nothing = found.done
+        return nothing, nothing, nothing, nothing, nothing, 0, 0
+    counts, clock, log, logged = ledger
+    return found.done, counts, clock, log, logged, log.shape[1], log.shape[2]
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:

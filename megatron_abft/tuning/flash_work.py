@@ -254,11 +254,8 @@ SCALED = ("fp16",)
 """The dtypes whose checksum parts carry a scale (megatron_abft.flash.checksums.HEADROOM)."""
 FOUND_OPS = 1
 """Launches of one call's findings buffer (launch.Findings.empty: one zero fill), made by each of
-the forward's and the backward's ops when they check anything."""
-RECORD_OPS = 1
-"""GPU launches of one ledger update (megatron_abft.flash.ledger.record: one Triton launch after
-each of the forward's and the backward's ops when they checked anything), counted on the code by
-tests/tuning/test_flash_work.py."""
+the forward's and the backward's ops when they check anything. The ledger's update takes none
+of its own: the last program of the op's last second launch makes it (kernels._record)."""
 
 
 def _prepass(f: _FlashShape, p: Prepass, block: int) -> Work:
@@ -309,8 +306,8 @@ def flash_shared(shape: ModelShape) -> dict[str, Work]:
     By part: ``prepass``, the checksum tiles (PREPASS, and SPLIT where SCALED); ``odo``, the
     backward's rounding of Delta (``sum |O| |dO|`` a row, which the prologue writes beside
     Delta); ``identities``, the dQ kernel's row identities (IDENTITY_OPS); ``retry``, each
-    kernel's second launch (RETRY_OPS); ``ledger``, the findings buffers (FOUND_OPS) and the
-    ledger's updates (RECORD_OPS) of the forward and the backward. The kernels' reads of the
+    kernel's second launch (RETRY_OPS); ``ledger``, the findings buffers (FOUND_OPS) of the
+    forward and the backward. The kernels' reads of the
     tiles, a tile's at a time and mostly from L2, are left out."""
     f = _FlashShape.of(shape)
     prepass = Work()
@@ -324,8 +321,7 @@ def flash_shared(shape: ModelShape) -> dict[str, Work]:
         "odo": Work(bytes=f.queries * f.seq * 4),
         "identities": Work(vector=f.computed("dq") * IDENTITY_OPS),
         "retry": Work(ops=RETRY_OPS),
-        # the findings buffers (codes, rows, columns of each section and matrix), zero-filled
-        "ledger": Work(
-            ops=2 * (FOUND_OPS + RECORD_OPS), bytes=2 * 3 * len(FLASH_SECTIONS) * f.queries * 4
-        ),
+        # the findings buffers (codes, rows, columns of each section and matrix, and the count
+        # of the programs done), zero-filled
+        "ledger": Work(ops=2 * FOUND_OPS, bytes=2 * (3 * len(FLASH_SECTIONS) * f.queries + 1) * 4),
     }

@@ -34,7 +34,7 @@ the unfused attention (S and P materialised; UNFUSED) and the flash attention:
   16-wide reference MMA a tile or a program), CUDA-core ops (row sums and a program's
   comparisons), and what the step runs once whenever any flash section is due: the checksum
   tiles' launches and bytes, the backward's rounding of Delta, the dQ kernel's row identities,
-  the kernels' second launches and the ledger's updates (all counted in
+  the kernels' second launches and the findings buffers (all counted in
   megatron_abft.tuning.flash_work). qkv and proj are checked as by ``kernels``.
 
 Every check also costs a number of small ops, each at the device's op latency

@@ -8,7 +8,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.flash import FlashLedger, flash_attention, launch
-from megatron_abft.flash.ledger import record
 
 
 def test_torch_compile_traces_it_whole_and_agrees_with_eager():
@@ -55,10 +54,9 @@ def test_no_tensor_on_its_path_is_the_size_of_the_scores():
         for run in ("forward", "backward"):
             found = launch.Findings.empty(1, q.device)
             if run == "forward":
-                o, lse = launch.forward(q, k, v, True, dim**-0.5, checks, found)
+                o, lse = launch.forward(q, k, v, True, dim**-0.5, checks, found, ledger.tensors)
             else:
-                launch.backward(do, q, k, v, o, lse, True, dim**-0.5, checks, found)
-            record(found, *ledger.tensors)
+                launch.backward(do, q, k, v, o, lse, True, dim**-0.5, checks, found, ledger.tensors)
     largest, op = max(watched.sizes)
     assert largest <= 2 * seq * dim < seq * seq, (largest, op)
     ops = {op for _, op in watched.sizes}
