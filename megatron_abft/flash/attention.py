@@ -50,7 +50,7 @@ def _forward(
     near_inf: float,
 ) -> tuple[Tensor, Tensor]:
     checks = launch.Checks(due, tol, near_inf)
-    found = _found(checks.has(*launch.KERNEL_SECTIONS["forward"]), q)
+    found = _found(checks.kernel_due("forward"), q)
     ledger = (counts, clock, log, logged)
     return launch.forward(q, k, v, causal, scale, checks, found, ledger, inject)
 
@@ -85,7 +85,7 @@ def _backward(
     near_inf: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     checks = launch.Checks(due, tol, near_inf)
-    found = _found(checks.has(*launch.KERNEL_SECTIONS["dkdv"], *launch.KERNEL_SECTIONS["dq"]), q)
+    found = _found(checks.kernel_due("dkdv") or checks.kernel_due("dq"), q)
     ledger = (counts, clock, log, logged)
     return launch.backward(do, q, k, v, o, lse, causal, scale, checks, found, ledger, inject)
 

@@ -97,7 +97,7 @@ def key_value_sums(
     ``slack``: each row's absolute sum is widened by ``slack * scale`` (the tiles' bound per
     unit of mass times it covers PART_LOSS)."""
     b, h, n, d = k.shape
-    tiles = triton.cdiv(n, block)
+    tiles = -(-n // block)
     matrices = b * h
 
     def empty(*shape, dtype=k.dtype):
@@ -302,9 +302,9 @@ def backward(
     and one more for the suffix sums and fp16's row sums. ``slack`` as in key_value_sums, for
     dO's absolute row sums and Q's (in dK's masses)."""
     b, h, n, d = q.shape
-    tiles = triton.cdiv(n, block)
+    tiles = -(-n // block)
     matrices = b * h
-    padded = triton.cdiv(n, ROWS) * ROWS
+    padded = -(-n // ROWS) * ROWS
 
     def empty(*shape, dtype=q.dtype, wanted=True):
         if not wanted:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 from megatron_abft.flash import build, checksums, kernels, tiles
@@ -74,15 +75,22 @@ class Checks:
     near_inf: float
     """Residuals above this count as near-INF faults."""
 
-    def has(self, *sections: int) -> bool:
+    def has(self, *sections: tl.constexpr) -> bool:
         """Whether any of the kernels' ``sections`` (kernels.SCORES...) is due."""
-        return self.due & section_bits(sections) != 0
+        return self.due & section_bits(*sections) != 0
+
+    def kernel_due(self, kernel: str) -> bool:
+        """Whether any of ``kernel``'s sections (KERNEL_SECTIONS) is due."""
+        return self.due & KERNEL_BITS[kernel] != 0
 
 
-@functools.cache
-def section_bits(sections: tuple[int, ...]) -> int:
-    """The ``due`` bits of the kernels' ``sections`` (kernels.SCORES...)."""
-    return sum(1 << int(s) for s in set(sections))
+def section_bits(*sections: tl.constexpr) -> int:
+    """The ``due`` bits of the kernels' ``sections`` (kernels.SCORES...), from their values:
+    hashing Triton's constexpr wrappers costs the host more than the bits themselves."""
+    bits = 0
+    for section in sections:
+        bits |= 1 << section.value
+    return bits
 
 
 KERNEL_SECTIONS = {
@@ -92,6 +100,13 @@ KERNEL_SECTIONS = {
 }
 """The sections each kernel checks: one with none of them due runs with the checks compiled
 out, and makes no checksum vectors."""
+KERNEL_BITS = {kernel: section_bits(*sections) for kernel, sections in KERNEL_SECTIONS.items()}
+"""KERNEL_SECTIONS as ``due`` bits."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of ints (``triton.cdiv`` unwraps constexprs on every host call)."""
+    return -(-a // b)
 
 
 @dataclass
@@ -153,13 +168,13 @@ def forward(
     width = padded_head_dim(dim)
     tile = blocks("forward", width, q.dtype, q.device)
     o = torch.empty_like(q)
-    rows = triton.cdiv(n_q, checksums.ROWS) * checksums.ROWS
+    rows = _cdiv(n_q, checksums.ROWS) * checksums.ROWS
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
     kc, _, vr = _key_value_sums(
         k, v, tile.block_n, width, checks.has(kernels.SCORES), False,
         checks.has(kernels.CONTEXT), checks,
     )  # fmt: skip
-    grid = (triton.cdiv(n_q, tile.block_m), batch * heads)
+    grid = (_cdiv(n_q, tile.block_m), batch * heads)
     # fmt: off
     _twice(
         build.for_device(kernels, q.device)._fwd_kernel, grid,
@@ -218,7 +233,7 @@ def backward(
     fault = _fault(inject, q.device)
     qk_scale = scale * math.log2(math.e)
     # fmt: off
-    grid = (triton.cdiv(n_k, tile.block_n), batch * heads)
+    grid = (_cdiv(n_k, tile.block_n), batch * heads)
     _twice(
         module._bwd_dkdv_kernel, grid,
         q, k, v, do, lse, delta, dk_heads, dv_heads,
@@ -228,7 +243,7 @@ def backward(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk_heads.stride(),
         *dv_heads.stride(), heads, group, n_q, n_k, dim, rows,
         **_constants("dkdv", tile, width, causal, checks, found, inject, q),
-        record=ledger is not None and not checks.has(*KERNEL_SECTIONS["dq"]),  # dQ's last else
+        record=ledger is not None and not checks.kernel_due("dq"),  # dQ checks nothing
     )
     # fmt: on
     if group > 1:
@@ -242,7 +257,7 @@ def backward(
         checks.has(kernels.GRAD_PROBS), checks,
     )  # fmt: skip
     # fmt: off
-    grid = (triton.cdiv(n_q, tile.block_m), batch * heads)
+    grid = (_cdiv(n_q, tile.block_m), batch * heads)
     _twice(
         module._bwd_dq_kernel, grid,
         q, k, v, do, lse, delta, odo, dq, *kr, vr[1], *found.arguments, fault,
@@ -260,7 +275,7 @@ def backward(
 def _flags(grid: tuple[int, int], checks: Checks, kernel: str, device: torch.device) -> Tensor:
     """A checked launch's AGAIN: a flag a program, each written by its program's first pass
     (so no fill); a placeholder where the launch checks nothing."""
-    if not checks.has(*KERNEL_SECTIONS[kernel]):
+    if not checks.kernel_due(kernel):
         return checksums.placeholder(torch.int32, device)
     return torch.empty(grid[0] * grid[1], dtype=torch.int32, device=device)
 
@@ -362,7 +377,7 @@ def _constants(
         "BLOCK_N": tile.block_n,
         "HEAD_DIM": width,
         "CAUSAL": causal,
-        "DUE": checks.due & section_bits(KERNEL_SECTIONS[kernel]),
+        "DUE": checks.due & KERNEL_BITS[kernel],
         "SCALED": checksums.HEADROOM.get(q.dtype, 0) != 0,
         "INJECT": inject is not None,
         "CALIBRATE": found.ratio is not None,
