@@ -39,8 +39,8 @@ ifeq ($(strip $(VENV)),)
 	$(PY) -m pip install --no-index --no-build-isolation --no-deps -e .
 else
 	@# a new environment takes about 5 GB (torch's CUDA wheels): say so before pip runs out
-	@test -x $(PY) || [ $$(df -Pk . | awk 'NR==2 {print $$4}') -ge 6000000 ] || \
-		{ echo "make: a new $(VENV) needs about 6 GB free here (torch's CUDA wheels);" \
+	@test -x $(PY) || [ $$(df -Pk . | awk 'NR==2 {print $$4}') -ge 5000000 ] || \
+		{ echo "make: a new $(VENV) needs about 5 GB free here (torch's CUDA wheels);" \
 		"$$(df -Pk . | awk 'NR==2 {print int($$4 / 1024)}') MB are free"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
