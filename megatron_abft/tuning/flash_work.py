@@ -307,8 +307,8 @@ def flash_shared(shape: ModelShape) -> dict[str, Work]:
     backward's rounding of Delta (``sum |O| |dO|`` a row, which the prologue writes beside
     Delta); ``identities``, the dQ kernel's row identities (IDENTITY_OPS); ``retry``, each
     kernel's second launch (RETRY_OPS); ``ledger``, the findings buffers (FOUND_OPS) of the
-    forward and the backward. The kernels' reads of the
-    tiles, a tile's at a time and mostly from L2, are left out."""
+    forward and the backward. The kernels' reads of the tiles, a tile's at a time and mostly
+    from L2, are left out."""
     f = _FlashShape.of(shape)
     prepass = Work()
     for kernel, launches in PREPASS.items():
