@@ -4,7 +4,7 @@ what fails the gate (tests/flash/test_flash_gate.py fails on the same).
 
     python -m tools.flash_sass --markdown                      # the table for docs/benchmarks.md
     python -m tools.flash_sass --all --json out/flash_sass.json
-    python -m tools.flash_sass --running                       # the running sums' launches
+    python -m tools.flash_sass --running                       # the launches with running sums
 
 ``--all`` also builds what must build without a budget: the second (RETRY) launches, fault
 injection and calibration, grouped-query attention, ragged lengths, a padded head dim, and
@@ -41,8 +41,9 @@ def jobs(dtypes: list[str], all_builds: bool) -> list[tuple]:
 
 
 def running_markdown(builds: list[aot.Build], seqs: tuple[int, ...] = (2048, 8192)) -> str:
-    """The running sums' launches: what a step of their scan costs, and how many dependent
-    steps a head takes at ``seqs`` tokens (a program a head walks its tiles in steps)."""
+    """The launches that add up running sums: what a step of their scan costs, and how many
+    dependent steps a head takes at ``seqs`` tokens (a program a head walks its tiles in
+    steps)."""
     lines = [
         "| launch | dtype | head dim | tile rows | regs | spills (B) | tiles a step "
         "| instructions, barriers a step | steps a head at " + " / ".join(map(str, seqs)) + " |",

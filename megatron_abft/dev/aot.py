@@ -366,7 +366,7 @@ def running_launches(dtypes: tuple[str, ...] | None = None) -> list[tuple[Case, 
     return [
         (case, made)
         for case, made in launches(cases)
-        if made.kernel in ("running", "backward_running") and made.get("COLUMNS")
+        if made.kernel in ("sums", "backward") and made.get("COLUMNS")
     ]
 
 

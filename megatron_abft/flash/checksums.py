@@ -10,8 +10,8 @@ sum keeps fp32's 24, and the product of two input-dtype values is exact in the M
 accumulator. ``scale`` is a power of two that keeps fp16's parts in range (1 for bf16 and fp32):
 for the row sums, one a head, so that the kernels accumulate a reference over the head's tiles
 in the MMA and scale it once, after their loops. The tile launch writes fp16's row sums in fp32
-with each tile's peak, and the launch that adds up the column sums, one program a head, splits
-them at the head's scale (``_running_kernel``, also launched for that alone).
+with each tile's peak, and the launch's last program of each head, which adds up the column
+sums, splits them at the head's scale (``_running``).
 A row far below its head's peak may have parts in fp16's subnormals, a loss of at most
 PART_LOSS a part set; the rows' absolute sums, the masses of the accumulated checks, are
 widened to cover it (``slack``).
@@ -57,9 +57,9 @@ fp16's smallest subnormal (the last nonzero part rounds to that grid; a value wh
 normal loses about 2**-33 of itself, fp32's rounding covers it)."""
 ONES_COLUMN = tl.constexpr(ONES)
 SCAN = tl.constexpr(1024)
-"""Column-sum values (tiles x head dim) the running-sum launches add up in one step."""
+"""Column-sum values (tiles x head dim) the running sums (_prefix_sums) add up in one step."""
 CHUNK = tl.constexpr(256)
-"""Rows a program of the running-sum launches splits at a time (a multiple of any tile's)."""
+"""Rows the split of fp16's row sums takes at a time (a multiple of any tile's)."""
 RAW_VALUES = tl.constexpr(5)
 """fp32 values a query row that fp16's backward keeps for its split: dO's sum, absolute sum and
 L2 norm, Q's sum and absolute sum."""
@@ -89,13 +89,15 @@ class Sums:
 
 def key_value_sums(
     k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool,
-    slack: float = 0.0,
+    slack: float = 0.0, done: Tensor | None = None,
 ) -> tuple[Sums | None, Sums | None, Sums | None]:  # fmt: skip
     """K's column sums (each over the tiles from the first to it, a prefix) and row sums, and
     V's row sums, of ``block``-row tiles padded to ``width`` columns (None for a kind not asked
-    for): one launch over K and V, and one more for the prefix sums and fp16's row sums.
-    ``slack``: each row's absolute sum is widened by ``slack * scale`` (the tiles' bound per
-    unit of mass times it covers PART_LOSS)."""
+    for): one launch over K and V, whose last program of each head adds up the prefix sums and
+    splits fp16's row sums. ``slack``: each row's absolute sum is widened by ``slack * scale``
+    (the tiles' bound per unit of mass times it covers PART_LOSS). ``done``: a zeroed int32
+    counter a (batch, head) of K, where the prefix sums or fp16's split are due (made here,
+    one launch more, when not given)."""
     b, h, n, d = k.shape
     tiles = -(-n // block)
     matrices = b * h
@@ -134,20 +136,34 @@ def key_value_sums(
         empty(matrices, tiles * block, 2, dtype=torch.float32) if headroom and wanted else col.stats
         for wanted in (rows, both)
     )
-    module._sums_kernel[(tiles, matrices, 2 if both else 1)](
-        x, column_sums, col.stats, row.parts, row.stats, x_raw, *x.stride(), v, y.parts,
-        y.stats, y_raw, *v.stride(), h, n, d, slack, BLOCK=block, HEAD_DIM=width,
-        COLUMNS=columns, ROWS=rows, HEADROOM=headroom, num_warps=4, num_stages=1,
-    )  # fmt: skip
     split = headroom != 0 and (rows or both)
-    if columns or split:
-        module._running_kernel[(matrices,)](
-            column_sums, col.parts, col.stats, tiles, x_raw, row.parts, row.stats, y_raw,
-            y.parts, y.stats, slack, HEAD_DIM=width, VECTORS=1, STATS=3, REVERSE=False,
-            HEADROOM=headroom, BLOCK=block, COLUMNS=columns, ROWS=split and rows,
-            ROWS_Y=split and both, num_warps=4, num_stages=1,
-        )  # fmt: skip
+    if done is None:
+        done = _counters(matrices, columns or split, k.device)
+    module._sums_kernel[(tiles, matrices, 2 if both else 1)](
+        x, column_sums, col.parts, col.stats, row.parts, row.stats, x_raw, *x.stride(), v,
+        y.parts, y.stats, y_raw, *v.stride(), done, h, n, d, slack, BLOCK=block,
+        HEAD_DIM=width, COLUMNS=columns, ROWS=rows, Y_ROWS=both, SPLIT=split,
+        HEADROOM=headroom, num_warps=4, num_stages=1,
+    )  # fmt: skip
     return made
+
+
+def _counters(matrices: int, counted: bool, device: torch.device) -> Tensor:
+    """Zeroed counters a (batch, head) for _head_done where a launch's last programs add up its
+    heads (one launch), a placeholder where they do not."""
+    if not counted:
+        return placeholder(torch.int32, device)
+    return torch.zeros(matrices, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _head_done(DONE, programs):
+    """Whether this program is the last of its head's ``programs`` to get here: each counts
+    itself in DONE (zeroed before the launch) after a barrier, so that the last one's loads come
+    after every other program's stores (acquire-release). The kernels module has its own
+    (``_last``): each build of a module resolves only its own helpers."""
+    tl.debug_barrier()
+    return tl.atomic_add(DONE, 1, sem="acq_rel") == programs - 1
 
 
 @triton.jit
@@ -187,20 +203,28 @@ def _split(w, first: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _sums_kernel(
-    X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, Y, YP, YS, YR, syb, syh, syn, syd, H, N, D, slack,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
-    HEADROOM: tl.constexpr,
+    X, CF, CP, CS, RP, RS, XR, sxb, sxh, sxn, sxd, Y, YP, YS, YR, syb, syh, syn, syd, DONE, H,
+    N, D, slack, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr,
+    ROWS: tl.constexpr, Y_ROWS: tl.constexpr, SPLIT: tl.constexpr, HEADROOM: tl.constexpr,
 ):  # fmt: skip
     """One tile of one (batch, head): program 0 on axis 2 takes X's column sums (CF, fp32, and
-    their masses in CS) and row sums (RP, RS), program 1 Y's row sums (YP, YS), as Sums lays
-    them out; with HEADROOM, the row sums in fp32 (XR, YR: a row's sum and absolute sum) for
-    _running_kernel to split."""
+    their masses in CS) and row sums (RP, RS), program 1 (Y_ROWS) Y's row sums (YP, YS), as
+    Sums lays them out; with SPLIT, the row sums in fp32 (XR, YR: a row's sum and absolute sum)
+    instead. The head's last program then adds up the column sums into their parts (CP) and
+    splits the row sums at the head's scale (_running)."""
     if tl.program_id(2) == 0:
         _tile_sums(X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK, HEAD_DIM,
                    COLUMNS, ROWS, HEADROOM)  # fmt: skip
     else:
         _tile_sums(Y, CF, CS, YP, YS, YR, syb, syh, syn, syd, H, N, D, slack, BLOCK, HEAD_DIM,
                    False, True, HEADROOM)  # fmt: skip
+    if COLUMNS or SPLIT:
+        bh = tl.program_id(1)
+        tiles = tl.num_programs(0)
+        if _head_done(DONE + bh, tiles * tl.num_programs(2)):
+            _running(CF, CP, CS, tiles, XR, RP, RS, YR, YP, YS, bh.to(tl.int64), slack,
+                     HEAD_DIM, HEADROOM, BLOCK, COLUMNS, SPLIT and ROWS,
+                     SPLIT and Y_ROWS)  # fmt: skip
 
 
 @triton.jit
@@ -219,7 +243,7 @@ def _tile_sums(
     x = x.to(tl.float32)
     base = (bh * tiles + tile).to(tl.int64)
     largest_row = tl.max(tl.sqrt(tl.sum(x * x, 1)), 0)
-    if COLUMNS:  # fp32, for _running_kernel
+    if COLUMNS:  # fp32, for _running
         tl.store(CF + base * HEAD_DIM + dims, tl.sum(x, 0))
         absolute = tl.sum(tl.abs(x), 0)
         tl.store(CS + base * 3 + 1, tl.sqrt(tl.sum(absolute * absolute, 0)))
@@ -231,7 +255,7 @@ def _tile_sums(
         if HEADROOM == 0:
             _store_parts(RP, at_rows, r, a, 1.0, slack, at_rows >= 0)
             tl.store(RS + base * 3, 1.0)
-        else:  # split at the head's scale by _running_kernel
+        else:  # split at the head's scale by _running
             tl.store(XR + at_rows * 2, r)
             tl.store(XR + at_rows * 2 + 1, a)
         tl.store(RS + base * 3 + 1, tl.max(a, 0))
@@ -295,12 +319,13 @@ class Backward:
 
 def backward(
     o: Tensor, do: Tensor, q: Tensor, block: int, width: int, odo: bool, rows: bool,
-    queries: bool, columns: bool, slack: float = 0.0,
+    queries: bool, columns: bool, slack: float = 0.0, done: Tensor | None = None,
 ) -> Backward:  # fmt: skip
     """Delta, and the backward's checksum tiles of ``block`` queries (those asked for: ``rows``,
     dO's; ``queries``, Q's; ``columns``, the suffix column sums): one launch over O, dO and Q,
-    and one more for the suffix sums and fp16's row sums. ``slack`` as in key_value_sums, for
-    dO's absolute row sums and Q's (in dK's masses)."""
+    whose last program of each head adds up the suffix sums and splits fp16's row sums.
+    ``slack`` as in key_value_sums, for dO's absolute row sums and Q's (in dK's masses);
+    ``done`` as there, a counter a (batch, head) of Q."""
     b, h, n, d = q.shape
     tiles = -(-n // block)
     matrices = b * h
@@ -326,33 +351,30 @@ def backward(
     # fp16: a row's values in fp32 (RAW_VALUES) and each tile's peaks of dO's and Q's
     raw = empty(matrices, tiles * block, RAW_VALUES, dtype=torch.float32, wanted=split)
     peaks = empty(matrices, tiles, 2, dtype=torch.float32, wanted=split)
+    if done is None:
+        done = _counters(matrices, columns or split, q.device)
     module._backward_kernel[(padded // block, matrices)](
-        o, do, q, made.delta, made.odo, made.rows, sums, made.stats, raw, peaks,
-        *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles, slack,
+        o, do, q, made.delta, made.odo, made.rows, sums, made.columns, made.stats, raw, peaks,
+        done, *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles, slack,
         BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows, QUERIES=queries, COLUMNS=columns,
-        HEADROOM=headroom, num_warps=4, num_stages=1,
+        SPLIT=split, HEADROOM=headroom, num_warps=4, num_stages=1,
     )  # fmt: skip
-    if columns or split:
-        module._backward_running_kernel[(matrices,)](
-            sums, made.columns, made.stats, tiles, raw, peaks, made.delta, made.rows, padded,
-            slack, HEAD_DIM=width, HEADROOM=headroom, BLOCK=block, COLUMNS=columns,
-            ROWS=split and rows, QUERIES=split and queries, num_warps=4, num_stages=1,
-        )  # fmt: skip
     return made
 
 
 @triton.jit
 def _backward_kernel(
-    OUT, DO, Q, DELTA, ABS, RW, CF, ST, RAW, PK, sob, soh, som, sod, sdob, sdoh, sdom, sdod, sqb,
-    sqh, sqm, sqd, H, N, D, TILES, slack, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ODO: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr,
-    HEADROOM: tl.constexpr,
+    OUT, DO, Q, DELTA, ABS, RW, CF, CP, ST, RAW, PK, DONE, sob, soh, som, sod, sdob, sdoh, sdom,
+    sdod, sqb, sqh, sqm, sqd, H, N, D, TILES, slack, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ODO: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr,
+    COLUMNS: tl.constexpr, SPLIT: tl.constexpr, HEADROOM: tl.constexpr,
 ):  # fmt: skip
     """One query tile of one (batch, head): Delta (and with ODO its rounding, in ABS) for its
     rows, those past N (up to the padded rows, as the LSE) zero; and for the first TILES tiles
-    the checksum tiles Backward describes (CF: the tile's column sums of Q and dO, fp32, for
-    _backward_running_kernel); with HEADROOM, the rows' values in fp32 (RAW, RAW_VALUES a row)
-    and the tile's peaks of dO's and Q's rows (PK) instead, for that launch to split."""
+    the checksum tiles Backward describes (CF: the tile's column sums of Q and dO, fp32); with
+    SPLIT, the rows' values in fp32 (RAW, RAW_VALUES a row) and the tile's peaks of dO's and Q's
+    rows (PK) instead. The head's last program then adds up the column sums into their parts
+    (CP) and splits the row sums at the head's scales (_backward_running)."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     tiles = TILES
@@ -398,6 +420,11 @@ def _backward_kernel(
                 do_abs = tl.sum(tl.abs(do), 0)
                 tl.store(ST + base * 8 + 3, tl.sqrt(tl.sum(q_abs * q_abs, 0)))
                 tl.store(ST + base * 8 + 4, tl.sqrt(tl.sum(do_abs * do_abs, 0)))
+    if COLUMNS or SPLIT:
+        if _head_done(DONE + bh, tl.num_programs(0)):
+            _backward_running(CF, CP, ST, TILES, RAW, PK, DELTA, RW, padded, slack,
+                              bh.to(tl.int64), HEAD_DIM, HEADROOM, BLOCK, COLUMNS,
+                              SPLIT and ROWS, SPLIT and QUERIES)  # fmt: skip
 
 
 @triton.jit
@@ -438,15 +465,14 @@ def _backward_parts(
 
 
 @triton.jit
-def _backward_running_kernel(
-    CF, CP, ST, TILES, RAW, PK, DELTA, RW, PADDED, slack, HEAD_DIM: tl.constexpr,
+def _backward_running(
+    CF, CP, ST, TILES, RAW, PK, DELTA, RW, PADDED, slack, bh, HEAD_DIM: tl.constexpr,
     HEADROOM: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
     QUERIES: tl.constexpr,
 ):  # fmt: skip
     """One (batch, head) of the backward's checksum tiles: Q's and dO's column sums added up
     from the last tile to each (COLUMNS, _prefix_sums), and fp16's row sums (ROWS, QUERIES:
     _backward_kernel's RAW) split at the head's scales (from its tiles' peaks, PK)."""
-    bh = tl.program_id(0).to(tl.int64)
     if COLUMNS:
         _prefix_sums(CF, CP, ST, bh, TILES, HEAD_DIM, 2, 8, True, HEADROOM)
     if ROWS or QUERIES:
@@ -470,17 +496,16 @@ def _backward_running_kernel(
 
 
 @triton.jit
-def _running_kernel(
-    CF, CP, ST, TILES, XR, RP, RS, YR, YP, YS, slack, HEAD_DIM: tl.constexpr,
-    VECTORS: tl.constexpr, STATS: tl.constexpr, REVERSE: tl.constexpr, HEADROOM: tl.constexpr,
-    BLOCK: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr, ROWS_Y: tl.constexpr,
+def _running(
+    CF, CP, ST, TILES, XR, RP, RS, YR, YP, YS, bh, slack, HEAD_DIM: tl.constexpr,
+    HEADROOM: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
+    ROWS_Y: tl.constexpr,
 ):  # fmt: skip
     """One (batch, head) of K's and V's checksum tiles: K's column sums added up (COLUMNS,
     _prefix_sums), and fp16's row sums of X and Y (ROWS, ROWS_Y: _sums_kernel's XR and YR)
     split at the head's scale."""
-    bh = tl.program_id(0).to(tl.int64)
     if COLUMNS:
-        _prefix_sums(CF, CP, ST, bh, TILES, HEAD_DIM, VECTORS, STATS, REVERSE, HEADROOM)
+        _prefix_sums(CF, CP, ST, bh, TILES, HEAD_DIM, 1, 3, False, HEADROOM)
     if ROWS:
         _head_rows(XR, RP, RS, bh, TILES, slack, BLOCK, HEADROOM)
     if ROWS_Y:

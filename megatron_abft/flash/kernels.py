@@ -196,9 +196,10 @@ def _report(
 @triton.jit
 def _last(DONE):
     """Whether this program is the last of its launch to get here: each counts itself in DONE
-    (zeroed before the call), and the last one's count comes after every other program's
-    findings (acquire-release)."""
+    (zeroed before the call) after a barrier, so that the last one's count comes after every
+    other program's findings, all of its threads' (acquire-release)."""
     total = tl.num_programs(0) * tl.num_programs(1)
+    tl.debug_barrier()
     return tl.atomic_add(DONE, 1, sem="acq_rel") == total - 1
 
 

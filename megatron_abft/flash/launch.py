@@ -115,13 +115,16 @@ class Findings:
     device: ``codes``, and the first flagged row and column (as ``kernels.NO_ROW - row``, 0
     none) as kernels.py describes them, and, in calibration runs, the largest clean residual
     ratio; ``done`` counts the programs of the call's last launch, whose last folds the
-    findings into the ledger (kernels._record)."""
+    findings into the ledger (kernels._record); ``heads`` [3, matrices], each head's programs
+    of a checksum launch (the forward's, the backward's two), whose last adds up the head's sums
+    (checksums._head_done), None where the call checks nothing."""
 
     codes: Tensor
     rows: Tensor
     cols: Tensor
     done: Tensor
     ratio: Tensor | None = None
+    heads: Tensor | None = None
 
     @property
     def arguments(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -133,12 +136,18 @@ class Findings:
     def empty(cls, matrices: int, device: torch.device, calibrate: bool = False) -> Findings:
         """Nothing found yet, in one zeroed buffer (one launch)."""
         size = kernels.N_SECTIONS.value * matrices
-        buffer = torch.zeros(3 * size + 1, dtype=torch.int32, device=device)
-        codes, rows, cols = buffer[:-1].view(3, kernels.N_SECTIONS.value, matrices)
+        buffer = torch.zeros(3 * size + 1 + 3 * matrices, dtype=torch.int32, device=device)
+        codes, rows, cols = buffer[: 3 * size].view(3, kernels.N_SECTIONS.value, matrices)
         ratio = None
         if calibrate:
             ratio = torch.zeros(codes.shape, dtype=torch.float32, device=device)
-        return cls(codes, rows, cols, buffer[-1:], ratio)
+        heads = buffer[3 * size + 1 :].view(3, matrices)
+        return cls(codes, rows, cols, buffer[3 * size : 3 * size + 1], ratio, heads)
+
+    def counters(self, launch: int) -> Tensor | None:
+        """The per-head counters of checksum launch ``launch``: 0 the forward's, 1 and 2 the
+        backward's (one Findings may serve both ops)."""
+        return None if self.heads is None else self.heads[launch]
 
     @classmethod
     def unchecked(cls, device: torch.device) -> Findings:
@@ -172,7 +181,7 @@ def forward(
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
     kc, _, vr = _key_value_sums(
         k, v, tile.block_n, width, checks.has(kernels.SCORES), False,
-        checks.has(kernels.CONTEXT), checks,
+        checks.has(kernels.CONTEXT), checks, found.counters(0),
     )  # fmt: skip
     grid = (_cdiv(n_q, tile.block_m), batch * heads)
     # fmt: off
@@ -219,7 +228,7 @@ def backward(
         rows=checks.has(kernels.GRAD_V, kernels.GRAD_K),
         queries=checks.has(kernels.GRAD_K),
         columns=checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS),
-        slack=_slack(q.dtype, checks),
+        slack=_slack(q.dtype, checks), done=found.counters(1),
     )  # fmt: skip
     delta, odo = made.delta, made.odo
     rows = delta.shape[-1]
@@ -254,7 +263,7 @@ def backward(
     identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
     _, kr, vr = _key_value_sums(
         k, v, tile.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
-        checks.has(kernels.GRAD_PROBS), checks,
+        checks.has(kernels.GRAD_PROBS), checks, found.counters(2),
     )  # fmt: skip
     # fmt: off
     grid = (_cdiv(n_q, tile.block_m), batch * heads)
@@ -350,12 +359,12 @@ def _slack(dtype: torch.dtype, checks: Checks) -> float:
 
 def _key_value_sums(
     k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool,
-    checks: Checks,
+    checks: Checks, done: Tensor | None,
 ) -> tuple[tuple[Tensor, Tensor], ...]:  # fmt: skip
-    """K's column and row sums and V's row sums (checksums.key_value_sums) as kernel arguments,
-    parts and stats, placeholders for a kind not asked for."""
+    """K's column and row sums and V's row sums (checksums.key_value_sums, counting its heads
+    in ``done``) as kernel arguments, parts and stats, placeholders for a kind not asked for."""
     made = checksums.key_value_sums(
-        k, v, block, width, columns, k_rows, v_rows, _slack(k.dtype, checks)
+        k, v, block, width, columns, k_rows, v_rows, _slack(k.dtype, checks), done
     )
     nothing = checksums.placeholder(k.dtype, k.device)
     return tuple((s.parts, s.stats) if s else (nothing, nothing) for s in made)

@@ -225,31 +225,31 @@ class Prepass:
     stats: int = 3
     """fp32 values a tile of its stats (scales, masses)."""
     raw: int = 0
-    """fp32 values a row written, then read again by the running-sum launch (SPLIT)."""
+    """fp32 values a row written, then read again by the head's last program (SPLIT)."""
     launches: int = 1
 
 
 PREPASS = {
-    "forward": (Prepass(False, 1, columns=1, launches=2), Prepass(False, 1, rows=1, launches=0)),
-    "dkdv": (Prepass(True, 1, rows=1, columns=2, stats=8),),
+    "forward": (Prepass(False, 1, columns=1), Prepass(False, 1, rows=1, launches=0)),
+    "dkdv": (Prepass(True, 1, rows=1, columns=2, stats=8, launches=0),),
     "dq": (Prepass(False, 1, rows=1), Prepass(False, 1, rows=1, launches=0)),
 }
 """The checksum tiles launch.py makes before each kernel when all its sections are due: the
-forward's of K (the prefix sums of its columns: checksums.key_value_sums and its running sums)
-and of V (rows) in the same launch, tiled by its block_n; dK/dV's from the prologue that
-computes Delta anyway (checksums.backward: one tile of dO's and Q's rows, their suffix column
-sums, from one more read of Q and one launch of running sums), tiled by its block_m; dQ's of K
-and V (rows), one launch, by its block_n."""
+forward's of K (the prefix sums of its columns, added up by the last program of each head:
+checksums.key_value_sums) and of V (rows) in the same launch, tiled by its block_n; dK/dV's
+from the prologue that computes Delta anyway (checksums.backward: one tile of dO's and Q's
+rows, their suffix column sums, from one more read of Q, no launch of its own), tiled by its
+block_m; dQ's of K and V (rows), one launch, by its block_n."""
 SPLIT = {
     "forward": Prepass(False, 0, stats=0, raw=2, launches=0),
     "dkdv": Prepass(True, 0, stats=2, raw=5, launches=0),
-    "dq": Prepass(False, 0, stats=0, raw=4, launches=1),
+    "dq": Prepass(False, 0, stats=0, raw=4, launches=0),
 }
 """For a dtype whose checksum parts carry a scale (SCALED), one scale a head: each kernel's
-row sums leave the tile launch in fp32 (``raw`` values a row: V's sum and absolute sum; K's and
-V's; dO's three and Q's two) and the running-sum launch splits them at the head's scale, one
-launch more where there is none (dQ's); dK/dV's tiles' peaks of dO and Q apart, the others'
-into the stats PREPASS counts."""
+row sums leave the tile programs in fp32 (``raw`` values a row: V's sum and absolute sum; K's
+and V's; dO's three and Q's two) and the last program of each head splits them at the head's
+scale, in the same launch; dK/dV's tiles' peaks of dO and Q apart, the others' into the stats
+PREPASS counts."""
 SCALED = ("fp16",)
 """The dtypes whose checksum parts carry a scale (megatron_abft.flash.checksums.HEADROOM)."""
 FOUND_OPS = 1
@@ -321,7 +321,9 @@ def flash_shared(shape: ModelShape) -> dict[str, Work]:
         "odo": Work(bytes=f.queries * f.seq * 4),
         "identities": Work(vector=f.computed("dq") * IDENTITY_OPS),
         "retry": Work(ops=RETRY_OPS),
-        # the findings buffers (codes, rows, columns of each section and matrix, and the count
-        # of the programs done), zero-filled
-        "ledger": Work(ops=2 * FOUND_OPS, bytes=2 * (3 * len(FLASH_SECTIONS) * f.queries + 1) * 4),
+        # the findings buffers (codes, rows, columns of each section and matrix, the count of
+        # the programs done, and three counters a head for the checksum launches), zero-filled
+        "ledger": Work(
+            ops=2 * FOUND_OPS, bytes=2 * ((3 * len(FLASH_SECTIONS) + 3) * f.queries + 1) * 4
+        ),
     }

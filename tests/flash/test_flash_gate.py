@@ -93,7 +93,7 @@ def test_what_else_the_flash_path_launches_builds():
         if made.kernel in tiles.KERNELS and not made.get("RETRY")
     ]
     builds = aot.build_all(jobs, workers=2)
-    assert {b.kernel for b in builds} >= {*tiles.KERNELS, "backward", "running", "sums"}
+    assert {b.kernel for b in builds} >= {*tiles.KERNELS, "backward", "sums"}
     assert any(b.launch.get("RETRY") for b in builds) and any(b.arch == 80 for b in builds)
     assert aot.verdicts(builds) == []
 
