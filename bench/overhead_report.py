@@ -435,6 +435,7 @@ def paths_table(device: DeviceProfile) -> list[str]:
 
 def flash_method() -> list[str]:
     """How the flash path is modelled, for "How the prediction is made"."""
+    prepass = sum(p.launches for c in PREPASS.values() for p in c)
     text = (
         "The flash path (`flash`: the protected flash attention, `megatron_abft.flash`) is "
         "priced for the GPU profiles only, its kernels' CUDA-core and exp2 rates from datasheets "
@@ -458,8 +459,9 @@ def flash_method() -> list[str]:
         "cores (16 over head_dim of the GEMM) and compares its output's row sums once a "
         f"program; a comparison is {CHECK_ROW_OPS} ops a row. On any "
         "step that checks any flash section, the launches also make their checksum tiles "
-        f"({sum(p.launches for c in PREPASS.values() for p in c)} Triton launches a layer, "
-        "each reading its operand once more), the backward the rounding "
+        f"({prepass} Triton launch{'es' * (prepass != 1)} "
+        "a layer, the backward's in its Delta launch, each tile reading its operand once more), "
+        "the backward the rounding "
         f"of Delta, the dQ kernel its row identities ({IDENTITY_OPS} "
         f"op{'s' * (IDENTITY_OPS != 1)} an element of S), each "
         f"kernel launches a second pass ({RETRY_OPS} launches, whose clean programs return at "
@@ -733,9 +735,10 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "roofline's own step beside the measured one). The checks are never scaled: their",
             "time is the model's count of their work at the micro-benchmarks' rates.",
             "That count is of the code as it is, not as it was when a run was made: the GPU",
-            "runs' flash calls launched four kernels a layer more (the ledger's updates and",
-            "the running sums, made since by the last programs of the kernels before them),",
-            "which their rows do not price.",
+            "runs' flash calls launched five kernels a layer more (the ledger's updates and",
+            "the running sums, made since by the last programs of the kernels before them, and",
+            "dQ's checksum tiles, made since in the backward's first launch), which their rows",
+            "do not price.",
             "Tolerance: ±25% relative or ±1 percentage point, whichever is looser.",
             "Each measured overhead comes with the half-width of its 95% bootstrap interval",
             "over the run's repetitions (`bench_overhead.py`): a row whose prediction falls",

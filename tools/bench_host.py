@@ -151,7 +151,8 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
     returns, for GPT-3 350M's heads (16 of 64, head dim 64, bf16). On a GPU one sequence of
     2048 tokens, and each kernel's device time (``kernels``). On the CPU 128 tokens, the Triton
     launches counted and not run: the time is the Python and torch around them (and their
-    count, the same on every device)."""
+    count, the same on every device), and ``binder``, Triton's binder alone on the call's
+    launches (aot.binder_seconds: the part of its launcher that grows with the arguments)."""
     from megatron_abft.dev import aot
     from megatron_abft.flash import FlashLedger, flash_attention
 
@@ -182,9 +183,11 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
                 call()
                 times.append(time.perf_counter() - begin)
                 count += len(launches)
-            launches.clear()
             per_call = count / number if device.type == "cpu" else None
             result[name] = {"host": statistics.median(times), "launches": per_call}
+            if device.type == "cpu":
+                result[name]["binder"] = aot.binder_seconds(launches)
+            launches.clear()
             result[name]["profile"] = profiled(call, device, number // 4, launches)
             if device.type == "cuda":
                 result[name]["kernels"] = device_kernels(call, device)
@@ -308,6 +311,8 @@ def main() -> None:
     for name, row in flash.items():
         launches = f", {row['launches']:.0f} launches (counted, not run)" if row["launches"] else ""
         print(f"the flash attention's call, {name}: {row['host'] * 1e3:.3f} ms{launches}")
+        if "binder" in row:
+            print(f"  Triton's binder on its launches (sm_90): {row['binder'] * us:.0f} us")
         profile = row["profile"]
         print(
             f"  profiled: {profile['triton_launcher_share']:.0%} inside Triton's launcher; most"

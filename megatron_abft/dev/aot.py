@@ -191,6 +191,26 @@ def specialize(fn, args: tuple, kwargs: dict, arch: int = 90) -> Launch:
     )
 
 
+def binder_seconds(recorded: list[tuple], arch: int = 90, repeats: int = 50) -> float:
+    """Triton's binder alone on ``recorded`` launches (``recording``'s records), summed: what
+    its launcher does on every launch before the cache and the driver (the arguments bound,
+    their specialisation computed: a cost that grows with the arguments), the median of
+    ``repeats`` runs a launch, in seconds."""
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    total = 0.0
+    for fn, args, kwargs in recorded:
+        if "TMA" in kwargs:
+            kwargs = {**kwargs, "TMA": arch >= 90}
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            binder(*args, **kwargs)
+            times.append(time.perf_counter() - begin)
+        total += sorted(times)[repeats // 2]
+    return total
+
+
 def _hashable(value):
     if isinstance(value, list | tuple):
         return tuple(_hashable(v) for v in value)

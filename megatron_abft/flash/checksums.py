@@ -87,17 +87,32 @@ class Sums:
     norm."""
 
 
-def key_value_sums(
+@dataclass
+class KeyValueWork:
+    """What ``key_value_sums`` makes and the arguments of the launch that makes it, for its own
+    launch or as a part of the backward's first (``backward``'s ``keys``)."""
+
+    made: tuple[Sums | None, Sums | None, Sums | None]
+    """K's column sums, K's row sums, V's row sums (None for a kind not asked for)."""
+    args: tuple
+    """_key_value_tile's tensors and runtime values, in its order (placeholders where nothing
+    is made)."""
+    constants: dict
+    """Its constexprs but HEAD_DIM and HEADROOM."""
+    tiles: int
+    matrices: int
+
+    @property
+    def due(self) -> bool:
+        """Whether it makes anything."""
+        return any(self.made)
+
+
+def key_value_work(
     k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool,
     slack: float = 0.0, done: Tensor | None = None,
-) -> tuple[Sums | None, Sums | None, Sums | None]:  # fmt: skip
-    """K's column sums (each over the tiles from the first to it, a prefix) and row sums, and
-    V's row sums, of ``block``-row tiles padded to ``width`` columns (None for a kind not asked
-    for): one launch over K and V, whose last program of each head adds up the prefix sums and
-    splits fp16's row sums. ``slack``: each row's absolute sum is widened by ``slack * scale``
-    (the tiles' bound per unit of mass times it covers PART_LOSS). ``done``: a zeroed int32
-    counter a (batch, head) of K, where the prefix sums or fp16's split are due (made here,
-    one launch more, when not given)."""
+) -> KeyValueWork:  # fmt: skip
+    """The buffers and launch arguments of ``key_value_sums`` (its arguments), not launched."""
     b, h, n, d = k.shape
     tiles = -(-n // block)
     matrices = b * h
@@ -117,20 +132,17 @@ def key_value_sums(
         row_sums() if k_rows else None,
         row_sums() if v_rows else None,
     )
-    if not any(made):
-        return made
-    # program 0 of a tile takes K (V where nothing of K's is asked for), program 1 V's row sums;
-    # a kind not asked for writes nowhere, its arguments any buffer that was made
-    placeholder = next(s for s in made if s)
+    # a program takes a tile of K (V where nothing of K's is asked for), then V's row sums; a
+    # kind not asked for writes nowhere (placeholders; all of them where nothing is asked for)
+    nothing = Sums(placeholder(k.dtype, k.device), placeholder(torch.float32, k.device))
     of_k = columns or k_rows
     x, x_rows = (k, made[1]) if of_k else (v, made[2])
     both = of_k and v_rows
-    col, row = made[0] or placeholder, x_rows or placeholder
-    y = made[2] if both else placeholder
+    col, row = made[0] or nothing, x_rows or nothing
+    y = made[2] if both else nothing
     column_sums = empty(matrices, tiles, width, dtype=torch.float32) if columns else col.stats
-    module = build.for_device(sys.modules[__name__], k.device)
-    headroom = HEADROOM.get(k.dtype, 0)
     rows = x_rows is not None
+    headroom = HEADROOM.get(k.dtype, 0)
     # fp16: each row's sum and absolute sum in fp32, split after at the head's scale
     x_raw, y_raw = (
         empty(matrices, tiles * block, 2, dtype=torch.float32) if headroom and wanted else col.stats
@@ -139,13 +151,33 @@ def key_value_sums(
     split = headroom != 0 and (rows or both)
     if done is None:
         done = _counters(matrices, columns or split, k.device)
-    module._sums_kernel[(tiles, matrices, 2 if both else 1)](
+    args = (
         x, column_sums, col.parts, col.stats, row.parts, row.stats, x_raw, *x.stride(), v,
-        y.parts, y.stats, y_raw, *v.stride(), done, h, n, d, slack, BLOCK=block,
-        HEAD_DIM=width, COLUMNS=columns, ROWS=rows, Y_ROWS=both, SPLIT=split,
-        HEADROOM=headroom, num_warps=4, num_stages=1,
+        y.parts, y.stats, y_raw, *v.stride(), done, h, n, d, slack,
     )  # fmt: skip
-    return made
+    constants = dict(BLOCK=block, COLUMNS=columns, ROWS=rows, Y_ROWS=both, SPLIT=split)
+    return KeyValueWork(made, args, constants, tiles, matrices)
+
+
+def key_value_sums(
+    k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool,
+    slack: float = 0.0, done: Tensor | None = None,
+) -> tuple[Sums | None, Sums | None, Sums | None]:  # fmt: skip
+    """K's column sums (each over the tiles from the first to it, a prefix) and row sums, and
+    V's row sums, of ``block``-row tiles padded to ``width`` columns (None for a kind not asked
+    for): one launch over K and V, whose last program of each head adds up the prefix sums and
+    splits fp16's row sums. ``slack``: each row's absolute sum is widened by ``slack * scale``
+    (the tiles' bound per unit of mass times it covers PART_LOSS). ``done``: a zeroed int32
+    counter a (batch, head) of K, where the prefix sums or fp16's split are due (made here,
+    one launch more, when not given)."""
+    work = key_value_work(k, v, block, width, columns, k_rows, v_rows, slack, done)
+    if work.due:
+        module = build.for_device(sys.modules[__name__], k.device)
+        module._sums_kernel[(work.tiles, work.matrices)](
+            *work.args, HEAD_DIM=width, HEADROOM=HEADROOM.get(k.dtype, 0), **work.constants,
+            num_warps=4, num_stages=1,
+        )  # fmt: skip
+    return work.made
 
 
 def _counters(matrices: int, counted: bool, device: torch.device) -> Tensor:
@@ -207,21 +239,32 @@ def _sums_kernel(
     N, D, slack, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr,
     ROWS: tl.constexpr, Y_ROWS: tl.constexpr, SPLIT: tl.constexpr, HEADROOM: tl.constexpr,
 ):  # fmt: skip
-    """One tile of one (batch, head): program 0 on axis 2 takes X's column sums (CF, fp32, and
-    their masses in CS) and row sums (RP, RS), program 1 (Y_ROWS) Y's row sums (YP, YS), as
+    """One tile of one (batch, head) of key_value_sums (_key_value_tile)."""
+    _key_value_tile(X, CF, CP, CS, RP, RS, XR, sxb, sxh, sxn, sxd, Y, YP, YS, YR, syb, syh,
+                    syn, syd, DONE, H, N, D, slack, tl.program_id(0), tl.program_id(1),
+                    tl.num_programs(0), BLOCK, HEAD_DIM, COLUMNS, ROWS, Y_ROWS, SPLIT,
+                    HEADROOM)  # fmt: skip
+
+
+@triton.jit
+def _key_value_tile(
+    X, CF, CP, CS, RP, RS, XR, sxb, sxh, sxn, sxd, Y, YP, YS, YR, syb, syh, syn, syd, DONE, H,
+    N, D, slack, tile, bh, tiles, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    COLUMNS: tl.constexpr, ROWS: tl.constexpr, Y_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    HEADROOM: tl.constexpr,
+):  # fmt: skip
+    """Tile ``tile`` of (batch, head) ``bh``, of ``tiles`` a head: X's column sums (CF, fp32,
+    and their masses in CS) and row sums (RP, RS), and with Y_ROWS Y's row sums (YP, YS), as
     Sums lays them out; with SPLIT, the row sums in fp32 (XR, YR: a row's sum and absolute sum)
     instead. The head's last program then adds up the column sums into their parts (CP) and
     splits the row sums at the head's scale (_running)."""
-    if tl.program_id(2) == 0:
-        _tile_sums(X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK, HEAD_DIM,
-                   COLUMNS, ROWS, HEADROOM)  # fmt: skip
-    else:
-        _tile_sums(Y, CF, CS, YP, YS, YR, syb, syh, syn, syd, H, N, D, slack, BLOCK, HEAD_DIM,
-                   False, True, HEADROOM)  # fmt: skip
+    _tile_sums(X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, H, N, D, slack, tile, bh, tiles,
+               BLOCK, HEAD_DIM, COLUMNS, ROWS, HEADROOM)  # fmt: skip
+    if Y_ROWS:
+        _tile_sums(Y, CF, CS, YP, YS, YR, syb, syh, syn, syd, H, N, D, slack, tile, bh, tiles,
+                   BLOCK, HEAD_DIM, False, True, HEADROOM)  # fmt: skip
     if COLUMNS or SPLIT:
-        bh = tl.program_id(1)
-        tiles = tl.num_programs(0)
-        if _head_done(DONE + bh, tiles * tl.num_programs(2)):
+        if _head_done(DONE + bh, tiles):
             _running(CF, CP, CS, tiles, XR, RP, RS, YR, YP, YS, bh.to(tl.int64), slack,
                      HEAD_DIM, HEADROOM, BLOCK, COLUMNS, SPLIT and ROWS,
                      SPLIT and Y_ROWS)  # fmt: skip
@@ -229,12 +272,10 @@ def _sums_kernel(
 
 @triton.jit
 def _tile_sums(
-    X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, H, N, D, slack, BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr, HEADROOM: tl.constexpr,
+    X, CF, CS, RP, RS, XR, sxb, sxh, sxn, sxd, H, N, D, slack, tile, bh, tiles,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr,
+    HEADROOM: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    tiles = tl.num_programs(0)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
     at = (bh // H).to(tl.int64) * sxb + (bh % H).to(tl.int64) * sxh
@@ -320,12 +361,15 @@ class Backward:
 def backward(
     o: Tensor, do: Tensor, q: Tensor, block: int, width: int, odo: bool, rows: bool,
     queries: bool, columns: bool, slack: float = 0.0, done: Tensor | None = None,
+    keys: KeyValueWork | None = None,
 ) -> Backward:  # fmt: skip
     """Delta, and the backward's checksum tiles of ``block`` queries (those asked for: ``rows``,
     dO's; ``queries``, Q's; ``columns``, the suffix column sums): one launch over O, dO and Q,
     whose last program of each head adds up the suffix sums and splits fp16's row sums.
     ``slack`` as in key_value_sums, for dO's absolute row sums and Q's (in dK's masses);
-    ``done`` as there, a counter a (batch, head) of Q."""
+    ``done`` as there, a counter a (batch, head) of Q. ``keys``: key_value_sums' work for the
+    kernels after (dQ's tiles of K and V), made by programs of the same launch
+    (``keys.made``)."""
     b, h, n, d = q.shape
     tiles = -(-n // block)
     matrices = b * h
@@ -351,13 +395,25 @@ def backward(
     # fp16: a row's values in fp32 (RAW_VALUES) and each tile's peaks of dO's and Q's
     raw = empty(matrices, tiles * block, RAW_VALUES, dtype=torch.float32, wanted=split)
     peaks = empty(matrices, tiles, 2, dtype=torch.float32, wanted=split)
+    programs = padded // block
+    if not (odo or rows or queries or columns or (keys and keys.due)):  # Delta alone
+        module._delta_kernel[(programs, matrices)](
+            o, do, made.delta, *o.stride(), *do.stride(), h, n, d, BLOCK=block, HEAD_DIM=width,
+            num_warps=4, num_stages=1,
+        )  # fmt: skip
+        return made
     if done is None:
         done = _counters(matrices, columns or split, q.device)
-    module._backward_kernel[(padded // block, matrices)](
+    if keys is None:
+        keys = key_value_work(q, q, block, width, False, False, False)
+    grid = (programs + (keys.tiles if keys.due else 0), matrices)
+    module._backward_kernel[grid](
         o, do, q, made.delta, made.odo, made.rows, sums, made.columns, made.stats, raw, peaks,
-        done, *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles, slack,
-        BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows, QUERIES=queries, COLUMNS=columns,
-        SPLIT=split, HEADROOM=headroom, num_warps=4, num_stages=1,
+        done, *o.stride(), *do.stride(), *q.stride(), h, n, d, tiles, slack, programs,
+        *keys.args, keys.matrices, BLOCK=block, HEAD_DIM=width, ODO=odo, ROWS=rows,
+        QUERIES=queries, COLUMNS=columns, SPLIT=split, HEADROOM=headroom, KEYS=keys.due,
+        **{f"K_{name}": value for name, value in keys.constants.items()},
+        num_warps=4, num_stages=1,
     )  # fmt: skip
     return made
 
@@ -365,20 +421,59 @@ def backward(
 @triton.jit
 def _backward_kernel(
     OUT, DO, Q, DELTA, ABS, RW, CF, CP, ST, RAW, PK, DONE, sob, soh, som, sod, sdob, sdoh, sdom,
-    sdod, sqb, sqh, sqm, sqd, H, N, D, TILES, slack, BLOCK: tl.constexpr,
+    sdod, sqb, sqh, sqm, sqd, H, N, D, TILES, slack, PROGRAMS, KX, KCF, KCP, KCS, KRP, KRS, KXR,
+    skxb, skxh, skxn, skxd, KY, KYP, KYS, KYR, skyb, skyh, skyn, skyd, K_DONE, K_H, K_N, K_D,
+    k_slack, K_MATRICES, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ODO: tl.constexpr,
+    ROWS: tl.constexpr, QUERIES: tl.constexpr, COLUMNS: tl.constexpr, SPLIT: tl.constexpr,
+    HEADROOM: tl.constexpr, KEYS: tl.constexpr, K_BLOCK: tl.constexpr, K_COLUMNS: tl.constexpr,
+    K_ROWS: tl.constexpr, K_Y_ROWS: tl.constexpr, K_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The first PROGRAMS programs of each (batch, head): its query tiles (_delta_tile); with
+    KEYS, the programs after them: the tiles of key_value_sums' work (the K arguments, as
+    _key_value_tile takes them) of the first K_MATRICES."""
+    if tl.program_id(0) < PROGRAMS:
+        _delta_tile(OUT, DO, Q, DELTA, ABS, RW, CF, CP, ST, RAW, PK, DONE, sob, soh, som, sod,
+                    sdob, sdoh, sdom, sdod, sqb, sqh, sqm, sqd, H, N, D, TILES, slack, PROGRAMS,
+                    BLOCK, HEAD_DIM, ODO, ROWS, QUERIES, COLUMNS, SPLIT, HEADROOM)  # fmt: skip
+    elif KEYS:
+        if tl.program_id(1) < K_MATRICES:
+            _key_value_tile(KX, KCF, KCP, KCS, KRP, KRS, KXR, skxb, skxh, skxn, skxd, KY, KYP,
+                            KYS, KYR, skyb, skyh, skyn, skyd, K_DONE, K_H, K_N, K_D, k_slack,
+                            tl.program_id(0) - PROGRAMS, tl.program_id(1),
+                            tl.num_programs(0) - PROGRAMS, K_BLOCK, HEAD_DIM, K_COLUMNS, K_ROWS,
+                            K_Y_ROWS, K_SPLIT, HEADROOM)  # fmt: skip
+
+
+@triton.jit
+def _delta_kernel(
+    OUT, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, N, D, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """One query tile of one (batch, head): Delta alone (_delta_tile with nothing else asked
+    for), for a call that checks nothing of the backward's: a launch of few arguments."""
+    _delta_tile(OUT, DO, OUT, DELTA, DELTA, DO, DELTA, DO, DELTA, DELTA, DELTA, DELTA, sob, soh,
+                som, sod, sdob, sdoh, sdom, sdod, 0, 0, 0, 0, H, N, D, 0, 0.0, tl.num_programs(0),
+                BLOCK, HEAD_DIM, False, False, False, False, False, 0)  # fmt: skip
+
+
+@triton.jit
+def _delta_tile(
+    OUT, DO, Q, DELTA, ABS, RW, CF, CP, ST, RAW, PK, DONE, sob, soh, som, sod, sdob, sdoh, sdom,
+    sdod, sqb, sqh, sqm, sqd, H, N, D, TILES, slack, PROGRAMS, BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, ODO: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr,
     COLUMNS: tl.constexpr, SPLIT: tl.constexpr, HEADROOM: tl.constexpr,
 ):  # fmt: skip
-    """One query tile of one (batch, head): Delta (and with ODO its rounding, in ABS) for its
-    rows, those past N (up to the padded rows, as the LSE) zero; and for the first TILES tiles
-    the checksum tiles Backward describes (CF: the tile's column sums of Q and dO, fp32); with
-    SPLIT, the rows' values in fp32 (RAW, RAW_VALUES a row) and the tile's peaks of dO's and Q's
-    rows (PK) instead. The head's last program then adds up the column sums into their parts
-    (CP) and splits the row sums at the head's scales (_backward_running)."""
+    """One query tile of one (batch, head), of PROGRAMS a head: Delta (and with ODO its
+    rounding, in ABS) for its rows, those past N (up to the padded rows, as the LSE) zero; and
+    for the first TILES tiles the checksum tiles Backward describes (CF: the tile's column sums
+    of Q and dO, fp32); with SPLIT, the rows' values in fp32 (RAW, RAW_VALUES a row) and the
+    tile's peaks of dO's and Q's rows (PK) instead. The head's last program then adds up the
+    column sums into their parts (CP) and splits the row sums at the head's scales
+    (_backward_running)."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     tiles = TILES
-    padded = tl.num_programs(0) * BLOCK
+    padded = PROGRAMS * BLOCK
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
@@ -421,7 +516,7 @@ def _backward_kernel(
                 tl.store(ST + base * 8 + 3, tl.sqrt(tl.sum(q_abs * q_abs, 0)))
                 tl.store(ST + base * 8 + 4, tl.sqrt(tl.sum(do_abs * do_abs, 0)))
     if COLUMNS or SPLIT:
-        if _head_done(DONE + bh, tl.num_programs(0)):
+        if _head_done(DONE + bh, PROGRAMS):
             _backward_running(CF, CP, ST, TILES, RAW, PK, DELTA, RW, padded, slack,
                               bh.to(tl.int64), HEAD_DIM, HEADROOM, BLOCK, COLUMNS,
                               SPLIT and ROWS, SPLIT and QUERIES)  # fmt: skip

@@ -179,10 +179,11 @@ def forward(
     o = torch.empty_like(q)
     rows = _cdiv(n_q, checksums.ROWS) * checksums.ROWS
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
-    kc, _, vr = _key_value_sums(
+    made = checksums.key_value_sums(
         k, v, tile.block_n, width, checks.has(kernels.SCORES), False,
-        checks.has(kernels.CONTEXT), checks, found.counters(0),
+        checks.has(kernels.CONTEXT), _slack(k.dtype, checks), found.counters(0),
     )  # fmt: skip
+    kc, _, vr = _sums_arguments(made, k)
     grid = (_cdiv(n_q, tile.block_m), batch * heads)
     # fmt: off
     _twice(
@@ -220,15 +221,22 @@ def backward(
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = padded_head_dim(dim)
     module = build.for_device(kernels, q.device)
-    tile = blocks("dkdv", width, q.dtype, q.device)
-    # Delta, its rounding (for sum dS = 0, grad_probs) and dK/dV's checksum tiles: one launch
+    tile, dq_tile = (blocks(kernel, width, q.dtype, q.device) for kernel in ("dkdv", "dq"))
+    # K's row sums check dQ; their largest row norm, with V's, bounds sum P = 1 and sum dS = 0
+    identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
+    keys = checksums.key_value_work(
+        k, v, dq_tile.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
+        checks.has(kernels.GRAD_PROBS), _slack(k.dtype, checks), found.counters(2),
+    )  # fmt: skip
+    # Delta, its rounding (for sum dS = 0, grad_probs), dK/dV's checksum tiles and dQ's (keys):
+    # one launch
     made = checksums.backward(
         o, do, q, tile.block_m, width,
         odo=checks.has(kernels.GRAD_PROBS),
         rows=checks.has(kernels.GRAD_V, kernels.GRAD_K),
         queries=checks.has(kernels.GRAD_K),
         columns=checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS),
-        slack=_slack(q.dtype, checks), done=found.counters(1),
+        slack=_slack(q.dtype, checks), done=found.counters(1), keys=keys,
     )  # fmt: skip
     delta, odo = made.delta, made.odo
     rows = delta.shape[-1]
@@ -258,13 +266,8 @@ def backward(
     if group > 1:
         dk.copy_(dk_heads.view(batch, kv_heads, group, n_k, dim).sum(2))
         dv.copy_(dv_heads.view(batch, kv_heads, group, n_k, dim).sum(2))
-    tile = blocks("dq", width, q.dtype, q.device)
-    # K's row sums check dQ; their largest row norm, with V's, bounds sum P = 1 and sum dS = 0
-    identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
-    _, kr, vr = _key_value_sums(
-        k, v, tile.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
-        checks.has(kernels.GRAD_PROBS), checks, found.counters(2),
-    )  # fmt: skip
+    tile = dq_tile
+    _, kr, vr = _sums_arguments(keys.made, k)
     # fmt: off
     grid = (_cdiv(n_q, tile.block_m), batch * heads)
     _twice(
@@ -357,16 +360,12 @@ def _slack(dtype: torch.dtype, checks: Checks) -> float:
     return checksums.PART_LOSS / checks.tol if checksums.HEADROOM.get(dtype, 0) else 0.0
 
 
-def _key_value_sums(
-    k: Tensor, v: Tensor, block: int, width: int, columns: bool, k_rows: bool, v_rows: bool,
-    checks: Checks, done: Tensor | None,
-) -> tuple[tuple[Tensor, Tensor], ...]:  # fmt: skip
-    """K's column and row sums and V's row sums (checksums.key_value_sums, counting its heads
-    in ``done``) as kernel arguments, parts and stats, placeholders for a kind not asked for."""
-    made = checksums.key_value_sums(
-        k, v, block, width, columns, k_rows, v_rows, _slack(k.dtype, checks), done
-    )
-    nothing = checksums.placeholder(k.dtype, k.device)
+def _sums_arguments(
+    made: tuple[checksums.Sums | None, ...], like: Tensor
+) -> tuple[tuple[Tensor, Tensor], ...]:
+    """Checksum vectors (checksums.key_value_sums') as kernel arguments, parts and stats,
+    placeholders for a kind not made."""
+    nothing = checksums.placeholder(like.dtype, like.device)
     return tuple((s.parts, s.stats) if s else (nothing, nothing) for s in made)
 
 

@@ -79,7 +79,8 @@ def test_every_production_kernel_is_within_its_budget():
 def test_what_else_the_flash_path_launches_builds():
     """Every launch (the second ones and the helpers included) of fault injection and
     calibration (which may spill), grouped-query attention with ragged lengths at either head
-    dim (one of them padded), and the production kernels for sm_80 (A100), which must build.
+    dim (one of them padded), the production kernels for sm_80 (A100) and the unchecked call's
+    Delta launch, which must build.
     Each case carries several of these, so that CI builds each kind of specialisation once."""
     cases = [
         aot.Case("bfloat16", 64, True, "inject", seq=1000, kv_heads=4),
@@ -92,8 +93,10 @@ def test_what_else_the_flash_path_launches_builds():
         for case, made in aot.launches([aot.Case("bfloat16", 64, True)], 80)
         if made.kernel in tiles.KERNELS and not made.get("RETRY")
     ]
+    unchecked = aot.launches([aot.Case("bfloat16", 64, True, "unchecked")])
+    jobs += [(case, made, 90) for case, made in unchecked if made.kernel not in tiles.KERNELS]
     builds = aot.build_all(jobs, workers=2)
-    assert {b.kernel for b in builds} >= {*tiles.KERNELS, "backward", "sums"}
+    assert {b.kernel for b in builds} >= {*tiles.KERNELS, "backward", "sums", "delta"}
     assert any(b.launch.get("RETRY") for b in builds) and any(b.arch == 80 for b in builds)
     assert aot.verdicts(builds) == []
 
