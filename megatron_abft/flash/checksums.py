@@ -1,5 +1,6 @@
-"""The flash kernels' checksum vectors, made by Triton launches before a kernel runs (one for
-K and V, one for Q and dO).
+"""The flash kernels' checksum vectors, made by Triton launches before a kernel runs: one for
+K and V before the forward, and before the backward the launch that computes Delta, for Q and
+dO and for dQ's of K and V.
 
 A tile check compares ``C e`` with ``A (B e)``. The kernels take ``B e`` as the second operand
 of a small MMA, ``A @ W`` with ``W [k, 16]``, so that the reference runs on the tensor cores
@@ -567,7 +568,7 @@ def _backward_running(
 ):  # fmt: skip
     """One (batch, head) of the backward's checksum tiles: Q's and dO's column sums added up
     from the last tile to each (COLUMNS, _prefix_sums), and fp16's row sums (ROWS, QUERIES:
-    _backward_kernel's RAW) split at the head's scales (from its tiles' peaks, PK)."""
+    _delta_tile's RAW) split at the head's scales (from its tiles' peaks, PK)."""
     if COLUMNS:
         _prefix_sums(CF, CP, ST, bh, TILES, HEAD_DIM, 2, 8, True, HEADROOM)
     if ROWS or QUERIES:

@@ -115,9 +115,10 @@ class Findings:
     device: ``codes``, and the first flagged row and column (as ``kernels.NO_ROW - row``, 0
     none) as kernels.py describes them, and, in calibration runs, the largest clean residual
     ratio; ``done`` counts the programs of the call's last launch, whose last folds the
-    findings into the ledger (kernels._record); ``heads`` [3, matrices], each head's programs
-    of a checksum launch (the forward's, the backward's two), whose last adds up the head's sums
-    (checksums._head_done), None where the call checks nothing."""
+    findings into the ledger (kernels._record); ``heads`` [3, matrices], counters of each
+    head's programs of the checksum tiles (the forward's; the backward's query tiles, and dQ's
+    tiles of K and V), whose last adds up the head's sums (checksums._head_done), None where
+    the call checks nothing."""
 
     codes: Tensor
     rows: Tensor
@@ -144,10 +145,10 @@ class Findings:
         heads = buffer[3 * size + 1 :].view(3, matrices)
         return cls(codes, rows, cols, buffer[3 * size : 3 * size + 1], ratio, heads)
 
-    def counters(self, launch: int) -> Tensor | None:
-        """The per-head counters of checksum launch ``launch``: 0 the forward's, 1 and 2 the
-        backward's (one Findings may serve both ops)."""
-        return None if self.heads is None else self.heads[launch]
+    def counters(self, tiles: int) -> Tensor | None:
+        """The per-head counters of checksum tiles ``tiles``: 0 the forward's, 1 the
+        backward's query tiles', 2 dQ's tiles of K and V (one Findings may serve both ops)."""
+        return None if self.heads is None else self.heads[tiles]
 
     @classmethod
     def unchecked(cls, device: torch.device) -> Findings:
