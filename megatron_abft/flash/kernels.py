@@ -32,10 +32,11 @@ that flagged anything computes its whole block again, once, after its loop (its 
 in dK/dV its key block over every query head of its group): a transient fault is gone the
 second time, and what is flagged again is uncorrectable.
 
-Outcomes go to ``CODES [sections, batch * heads]`` (int32, atomic max of ``outcome << 2 | kind``:
-outcome 1 corrected, 2 uncorrectable; kind as megatron_abft.config.KINDS), and the first flagged
-row and column to ``ROWS``/``COLS`` (as ``NO_ROW - row``, atomic max, so that a zeroed buffer says
-none): one matrix a section, on the device, no host synchronisation. A call's last launch
+Outcomes go to the call's findings buffer ``FOUND`` (launch.Findings): ``CODES [sections, batch
+* heads]`` (int32, atomic max of ``outcome << 2 | kind``: outcome 1 corrected, 2 uncorrectable;
+kind as megatron_abft.config.KINDS), then the first flagged row and column, ``ROWS`` and
+``COLS`` of the same shape (as ``NO_ROW - row``, atomic max, so that a zeroed buffer says none):
+one matrix a section, on the device, no host synchronisation. A call's last launch
 (``RECORD``: the forward's second, the backward's last second one) ends with its last program
 folding them into the layer's ledger (``_record``), so that the ledger takes no launch of its
 own.
@@ -172,21 +173,22 @@ def _kinds(worst, near_inf):
 
 @triton.jit
 def _report(
-    CODES, ROWS, COLS, RATIO, section: tl.constexpr, bh, BH, state, rows, ratio, valid, outcome,
+    FOUND, RATIO, section: tl.constexpr, bh, BH, state, rows, ratio, valid, outcome,
     TRANSPOSED: tl.constexpr, CALIBRATE: tl.constexpr,
 ):
     """Publish one pass's outcome for one section of matrix ``bh``: ``state`` per row (tile
     rows ``rows``, logical columns when TRANSPOSED; ``valid``: those in the matrix), as
-    ``outcome`` (1 corrected, 2 uncorrectable). Returns whether anything was flagged."""
+    ``outcome`` (1 corrected, 2 uncorrectable), into the findings FOUND (CODES, then ROWS, then
+    COLS, ``[N_SECTIONS, BH]`` each: launch.Findings). Returns whether anything was flagged."""
     kind = tl.max(state)
     if kind > 0:
-        at = section * BH + bh
-        tl.atomic_max(CODES + at, (outcome << 2) | (kind - 1))
+        at = FOUND + section * BH + bh
+        tl.atomic_max(at, (outcome << 2) | (kind - 1))
         first = NO_ROW - tl.min(tl.where(state > 0, rows, NO_ROW))
         if TRANSPOSED:
-            tl.atomic_max(COLS + at, first)
+            tl.atomic_max(at + 2 * N_SECTIONS * BH, first)
         else:
-            tl.atomic_max(ROWS + at, first)
+            tl.atomic_max(at + N_SECTIONS * BH, first)
     if CALIBRATE:  # flagged rows too (an alarm shows how far it went), bar non-finite ones
         ratio = tl.where(valid & (ratio < INF), ratio, 0.0)
         tl.atomic_max(RATIO + section * BH + bh, tl.max(ratio))
@@ -194,21 +196,22 @@ def _report(
 
 
 @triton.jit
-def _last(DONE):
-    """Whether this program is the last of its launch to get here: each counts itself in DONE
-    (zeroed before the call) after a barrier, so that the last one's count comes after every
-    other program's findings, all of its threads' (acquire-release)."""
+def _last(FOUND, BH):
+    """Whether this program is the last of its launch to get here: each counts itself in the
+    findings' DONE (zeroed before the call) after a barrier, so that the last one's count comes
+    after every other program's findings, all of its threads' (acquire-release)."""
     total = tl.num_programs(0) * tl.num_programs(1)
     tl.debug_barrier()
-    return tl.atomic_add(DONE, 1, sem="acq_rel") == total - 1
+    return tl.atomic_add(FOUND + 3 * N_SECTIONS * BH, 1, sem="acq_rel") == total - 1
 
 
 @triton.jit
-def _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS):
+def _record(FOUND, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS):
     """A call's findings into its ledger (megatron_abft.flash.ledger), by the last program of
-    its last launch: each section's codes, a matrix once by its outcome and kind, into COUNTS
-    [sections, 3, 4] (detected, corrected, uncorrectable), and its worst matrix, where it has
-    one, into LOG [sections, CAPACITY, FIELDS] at the section's LOGGED slot."""
+    its last launch: each section's codes (FOUND, as _report writes them), a matrix once by its
+    outcome and kind, into COUNTS [sections, 3, 4] (detected, corrected, uncorrectable), and its
+    worst matrix, where it has one, into LOG [sections, CAPACITY, FIELDS] at the section's
+    LOGGED slot."""
     kinds = tl.arange(0, 4)
     for s in range(N_SECTIONS):
         detected = tl.zeros([4], tl.int64)
@@ -218,7 +221,7 @@ def _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
         at = 0
         for start in range(0, BH, RECORD_BLOCK):
             matrix = start + tl.arange(0, RECORD_BLOCK)
-            code = tl.load(CODES + s * BH + matrix, mask=matrix < BH, other=0, cache_modifier=".cg")
+            code = tl.load(FOUND + s * BH + matrix, mask=matrix < BH, other=0, cache_modifier=".cg")
             of_kind = ((code & 3)[:, None] == kinds[None, :]) & (code > 0)[:, None]
             detected += tl.sum(of_kind.to(tl.int64), 0)
             corrected += tl.sum((of_kind & ((code >> 2) == 1)[:, None]).to(tl.int64), 0)
@@ -234,8 +237,9 @@ def _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
         if worst > 0:
             slot = tl.load(LOGGED + s)
             if slot < CAPACITY:
-                first_row = tl.load(ROWS + s * BH + at, cache_modifier=".cg")
-                first_col = tl.load(COLS + s * BH + at, cache_modifier=".cg")
+                found = FOUND + s * BH + at
+                first_row = tl.load(found + N_SECTIONS * BH, cache_modifier=".cg")
+                first_col = tl.load(found + 2 * N_SECTIONS * BH, cache_modifier=".cg")
                 entry = LOG + (s * CAPACITY + slot) * FIELDS
                 tl.store(entry, tl.load(CLOCK))
                 tl.store(entry + 1, (worst >> 2).to(tl.float64))
@@ -502,7 +506,7 @@ def _fwd_pass(
 
 @triton.jit
 def _fwd_block(
-    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol, near_inf,
+    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, FOUND, RATIO, INJ, qk_scale, tol, near_inf,
     sqm, skn, svn, som, bh, BH, N_Q, N_K, D, ROWS_Q, start, interior, hi, outcome: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK_S: tl.constexpr, CHECK_C: tl.constexpr, SCALED: tl.constexpr, INJECT: tl.constexpr,
@@ -527,12 +531,12 @@ def _fwd_block(
     flagged = N_Q < 0  # False, as a scalar
     if CHECK_S:
         flagged |= _report(
-            CODES, ROWS, COLS, RATIO, SCORES, bh, BH, state_s, offs_m, ratio_s, m_ok, outcome,
+            FOUND, RATIO, SCORES, bh, BH, state_s, offs_m, ratio_s, m_ok, outcome,
             False, CALIBRATE,
         )
     if CHECK_C:
         flagged |= _report(
-            CODES, ROWS, COLS, RATIO, CONTEXT, bh, BH, state_c, offs_m, ratio_c, m_ok, outcome,
+            FOUND, RATIO, CONTEXT, bh, BH, state_c, offs_m, ratio_c, m_ok, outcome,
             False, CALIBRATE,
         )
     o = _lo(acc / l_i[:, None], OUT.dtype.element_ty).to(OUT.dtype.element_ty)
@@ -543,9 +547,9 @@ def _fwd_block(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN, DONE, COUNTS, CLOCK,
-    LOG, LOGGED, CAPACITY, FIELDS, qk_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-    svb, svh, svn, svd, sob, soh, som, sod, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr,
+    Q, K, V, OUT, LSE, KC, KCS, VR, VRS, FOUND, RATIO, INJ, AGAIN, COUNTS, CLOCK, LOG, LOGGED,
+    CAPACITY, FIELDS, qk_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh,
+    svn, svd, sob, soh, som, sod, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr,
     SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
     RECORD: tl.constexpr, TMA: tl.constexpr,
@@ -564,8 +568,8 @@ def _fwd_kernel(
     if RETRY:
         if tl.load(AGAIN + program) == 0:
             if RECORD:
-                if _last(DONE):
-                    _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
+                if _last(FOUND, BH):
+                    _record(FOUND, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
             return
     b = bh // H
     h = bh % H
@@ -586,7 +590,7 @@ def _fwd_kernel(
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
         interior = tl.minimum(interior, pid_m * BLOCK_M)
     again = _fwd_block(
-        Q, K, V, OUT, LSE, KC, KCS, VR, VRS, CODES, ROWS, COLS, RATIO, INJ, qk_scale, tol,
+        Q, K, V, OUT, LSE, KC, KCS, VR, VRS, FOUND, RATIO, INJ, qk_scale, tol,
         near_inf, sqm, skn, svn, som, bh, BH, N_Q, N_K, D, ROWS_Q, pid_m * BLOCK_M, interior, hi,
         1 + RETRY, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, CHECK_S, CHECK_C, SCALED, INJECT,
         CALIBRATE, TMA,
@@ -594,8 +598,8 @@ def _fwd_kernel(
     if (CHECK_S or CHECK_C) and not RETRY:
         tl.store(AGAIN + program, again.to(tl.int32))
     if RECORD:  # the last launch of a call: its last program folds the call into the ledger
-        if _last(DONE):
-            _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
+        if _last(FOUND, BH):
+            _record(FOUND, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
 
 
 # --- backward: dK and dV ------------------------------------------------------------------------
@@ -665,8 +669,8 @@ def _dkdv_tiles(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, RW, CP, ST, CODES, ROWS, COLS, RATIO, INJ, AGAIN, DONE, COUNTS,
-    CLOCK, LOG, LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd,
+    Q, K, V, DO, LSE, DELTA, DK, DV, RW, CP, ST, FOUND, RATIO, INJ, AGAIN, COUNTS, CLOCK, LOG,
+    LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd,
     skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb,
     sdvh, sdvn, sdvd, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
@@ -695,8 +699,8 @@ def _bwd_dkdv_kernel(
     if RETRY:
         if tl.load(AGAIN + program) == 0:
             if RECORD:
-                if _last(DONE):
-                    _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
+                if _last(FOUND, BH):
+                    _record(FOUND, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
             return
     b = bh // H
     h = bh % H
@@ -782,7 +786,7 @@ def _bwd_dkdv_kernel(
             worst, ratio_s = _fold(tl.sum(srow, 1), 0.0, mass_s, tol, none, ratio_s, CALIBRATE)
             state_s = tl.where(n_ok, _kinds(worst, near_inf), 0)
             flagged |= _report(
-                CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_n, ratio_s, n_ok,
+                FOUND, RATIO, BWD_SCORES, bh, BH, state_s, offs_n, ratio_s, n_ok,
                 outcome, True, CALIBRATE,
             )
         if CHECK_P:
@@ -791,7 +795,7 @@ def _bwd_dkdv_kernel(
             worst, ratio_p = _fold(tl.sum(prow, 1), 0.0, mass_p, tol, none, ratio_p, CALIBRATE)
             state_p = tl.where(n_ok & (state_s == 0), _kinds(worst, near_inf), 0)
             flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_n, ratio_p, n_ok,
+                FOUND, RATIO, GRAD_PROBS, bh, BH, state_p, offs_n, ratio_p, n_ok,
                 outcome, True, CALIBRATE,
             )
         # a key row flagged upstream fails downstream too: it counts once, where it began
@@ -800,7 +804,7 @@ def _bwd_dkdv_kernel(
             worst_v, ratio_v = _deferred_check(dv, vref, 0, None, tiles, tol, ratio_v, CALIBRATE)
             state_v = tl.where(n_ok & (state_s == 0), _kinds(worst_v, near_inf), 0)
             flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_V, bh, BH, state_v, offs_n, ratio_v, n_ok, outcome,
+                FOUND, RATIO, GRAD_V, bh, BH, state_v, offs_n, ratio_v, n_ok, outcome,
                 False, CALIBRATE,
             )
         if CHECK_K:  # (dS^T Q) e = dS^T (Q e), the mass of |dS^T| <= P^T (|dP^T| + |Delta|)
@@ -816,7 +820,7 @@ def _bwd_dkdv_kernel(
             upstream = (state_s > 0) | (state_p > 0)
             state_k = tl.where(n_ok & ~upstream, _kinds(worst_k, near_inf), 0)
             flagged |= _report(
-                CODES, ROWS, COLS, RATIO, GRAD_K, bh, BH, state_k, offs_n, ratio_k, n_ok, outcome,
+                FOUND, RATIO, GRAD_K, bh, BH, state_k, offs_n, ratio_k, n_ok, outcome,
                 False, CALIBRATE,
             )
         if not RETRY:
@@ -828,8 +832,8 @@ def _bwd_dkdv_kernel(
     _write(DK, start, dk, N_K, D, sdkn, BLOCK_N, HEAD_DIM, TMA)
     _write(DV, start, dv, N_K, D, sdvn, BLOCK_N, HEAD_DIM, TMA)
     if RECORD:  # the last launch of a call: its last program folds the call into the ledger
-        if _last(DONE):
-            _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
+        if _last(FOUND, BH):
+            _record(FOUND, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
 
 
 # --- backward: dQ -------------------------------------------------------------------------------
@@ -957,8 +961,8 @@ def _dq_pass(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, ODO, DQ, KR, KRS, VRS, CODES, ROWS, COLS, RATIO, INJ, AGAIN, DONE,
-    COUNTS, CLOCK, LOG, LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, u_out, near_inf, sqb,
+    Q, K, V, DO, LSE, DELTA, ODO, DQ, KR, KRS, VRS, FOUND, RATIO, INJ, AGAIN, COUNTS, CLOCK, LOG,
+    LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, u_out, near_inf, sqb,
     sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm,
     sdqd, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
@@ -978,8 +982,8 @@ def _bwd_dq_kernel(
     if RETRY:
         if tl.load(AGAIN + program) == 0:
             if RECORD:
-                if _last(DONE):
-                    _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
+                if _last(FOUND, BH):
+                    _record(FOUND, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
             return
     b = bh // H
     h = bh % H
@@ -1027,15 +1031,15 @@ def _bwd_dq_kernel(
     if CHECK_S or CHECK_P or CHECK_Q:
         outcome: tl.constexpr = 1 + RETRY
         again = _report(
-            CODES, ROWS, COLS, RATIO, BWD_SCORES, bh, BH, state_s, offs_m, ratio_s, m_ok, outcome,
+            FOUND, RATIO, BWD_SCORES, bh, BH, state_s, offs_m, ratio_s, m_ok, outcome,
             False, CALIBRATE,
         )
         again |= _report(
-            CODES, ROWS, COLS, RATIO, GRAD_PROBS, bh, BH, state_p, offs_m, ratio_p, m_ok, outcome,
+            FOUND, RATIO, GRAD_PROBS, bh, BH, state_p, offs_m, ratio_p, m_ok, outcome,
             False, CALIBRATE,
         )
         again |= _report(
-            CODES, ROWS, COLS, RATIO, GRAD_Q, bh, BH, state_q, offs_m, ratio_q, m_ok, outcome,
+            FOUND, RATIO, GRAD_Q, bh, BH, state_q, offs_m, ratio_q, m_ok, outcome,
             False, CALIBRATE,
         )
         if not RETRY:
@@ -1044,5 +1048,5 @@ def _bwd_dq_kernel(
     DQ += b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh
     _write(DQ, start, dq, N_Q, D, sdqm, BLOCK_M, HEAD_DIM, TMA)
     if RECORD:  # the last launch of a call: its last program folds the call into the ledger
-        if _last(DONE):
-            _record(CODES, ROWS, COLS, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)
+        if _last(FOUND, BH):
+            _record(FOUND, COUNTS, CLOCK, LOG, LOGGED, BH, CAPACITY, FIELDS)

@@ -111,50 +111,64 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass
 class Findings:
-    """What one call's checks found, one entry a section and (batch, head) matrix, on the
-    device: ``codes``, and the first flagged row and column (as ``kernels.NO_ROW - row``, 0
-    none) as kernels.py describes them, and, in calibration runs, the largest clean residual
-    ratio; ``done`` counts the programs of the call's last launch, whose last folds the
-    findings into the ledger (kernels._record); ``heads`` [3, matrices], counters of each
-    head's programs of the checksum tiles (the forward's; the backward's query tiles, and dQ's
-    tiles of K and V), whose last adds up the head's sums (checksums._head_done), None where
-    the call checks nothing."""
+    """What one call's checks found, on the device, in one int32 buffer (``buffer``): for each
+    section and (batch, head) matrix ``codes``, and the first flagged row and column (as
+    ``kernels.NO_ROW - row``, 0 none) as kernels.py describes them; then ``done``, the count of
+    the programs of the call's last launch, whose last folds the findings into the ledger
+    (kernels._record); then three counters a matrix of each head's programs of the checksum
+    tiles (the forward's; the backward's query tiles, and dQ's tiles of K and V), whose last
+    adds up the head's sums (checksums._head_done). In calibration runs, ``ratio``: the largest
+    clean residual ratio."""
 
-    codes: Tensor
-    rows: Tensor
-    cols: Tensor
-    done: Tensor
+    buffer: Tensor
+    matrices: int
+    """0 where the call checks nothing (``buffer`` a placeholder)."""
     ratio: Tensor | None = None
-    heads: Tensor | None = None
 
     @property
-    def arguments(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """CODES, ROWS, COLS, RATIO as the kernels take them (RATIO a placeholder when off)."""
-        ratio = self.ratio if self.ratio is not None else self.codes
-        return self.codes, self.rows, self.cols, ratio
+    def arguments(self) -> tuple[Tensor, Tensor]:
+        """FOUND and RATIO as the kernels take them (RATIO a placeholder when off)."""
+        return self.buffer, self.ratio if self.ratio is not None else self.buffer
+
+    @property
+    def codes(self) -> Tensor:
+        return self._found(0)
+
+    @property
+    def rows(self) -> Tensor:
+        return self._found(1)
+
+    @property
+    def cols(self) -> Tensor:
+        return self._found(2)
+
+    def _found(self, part: int) -> Tensor:
+        size = kernels.N_SECTIONS.value * self.matrices
+        return self.buffer[part * size : (part + 1) * size].view(-1, self.matrices)
 
     @classmethod
     def empty(cls, matrices: int, device: torch.device, calibrate: bool = False) -> Findings:
         """Nothing found yet, in one zeroed buffer (one launch)."""
         size = kernels.N_SECTIONS.value * matrices
         buffer = torch.zeros(3 * size + 1 + 3 * matrices, dtype=torch.int32, device=device)
-        codes, rows, cols = buffer[: 3 * size].view(3, kernels.N_SECTIONS.value, matrices)
         ratio = None
         if calibrate:
-            ratio = torch.zeros(codes.shape, dtype=torch.float32, device=device)
-        heads = buffer[3 * size + 1 :].view(3, matrices)
-        return cls(codes, rows, cols, buffer[3 * size : 3 * size + 1], ratio, heads)
+            ratio = torch.zeros(size, dtype=torch.float32, device=device).view(-1, matrices)
+        return cls(buffer, matrices, ratio)
 
     def counters(self, tiles: int) -> Tensor | None:
         """The per-head counters of checksum tiles ``tiles``: 0 the forward's, 1 the
-        backward's query tiles', 2 dQ's tiles of K and V (one Findings may serve both ops)."""
-        return None if self.heads is None else self.heads[tiles]
+        backward's query tiles', 2 dQ's tiles of K and V (one Findings may serve both ops);
+        None where the call checks nothing."""
+        if not self.matrices:
+            return None
+        at = 3 * kernels.N_SECTIONS.value * self.matrices + 1 + tiles * self.matrices
+        return self.buffer[at : at + self.matrices]
 
     @classmethod
     def unchecked(cls, device: torch.device) -> Findings:
         """Placeholders for a call that checks nothing (no launch)."""
-        nothing = checksums.placeholder(torch.int32, device)
-        return cls(nothing, nothing, nothing, nothing)
+        return cls(checksums.placeholder(torch.int32, device), 0)
 
 
 def forward(
@@ -306,13 +320,13 @@ def _twice(kernel, grid: tuple[int, int], *args, record: bool, **constants) -> N
 
 
 def _ledger_args(found: Findings, ledger: tuple[Tensor, ...] | None) -> tuple:
-    """DONE, COUNTS, CLOCK, LOG, LOGGED, CAPACITY, FIELDS as the kernels take them
-    (placeholders without a ledger: nothing records)."""
+    """COUNTS, CLOCK, LOG, LOGGED, CAPACITY, FIELDS as the kernels take them (placeholders
+    without a ledger: nothing records)."""
     if ledger is None:
-        nothing = found.done
-        return nothing, nothing, nothing, nothing, nothing, 0, 0
+        nothing = found.buffer
+        return nothing, nothing, nothing, nothing, 0, 0
     counts, clock, log, logged = ledger
-    return found.done, counts, clock, log, logged, log.shape[1], log.shape[2]
+    return counts, clock, log, logged, log.shape[1], log.shape[2]
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:
