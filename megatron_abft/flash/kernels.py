@@ -548,8 +548,8 @@ def _fwd_block(
 @triton.jit
 def _fwd_kernel(
     Q, K, V, OUT, LSE, KC, KCS, VR, VRS, FOUND, RATIO, INJ, AGAIN, COUNTS, CLOCK, LOG, LOGGED,
-    CAPACITY, FIELDS, qk_scale, tol, near_inf, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh,
-    svn, svd, sob, soh, som, sod, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr,
+    CAPACITY, FIELDS, qk_scale, tol, near_inf, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob,
+    soh, som, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr,
     SCALED: tl.constexpr, INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr,
     RECORD: tl.constexpr, TMA: tl.constexpr,
@@ -558,7 +558,9 @@ def _fwd_kernel(
     ROWS_Q (>= N_Q) a head, those past the end finite.
     KC/KCS: K's column sums, VR/VRS: V's row sums, tiled by BLOCK_N (checksums.py). A checked
     launch sets ``AGAIN[program]`` where a check flagged; the RETRY launch computes those
-    blocks again, whole, and reports what they flag as uncorrectable."""
+    blocks again, whole, and reports what they flag as uncorrectable. The tensors' last dims
+    are contiguous (launch.tma_ready), so that each takes its batch, head and row strides only
+    (as in the kernels below)."""
     CHECK_S: tl.constexpr = (tl.constexpr(DUE) >> SCORES) & 1 != 0
     CHECK_C: tl.constexpr = (tl.constexpr(DUE) >> CONTEXT) & 1 != 0
     pid_m = tl.program_id(0)
@@ -670,9 +672,9 @@ def _dkdv_tiles(
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, RW, CP, ST, FOUND, RATIO, INJ, AGAIN, COUNTS, CLOCK, LOG,
-    LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, sqd,
-    skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb,
-    sdvh, sdvn, sdvd, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, near_inf, sqb, sqh, sqm, skb, skh, skn,
+    svb, svh, svn, sdob, sdoh, sdom, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, H, GROUP, N_Q, N_K, D,
+    ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
     INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr, RECORD: tl.constexpr,
     TMA: tl.constexpr,
@@ -962,9 +964,9 @@ def _dq_pass(
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, ODO, DQ, KR, KRS, VRS, FOUND, RATIO, INJ, AGAIN, COUNTS, CLOCK, LOG,
-    LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, u_out, near_inf, sqb,
-    sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm,
-    sdqd, H, GROUP, N_Q, N_K, D, ROWS_Q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOGGED, CAPACITY, FIELDS, qk_scale, sm_scale, tol, u_out, near_inf, sqb, sqh, sqm, skb, skh,
+    skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm, H, GROUP, N_Q, N_K, D, ROWS_Q,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DUE: tl.constexpr, SCALED: tl.constexpr,
     INJECT: tl.constexpr, CALIBRATE: tl.constexpr, RETRY: tl.constexpr, RECORD: tl.constexpr,
     TMA: tl.constexpr,

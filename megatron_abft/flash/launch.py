@@ -206,7 +206,7 @@ def forward(
         q, k, v, o, lse, *kc, *vr, *found.arguments, _fault(inject, q.device),
         _flags(grid, checks, "forward", q.device), *_ledger_args(found, ledger),
         scale * math.log2(math.e), checks.tol, checks.near_inf,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        *_rows(q), *_rows(k), *_rows(v), *_rows(o),
         heads, heads // kv_heads, n_q, n_k, dim, rows,
         **_constants("forward", tile, width, causal, checks, found, inject, q),
         record=ledger is not None,
@@ -272,8 +272,8 @@ def backward(
         made.rows, made.columns, made.stats, *found.arguments, fault,
         _flags(grid, checks, "dkdv", q.device), *_ledger_args(found, ledger),
         qk_scale, scale, checks.tol, checks.near_inf,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk_heads.stride(),
-        *dv_heads.stride(), heads, group, n_q, n_k, dim, rows,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(do), *_rows(dk_heads), *_rows(dv_heads),
+        heads, group, n_q, n_k, dim, rows,
         **_constants("dkdv", tile, width, causal, checks, found, inject, q),
         record=ledger is not None and not checks.kernel_due("dq"),  # dQ checks nothing
     )
@@ -290,7 +290,7 @@ def backward(
         q, k, v, do, lse, delta, odo, dq, *kr, vr[1], *found.arguments, fault,
         _flags(grid, checks, "dq", q.device), *_ledger_args(found, ledger),
         qk_scale, scale, checks.tol, unit_roundoff(o.dtype), checks.near_inf,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        *_rows(q), *_rows(k), *_rows(v), *_rows(do), *_rows(dq),
         heads, heads // kv_heads, n_q, n_k, dim, rows,
         **_constants("dq", tile, width, causal, checks, found, inject, q),
         record=ledger is not None,
@@ -350,6 +350,12 @@ def tma(device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _rows(x: Tensor) -> tuple[int, int, int]:
+    """The batch, head and row strides of ``x`` [batch, heads, seq, dim], as the attention
+    kernels take them: its last dim is contiguous (``tma_ready``; outputs made like it)."""
+    return x.stride()[:3]
 
 
 def tma_ready(x: Tensor) -> Tensor:
