@@ -166,12 +166,8 @@ def capture(case: Case) -> list[tuple]:
 
 
 def specialize(fn, args: tuple, kwargs: dict, arch: int = 90) -> Launch:
-    """A recorded launch as Triton's launcher specialises it for ``sm_<arch>`` (TMA where the
-    architecture has it, as launch.tma decides on a GPU)."""
-    if "TMA" in kwargs:
-        kwargs = {**kwargs, "TMA": arch >= 90}
-    backend = make_backend(GPUTarget("cuda", arch, 32))
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    """A recorded launch as Triton's launcher specialises it for ``sm_<arch>``."""
+    backend, binder, kwargs = _binder(fn, kwargs, arch)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constants, attrs = fn._pack_args(
         backend, kwargs, bound, specialization, options
@@ -196,12 +192,9 @@ def binder_seconds(recorded: list[tuple], arch: int = 90, repeats: int = 50) -> 
     its launcher does on every launch before the cache and the driver (the arguments bound,
     their specialisation computed: a cost that grows with the arguments), the median of
     ``repeats`` runs a launch, in seconds."""
-    backend = make_backend(GPUTarget("cuda", arch, 32))
     total = 0.0
     for fn, args, kwargs in recorded:
-        if "TMA" in kwargs:
-            kwargs = {**kwargs, "TMA": arch >= 90}
-        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        _, binder, kwargs = _binder(fn, kwargs, arch)
         times = []
         for _ in range(repeats):
             begin = time.perf_counter()
@@ -209,6 +202,15 @@ def binder_seconds(recorded: list[tuple], arch: int = 90, repeats: int = 50) -> 
             times.append(time.perf_counter() - begin)
         total += sorted(times)[repeats // 2]
     return total
+
+
+def _binder(fn, kwargs: dict, arch: int) -> tuple:
+    """The backend for ``sm_<arch>``, Triton's binder of ``fn`` for it, and a recorded launch's
+    ``kwargs`` with TMA where the architecture has it (as launch.tma decides on a GPU)."""
+    if "TMA" in kwargs:
+        kwargs = {**kwargs, "TMA": arch >= 90}
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    return backend, create_function_from_signature(fn.signature, fn.params, backend), kwargs
 
 
 def _hashable(value):
