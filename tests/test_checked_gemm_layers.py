@@ -9,6 +9,7 @@ Spawns gloo ranks on CPU (tests/mcore.py); each test says how many."""
 
 import pytest
 import torch
+from dispatched import Dispatched
 from mcore import Shape, build_gpt, loss_and_grads, spawn
 
 from megatron_abft.config import ABFTConfig
@@ -62,7 +63,9 @@ def _equality_worker(shapes):
             model = build_gpt(shape, spec)
             torch.manual_seed(7)
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
-            runs[name] = [loss_and_grads(model, shape, step) for step in range(2)]
+            with Dispatched() as made:
+                runs[name] = [loss_and_grads(model, shape, step) for step in range(2)]
+            runs[name, "zeros"] = sum("zeros" in op for op in made.ops)
         runs["calls"], runs["stats"] = {k: list(v) for k, v in calls.items()}, stats(model)
         for made in calls.values():
             made.clear()
@@ -84,6 +87,8 @@ def test_the_checked_gemm_computes_the_projections_as_megatron_does(tp):
             passes = 2 if shape.recompute == "full" else 1
             for kind in ("linear", "matmul"):
                 assert runs["calls"][kind] == [0] * (2 * shape.layers * 2 * passes), shape
+            # the codes have no gradient, and no zeros are made for one
+            assert runs["checked", "zeros"] <= runs["stock", "zeros"], shape
             counts = runs["stats"]
             assert all(n == 0 for s in counts.values() for o in s.values() for n in o.values())
             half = shape.dtype != torch.float32

@@ -40,10 +40,13 @@ class _Scores(torch.autograd.Function):
             q, k, alpha=alpha, check=check, threshold_scale=threshold_scale, near_inf=near_inf
         )
         ctx.mark_non_differentiable(codes)
+        ctx.set_materialize_grads(False)  # no zeros made for the codes' gradient
         return scores, codes
 
     @staticmethod
     def backward(ctx, grad, _codes):
+        if grad is None:  # the scores not used
+            return (None,) * 6
         q, k = ctx.saved_tensors
         rep = q.shape[1] // k.shape[1]
         grad = grad * ctx.alpha
@@ -65,10 +68,13 @@ class _Context(torch.autograd.Function):
             p, v.mT, out=out, check=check, threshold_scale=threshold_scale, near_inf=near_inf
         )
         ctx.mark_non_differentiable(codes)
+        ctx.set_materialize_grads(False)  # no zeros made for the codes' gradient
         return context, codes
 
     @staticmethod
     def backward(ctx, grad, _codes):
+        if grad is None:  # the context not used
+            return (None,) * 5
         p, v = ctx.saved_tensors
         rep = p.shape[1] // v.shape[1]
         grad_p = grad @ _repeated(v, rep).mT

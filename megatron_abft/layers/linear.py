@@ -99,11 +99,14 @@ class _CheckedLinear(LinearWithGradAccumulationAndAsyncCommunication):
             input, weight, bias, sums=sums, threshold_scale=threshold_scale, near_inf=near_inf
         )
         ctx.mark_non_differentiable(codes)
+        ctx.set_materialize_grads(False)  # no zeros made for the codes' gradient
         return output, codes
 
     @staticmethod
     @mcore_layers.custom_bwd
     def backward(ctx, grad_output, _codes):
+        if grad_output is None:  # the output not used
+            return (None,) * 11
         megatron_backward = LinearWithGradAccumulationAndAsyncCommunication.backward.__wrapped__
         grad_input, grad_weight, grad_bias, *_ = megatron_backward(ctx, grad_output)
         return grad_input, grad_weight, grad_bias, *([None] * 8)

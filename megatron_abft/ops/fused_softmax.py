@@ -116,12 +116,15 @@ class _ScaleMaskSoftmax(torch.autograd.Function):
             )
         probs = found[0]
         ctx.mark_non_differentiable(*found[1:])
+        ctx.set_materialize_grads(False)  # no zeros made for the findings' gradients
         ctx.save_for_backward(probs, mask)
         ctx.is_causal, ctx.scale = is_causal, scale
         return found
 
     @staticmethod
     def backward(ctx, grad, *_):
+        if grad is None:  # P not used
+            return (None,) * 8
         probs, mask = ctx.saved_tensors
         dtype = probs.dtype
         if dtype in (torch.bfloat16, torch.float16):  # in fp32, as Megatron's softmax_in_fp32

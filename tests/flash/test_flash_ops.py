@@ -3,6 +3,7 @@ autograd.Function), and its path holds no buffer of O(seq^2): every tensor it ma
 backward, is watched and none is the size of the scores."""
 
 import torch
+from dispatched import Dispatched
 from flash_cases import inputs, outputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,18 +65,6 @@ def test_no_tensor_on_its_path_is_the_size_of_the_scores():
     assert ledger.counts.sum() == 0
 
 
-class _Ops(TorchDispatchMode):
-    """The ops dispatched while it is active."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_dispatch_mode_sees_the_custom_ops_and_eager_equals_them():
     """Eager calls run the ops' bodies directly (no dispatcher hops); a dispatch mode (a FLOP
     counter, a tracer) sees the calls as the custom ops, with the same results."""
@@ -86,7 +75,7 @@ def test_a_dispatch_mode_sees_the_custom_ops_and_eager_equals_them():
         return flash_attention(a, b, c, ledger=ledger)
 
     eager = outputs(attention, q, k, v, do)
-    with _Ops() as watched:
+    with Dispatched() as watched:
         seen = outputs(attention, q, k, v, do)
     assert "megatron_abft.flash_forward.default" in watched.ops
     assert "megatron_abft.flash_backward.default" in watched.ops
