@@ -152,7 +152,8 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
     2048 tokens, and each kernel's device time (``kernels``). On the CPU 128 tokens, the Triton
     launches counted and not run: the time is the Python and torch around them (and their
     count, the same on every device), and ``binder``, Triton's binder alone on the call's
-    launches (aot.binder_seconds: the part of its launcher that grows with the arguments)."""
+    launches (aot.binder_seconds: the part of its launcher that grows with the arguments), and
+    ``globals``, its check of the constexpr globals the kernels read (aot.global_checks_seconds)."""
     from megatron_abft.dev import aot
     from megatron_abft.flash import FlashLedger, flash_attention
 
@@ -187,6 +188,7 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
             result[name] = {"host": statistics.median(times), "launches": per_call}
             if device.type == "cpu":
                 result[name]["binder"] = aot.binder_seconds(launches)
+                result[name]["globals"] = aot.global_checks_seconds(launches)
             launches.clear()
             result[name]["profile"] = profiled(call, device, number // 4, launches)
             if device.type == "cuda":
@@ -313,6 +315,7 @@ def main() -> None:
         print(f"the flash attention's call, {name}: {row['host'] * 1e3:.3f} ms{launches}")
         if "binder" in row:
             print(f"  Triton's binder on its launches (sm_90): {row['binder'] * us:.0f} us")
+            print(f"  its launcher's check of the kernels' globals: {row['globals'] * us:.1f} us")
         profile = row["profile"]
         print(
             f"  profiled: {profile['triton_launcher_share']:.0%} inside Triton's launcher; most"

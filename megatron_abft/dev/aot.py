@@ -123,7 +123,9 @@ def recording(launches: list) -> Iterator[None]:
     """Within the block, the flash kernels' launches are appended to ``launches`` as
     (function, args, kwargs) and not run."""
     original = kernel_build.for_device
-    kernel_build.for_device = lambda module, device: _Recorder(module, launches)
+    kernel_build.for_device = lambda module, device: _Recorder(
+        kernel_build.compiled(module), launches
+    )
     try:
         yield
     finally:
@@ -199,6 +201,25 @@ def binder_seconds(recorded: list[tuple], arch: int = 90, repeats: int = 50) -> 
         for _ in range(repeats):
             begin = time.perf_counter()
             binder(*args, **kwargs)
+            times.append(time.perf_counter() - begin)
+        total += sorted(times)[repeats // 2]
+    return total
+
+
+def global_checks_seconds(recorded: list[tuple], repeats: int = 50) -> float:
+    """Triton's launcher's check, at every launch, that each constexpr global a kernel read is
+    unchanged since it was hashed (JITFunction.run, one comparison a global; build.compiled
+    leaves it nothing to compare), on ``recorded`` launches, summed: the median of ``repeats``
+    runs a launch, in seconds."""
+    total = 0.0
+    for fn, _, _ in recorded:
+        fn.cache_key  # noqa: B018  made before the first launch, and the globals with it
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            for (name, _), (value, scope) in fn.used_global_vals.items():
+                if scope.get(name) != value:
+                    raise RuntimeError(f"{fn.fn.__name__}: global {name} changed")
             times.append(time.perf_counter() - begin)
         total += sorted(times)[repeats // 2]
     return total

@@ -129,10 +129,27 @@ def interpreted(module: ModuleType) -> ModuleType:
     return loaded
 
 
+@functools.cache
+def compiled(module: ModuleType) -> ModuleType:
+    """``module`` with its kernels (its JIT functions named ``*_kernel``, the ones launched)
+    ready to launch lightly: Triton's launcher compares, at every launch, each constexpr global
+    a kernel and its helpers read with its value when the kernel was first hashed (about 1 us
+    apiece on the host, 21 globals for dK/dV), to refuse a global changed since. The modules'
+    constants are set once, at import, and their values are already in each kernel's cache
+    key, which is made here: the comparison is left out."""
+    from triton.runtime.jit import JITFunction
+
+    for name, member in vars(module).items():
+        if name.endswith("_kernel") and isinstance(member, JITFunction):
+            member.cache_key  # noqa: B018  hashes the kernel, the globals' values included
+            member.used_global_vals = {}
+    return module
+
+
 def for_device(module: ModuleType, device: torch.device) -> ModuleType:
     """``module``'s kernels that run on ``device``: compiled on CUDA, interpreted on CPU."""
     if device.type == "cuda":
-        return module
+        return compiled(module)
     if device.type == "cpu":
         return interpreted(module)
     raise ValueError(f"the flash kernels run on CUDA or CPU tensors, not {device.type}")
