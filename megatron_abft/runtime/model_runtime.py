@@ -78,12 +78,15 @@ def runtime_of(config: ABFTConfig) -> Runtime:
 
 
 def runtimes(guards: Iterable[SectionGuard]) -> list[Runtime]:
-    """The runtimes of ``guards``' configs, each once."""
-    found: dict[int, Runtime] = {}
+    """The runtimes of ``guards``' configs, each once: looked up once a run of guards of one
+    config (the ``id()`` of a lookup runs any audit hook installed, iter_guards)."""
+    found: dict[Runtime, None] = {}
+    config = None
     for guard in guards:
-        runtime = runtime_of(guard.config)
-        found.setdefault(id(runtime), runtime)
-    return list(found.values())
+        if guard.config is not config:
+            config = guard.config
+            found[runtime_of(config)] = None
+    return list(found)
 
 
 def in_backward() -> bool:
@@ -395,7 +398,7 @@ def set_step(model: torch.nn.Module, step: int) -> None:
     for runtime in runtimes(guards):
         runtime.step_from_loop = True
         runtime.move_to(step)  # with the faults its plan holds for the step
-    move_to_step(guards, step)
+    move_to_step([g for g in guards if g.step != step], step)  # those no runtime moved
 
 
 def _settle_at_exit(ref: weakref.ref) -> None:
