@@ -49,13 +49,25 @@ def tuned(device_name: str) -> dict[tuple[str, int], Blocks]:
     return made
 
 
+def _gpu(device: torch.device) -> tuple[str, int]:
+    """A CUDA ``device``'s name and its compute capability's major version."""
+    return _asked(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _asked(index: int) -> tuple[str, int]:
+    """_gpu of CUDA device ``index``, asked once: each ask costs the host microseconds, and a
+    flash call asks six times."""
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)[0]
+
+
 def blocks(
     kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device | None = None
 ) -> Blocks:
     """The tile shape ``kernel`` launches with for a padded ``head_dim`` and input ``dtype``: a
     tuned one for bf16 on a CUDA ``device`` where the tuning file has it, else tiles.blocks."""
     if device is not None and device.type == "cuda" and dtype == torch.bfloat16:
-        found = tuned(torch.cuda.get_device_name(device)).get((kernel, head_dim))
+        found = tuned(_gpu(device)[0]).get((kernel, head_dim))
         if found is not None:
             return found
     return tiles.blocks(kernel, head_dim, dtype)
@@ -349,7 +361,7 @@ def tma(device: torch.device) -> bool:
     they load through masked pointers."""
     if device.type != "cuda":
         return True
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _gpu(device)[1] >= 9
 
 
 def _rows(x: Tensor) -> tuple[int, int, int]:

@@ -169,3 +169,35 @@ def test_the_library_never_imports_the_gate_machinery():
                 importers.append(str(path.relative_to(package)))
     assert importers == []
     assert len(list(package.rglob("*.py"))) > 40  # the walk saw the package
+
+
+def test_on_a_gpu_the_tuning_files_tiles_for_its_name_and_tma_from_its_capability(
+    monkeypatch, tmp_path
+):
+    """launch.blocks takes the tuning file's tile for bf16 on the GPU of that name (fp16 keeps
+    the gate's), launch.tma the TMA loads from compute capability 9; each GPU's name and
+    capability are asked once (a flash call needs them six times)."""
+    import json
+
+    asked = []
+    names = {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"}
+    majors = {0: 9, 1: 8}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: asked.append(i) or names[i])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (majors[i], 0))
+    tuned = tiles.Blocks(64, 64, 4, 2)
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"NVIDIA H200": {"forward/64": [64, 64, 4, 2]}}))
+    monkeypatch.setenv("ABFT_FLASH_TILES", str(path))
+    launch.tuned.cache_clear()
+    launch._asked.cache_clear()
+    try:
+        h200, a100 = torch.device("cuda", 0), torch.device("cuda", 1)
+        for _ in range(3):
+            assert launch.blocks("forward", 64, torch.bfloat16, h200) == tuned
+            assert launch.blocks("forward", 64, torch.float16, h200) == tiles.TILES["forward", 64]
+            assert launch.blocks("forward", 64, torch.bfloat16, a100) == tiles.TILES["forward", 64]
+            assert launch.tma(h200) and not launch.tma(a100)
+        assert sorted(asked) == [0, 1]
+    finally:
+        launch.tuned.cache_clear()
+        launch._asked.cache_clear()
