@@ -131,18 +131,32 @@ def sync_free_calls(device: torch.device) -> dict[str, int]:
 
 def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, float]:
     """set_step and finish_step on a GPT model of ``layers`` protected layers (small ones: the
-    two walk the model's modules and its guards, whatever their size)."""
+    two walk the model's modules and its guards, whatever their size): the unfused attention's
+    before any step, and (``flash``) the flash attention's after one, when each layer's seven
+    guards read its ledger (on the CPU the step runs in Triton's interpreter, a few seconds)."""
     from bench.overhead import build_model, parse_args
     from megatron_abft import finish_step, set_step
 
-    args = parse_args(["--layers", str(layers), "--hidden", "64", "--heads", "4", "--seq", "32"])
-    model = build_model(args, ABFTConfig())
-    steps = iter(range(10**9))
-    return {
-        "modules": sum(1 for _ in model.modules()),
-        "set_step": best_per_call(lambda: set_step(model, next(steps)), device, number),
-        "finish_step": best_per_call(lambda: finish_step(model), device, number),
-    }
+    shape = ["--layers", str(layers), "--hidden", "64", "--heads", "4", "--seq", "32"]
+    shape += ["--dtype", "bf16" if device.type == "cuda" else "fp32"]  # the flash kernels' own
+    result = {}
+    for attention in ("unfused", "flash"):
+        args = parse_args([*shape, "--attention", attention])
+        model = build_model(args, ABFTConfig(on_uncorrectable="log"))
+        if attention == "flash":
+            tokens = torch.zeros(1, args.seq, dtype=torch.long, device=device)
+            positions = torch.arange(args.seq, device=device).unsqueeze(0)
+            set_step(model, 0)
+            model(tokens, positions, None, labels=tokens).float().mean().backward()
+        steps = iter(range(1, 10**9))
+        result[attention] = {
+            "modules": sum(1 for _ in model.modules()),
+            "set_step": best_per_call(
+                lambda model=model, steps=steps: set_step(model, next(steps)), device, number
+            ),
+            "finish_step": best_per_call(lambda model=model: finish_step(model), device, number),
+        }
+    return {**result.pop("unfused"), **result}
 
 
 def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, float]]:
@@ -306,10 +320,11 @@ def main() -> None:
             f"a sync-free check's op on the CUDA kernels ({'on the GPU' if cuda else 'emulated'}):"
             f" {calls['aten_calls']} calls into ATen, {calls['tensors']} tensors made"
         )
-    print(
-        f"{args.layers} layers ({step['modules']} modules): set_step {step['set_step'] * 1e3:.2f}"
-        f" ms, finish_step {step['finish_step'] * 1e3:.2f} ms"
-    )
+    for name, row in (("unfused", step), ("flash, after a step", step["flash"])):
+        print(
+            f"{args.layers} layers, {name} ({row['modules']} modules): set_step"
+            f" {row['set_step'] * 1e3:.2f} ms, finish_step {row['finish_step'] * 1e3:.2f} ms"
+        )
     for name, row in flash.items():
         launches = f", {row['launches']:.0f} launches (counted, not run)" if row["launches"] else ""
         print(f"the flash attention's call, {name}: {row['host'] * 1e3:.3f} ms{launches}")

@@ -97,7 +97,9 @@ def set_clocks(ledgers: list[Ledger], step: int) -> None:
     """Set every ledger's clock to ``step``: two multi-tensor ops a device."""
     by_device: dict[torch.device, list[Tensor]] = {}
     for ledger in ledgers:
-        by_device.setdefault(ledger.clock.device, []).append(ledger.clock)
+        clocks = by_device.setdefault(ledger.clock.device, [])
+        if not clocks or clocks[-1] is not ledger.clock:  # a flash layer's guards share one
+            clocks.append(ledger.clock)
     for clocks in by_device.values():
         torch._foreach_zero_(clocks)
         torch._foreach_add_(clocks, float(step))

@@ -156,8 +156,10 @@ class ProtectedFlashAttention(DotProductAttention):
         section of it."""
         if self.flash_ledger is None:
             self.flash_ledger = FlashLedger.on(device, self.abft_guards[0].step)
+            for guard in self.abft_guards:
+                guard.attach(self.flash_ledger.section(guard.section))
         for guard in self.abft_guards:
-            guard.attach(self.flash_ledger.section(guard.section), batch_shape)
+            guard.batch_shape = batch_shape
         return self.flash_ledger
 
     def _land(self, q: Tensor, k: Tensor) -> list[FlashFault]:

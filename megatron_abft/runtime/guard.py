@@ -392,31 +392,44 @@ class KernelGuard(SectionGuard):
     in_kernel = True
 
     def __init__(self, section: str, config: ABFTConfig, tp_rank: int):
-        self._consumed: Tensor | None = None
+        self._uncorrectable: Tensor | None = None  # the ledger's uncorrectable counts, by kind
+        self._consumed = 0  # how many of them the policy has seen
         super().__init__(section, config, tp_rank)
 
     @property
     def pending(self) -> Tensor | None:
         """Whether the kernels counted an uncorrectable fault since the policy last looked (a
         device bool); None before the first check."""
-        if self.ledger is None:
+        if self._uncorrectable is None:
             return None
-        return self.ledger.counts[UNCORRECTABLE_ROW].sum() > self._consumed
+        return self._uncorrectable.sum() > self._consumed
 
     @pending.setter
     def pending(self, value: Tensor | None) -> None:
+        """None: the policy has seen what the ledger counts now (one host read; take_pending
+        reads every kernel guard's count at once instead, ``uncorrectable`` and ``consume``)."""
         if value is not None:
             raise ValueError("a kernel guard's pending faults are its ledger's; set None")
-        if self.ledger is not None:
-            self._consumed = self.ledger.counts[UNCORRECTABLE_ROW].sum()
+        if self._uncorrectable is not None:
+            self._consumed = int(self._uncorrectable.sum())
 
-    def attach(self, ledger: Ledger, batch_shape: tuple[int, ...]) -> None:
-        """Read the kernels' findings from ``ledger``, for matrices laid out as
-        ``batch_shape``."""
-        if self.ledger is None:
-            self.ledger = ledger
-            self._consumed = ledger.counts[UNCORRECTABLE_ROW].sum()
-        self.batch_shape = batch_shape
+    def attach(self, ledger: Ledger) -> None:
+        """Read the kernels' findings from ``ledger``, a new one (its counts zero)."""
+        self.ledger = ledger
+        self._uncorrectable = ledger.counts[UNCORRECTABLE_ROW]
+        self._consumed = 0
+
+    @staticmethod
+    def uncorrectable(guards: list[KernelGuard]) -> Tensor:
+        """How many uncorrectable faults each of ``guards`` (attached) has counted, in one
+        device tensor: one stack and one sum for all of them, where each guard's ``pending``
+        takes two ops."""
+        return torch.stack([g._uncorrectable for g in guards]).sum(-1)
+
+    def consume(self, count: int) -> bool:
+        """With ``count`` read from ``uncorrectable``: whether a fault is pending, now seen."""
+        pending, self._consumed = count > self._consumed, count
+        return pending
 
 
 def iter_guards(model: torch.nn.Module) -> Iterator[SectionGuard]:

@@ -44,7 +44,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megatron_abft.check.ledger import set_clocks
 from megatron_abft.config import ABFTConfig, Policy
 from megatron_abft.faults import Fault, arm, disarm
-from megatron_abft.runtime.guard import ABFTUncorrectableError, SectionGuard, iter_guards
+from megatron_abft.runtime.guard import (
+    ABFTUncorrectableError,
+    KernelGuard,
+    SectionGuard,
+    iter_guards,
+)
 from megatron_abft.runtime.megatron_state import (
     megatron_step,
     microbatches,
@@ -97,12 +102,20 @@ def in_backward() -> bool:
 def take_pending(guards: list[SectionGuard]) -> tuple[list[dict], bool]:
     """Where ``guards`` hold an uncorrectable fault (rank, layer, section, step each), and
     whether a recompute failed; clears both. One host read, none when nothing is pending."""
-    pending = [g for g in guards if g.pending is not None]
-    flags = torch.stack([g.pending for g in pending]).cpu().tolist() if pending else []
-    where = [g.where() for g, hit in zip(pending, flags, strict=True) if hit]
+    kernel = [g for g in guards if g.in_kernel and g.ledger is not None]  # attached
+    held = [g for g in guards if not g.in_kernel and g.pending is not None]
+    parts = [torch.stack([g.pending for g in held]).long()] if held else []
+    if kernel:  # the flash layers' seven guards each: their counts in one stack
+        parts.append(KernelGuard.uncorrectable(kernel))
+    read = torch.cat(parts).tolist() if parts else []
+    hits = dict(zip(held, map(bool, read[: len(held)]), strict=True))
+    hits.update((g, g.consume(n)) for g, n in zip(kernel, read[len(held) :], strict=True))
+    where = [g.where() for g in guards if hits.get(g)]
     recompute_failed = any(g.recompute_failed for g in guards)
     for guard in guards:
-        guard.pending, guard.recompute_failed = None, False
+        if not guard.in_kernel:  # a kernel guard's pending is its ledger's, consumed above
+            guard.pending = None
+        guard.recompute_failed = False
     return where, recompute_failed
 
 

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from dispatched import Dispatched
 from mcore import Shape, build_gpt, loss_and_grads, spawn
 
 from megatron_abft.config import FLASH_SECTIONS, ABFTConfig
@@ -108,7 +109,7 @@ def test_faults_in_every_section_on_either_rank_are_corrected_and_named():
 
 def _persistent_worker(policies):
     """For each policy: a persistent fault in rank 1's kernels, and what finish_step decides
-    on this rank (the error's ``where`` under raise)."""
+    on this rank (the error's ``where`` under raise), then after a clean step."""
     from megatron_abft import ABFTUncorrectableError, Fault, finish_step, inject, set_step
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
@@ -125,6 +126,11 @@ def _persistent_worker(policies):
             decisions[policy] = finish_step(model).action
         except ABFTUncorrectableError as error:
             decisions[policy] = error.where
+        set_step(model, 1)  # a clean step: the fault, seen once, is not handed on again
+        loss_and_grads(model, shape)
+        with Dispatched() as made:
+            decisions[policy, "next"] = finish_step(model).action
+        decisions[policy, "ops"] = made.ops
     return decisions
 
 
@@ -135,6 +141,10 @@ def test_a_persistent_fault_reaches_the_policy_on_every_rank():
     assert ranks[1]["raise"] == [where] and ranks[0]["raise"][0]["rank"] == "another"
     for rank in ranks:
         assert (rank["recompute"], rank["skip_step"]) == ("recompute", "skip_step")
+        assert all(rank[policy, "next"] == "none" for policy in ("raise", "recompute", "skip_step"))
+        # one read of every guard's counts, however many layers (a flash layer's seven guards
+        # took eight ops each)
+        assert len(rank["raise", "ops"]) <= 6, rank["raise", "ops"]
 
 
 def _construction_worker():
