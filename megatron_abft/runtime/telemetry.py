@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import torch
+from torch import Tensor
 
 from megatron_abft.check.eec import KINDS, OUTCOMES
 from megatron_abft.config import SECTIONS, Policy
-from megatron_abft.runtime.guard import collect_events, iter_guards
+from megatron_abft.runtime.guard import SectionGuard, collect_events, iter_guards
 from megatron_abft.runtime.model_runtime import fault_line, runtimes
 
 COUNTS: tuple[str, ...] = (*OUTCOMES, "recomputed", "harmless")
@@ -252,21 +253,10 @@ class Telemetry:
         for event in events:
             event["policy"] = self.config.policy
         shape = (len(SECTIONS), len(COUNTS), len(KINDS))
-        by_layer = torch.zeros(self.num_layers, *shape, dtype=torch.int64, device=self.device)
+        by_layer = self._by_layer([g for chunk in self.chunks for g in iter_guards(chunk)])
         by_rank = torch.zeros(self.world, *shape, dtype=torch.int64, device=self.device)
+        by_rank[self.rank] = by_layer.sum(0)
         extra = torch.zeros(self.world, 2, dtype=torch.int64, device=self.device)
-        for chunk in self.chunks:
-            for guard in iter_guards(chunk):
-                s, layer = SECTIONS.index(guard.section), (guard.layer or 1) - 1
-                if guard.counts is not None:
-                    counts = guard.counts.to(self.device)
-                    by_layer[layer, s, : len(OUTCOMES)] += counts
-                    by_rank[self.rank, s, : len(OUTCOMES)] += counts
-                for i, settled in enumerate((guard.recomputed, guard.harmless)):
-                    if settled is not None:
-                        settled = settled.to(self.device)
-                        by_layer[layer, s, len(OUTCOMES) + i, 0] += settled
-                        by_rank[self.rank, s, len(OUTCOMES) + i, 0] += settled
         extra[self.rank, 0], extra[self.rank, 1] = len(events), self.injected
         self.injected = 0
         flat = torch.cat([by_layer.flatten(), by_rank.flatten(), extra.flatten()])
@@ -294,21 +284,24 @@ class Telemetry:
         """``abft/*`` W&B scalars: totals, per section and per kind for every outcome; per layer
         and per rank only where something was detected."""
         scalars: dict[str, float] = {f"abft/{k}": float(v) for k, v in totals.items()}
-        for s, section in enumerate(SECTIONS):
-            if section not in self.sections:
-                continue
-            for i, name in enumerate(COUNTS):
-                scalars[f"abft/{section}/{name}"] = float(self.layer_counts[:, s, i].sum())
+        # each table summed as a tensor and read as lists: an element read apiece took hundreds
+        # of ops a log
+        by_section = self.layer_counts.sum(dim=(0, 3)).tolist()  # [section, count]
+        for section, row in zip(SECTIONS, by_section, strict=True):
+            if section in self.sections:
+                for name, value in zip(COUNTS, row, strict=True):
+                    scalars[f"abft/{section}/{name}"] = float(value)
+        by_kind = self.layer_counts[:, :, : len(OUTCOMES)].sum(dim=(0, 1)).tolist()  # [out, kind]
         for k, kind in enumerate(KINDS):
-            for i, name in enumerate(OUTCOMES):
-                scalars[f"abft/kind/{kind}/{name}"] = float(self.layer_counts[:, :, i, k].sum())
+            for name, row in zip(OUTCOMES, by_kind, strict=True):
+                scalars[f"abft/kind/{kind}/{name}"] = float(row[k])
         for counts, label in ((self.layer_counts, "layer"), (self.rank_counts, "rank")):
-            per = counts[:, :, : len(OUTCOMES)].sum(dim=(1, 3))  # [n, outcome]
+            per = counts[:, :, : len(OUTCOMES)].sum(dim=(1, 3)).tolist()  # [n, outcome]
             offset = 1 if label == "layer" else 0  # Megatron's layer numbers start at 1
-            for n in range(per.shape[0]):
-                if per[n, 0]:
-                    for i, name in enumerate(OUTCOMES):
-                        scalars[f"abft/{label}{n + offset}/{name}"] = float(per[n, i])
+            for n, row in enumerate(per):
+                if row[0]:
+                    for name, value in zip(OUTCOMES, row, strict=True):
+                        scalars[f"abft/{label}{n + offset}/{name}"] = float(value)
         return scalars
 
     def log(self, iteration: int, metrics: dict[str, float] | None = None) -> Interval:
@@ -338,6 +331,28 @@ class Telemetry:
         if self.wandb_run is not None:
             self.wandb_run.log({**metrics, **interval.scalars}, step=iteration)
         return interval
+
+    def _by_layer(self, guards: list[SectionGuard]) -> Tensor:
+        """This rank's counters ``[layers, sections, COUNTS, kinds]``: the guards' counts, and
+        their GEMMs recomputed and harmless faults, each kind added in one op for all guards
+        (a flash layer holds seven; one op a guard took thousands a log at 24 layers)."""
+        sections, kinds = len(SECTIONS), len(KINDS)
+        table = torch.zeros(
+            self.num_layers * sections, len(COUNTS), kinds, dtype=torch.int64, device=self.device
+        )
+
+        def add(into: Tensor, values: list[Tensor], of: list[SectionGuard]) -> None:
+            if of:
+                at = [((g.layer or 1) - 1) * sections + SECTIONS.index(g.section) for g in of]
+                index = torch.tensor(at, device=self.device)
+                into.index_add_(0, index, torch.stack(values).to(self.device))
+
+        counted = [g for g in guards if g.counts is not None]
+        add(table[:, : len(OUTCOMES)], [g.counts for g in counted], counted)
+        for i, name in enumerate(("recomputed", "harmless")):
+            settled = [g for g in guards if getattr(g, name) is not None]
+            add(table[:, len(OUTCOMES) + i, 0], [getattr(g, name) for g in settled], settled)
+        return table.view(self.num_layers, sections, len(COUNTS), kinds)
 
     def _console_line(self, iteration: int, metrics: dict[str, float], interval: Interval) -> str:
         """Megatron-LM's training log line, with the interval's ABFT counts at the end."""
