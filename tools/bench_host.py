@@ -1,10 +1,10 @@
 """What protection costs the host on this machine: a guard's clean check against its op alone
 (the difference is the Python around it), with warm caches and with cold ones, as in a training
 step, and on a GPU the checked GEMM's call (megatron_abft.ops.checked_gemm) as the layers make
-it; set_step and finish_step, which run once a step, on a GPT model; and the protected flash
-attention's call, forward and backward. On a GPU this is the host side of a step, which the GPU
-hides only while the host runs ahead of it; the overhead model counts device time only
-(docs/benchmarks.md).
+it; set_step and finish_step, which run once a step, and the telemetry's gather, once a log
+interval, on a GPT model; and the protected flash attention's call, forward and backward. On a
+GPU this is the host side of a step, which the GPU hides only while the host runs ahead of it;
+the overhead model counts device time only (docs/benchmarks.md).
 
     python -m tools.bench_host --layers 24 --out host.json
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import io
 import json
 import os
 import pstats
@@ -30,6 +31,7 @@ from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
 from megatron_abft.ops import checked_gemm, compiled
 from megatron_abft.runtime.guard import SectionGuard
+from megatron_abft.runtime.telemetry import Telemetry
 
 
 def per_call_cold(fn, device: torch.device, number: int = 300) -> float:
@@ -130,10 +132,11 @@ def sync_free_calls(device: torch.device) -> dict[str, int]:
 
 
 def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, float]:
-    """set_step and finish_step on a GPT model of ``layers`` protected layers (small ones: the
-    two walk the model's modules and its guards, whatever their size): the unfused attention's
-    before any step, and (``flash``) the flash attention's after one, when each layer's seven
-    guards read its ledger (on the CPU the step runs in Triton's interpreter, a few seconds)."""
+    """set_step and finish_step, and the telemetry's gather (once a log interval), on a GPT
+    model of ``layers`` protected layers (small ones: they walk the model's modules and its
+    guards, whatever their size): the unfused attention's before any step, and (``flash``) the
+    flash attention's after one, when each layer's seven guards read its ledger (on the CPU
+    the step runs in Triton's interpreter, a few seconds)."""
     from bench.overhead import build_model, parse_args
     from megatron_abft import finish_step, set_step
 
@@ -149,8 +152,10 @@ def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, f
             set_step(model, 0)
             model(tokens, positions, None, labels=tokens).float().mean().backward()
         steps = iter(range(1, 10**9))
+        telemetry = Telemetry(model, stream=io.StringIO())
         result[attention] = {
             "modules": sum(1 for _ in model.modules()),
+            "gather": best_per_call(lambda t=telemetry: t.gather(0), device, number),
             "set_step": best_per_call(
                 lambda model=model, steps=steps: set_step(model, next(steps)), device, number
             ),
@@ -323,7 +328,8 @@ def main() -> None:
     for name, row in (("unfused", step), ("flash, after a step", step["flash"])):
         print(
             f"{args.layers} layers, {name} ({row['modules']} modules): set_step"
-            f" {row['set_step'] * 1e3:.2f} ms, finish_step {row['finish_step'] * 1e3:.2f} ms"
+            f" {row['set_step'] * 1e3:.2f} ms, finish_step {row['finish_step'] * 1e3:.2f} ms,"
+            f" the telemetry's gather {row['gather'] * 1e3:.2f} ms"
         )
     for name, row in flash.items():
         launches = f", {row['launches']:.0f} launches (counted, not run)" if row["launches"] else ""
