@@ -333,9 +333,9 @@ class Telemetry:
         return interval
 
     def _by_layer(self, guards: list[SectionGuard]) -> Tensor:
-        """This rank's counters ``[layers, sections, COUNTS, kinds]``: the guards' counts, and
-        their GEMMs recomputed and harmless faults, each kind added in one op for all guards
-        (a flash layer holds seven; one op a guard took thousands a log at 24 layers)."""
+        """This rank's counters ``[layers, sections, COUNTS, kinds]``: the guards' counts, their
+        GEMMs recomputed and their harmless faults, each added in one op for all guards (a
+        flash layer holds seven: a few ops a guard made thousands a log at 24 layers)."""
         sections, kinds = len(SECTIONS), len(KINDS)
         table = torch.zeros(
             self.num_layers * sections, len(COUNTS), kinds, dtype=torch.int64, device=self.device
