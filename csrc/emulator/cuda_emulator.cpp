@@ -157,8 +157,8 @@ std::string where(const Fiber& f) {
          std::to_string(f.thread.block_idx.x);
 }
 
-// Releases warp w's shuffle where all its lanes have reached it; false where they have not, or
-// on an error (set).
+// Releases warp w's shuffle or __syncwarp where all its lanes have reached it; false where they
+// have not, or on an error (set).
 bool release_warp(int w) {
   std::vector<Fiber>& fibers = emulator().fibers;
   const int n = int(fibers.size()), first = w * 32, last = std::min(n, first + 32);
@@ -175,11 +175,11 @@ bool release_warp(int w) {
     const Fiber& f = fibers[size_t(i)];
     if (f.state == State::Done) {
       fail(kInvalidValue, "a lane of warp " + std::to_string(w) +
-                              " exited while its warp shuffles at line " + std::to_string(line));
+                              " exited while its warp meets at line " + std::to_string(line));
       return false;
     }
     if (f.state == State::AtWarpBarrier && f.line != line) {
-      fail(kInvalidValue, "warp " + std::to_string(w) + " shuffles at lines " +
+      fail(kInvalidValue, "warp " + std::to_string(w) + " meets at lines " +
                               std::to_string(line) + " and " + std::to_string(f.line));
       return false;
     }
@@ -304,6 +304,12 @@ void exchange(const void* in, void* out, size_t bytes, unsigned mask, int source
   f.line = line;
   yield();
   std::memcpy(out, x.slot[set][source & 31], bytes);
+}
+
+void sync_warp(int line) {
+  const char mine = 0;
+  char theirs;
+  exchange(&mine, &theirs, 1, 0xffffffffu, int(me().thread.thread_idx.x & 31), line);
 }
 
 unsigned char* dynamic_shared() { return emulator().shared.data(); }

@@ -9,7 +9,8 @@
 // the next warp starts; so warps drift as far apart as a GPU lets them. The emulator also checks
 // what real hardware does not report:
 //   - every thread of a block reaches the same __syncthreads (same source line), none exited;
-//   - every lane of a warp takes part in a shuffle (full mask, same line, none exited);
+//   - every lane of a warp takes part in a shuffle and a __syncwarp (full mask, same line, none
+//     exited);
 //   - a launch's shape is valid (grid and block not empty, at most 1024 threads a block), and
 //     dynamic shared memory above 48 KiB has been allowed with cudaFuncSetAttribute;
 //   - dynamic shared memory is poisoned (0xff bytes: NaN as floats) before each block, so that a
@@ -50,6 +51,8 @@ void sync_threads(int line);
 // The warp's part of a shuffle: lane's `bytes` of `in` published, then what lane `source` published
 // read into `out`, once every lane of the warp has reached the shuffle at `line`.
 void exchange(const void* in, void* out, size_t bytes, unsigned mask, int source, int line);
+// __syncwarp: waits until every lane of the warp has reached the barrier at `line`.
+void sync_warp(int line);
 // The block's dynamic shared memory (the launch's third argument, in bytes).
 unsigned char* dynamic_shared();
 

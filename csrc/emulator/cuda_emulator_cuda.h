@@ -61,6 +61,7 @@ T atomicMax(T* address, T value) {
 #define blockDim (::cuda_emulator::running->block_dim)
 #define gridDim (::cuda_emulator::running->grid_dim)
 #define __syncthreads() ::cuda_emulator::sync_threads(__LINE__)
+#define __syncwarp() ::cuda_emulator::sync_warp(__LINE__)
 #define __shfl_xor_sync(mask, value, lane_mask) \
   ::cuda_emulator::shfl_xor(mask, value, lane_mask, __LINE__)
 #define ABFT_LAUNCH(grid, block, shared, stream, ...) \

@@ -66,6 +66,25 @@ __global__ void threads_race(int* out) {
   out[threadIdx.x] = slot[(threadIdx.x + 1) % 64];
 }
 
+// As threads_race within a warp, with a __syncwarp between the write and the read: lane i reads
+// lane i + 1's slot, whatever the order of the lanes.
+__global__ void warp_synced(int* out) {
+  __shared__ int slot[32];
+  slot[threadIdx.x] = int(threadIdx.x);
+  __syncwarp();
+  out[threadIdx.x] = slot[(threadIdx.x + 1) % 32];
+}
+
+// Half the warp waits at one __syncwarp, half at another.
+__global__ void divergent_syncwarp(int* out) {
+  if ((threadIdx.x & 31) < 16) {
+    __syncwarp();
+  } else {
+    __syncwarp();
+  }
+  out[threadIdx.x] = 1;
+}
+
 // Every thread adds its index to one counter: atomic, whatever the order.
 __global__ void atomic_count(int* out) { atomicAdd(out, int(threadIdx.x)); }
 
@@ -97,6 +116,9 @@ int main() {
   report("split_warp", "");
   ABFT_LAUNCH(1, 48, 0, nullptr, block_sum)(x.data(), sums.data());
   report("partial_warp", "");
+  std::vector<int> ones(32);
+  ABFT_LAUNCH(1, 32, 0, nullptr, divergent_syncwarp)(ones.data());
+  report("divergent_syncwarp", "");
   ABFT_LAUNCH(0, 64, 0, nullptr, block_sum)(x.data(), sums.data());
   report("empty_grid", "");
   ABFT_LAUNCH(1, 2048, 0, nullptr, block_sum)(x.data(), sums.data());
@@ -118,6 +140,9 @@ int main() {
     ABFT_LAUNCH(1, 64, 0, nullptr, threads_race)(seen.data());
     std::snprintf(text, sizeof text, "%d", seen[0]);
     report(schedule == 0 ? "threads_race forward" : "threads_race reversed", text);
+    ABFT_LAUNCH(1, 32, 0, nullptr, warp_synced)(seen.data());
+    std::snprintf(text, sizeof text, "%d %d", seen[0], seen[31]);
+    report(schedule == 0 ? "warp_synced forward" : "warp_synced reversed", text);
     int count = 0;
     ABFT_LAUNCH(1, 64, 0, nullptr, atomic_count)(&count);
     std::snprintf(text, sizeof text, "%d", count);

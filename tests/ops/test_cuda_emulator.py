@@ -56,6 +56,7 @@ def test_a_warp_and_block_reduction_runs_alike_in_every_schedule(probes):
         ("exit_before_barrier", 1, "thread 3 of block 0 exited before the __syncthreads"),
         ("split_warp", 1, "wait at barriers that can never complete"),
         ("partial_warp", 1, "warp 1 has 16 lanes; a full-mask shuffle needs 32"),
+        ("divergent_syncwarp", 1, r"warp 0 meets at lines \d+ and \d+"),
         ("empty_grid", 9, "launch of 0x1x1 blocks"),
         ("too_many_threads", 9, "blocks of 2048 threads"),
         ("shared_over_48k", 1, "65536 bytes of dynamic shared memory; the kernel allows 49152"),
@@ -73,6 +74,8 @@ def test_dynamic_shared_memory_is_poisoned_until_written(probes):
 def test_schedules_expose_order_dependent_races_and_leave_atomics_alone(probes):
     assert probes["blocks_race forward"] == (0, "7") and probes["blocks_race reversed"] == (0, "0")
     assert probes["threads_race forward"][1] != probes["threads_race reversed"][1]
+    # a __syncwarp orders a warp's shared memory: lane i reads what lane i + 1 wrote
+    assert probes["warp_synced forward"] == probes["warp_synced reversed"] == (0, "1 0")
     total = str(sum(range(64)))
     assert probes["atomic_count forward"] == probes["atomic_count reversed"] == (0, total)
 
