@@ -2,7 +2,8 @@
 extension (megatron_abft/_C*.so, as `make install` builds it), or in another version of
 csrc/kernels/abft_cuda.cu built with setup.py's nvcc flags (``--source``), each kernel's
 stack frame (spilled registers live there) and innermost loops that read global memory,
-with their instructions, shuffles, loads and the distance from a load to its first use. It
+with their instructions, shuffles, loads, shared memory accesses and the distance from a load
+to its first use. It
 counts instructions, as the flash kernels' gate does (megatron_abft.dev.sass); it does not time
 them.
 
@@ -20,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -103,13 +105,15 @@ def load_to_use(body: tuple[sass.Instruction, ...]) -> dict[str, int]:
 
 
 def reading_loops(instructions: list[sass.Instruction]) -> list[dict]:
-    """The innermost loops that load global memory: their length, shuffles, loads, local
-    memory accesses (spilled registers) and load-to-use distance."""
+    """The innermost loops that load global memory: their length, shuffles, loads, shared
+    memory accesses (by opcode), local memory accesses (spilled registers) and load-to-use
+    distance."""
     return [
         {
             "instructions": len(loop.body),
             "shuffles": loop.count("SHFL"),
             "loads": [i.opcode for i in loop.body if i.base == "LDG"],
+            "shared": dict(Counter(i.opcode for i in loop.body if i.base in ("LDS", "STS"))),
             "local": loop.count("LDL", "STL"),
             "load_to_use": load_to_use(loop.body),
         }
@@ -148,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         for loop in found["loops"]:
             loads = ", ".join(sorted(set(loop["loads"])))
             uses = ", ".join(f"{op} {n}" for op, n in sorted(loop["load_to_use"].items()))
+            shared = ", ".join(f"{n} {op}" for op, n in sorted(loop["shared"].items())) or "none"
             print(
                 f"  loop of {loop['instructions']} instructions, {loop['shuffles']} shuffles, "
-                f"{len(loop['loads'])} loads ({loads}), {loop['local']} local accesses; "
-                f"instructions from a load to its use: {uses}"
+                f"{len(loop['loads'])} loads ({loads}), shared memory {shared}, "
+                f"{loop['local']} local accesses; instructions from a load to its use: {uses}"
             )
     return 0

@@ -134,6 +134,39 @@ __device__ __forceinline__ void warp_sums(const Acc (&t)[4], Acc (&mine)[4], int
   }
 }
 
+// A warp's staging of four rows' sums in shared memory (block_sums_tile_vectors): each lane puts
+// its shares of a row's four sums (put, row q of the quad), and two lanes then add up each of the
+// quad's sixteen sums over the 32 lanes (reduce, into totals[q][k]: lanes 2(4q + k) and
+// 2(4q + k) + 1 add up lanes 0-15 and 16-31, then add each other's). Sum (q, k) is a segment of
+// kQuadSegment values, 32 and four of padding, so that neither the writes (a lane a value) nor
+// the reads (a lane four vectors of four) of a warp meet on a bank: every address is a lane's
+// base plus a constant.
+constexpr int kQuadSegment = 36;
+constexpr int kQuadStage = 16 * kQuadSegment;  // values a warp stages
+
+struct QuadStage {
+  int lane;
+
+  template <typename Acc>
+  __device__ __forceinline__ void put(Acc* stage, int q, const Acc (&t)[4]) const {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) stage[(4 * q + k) * kQuadSegment + lane] = t[k];
+  }
+
+  // The quad's sums into totals ([4][4]: by row of the quad, then sum), once every lane put them.
+  template <typename Acc>
+  __device__ __forceinline__ void reduce(const Acc* stage, Acc* totals) const {
+    __syncwarp();
+    const Acc* at = stage + (lane >> 1) * kQuadSegment + 16 * (lane & 1);
+    Acc total = Acc(0);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) total += at[e];
+    total += __shfl_xor_sync(kFullMask, total, 1);
+    if ((lane & 1) == 0) totals[lane >> 1] = total;
+    __syncwarp();  // read before the next quad's puts
+  }
+};
+
 // Column j's four block sums (the plain and weighted sums and sizes) of row tile rt, matrix b.
 template <typename Acc>
 __device__ __forceinline__ void write_column(const BlockSums& out, const MatrixBatch& c,
@@ -171,11 +204,12 @@ __device__ __forceinline__ void write_row(const BlockSums& out, const MatrixBatc
 }
 
 // block_sums_tile where rows_in_vectors: a thread reads kVec consecutive columns of a row in one
-// load, and a warp owns whole rows (every warps-th of the tile), so a row's four sums take one
-// warp reduction per 32 * kVec elements, where the column-per-thread walk below takes one per
-// 32. Each warp keeps its columns' sums over its rows in registers; once a group of columns is
-// done the block adds the warps' sums, in warp order, in shared memory. The same outputs and
-// screen as that walk, summed in another fixed order.
+// load, and a warp owns whole rows (every warps-th of the tile). Each warp keeps its columns' sums
+// over its rows in registers; once a group of columns is done the block adds the warps' sums, in
+// warp order, in shared memory. A row's four sums are spread over the warp's lanes, and meet in
+// shared memory four rows at a time (QuadStage), in fewer instructions than a reduction by
+// shuffles (warp_sums) takes for each row. The same outputs and screen as the column-per-thread
+// walk below, summed in another fixed order.
 template <typename T, typename Acc, bool Screened>
 __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
                                                         const BlockSums& out,
@@ -183,7 +217,11 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
                                                         const Screen& s, int col_side,
                                                         int row_side) {
   constexpr int kGroup = 32 * kVec;  // the columns a warp reads of a row at once
-  __shared__ Acc part[kWarps][4][kGroup];  // per warp: its sums of the group's columns
+  // per warp: its sums of the group's columns (4 x kGroup); before that, in the row loop, the
+  // lanes' shares of a quad of rows' sums (QuadStage)
+  constexpr int kPart = 4 * kGroup > kQuadStage ? 4 * kGroup : kQuadStage;
+  __align__(16) __shared__ Acc part[kWarps][kPart];
+  __shared__ Acc row_totals[kWarps][32][4];  // per warp: the four sums of a chunk's rows
   __shared__ int tile_fails;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const bool cols_checked = out.col_block > 0, rows_checked = out.row_block > 0;
@@ -194,6 +232,9 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
   const int64_t r0 = rt * tiling.height, r1 = min64(c.rows, r0 + tiling.height);
   const int64_t c0 = ct * tiling.width, c1 = min64(c.cols, c0 + tiling.width);
   const T* base = static_cast<const T*>(c.data) + batch_offset(c, b);
+  const int64_t step = int64_t(warps) * c.row_stride;  // from a warp's row to its next
+  Acc* const stage = part[warp];
+  const QuadStage quad{lane};
   int fails = 0;  // this thread's failed vectors of the tile
   if (Screened) {
     if (threadIdx.x == 0) tile_fails = 0;
@@ -206,67 +247,88 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
     Acc s0[kVec], s1[kVec], z0[kVec], z1[kVec];
 #pragma unroll
     for (int k = 0; k < kVec; ++k) s0[k] = s1[k] = z0[k] = z1[k] = Acc(0);
-    const Acc w0 = Acc(j0 - c0 + 1);  // the row side's weight of this thread's first column
-    // this warp's rows (every warps-th) by chunks of 32: lane r keeps the r-th row's sums, and
-    // the lanes write and screen the chunk's rows together
+    Acc wj[kVec];  // the row side's weights of this thread's columns
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) wj[k] = Acc(j0 - c0 + 1 + k);
+    // this warp's rows (every warps-th) by chunks of 32, four at a time; then lane r writes and
+    // screens the chunk's r-th row
     for (int64_t i0 = r0 + warp; i0 < r1; i0 += 32 * int64_t(warps)) {
       const int n = int(min64(32, ceil_div(r1 - i0, warps)));
-      Acc mine[4] = {0, 0, 0, 0};
-      // row r's vector (zeros past the tile's columns or the chunk's rows), loaded a row ahead
-      // of its sums: two buffers by the row's parity, each reloaded with the row after next
-      // once its row is summed, so that row r + 1's load is in flight while row r is summed
-      // (where each row was loaded as it was summed, a warp waited out every load's latency)
-      const T* at = base + i0 * c.row_stride + j0;
-      const int64_t step = int64_t(warps) * c.row_stride;
-      auto fetch = [&](int r) {
+      // row r's vector (zeros past the tile's columns or the chunk's rows), loaded rows ahead of
+      // its sums: four buffers, each reloaded with the row four on once its row is summed, so
+      // that three rows' loads are in flight while a row is summed (where each row was loaded
+      // as it was summed, a warp waited out every load's latency). The rows are fetched in
+      // order, through a pointer stepped a row at a time.
+      const T* next = base + i0 * c.row_stride + j0;
+      int fetched = 0;
+      auto fetch = [&]() {
         VectorBits<T> bits{};
-        if (valid && r < n) bits = *reinterpret_cast<const VectorBits<T>*>(at + r * step);
+        if (valid && fetched < n) bits = *reinterpret_cast<const VectorBits<T>*>(next);
+        next += step;
+        ++fetched;
         return bits;
       };
-      auto sum_row = [&](const VectorBits<T>& bits, int r) {
-        const Acc wi = Acc(i0 + int64_t(r) * warps - r0 + 1);
+      // row r's weight on the column side, i0 + r * warps - r0 + 1, a float stepped by warps
+      // (exact: a tile's rows are far fewer than 2^24)
+      Acc wi = Acc(i0 - r0 + 1);
+      const Acc wstep = Acc(warps);
+      auto sum_row = [&](const VectorBits<T>& bits, int q) {
         float v[kVec];
         unpack_vector<T>(bits, v);
-        Acc t[4] = {0, 0, 0, 0};  // this thread's share of the row's sums
+        const Acc x0 = Acc(v[0]), a0 = magnitude(x0);
+        Acc t[4] = {x0, wj[0] * x0, a0, wj[0] * a0};  // this thread's share of the row's sums
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
-          const Acc x = Acc(v[k]), a = magnitude(x), wj = w0 + Acc(k);
+          const Acc x = Acc(v[k]), a = magnitude(x);
           s0[k] += x;
           s1[k] += wi * x;
           z0[k] += a;
           z1[k] += wi * a;
-          t[0] += x;
-          t[1] += wj * x;
-          t[2] += a;
-          t[3] += wj * a;
+          if (k > 0) {
+            t[0] += x;
+            t[1] += wj[k] * x;
+            t[2] += a;
+            t[3] += wj[k] * a;
+          }
         }
-        if (rows_checked) warp_sums(t, mine, lane, r);
+        wi += wstep;
+        if (rows_checked) quad.put(stage, q, t);
       };
-      VectorBits<T> even = fetch(0), odd = fetch(1);
+      VectorBits<T> row0 = fetch(), row1 = fetch(), row2 = fetch(), row3 = fetch();
 #pragma unroll 1
-      for (int r = 0; r < n; r += 2) {
-        sum_row(even, r);
-        even = fetch(r + 2);
-        if (r + 1 < n) {  // n is the warp's: every lane takes the same branch
-          sum_row(odd, r + 1);
-          odd = fetch(r + 3);
-        }
+      for (int r = 0; r < n; r += 4) {  // rows past n read zeros, and their sums are not kept
+        sum_row(row0, 0);
+        row0 = fetch();
+        sum_row(row1, 1);
+        row1 = fetch();
+        sum_row(row2, 2);
+        row2 = fetch();
+        sum_row(row3, 3);
+        row3 = fetch();
+        if (rows_checked) quad.reduce(stage, &row_totals[warp][r][0]);
       }
-      if (rows_checked && lane < n) {
-        const int64_t i = i0 + int64_t(lane) * warps;
-        write_row<Acc>(out, c, b, nbr, c0 / out.row_block, i, mine, g != c0);
-        if (Screened && row_side >= 0 && last_pass) {
-          fails += screen_fails<Acc>(s, row_side, b, ct, i);
+      if (rows_checked) {
+        __syncwarp();  // the quads' totals, from the lanes that added them up
+        if (lane < n) {
+          const int64_t i = i0 + int64_t(lane) * warps;
+          Acc mine[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) mine[k] = row_totals[warp][lane][k];
+          write_row<Acc>(out, c, b, nbr, c0 / out.row_block, i, mine, g != c0);
+          if (Screened && row_side >= 0 && last_pass) {
+            fails += screen_fails<Acc>(s, row_side, b, ct, i);
+          }
         }
+        __syncwarp();  // row_totals read before the next chunk writes them
       }
     }
     if (cols_checked) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        part[warp][0][lane * kVec + k] = s0[k];
-        part[warp][1][lane * kVec + k] = s1[k];
-        part[warp][2][lane * kVec + k] = z0[k];
-        part[warp][3][lane * kVec + k] = z1[k];
+        part[warp][0 * kGroup + lane * kVec + k] = s0[k];
+        part[warp][1 * kGroup + lane * kVec + k] = s1[k];
+        part[warp][2 * kGroup + lane * kVec + k] = z0[k];
+        part[warp][3 * kGroup + lane * kVec + k] = z1[k];
       }
       __syncthreads();
       for (int col = threadIdx.x; col < kGroup; col += blockDim.x) {
@@ -275,7 +337,7 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
           Acc total[4] = {0, 0, 0, 0};
           for (int w = 0; w < warps; ++w) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) total[k] += part[w][k][col];
+            for (int k = 0; k < 4; ++k) total[k] += part[w][k * kGroup + col];
           }
           write_column<Acc>(out, c, b, rt, row_tiles, j, total[0], total[1], total[2], total[3]);
           if (Screened && col_side >= 0) fails += screen_fails<Acc>(s, col_side, b, rt, j);

@@ -42,23 +42,39 @@ def test_rows_in_vectors_shuffle_a_quarter_as_often_as_a_column_a_thread():
         assert v[0] <= c[0] / 2, (kind, v, c)
 
 
-def test_a_row_reduces_its_four_sums_in_ten_shuffles():
-    """A row's four sums meet across the warp by a reduce-scatter and a gather, 10 shuffles
-    where a butterfly of each sum takes 20 (abft_cuda.cu, warp_sums): on both paths a load
-    reads one row (four elements of it, or one), and a loop shuffles at most 10 times a load."""
+def test_a_row_reduces_its_four_sums_in_ten_shuffles_or_through_shared_memory():
+    """Where a thread walks a column, a row's four sums meet across the warp by a reduce-scatter
+    and a gather, 10 shuffles where a butterfly of each sum takes 20 (abft_cuda.cu, warp_sums):
+    a load reads one element of a row, and a loop shuffles at most 10 times a load. Where rows
+    are read in vectors, the lanes' shares of a quad of rows' sums meet in shared memory
+    (QuadStage): a loop of four rows, four loads, makes one shuffle, 16 stores of the shares and
+    one of the totals, and reads them in four 16-byte loads."""
     found = built_report()
     for kind in ("screened", "plain", "paired"):
-        for path in ("rows in vectors", "a column a thread"):
-            loops = [loop for loop in found[f"{kind}, {path}"]["loops"] if loop["shuffles"]]
-            assert loops, (kind, path)
-            assert all(loop["shuffles"] <= 10 * len(loop["loads"]) for loop in loops), (kind, path)
+        loops = [loop for loop in found[f"{kind}, a column a thread"]["loops"] if loop["shuffles"]]
+        assert loops, kind
+        assert all(loop["shuffles"] <= 10 * len(loop["loads"]) for loop in loops), kind
+        for loop in found[f"{kind}, rows in vectors"]["loops"]:
+            assert len(loop["loads"]) == 4 and loop["shuffles"] == 1, (kind, loop)
+            assert loop["shared"] == {"LDS.128": 4, "STS": 17}, (kind, loop)
 
 
-def test_rows_in_vectors_are_loaded_a_row_ahead_of_their_sums():
-    """The vector walk loads a row's four elements a row ahead of its sums (two buffers by the
-    row's parity, each reloaded once its row is summed): a load's first use is a row's work
-    later, not the next few instructions, so that other warps' work covers its latency (the
-    loop it replaced used each load 6 to 9 instructions after it)."""
+def test_rows_in_vectors_take_at_most_16_instructions_an_element():
+    """Four elements of a row a load, eight sums an element (a row's and a column's plain,
+    weighted, magnitude and weighted magnitude): at most 16 instructions an element of C in the
+    loop, where the reduction by shuffles took 24.4 (195 for two rows)."""
+    found = built_report()
+    for kind in ("screened", "plain", "paired"):
+        for loop in found[f"{kind}, rows in vectors"]["loops"]:
+            assert per_element(loop, 4)[0] <= 16, (kind, loop)
+
+
+def test_rows_in_vectors_are_loaded_rows_ahead_of_their_sums():
+    """The vector walk keeps four rows' loads in flight (four buffers, each reloaded with the row
+    four on once its row is summed): a load's first use is rows of work later, not the next few
+    instructions, so that other warps' work and the warp's own other loads cover its latency
+    (before the prefetch, the loop used each load 6 to 9 instructions after it, one load a warp
+    in flight)."""
     found = built_report()
     for kind in ("screened", "plain", "paired"):
         for loop in found[f"{kind}, rows in vectors"]["loops"]:
