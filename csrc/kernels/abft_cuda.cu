@@ -108,32 +108,6 @@ __device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b
   return screen_flags<Acc>(s, s.side[1], screen_matrix<Acc>(s, s.side[1], b), blk, j);
 }
 
-// t's four values summed over the warp, and kept in `mine` by lane r. A reduce-scatter: the
-// first two exchanges halve what a lane sends (two values, then one), so that after five lane
-// k * 8 + x holds the total of value k; lane r then reads the four totals, one from each group
-// of eight. 10 shuffles where a butterfly of each value takes 20. Each total is a butterfly's
-// (lanes 16 apart, then 8, 4, 2, 1; an add commutes), so the sums are the same bit for bit.
-template <typename Acc>
-__device__ __forceinline__ void warp_sums(const Acc (&t)[4], Acc (&mine)[4], int lane, int r) {
-  const bool upper = lane & 16;  // keeps values 2 and 3, sends 0 and 1
-  Acc kept0 = upper ? t[2] : t[0], kept1 = upper ? t[3] : t[1];
-  kept0 += __shfl_xor_sync(kFullMask, upper ? t[0] : t[2], 16);
-  kept1 += __shfl_xor_sync(kFullMask, upper ? t[1] : t[3], 16);
-  const bool odd = lane & 8;  // keeps value 1 of its two (3 or 1), sends the other
-  Acc total = odd ? kept1 : kept0;
-  total += __shfl_xor_sync(kFullMask, odd ? kept0 : kept1, 8);
-#pragma unroll
-  for (int offset = 4; offset > 0; offset >>= 1) {
-    total += __shfl_xor_sync(kFullMask, total, offset);
-  }
-  const int group = (r >> 3) & 3;  // lane r's own group: the mask to group k is warp-uniform
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const Acc value = __shfl_xor_sync(kFullMask, total, (group ^ k) << 3);
-    if (lane == r) mine[k] = value;
-  }
-}
-
 // A warp's staging of four rows' sums in shared memory (block_sums_tile_vectors): each lane puts
 // its shares of a row's four sums (put, row q of the quad), and two lanes then add up each of the
 // quad's sixteen sums over the 32 lanes (reduce, into totals[q][k]: lanes 2(4q + k) and
@@ -208,8 +182,8 @@ __device__ __forceinline__ void write_row(const BlockSums& out, const MatrixBatc
 // over its rows in registers; once a group of columns is done the block adds the warps' sums, in
 // warp order, in shared memory. A row's four sums are spread over the warp's lanes, and meet in
 // shared memory four rows at a time (QuadStage), in fewer instructions than a reduction by
-// shuffles (warp_sums) takes for each row. The same outputs and screen as the column-per-thread
-// walk below, summed in another fixed order.
+// shuffles takes for each row. The same outputs and screen as the column-per-thread walk
+// (block_sums_tile_columns), summed in another fixed order.
 template <typename T, typename Acc, bool Screened>
 __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
                                                         const BlockSums& out,
@@ -353,27 +327,24 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
   }
 }
 
-// One tile of block_sums, by the whole thread block (any multiple of 32 threads up to kThreads),
-// and where Screened the screen of the vectors the tile completes, read back by the thread that
-// wrote them: col_side and row_side say which side of s the tile's columns and rows are (-1: not
-// screened). A template parameter, so that the plain sums keep their registers. Where the rows
-// are read in vectors (Vectors: rows_in_vectors), block_sums_tile_vectors; else each thread walks
-// a column.
-template <typename T, typename Acc, bool Screened, bool Vectors>
-__device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const BlockSums& out,
-                                                const Tiling& tiling, int64_t tile,
-                                                const Screen& s, int col_side, int row_side) {
-  if constexpr (Vectors) {
-    block_sums_tile_vectors<T, Acc, Screened>(c, out, tiling, tile, s, col_side, row_side);
-    return;
-  }
+// block_sums_tile where the rows are not read in vectors: each thread walks a column, a warp's
+// lanes holding 32 consecutive elements of a row. A row's four sums meet across the warp in
+// shared memory four rows at a time (QuadStage), then across the warps.
+template <typename T, typename Acc, bool Screened>
+__device__ __forceinline__ void block_sums_tile_columns(const MatrixBatch& c,
+                                                        const BlockSums& out,
+                                                        const Tiling& tiling, int64_t tile,
+                                                        const Screen& s, int col_side,
+                                                        int row_side) {
   __shared__ Acc part[kWarps][32][4];  // per warp, per row of a chunk: the warp's row sums
+  __align__(16) __shared__ Acc staged[kWarps][kQuadStage];  // per warp: a quad's shares
   __shared__ int tile_fails;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const bool cols_checked = out.col_block > 0, rows_checked = out.row_block > 0;
   const int64_t height = tiling.height, width = tiling.width;
   const int64_t row_tiles = tiling.row_tiles, col_tiles = tiling.col_tiles;
   const int64_t nbr = rows_checked ? ceil_div(c.cols, out.row_block) : 0;
+  const QuadStage quad{lane};
   {
     const int64_t ct = tile % col_tiles, rt = (tile / col_tiles) % row_tiles;
     const int64_t b = tile / (col_tiles * row_tiles);
@@ -392,27 +363,31 @@ __device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const Bloc
       const T* column = base + (valid ? j : c0) * c.col_stride;
       const Acc wj = Acc(j - c0 + 1);
       Acc s0 = 0, s1 = 0, z0 = 0, z1 = 0;
+      const T* next = column + r0 * c.row_stride;  // the rows in order, a pointer stepped
+      Acc wi = Acc(1);  // row i's weight on the column side, i - r0 + 1, a float stepped
       for (int64_t q0 = r0; q0 < r1; q0 += 32) {  // chunks of 32 rows
         const int n = int(min64(32, r1 - q0));
-        Acc mine[4] = {0, 0, 0, 0};  // lane r: this warp's sums of row q0 + r
-#pragma unroll 4
-        for (int r = 0; r < n; ++r) {
-          const int64_t i = q0 + r;
-          const Acc v = valid ? Acc(load(column + i * c.row_stride)) : Acc(0);
-          const Acc a = magnitude(v), wi = Acc(i - r0 + 1);
-          s0 += v;
-          s1 += wi * v;
-          z0 += a;
-          z1 += wi * a;
-          if (rows_checked) {
-            Acc t[4] = {v, wj * v, a, wj * a};
-            warp_sums(t, mine, lane, r);
+#pragma unroll 1
+        for (int r = 0; r < n; r += 4) {  // rows past n read zeros, and their sums are not kept
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const Acc v = valid && r + q < n ? Acc(load(next)) : Acc(0);
+            const Acc a = magnitude(v);
+            next += c.row_stride;
+            s0 += v;
+            s1 += wi * v;
+            z0 += a;
+            z1 += wi * a;
+            wi += Acc(1);
+            if (rows_checked) {
+              const Acc t[4] = {v, wj * v, a, wj * a};
+              quad.put(staged[warp], q, t);
+            }
           }
+          if (rows_checked) quad.reduce(staged[warp], &part[warp][r][0]);
         }
         if (rows_checked) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) part[warp][lane][k] = mine[k];
-          __syncthreads();
+          __syncthreads();  // every warp's sums of the chunk's rows
           if (warp == 0 && lane < n) {
             Acc total[4] = {0, 0, 0, 0};
             for (int w = 0; w < warps; ++w) {
@@ -437,6 +412,23 @@ __device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const Bloc
       __syncthreads();
       if (threadIdx.x == 0) s.flagged[b * s.slots + rt * col_tiles + ct] = tile_fails;
     }
+  }
+}
+
+// One tile of block_sums, by the whole thread block (any multiple of 32 threads up to kThreads),
+// and where Screened the screen of the vectors the tile completes, read back by the thread that
+// wrote them: col_side and row_side say which side of s the tile's columns and rows are (-1: not
+// screened). A template parameter, so that the plain sums keep their registers. Where the rows
+// are read in vectors (Vectors: rows_in_vectors), block_sums_tile_vectors; else each thread walks
+// a column.
+template <typename T, typename Acc, bool Screened, bool Vectors>
+__device__ __forceinline__ void block_sums_tile(const MatrixBatch& c, const BlockSums& out,
+                                                const Tiling& tiling, int64_t tile,
+                                                const Screen& s, int col_side, int row_side) {
+  if constexpr (Vectors) {
+    block_sums_tile_vectors<T, Acc, Screened>(c, out, tiling, tile, s, col_side, row_side);
+  } else {
+    block_sums_tile_columns<T, Acc, Screened>(c, out, tiling, tile, s, col_side, row_side);
   }
 }
 
