@@ -108,7 +108,7 @@ __device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b
   return screen_flags<Acc>(s, s.side[1], screen_matrix<Acc>(s, s.side[1], b), blk, j);
 }
 
-// A warp's staging of four rows' sums in shared memory (block_sums_tile_vectors): each lane puts
+// A warp's staging of four rows' sums in shared memory (both walks of block_sums): each lane puts
 // its shares of a row's four sums (put, row q of the quad), and two lanes then add up each of the
 // quad's sixteen sums over the 32 lanes (reduce, into totals[q][k]: lanes 2(4q + k) and
 // 2(4q + k) + 1 add up lanes 0-15 and 16-31, then add each other's). Sum (q, k) is a segment of
@@ -243,7 +243,7 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
         return bits;
       };
       // row r's weight on the column side, i0 + r * warps - r0 + 1, a float stepped by warps
-      // (exact: a tile's rows are far fewer than 2^24)
+      // (exact while a tile has fewer than 2^24 rows: ABFTConfig.block_size is at most 65536)
       Acc wi = Acc(i0 - r0 + 1);
       const Acc wstep = Acc(warps);
       auto sum_row = [&](const VectorBits<T>& bits, int q) {
