@@ -3,9 +3,8 @@ extension (megatron_abft/_C*.so, as `make install` builds it), or in another ver
 csrc/kernels/abft_cuda.cu built with setup.py's nvcc flags (``--source``), each kernel's
 stack frame (spilled registers live there) and innermost loops that read global memory,
 with their instructions, shuffles, loads, shared memory accesses and the distance from a load
-to its first use. It
-counts instructions, as the flash kernels' gate does (megatron_abft.dev.sass); it does not time
-them.
+to its first use. It counts instructions, as the flash kernels' gate does
+(megatron_abft.dev.sass); it does not time them.
 
     python -m tools.checksum_sass [--dtype bf16] [--source PATH]
 
