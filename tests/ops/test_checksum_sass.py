@@ -48,9 +48,9 @@ def test_a_quad_of_rows_takes_fewer_instructions_than_its_shuffles_did():
     """Eight sums an element (a row's and a column's plain, weighted, magnitude and weighted
     magnitude). Rows in vectors: at most 16 instructions a lane's element (four a load), where
     the reduction by shuffles took 24.4 (195 for two rows). A column a thread: a quad of rows in
-    at most 190 instructions where the rows' sums are screened or plain (the loop holds the
-    loads of a full quad and of a partial one), 128 in an encode's paired launch, where four rows
-    took 239 to 247 (with 40 shuffles)."""
+    at most 190 instructions where the rows' sums are screened or plain (the loop holds two
+    copies of a quad's loads, as ptxas built it), 128 in an encode's paired launch, where four
+    rows took 239 to 247 (with 40 shuffles)."""
     found = built_report()
     for kind in ("screened", "plain", "paired"):
         for loop in found[f"{kind}, rows in vectors"]["loops"]:
