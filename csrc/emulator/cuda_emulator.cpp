@@ -80,6 +80,7 @@ struct Emulator {
   std::vector<unsigned char*> stacks;  // one a thread, made once and kept
   std::vector<unsigned char> shared;
   std::unordered_map<const void*, size_t> allowed_shared;
+  std::vector<std::string> launches;  // since the last take_launches
   const std::function<void()>* body = nullptr;
   void* scheduler_sp = nullptr;
   int current = -1;
@@ -314,10 +315,11 @@ void sync_warp(int line) {
 
 unsigned char* dynamic_shared() { return emulator().shared.data(); }
 
-int launch(dim3 grid, dim3 block, size_t shared, const void* kernel,
+int launch(dim3 grid, dim3 block, size_t shared, const void* kernel, const char* name,
            const std::function<void()>& body) {
   Emulator& e = emulator();
   const std::lock_guard<std::mutex> lock(e.mutex);
+  e.launches.emplace_back(name);
   e.error = 0;
   e.message.clear();
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
@@ -359,6 +361,14 @@ int allow_dynamic_shared(const void* kernel, int bytes) {
   }
   e.allowed_shared[kernel] = size_t(bytes);
   return kSuccess;
+}
+
+std::vector<std::string> take_launches() {
+  Emulator& e = emulator();
+  const std::lock_guard<std::mutex> lock(e.mutex);
+  std::vector<std::string> launches;
+  launches.swap(e.launches);
+  return launches;
 }
 
 int take_error() {

@@ -25,9 +25,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace cuda_emulator {
 
@@ -57,9 +59,13 @@ void sync_warp(int line);
 unsigned char* dynamic_shared();
 
 // Runs body in every thread of every block of grid; returns 0 or a cudaError_t value, and keeps
-// the message (last_message).
-int launch(dim3 grid, dim3 block, size_t shared, const void* kernel,
+// the message (last_message). `name` is the kernel as the launch writes it, kept in the log of
+// launches (take_launches).
+int launch(dim3 grid, dim3 block, size_t shared, const void* kernel, const char* name,
            const std::function<void()>& body);
+// The names of the kernels launched since the last call, in order (tests: which of a launcher's
+// kernels ran).
+std::vector<std::string> take_launches();
 // cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes).
 int allow_dynamic_shared(const void* kernel, int bytes);
 
@@ -79,13 +85,13 @@ int64_t set_schedule(int64_t schedule);
 template <typename... P>
 class Launch {
  public:
-  Launch(dim3 grid, dim3 block, size_t shared, void (*kernel)(P...))
-      : grid_(grid), block_(block), shared_(shared), kernel_(kernel) {}
+  Launch(dim3 grid, dim3 block, size_t shared, void (*kernel)(P...), const char* name)
+      : grid_(grid), block_(block), shared_(shared), kernel_(kernel), name_(name) {}
 
   template <typename... A>
   void operator()(A&&... args) const {
     const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
-    launch(grid_, block_, shared_, reinterpret_cast<const void*>(kernel_),
+    launch(grid_, block_, shared_, reinterpret_cast<const void*>(kernel_), name_,
            [&] { std::apply(kernel_, params); });
   }
 
@@ -93,6 +99,7 @@ class Launch {
   dim3 grid_, block_;
   size_t shared_;
   void (*kernel_)(P...);
+  const char* name_;
 };
 
 template <typename T>

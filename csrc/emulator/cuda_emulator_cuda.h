@@ -65,7 +65,8 @@ T atomicMax(T* address, T value) {
 #define __shfl_xor_sync(mask, value, lane_mask) \
   ::cuda_emulator::shfl_xor(mask, value, lane_mask, __LINE__)
 #define ABFT_LAUNCH(grid, block, shared, stream, ...) \
-  (static_cast<void>(stream), ::cuda_emulator::Launch(grid, block, shared, __VA_ARGS__))
+  (static_cast<void>(stream),                         \
+   ::cuda_emulator::Launch(grid, block, shared, __VA_ARGS__, #__VA_ARGS__))
 #define ABFT_DYNAMIC_SHARED(name) unsigned char* const name = ::cuda_emulator::dynamic_shared()
 #define ABFT_LAUNCHERS emulated_launchers
 

@@ -69,10 +69,29 @@ PyObject* emulate(PyObject*, PyObject* args) {
   return Py_BuildValue("(OL)", was ? Py_True : Py_False, previous);
 }
 
+// _emulator.launches() -> [str]: the kernels launched since the last call, as their launches
+// name them (cuda_emulator::take_launches).
+PyObject* launches(PyObject*, PyObject*) {
+  const std::vector<std::string> names = cuda_emulator::take_launches();
+  PyObject* list = PyList_New(Py_ssize_t(names.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < names.size(); ++i) {
+    PyObject* name = PyUnicode_FromString(names[i].c_str());
+    if (name == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, Py_ssize_t(i), name);
+  }
+  return list;
+}
+
 PyMethodDef methods[] = {
     {"emulate", emulate, METH_VARARGS,
      "emulate(on, schedule) -> (on, schedule) before: run the CUDA kernels on CPU tensors, "
      "through the emulator, in that schedule"},
+    {"launches", launches, METH_NOARGS,
+     "launches() -> [str]: the kernels launched since the last call, in order"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -161,6 +161,18 @@ def emulated_cuda(schedule: int = 0) -> Iterator[None]:
         _emulating = previous
 
 
+def emulated_launches() -> list[str]:
+    """The kernels the emulator launched since the last call, in order, each as its launch
+    names it in abft_cuda.cu (``softmax_rows_kernel<T>``): which of a launcher's kernels ran,
+    for tests."""
+    emulator, reason = _load_emulator()
+    if emulator is None:
+        raise RuntimeError(
+            f"megatron_abft.ops.compiled.emulated_launches: no CUDA emulator ({reason})"
+        )
+    return emulator.launches()
+
+
 def _serves(c: Tensor) -> bool:
     if c.dtype not in _KERNEL_DTYPES or not 2 <= c.dim() <= _MAX_DIMS:
         return False
