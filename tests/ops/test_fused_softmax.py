@@ -29,13 +29,14 @@ def megatron_softmax(s, mask, scale):
     return torch.softmax(x, -1).to(s.dtype)
 
 
-def scores_case(batch, sq, sk, hn, dtype, device, seed=0, alpha=0.25):
-    """Q, K and S = alpha Q K^T in ``dtype``, with the screen's sides for S."""
+def scores_case(batch, sq, sk, hn, dtype, device, seed=0, alpha=0.25, block=16):
+    """Q, K and S = alpha Q K^T in ``dtype``, with the screen's sides for S in blocks of
+    ``block``."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(*batch, sq, hn, generator=g).to(dtype).to(device)
     k = torch.randn(*batch, sk, hn, generator=g).to(dtype).to(device)
     s = torch.matmul(q, k.mT) * alpha
-    col, row = encode(q, k.mT, alpha=alpha, block=16)
+    col, row = encode(q, k.mT, alpha=alpha, block=block)
     check = Check(gemm_rounding(s.dtype, s.device), 1.0, 1e10, 0, None)
     return q, k, s, kernel_sides(s, {"col": col, "row": row}, check)
 
@@ -286,6 +287,57 @@ def test_cuda_equals_cpu(sq, sk, gpu):
     sizes = pass_sizes(direct, gpu[0], vectors[0])
     for got, want, size in zip(gpu[2:6], direct, sizes, strict=True):
         assert_close_to_sums(of_clean(got), of_clean(want), of_clean(size), torch.float32)
+
+
+@pytest.mark.parametrize("gpu", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padding"])
+@pytest.mark.parametrize(
+    "sq, sk, block",
+    [
+        (140, 260, 128),  # two bands, the second of 12 rows; S's row blocks of one slot; a
+        # part-filled slot (65 vectors a row)
+        (20, 2048, 256),  # bf16, fp16: every slot of every lane (fp32: too long, the other kernel)
+    ],
+)
+def test_the_rows_in_registers_kernel_equals_the_cpu_op(gpu, dtype, mask_kind, sq, sk, block):
+    """The single pass's kernel for rows that fit a warp's registers (softmax_rows_kernel):
+    the CPU op's flags (of S's block sums, on both sides), P equal to rounding, P's pass equal
+    to operand_pass of the P it wrote; with every mask (the padding mask read a word at a
+    time)."""
+    _, _, s, sides = scores_case((2, 3), sq, sk, 8, dtype, "cpu", block=block)
+    v = torch.randn(2, 3, sk, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+    bad = faulty_scores(s, 0)
+    mask, causal, full = masks(mask_kind, (2, 3), sq, sk, "cpu")
+
+    def run(device):
+        moved = [t.to(device) for t in (bad, v)]
+        screen = (*sides[:2], *[[t.to(device) for t in side] for side in sides[2:4]], *sides[4:])
+        vectors = compiled.pair_vectors(moved[0], moved[1], block)
+        on = None if mask is None else mask.to(device)
+        found = compiled.softmax_check(moved[0], screen, on, causal, 0.3, block, vectors)
+        return [t.cpu() for t in (*found, *vectors)]
+
+    cpu = run("cpu")
+    with gpu.kernels():
+        got = run(gpu.device)
+        if gpu.emulated:  # the last launch is the softmax's
+            kernel = compiled.emulated_launches()[-1]
+            fits = dtype != torch.float32 or sk <= 1024
+            assert kernel.startswith("softmax_rows_kernel" if fits else "softmax_pass_kernel")
+    assert torch.equal(cpu[1], got[1]) and (cpu[1] > 0).sum() == 4
+    clean = cpu[1].view(-1) == 0  # the flagged matrices' P is NaN where S is
+
+    def of_clean(t):
+        return t.flatten(0, 1)[clean]
+
+    tolerance = {torch.float32: {}}.get(dtype, {"rtol": 0.0, "atol": float(torch.finfo(dtype).eps)})
+    torch.testing.assert_close(of_clean(got[0]), of_clean(cpu[0]), **tolerance)
+    vectors = got[6:]
+    direct = torch.ops.megatron_abft.operand_pass(got[0], block, *vectors, 1.0)
+    sizes = pass_sizes(direct, got[0], vectors[0])
+    for found, want, size in zip(got[2:6], direct, sizes, strict=True):
+        assert_close_to_sums(of_clean(found), of_clean(want), of_clean(size), torch.float32)
 
 
 @needs_cuda
