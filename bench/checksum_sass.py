@@ -30,7 +30,9 @@ from megatron_abft.dev import sass
 ROOT = Path(__file__).resolve().parents[1]
 NVCC_FLAGS = ["-O3", "-std=c++17", f"-I{ROOT / 'csrc'}"]
 """setup.py's NVCC_FLAGS (less -lineinfo, which changes no instruction) and its include path."""
-TYPES = {"bf16": "13__nv_bfloat16f", "fp16": "6__halff", "fp32": "ff"}
+ELEMENTS = {"bf16": "13__nv_bfloat16", "fp16": "6__half", "fp32": "f"}
+"""The mangled element type T of each dtype's kernels."""
+TYPES = {dtype: element + "f" for dtype, element in ELEMENTS.items()}
 """The mangled template arguments <T, Acc> of each dtype's kernels."""
 KINDS = {
     "screened, rows in vectors": "block_sums_kernelI{}Lb1ELb1EE",
@@ -48,6 +50,12 @@ completes), the plain one, and an encode's (two operands in one launch); and the
 kernels (row_products), the first two each holding its three ways of reading A (a vector of a
 row a load, an entry of a row, an entry of a column), the third a wide pass whose operands are
 all read in vectors, two rows a warp."""
+SOFTMAX = {
+    "rows in registers": "softmax_rows_kernelI{}EE",
+    "any rows": "softmax_pass_kernelI{}fEE",
+}
+"""The fused softmax's single-pass kernels (softmax_check): the one for rows that fit a warp's
+registers (a row's passes unrolled over its registers, no loop), and the general one."""
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 """The disassembler Triton carries, as the flash kernels' gate uses it."""
 
@@ -138,6 +146,41 @@ def report(binary: Path, dtype: str) -> dict[str, dict]:
     return out
 
 
+def softmax_report(binary: Path, dtype: str) -> dict[str, dict]:
+    """For the fused softmax's kernels of ``dtype`` in ``binary``: each one's registers, stack
+    frame and reading loops; for the one that holds rows in registers, also its row's code (from
+    the barrier that starts a task's rows to the one that ends a group of rows): a straight run
+    of branches, no loop but the row's screens, so that its length bounds the instructions a row
+    takes, with its exponentials (MUFU.EX2) and global loads and stores by opcode."""
+    code = functions(dump(binary, "-sass"))
+    usage = dump(binary, "--dump-resource-usage")
+    resources = {
+        name: (int(registers), int(stack))
+        for name, registers, stack in re.findall(r"Function (\S+):\s+REG:(\d+) STACK:(\d+)", usage)
+    }
+    out = {}
+    for kind, pattern in SOFTMAX.items():
+        (name,) = [n for n in code if pattern.format(ELEMENTS[dtype]) in n]
+        instructions = sass.parse(code[name])
+        found = {
+            "registers": resources[name][0],
+            "stack_bytes": resources[name][1],
+            "loops": reading_loops(instructions),
+        }
+        if kind == "rows in registers":
+            barriers = [n for n, i in enumerate(instructions) if i.base == "BAR"]
+            row = instructions[barriers[1] + 1 : barriers[2]]
+            found["row"] = {
+                "instructions": len(row),
+                "exponentials": sum(i.opcode == "MUFU.EX2" for i in row),
+                "loads": dict(Counter(i.opcode for i in row if i.base == "LDG")),
+                "stores": dict(Counter(i.opcode for i in row if i.base == "STG")),
+                "local": sum(i.base in ("LDL", "STL") for i in row),
+            }
+        out[kind] = found
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=TYPES, default="bf16")
@@ -156,5 +199,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"  loop of {loop['instructions']} instructions, {loop['shuffles']} shuffles, "
                 f"{len(loop['loads'])} loads ({loads}), shared memory {shared}, "
                 f"{loop['local']} local accesses; instructions from a load to its use: {uses}"
+            )
+    for kind, found in softmax_report(binary, args.dtype).items():
+        print(
+            f"softmax, {kind}: {found['registers']} registers, a stack frame of "
+            f"{found['stack_bytes']} bytes"
+        )
+        if "row" in found:
+            row = found["row"]
+            loads = ", ".join(f"{n} {op}" for op, n in sorted(row["loads"].items()))
+            stores = ", ".join(f"{n} {op}" for op, n in sorted(row["stores"].items()))
+            print(
+                f"  a row's code: {row['instructions']} instructions, {row['exponentials']} "
+                f"exponentials, loads {loads}, stores {stores}, {row['local']} local accesses"
+            )
+        for loop in found["loops"]:
+            loads = ", ".join(f"{n} {op}" for op, n in sorted(Counter(loop["loads"]).items()))
+            print(
+                f"  loop of {loop['instructions']} instructions, {loop['shuffles']} shuffles, "
+                f"loads {loads}, {loop['local']} local accesses"
             )
     return 0

@@ -125,3 +125,43 @@ def test_a_wide_pass_reads_two_rows_a_warp_on_half_the_vector_loads():
     vectors = pairs["loads"].count("LDG.E.128") / entries
     assert vectors <= single["loads"].count("LDG.E.128") / single_entries / 2
     assert pairs["instructions"] / entries <= 0.7 * single["instructions"] / single_entries
+
+
+def built_softmax():
+    binary = tool.extension()
+    if binary is None:
+        pytest.skip("no built extension")
+    try:
+        return tool.softmax_report(binary, "bf16")
+    except subprocess.CalledProcessError:
+        pytest.skip("the built extension holds no sm_90 code (a CPU-only build)")
+
+
+def test_the_fused_softmax_reads_a_row_of_s_once_into_registers():
+    """The fused softmax's kernel for rows that fit a warp's registers (bf16: 2048 columns, 16
+    vectors of 4 a lane) loads a row of S once, a vector a load, and keeps it in 128 registers
+    with no spill (two thread blocks an SM) for its three passes, where the general kernel
+    reads it five times, an element a load; it writes P a vector a store. Its row's code has no
+    loop that runs twice, so its length bounds the instructions a row takes: at most 104 a
+    lane's element, where the general kernel's three passes alone take 138 (160, 188 and 204 for
+    four elements)."""
+    found = built_softmax()
+    rows, general = found["rows in registers"], found["any rows"]
+    assert rows["registers"] <= 128 and rows["stack_bytes"] == 0
+    row = rows["row"]
+    assert row["loads"]["LDG.E.64"] == 16 and row["local"] == 0
+    assert not any(op.endswith("U16") for op in (*row["loads"], *row["stores"]))
+    assert "STG.E.64" in row["stores"]
+    assert row["instructions"] / 64 <= 104
+    passes = [loop for loop in general["loops"] if loop["loads"].count("LDG.E.U16") == 4]
+    assert sum(loop["instructions"] for loop in passes) / 4 >= 138
+
+
+def test_the_fused_softmax_adds_a_groups_columns_a_vector_a_load():
+    """After each group of rows, a thread adds the group's 8 rows of S, then of P, to the band's
+    column sums of its 4 columns: 8 vector loads issued before the first is used, the sums read
+    and written in 16-byte shared memory accesses, at most 9 instructions an element."""
+    (loop,) = built_softmax()["rows in registers"]["loops"]
+    assert loop["loads"] == ["LDG.E.64"] * 8 and loop["local"] == 0
+    assert loop["shared"] == {"LDS.128": 4, "STS.128": 4}
+    assert loop["instructions"] / 32 <= 9
