@@ -25,6 +25,9 @@ from megatron_abft.check.tolerance import gemm_rounding
 from megatron_abft.ops import compiled
 
 BLOCK = 32
+WIDE_BLOCK = 128
+"""Blocks of S's screen that the CUDA softmax kernel holding a row in registers
+(softmax_rows_kernel) takes: its row blocks are whole slots of 128 columns."""
 
 
 def mismatches(device: torch.device) -> list[str]:
@@ -83,6 +86,9 @@ def mismatches(device: torch.device) -> list[str]:
             if not (_close(got[0], plain) and _close(got[1], sizes)):
                 wrong.append(f"block_sums, {side} side ({dtype})")
         wrong += _softmax_mismatches(c, faulty, refs, check, b, dtype)
+        with compiled.disabled():
+            wide = dict(zip(("col", "row"), encode(a, b, block=WIDE_BLOCK), strict=True))
+        wrong += _softmax_screen_mismatches(c, faulty, wide, check, dtype, WIDE_BLOCK)
         wrong += _softmax_correction_mismatches(a, b, c, faulty, refs, check, dtype)
     return wrong + _tally_mismatches(device)
 
@@ -90,14 +96,7 @@ def mismatches(device: torch.device) -> list[str]:
 def _softmax_mismatches(c, faulty, refs, check, v, dtype) -> list[str]:
     """softmax_check against the PyTorch path: P against a causally masked torch softmax, its
     flags against the screen, P's pass against operand_pass."""
-    wrong = []
-    sides = kernel_sides(c, refs, check)
-    for name, matrix in (("clean", c), ("one fault", faulty)):
-        _, flagged, *_ = torch.ops.megatron_abft.softmax_check(
-            matrix, *sides, None, False, 1.0, BLOCK, None, None
-        )
-        if not torch.equal(flagged, torch.ops.megatron_abft.screen(matrix, *sides)):
-            wrong.append(f"softmax_check, screen {name} ({dtype})")
+    wrong = _softmax_screen_mismatches(c, faulty, refs, check, dtype, BLOCK)
     square = c[..., :80, :].contiguous()  # for the causal mask
     u, z = torch.ops.megatron_abft.pair_vectors(square, v.mT, BLOCK)
     p, _, *found = torch.ops.megatron_abft.softmax_check(
@@ -110,6 +109,20 @@ def _softmax_mismatches(c, faulty, refs, check, v, dtype) -> list[str]:
     direct = torch.ops.megatron_abft.operand_pass(p, BLOCK, u, z, 1.0)
     if not all(_close(x, y) for x, y in zip(found, direct, strict=True)):
         wrong.append(f"softmax_check, P's pass ({dtype})")
+    return wrong
+
+
+def _softmax_screen_mismatches(c, faulty, refs, check, dtype, block) -> list[str]:
+    """softmax_check's flags, with S's screen in blocks of ``block``, against the screen op."""
+    wrong = []
+    sides = kernel_sides(c, refs, check)
+    blocks = "" if block == BLOCK else f", blocks of {block}"
+    for name, matrix in (("clean", c), ("one fault", faulty)):
+        _, flagged, *_ = torch.ops.megatron_abft.softmax_check(
+            matrix, *sides, None, False, 1.0, block, None, None
+        )
+        if not torch.equal(flagged, torch.ops.megatron_abft.screen(matrix, *sides)):
+            wrong.append(f"softmax_check, screen {name}{blocks} ({dtype})")
     return wrong
 
 

@@ -130,11 +130,15 @@ def test_the_emulator_is_an_extension_of_its_own_that_production_never_imports()
 @pytest.mark.parametrize("schedule", [0, 1, 20261125])
 def test_the_emulated_cuda_kernels_pass_the_gpu_selftest(schedule):
     """The known-answer test each GPU runs before its kernels are used (every launcher, clean and
-    with faults, fp32 and bf16), through the emulator in three schedules."""
+    with faults, fp32 and bf16, both single-pass softmax kernels), through the emulator in three
+    schedules."""
     from megatron_abft.ops.selftest import mismatches
 
     with compiled.emulated_cuda(schedule):
+        compiled.emulated_launches()
         assert mismatches(torch.device("cpu")) == []
+        kernels = {name.split("<")[0] for name in compiled.emulated_launches()}
+    assert {"softmax_rows_kernel", "softmax_pass_kernel", "correct_tally_kernel"} <= kernels
 
 
 def every_launcher() -> dict[str, torch.Tensor]:
