@@ -1330,9 +1330,8 @@ __device__ __forceinline__ unsigned masked_entries(const uint8_t* mask, int j, i
   return bits;
 }
 
-// The sums of four values over a warp's lanes, each lane's own t[0..3]: lane k < 4 gets sum k
-// (lanes 4 on: partial sums). Each step halves what a lane sends: 8 shuffles, where four
-// warp_sums take 20.
+// The sums of four values over a warp's lanes, each lane's own t[0..3]: lane l gets sum l % 4.
+// The first two steps halve what a lane sends: 6 shuffles, where four warp_sums take 20.
 __device__ __forceinline__ float warp_sums4(const float (&t)[4], int lane) {
   const bool high = lane & 2, odd = lane & 1;
   // lanes with bit 1 clear keep sums 0 and 1, the others 2 and 3; then bit 0 picks one of them
