@@ -3,6 +3,7 @@ contiguous, a thread reads four elements of a row a load, else an element of its
 paths a quad of rows' sums meets in shared memory, with one shuffle and no spilled register in
 the loop; and the products kernels' instructions an entry."""
 
+import functools
 import subprocess
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from bench import checksum_sass as tool
 
 
+@functools.cache  # a dump of the extension takes seconds; the tests read one
 def built_report():
     binary = tool.extension()
     if binary is None:
@@ -127,6 +129,7 @@ def test_a_wide_pass_reads_two_rows_a_warp_on_half_the_vector_loads():
     assert pairs["instructions"] / entries <= 0.7 * single["instructions"] / single_entries
 
 
+@functools.cache
 def built_softmax():
     binary = tool.extension()
     if binary is None:
