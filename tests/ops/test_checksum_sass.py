@@ -1,7 +1,8 @@
 """The block sums' sm_90 SASS in the built extension (tools/checksum_sass.py): where C's rows are
 contiguous, a thread reads four elements of a row a load, else an element of its column; on both
 paths a quad of rows' sums meets in shared memory, with one shuffle and no spilled register in
-the loop; and the products kernels' instructions an entry."""
+the loop; the products kernels' instructions an entry; and the fused softmax's row of S read once
+into registers."""
 
 import functools
 import subprocess
@@ -11,13 +12,14 @@ import pytest
 from bench import checksum_sass as tool
 
 
-@functools.cache  # a dump of the extension takes seconds; the tests read one
-def built_report():
+@functools.cache  # a dump of the extension takes seconds: each report is made once
+def built(report=tool.report):
+    """``report`` (tool.report, or tool.softmax_report) of the built extension, in bf16."""
     binary = tool.extension()
     if binary is None:
         pytest.skip("no built extension")
     try:
-        return tool.report(binary, "bf16")
+        return report(binary, "bf16")
     except subprocess.CalledProcessError:
         pytest.skip("the built extension holds no sm_90 code (a CPU-only build)")
 
@@ -34,7 +36,7 @@ def test_both_walks_meet_a_quads_row_sums_in_shared_memory():
     makes one shuffle, 16 stores of the lanes' shares and one of the totals, and reads them in
     four 16-byte loads, where a reduction by shuffles took 10 a row; no spilled register in a
     loop."""
-    found = built_report()
+    found = built()
     for kind in ("screened", "plain", "paired"):
         vectors = found[f"{kind}, rows in vectors"]["loops"]
         columns = found[f"{kind}, a column a thread"]["loops"]
@@ -53,7 +55,7 @@ def test_a_quad_of_rows_takes_fewer_instructions_than_its_shuffles_did():
     at most 190 instructions where the rows' sums are screened or plain (the loop holds two
     copies of a quad's loads, as ptxas built it), 128 in an encode's paired launch, where four
     rows took 239 to 247 (with 40 shuffles)."""
-    found = built_report()
+    found = built()
     for kind in ("screened", "plain", "paired"):
         for loop in found[f"{kind}, rows in vectors"]["loops"]:
             assert len(loop["loads"]) == 4 and per_element(loop, 4) <= 16, (kind, loop)
@@ -67,7 +69,7 @@ def test_rows_in_vectors_are_loaded_rows_ahead_of_their_sums():
     instructions, so that other warps' work and the warp's own other loads cover its latency
     (before the prefetch, the loop used each load 6 to 9 instructions after it, one load a warp
     in flight)."""
-    found = built_report()
+    found = built()
     for kind in ("screened", "plain", "paired"):
         for loop in found[f"{kind}, rows in vectors"]["loops"]:
             assert loop["load_to_use"]["LDG.E.64"] >= 64, (kind, loop)
@@ -78,9 +80,7 @@ def test_a_pass_of_two_loads_its_row_an_iteration_ahead():
     iteration ahead of their products, as the block sums do: a load's first use an iteration's
     work later (it was 24 to 32 instructions)."""
     (loop,) = [
-        loop
-        for loop in built_report()["products, a pass of two"]["loops"]
-        if "LDG.E.64" in loop["loads"]
+        loop for loop in built()["products, a pass of two"]["loops"] if "LDG.E.64" in loop["loads"]
     ]
     assert loop["load_to_use"]["LDG.E.64"] >= 64, loop
 
@@ -90,7 +90,7 @@ def test_products_of_few_vectors_issue_few_instructions_an_element():
     four entries a load in at most 16 instructions an entry (the kernel that held sixteen
     vectors for every pass took 770); a pass of sixteen (a projection's blocks) reads a row in
     vectors in under a quarter of the instructions an entry of its one-entry walk."""
-    found = built_report()
+    found = built()
     few, wide = found["products, a pass of two"], found["products, a pass of sixteen"]
     assert few["stack_bytes"] == 0
     for kind in (few, wide):
@@ -115,7 +115,7 @@ def test_a_wide_pass_reads_two_rows_a_warp_on_half_the_vector_loads():
     sixteen reads two rows a warp: each load of the vectors serves both, so an entry of A takes
     half the vector loads and under 70% of the instructions of the one-row walk, with no spill
     (its 128 registers: two thread blocks an SM)."""
-    found = built_report()
+    found = built()
     one = found["products, a pass of sixteen"]
     two = found["products, a pass of sixteen, two rows a warp"]
     assert two["stack_bytes"] == 0
@@ -129,17 +129,6 @@ def test_a_wide_pass_reads_two_rows_a_warp_on_half_the_vector_loads():
     assert pairs["instructions"] / entries <= 0.7 * single["instructions"] / single_entries
 
 
-@functools.cache
-def built_softmax():
-    binary = tool.extension()
-    if binary is None:
-        pytest.skip("no built extension")
-    try:
-        return tool.softmax_report(binary, "bf16")
-    except subprocess.CalledProcessError:
-        pytest.skip("the built extension holds no sm_90 code (a CPU-only build)")
-
-
 def test_the_fused_softmax_reads_a_row_of_s_once_into_registers():
     """The fused softmax's kernel for rows that fit a warp's registers (bf16: 2048 columns, 16
     vectors of 4 a lane) loads a row of S once, a vector a load, and keeps it in 128 registers
@@ -148,7 +137,7 @@ def test_the_fused_softmax_reads_a_row_of_s_once_into_registers():
     loop that runs twice, so its length bounds the instructions a row takes: at most 104 a
     lane's element, where the general kernel's three passes alone take 138 (160, 188 and 204 for
     four elements)."""
-    found = built_softmax()
+    found = built(tool.softmax_report)
     rows, general = found["rows in registers"], found["any rows"]
     assert rows["registers"] <= 128 and rows["stack_bytes"] == 0
     row = rows["row"]
@@ -164,7 +153,7 @@ def test_the_fused_softmax_adds_a_groups_columns_a_vector_a_load():
     """After each group of rows, a thread adds the group's 8 rows of S, then of P, to the band's
     column sums of its 4 columns: 8 vector loads issued before the first is used, the sums read
     and written in 16-byte shared memory accesses, at most 9 instructions an element."""
-    (loop,) = built_softmax()["rows in registers"]["loops"]
+    (loop,) = built(tool.softmax_report)["rows in registers"]["loops"]
     assert loop["loads"] == ["LDG.E.64"] * 8 and loop["local"] == 0
     assert loop["shared"] == {"LDS.128": 4, "STS.128": 4}
     assert loop["instructions"] / 32 <= 9
