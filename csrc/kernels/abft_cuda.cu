@@ -1371,7 +1371,7 @@ struct RowsTask {
   const T* s;  // matrix b of S
   T* p;  // and of P
   const uint8_t* mask;  // row 0 of its mask (null: none)
-  const float* u;  // P's pass's vectors at b (null: no pass)
+  const float* u;  // P's pass's vectors at b, two u and one z (null: no pass)
   const float* z;
 };
 
@@ -1494,7 +1494,6 @@ __device__ __forceinline__ int softmax_row_in_registers(const SoftmaxCheck& k,
 
   // P, and its products
   const float inverse = 1.0f / warp_sum(sum), closed_p = closed * inverse;
-  const int64_t nu = pr.u.rows, nz = pr.z.rows;
   T* p = task.p + i * cols;
   float dots[4] = {0, 0, 0, 0};  // with u's rows 0 and 1, |P| with z's row 0
 #pragma unroll
@@ -1517,31 +1516,25 @@ __device__ __forceinline__ int softmax_row_in_registers(const SoftmaxCheck& k,
         }
       }
       store_vector<T>(p + kVec * q, v);
-      if (pass) {
+      if (pass) {  // two u, one z (softmax_rows_take)
         float w[kVec];
         load_floats(task.u + kVec * q, w);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) dots[0] += v[e] * w[e];
-        if (nu > 1) {
-          load_floats(task.u + pr.u.row_stride + kVec * q, w);
+        load_floats(task.u + pr.u.row_stride + kVec * q, w);
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) dots[1] += v[e] * w[e];
-        }
-        if (nz > 0) {
-          load_floats(task.z + kVec * q, w);
+        for (int e = 0; e < kVec; ++e) dots[1] += v[e] * w[e];
+        load_floats(task.z + kVec * q, w);
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) dots[2] += fabsf(v[e]) * w[e];
-        }
+        for (int e = 0; e < kVec; ++e) dots[2] += fabsf(v[e]) * w[e];
       }
     }
   }
   if (pass) {
     const float total = warp_sums4(dots, lane);
     const int64_t at = task.b * rows + i;
-    if (lane < nu) static_cast<float*>(pr.products)[at * nu + lane] = total * float(pr.scale);
-    if (lane == 2 && nz > 0) {
-      static_cast<float*>(pr.magnitudes)[at * nz] = total * float(fabs(pr.scale));
-    }
+    if (lane < 2) static_cast<float*>(pr.products)[at * 2 + lane] = total * float(pr.scale);
+    if (lane == 2) static_cast<float*>(pr.magnitudes)[at] = total * float(fabs(pr.scale));
   }
   return fails;
 }
@@ -1608,9 +1601,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: at most 128 r
     task.p = static_cast<T*>(k.p) + task.b * rows * cols;
     task.mask = softmax_mask_row(k, task.b, 0);
     task.u = pass ? static_cast<const float*>(pr.u.data) + batch_offset(pr.u, task.b) : nullptr;
-    task.z = pass && pr.z.rows > 0
-                 ? static_cast<const float*>(pr.z.data) + batch_offset(pr.z, task.b)
-                 : nullptr;
+    task.z = pass ? static_cast<const float*>(pr.z.data) + batch_offset(pr.z, task.b) : nullptr;
     __syncthreads();  // the last task's screens done
     if (threadIdx.x == 0) {
       if (row_side >= 0) row_screen = side_matrix<float>(k.screen, row_side, task.b);
@@ -1659,8 +1650,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: at most 128 r
 // Whether softmax_rows_kernel takes k (with P's pass pr where `pass`): 2- and 4-byte elements;
 // S's rows in vectors, each within kRowSlots vectors a lane; S's row blocks, where screened,
 // whole slots; a mask, if any, read a word at a time (its rows contiguous and 4-byte aligned);
-// and P's pass, if any, of at most two vectors u and one z (V's columns in one block), read in
-// vectors.
+// and P's pass, if any, of two vectors u and one z (V's columns in one block), read in vectors.
 template <typename T>
 bool softmax_rows_take(const SoftmaxCheck& k, const RowProducts& pr, bool pass, int row_side) {
   static_assert(sizeof(T) <= 4, "2- and 4-byte elements");
@@ -1673,7 +1663,7 @@ bool softmax_rows_take(const SoftmaxCheck& k, const RowProducts& pr, bool pass, 
       if (k.mask_strides[t] % 4 != 0) return false;
     }
   }
-  return !pass || (pr.u.rows <= 2 && pr.z.rows <= 1 && products_in_vectors<T>(k.s, pr));
+  return !pass || (pr.u.rows == 2 && pr.z.rows == 1 && products_in_vectors<T>(k.s, pr));
 }
 
 // S's column and row sides in softmax_check's screen (-1: none), or false where a side of the

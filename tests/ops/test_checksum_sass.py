@@ -134,7 +134,7 @@ def test_the_fused_softmax_reads_a_row_of_s_once_into_registers():
     vectors of 4 a lane) loads a row of S once, a vector a load, and keeps it in 128 registers
     with no spill (two thread blocks an SM) for its three passes, where the general kernel
     reads it five times, an element a load; it writes P a vector a store. Its row's code has no
-    loop that runs twice, so its length bounds the instructions a row takes: at most 104 a
+    loop that runs twice, so its length bounds the instructions a row takes: at most 102 a
     lane's element, where the general kernel's three passes alone take 138 (160, 188 and 204 for
     four elements)."""
     found = built(tool.softmax_report)
@@ -144,7 +144,7 @@ def test_the_fused_softmax_reads_a_row_of_s_once_into_registers():
     assert row["loads"]["LDG.E.64"] == 16 and row["local"] == 0
     assert not any(op.endswith("U16") for op in (*row["loads"], *row["stores"]))
     assert "STG.E.64" in row["stores"]
-    assert row["instructions"] / 64 <= 104
+    assert row["instructions"] / 64 <= 102
     passes = [loop for loop in general["loops"] if loop["loads"].count("LDG.E.U16") == 4]
     assert sum(loop["instructions"] for loop in passes) / 4 >= 138
 
