@@ -1152,6 +1152,7 @@ struct BandColumns {
   Acc* s_sums;
   Acc* p_sums;
   bool s_cols, pass;
+  int64_t bands;  // of each matrix
 
   __device__ void zero(int64_t cols, int64_t j) const {
 #pragma unroll
@@ -1165,7 +1166,7 @@ struct BandColumns {
   // x (side_matrix of col_side): whether it fails.
   __device__ int out(const SoftmaxCheck& k, int64_t b, int64_t blk, int64_t j, int col_side,
                      const ScreenMatrix<Acc>& x) const {
-    const int64_t cols = k.s.cols, at = (b * ceil_div(k.s.rows, k.band) + blk) * 2 * cols + j;
+    const int64_t cols = k.s.cols, at = (b * bands + blk) * 2 * cols + j;
     if (pass) {
       const Acc sums[4] = {p_sums[j], p_sums[cols + j], p_sums[2 * cols + j], p_sums[3 * cols + j]};
       write_sums(k.p_sums.col_sums, k.p_sums.col_sizes, at, cols, sums);
@@ -1213,7 +1214,7 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: at most 80 re
   const int64_t row_block = k.s_sums.row_block;
   const int64_t nbr = row_side >= 0 ? ceil_div(cols, row_block) : 0;
   Acc* const s_sums = reinterpret_cast<Acc*>(shared);
-  const BandColumns<Acc> band{s_sums, s_sums + (s_cols ? 4 * cols : 0), s_cols, pass};
+  const BandColumns<Acc> band{s_sums, s_sums + (s_cols ? 4 * cols : 0), s_cols, pass, bands};
 
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
     const int64_t b = task / bands, blk = task % bands, r0 = blk * k.band;
@@ -1589,7 +1590,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: at most 128 r
   const int64_t bands = ceil_div(rows, k.band);
   const bool s_cols = col_side >= 0;
   float* const s_sums = reinterpret_cast<float*>(shared);
-  const BandColumns<float> band{s_sums, s_sums + (s_cols ? 4 * cols : 0), s_cols, pass};
+  const BandColumns<float> band{s_sums, s_sums + (s_cols ? 4 * cols : 0), s_cols, pass, bands};
 
   // S's row side at the task's matrix, for the rows' screens: out of their registers
   __shared__ ScreenMatrix<float> row_screen;
