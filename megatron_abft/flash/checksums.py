@@ -345,11 +345,11 @@ class Backward:
     odo: Tensor
     """``sum |dO| |O|`` a row, the rounding of the stored O in Delta (``delta`` when not made)."""
     rows: Tensor
-    """``[batch * heads, tiles * block, WIDTH]``: one tile a query block that both P^T's and
-    dS^T's MMAs take, each reading its own columns. For P^T (dV's reference, dV's and dK's
-    masses), dO's: parts of ``dO e`` in columns 0-2, ``|dO| e`` in 3-5, ``||dO_m|| (|Q| e)_m``
-    in 9-11 and ``|Delta_m| (|Q| e)_m`` in 12-14; for dS^T (dK's reference), Q's: parts of
-    ``Q e`` in 6-8."""
+    """``[batch * heads, tiles * 2 * block, WIDTH]``: two tiles a query block, stacked, that one
+    MMA of ``[P^T | dS^T]`` takes. The first, for P^T (dV's reference, dV's and dK's masses),
+    dO's: parts of ``dO e`` in columns 0-2, ``|dO| e`` in 3-5, ``||dO_m|| (|Q| e)_m`` in 9-11
+    and ``|Delta_m| (|Q| e)_m`` in 12-14; the second, for dS^T (dK's reference), Q's: parts of
+    ``Q e`` in 6-8. Each is zero in the other's columns (and wholly, where not asked for)."""
     columns: Tensor
     """``[batch * heads, tiles, width, WIDTH]``: the column sums of Q (columns 0-2) and of dO
     (3-5) over the tiles from each one to the last, for the per-head checks of S^T and dP^T."""
@@ -385,7 +385,7 @@ def backward(
     made = Backward(
         delta,
         empty(matrices, padded, dtype=torch.float32) if odo else delta,
-        empty(matrices, tiles * block, WIDTH, wanted=rows or queries),
+        empty(matrices, tiles * 2 * block, WIDTH, wanted=rows or queries),
         empty(matrices, tiles, width, WIDTH, wanted=columns),
         empty(matrices, tiles, 8, dtype=torch.float32, wanted=rows or queries or columns),
     )
@@ -529,7 +529,8 @@ def _backward_parts(
     BLOCK: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr,
 ):  # fmt: skip
     """The checksum tiles of dO's and Q's rows (Backward.rows) of whole tiles, from tile
-    ``base`` (of the stats; tiles from ``end`` on left alone) for the rows ``at_rows`` that are
+    ``base`` (of the stats; tiles from ``end`` on left alone) for the rows ``at_rows`` (a row's
+    place in tiles of ``BLOCK``; stacked, dO's tile and then Q's take twice that) that are
     ``ok``, from each row's values: dO's sum ``r``, absolute sum ``a`` and L2 norm ``dn``,
     ``delta``, Q's sum ``rq`` and absolute sum ``qa``, at the heads' scales; the tiles' scales
     and sums into ST."""
@@ -556,8 +557,11 @@ def _backward_parts(
     if QUERIES:
         parts += _split(rq / scale_q, 6, dtype)
         tl.store(stats + 1, scale_q + zeros, mask=inside)
-    at = RW + at_rows[:, None] * 16 + tl.arange(0, 16)[None, :]
-    tl.store(at, parts.to(dtype), mask=ok[:, None])
+    column = tl.arange(0, 16)[None, :]
+    of_q = (column >= 6) & (column < 9)
+    at = RW + (at_rows + at_rows // BLOCK * BLOCK)[:, None] * 16 + column  # dO's tile
+    tl.store(at, tl.where(of_q, 0.0, parts).to(dtype), mask=ok[:, None])
+    tl.store(at + BLOCK * 16, tl.where(of_q, parts, 0.0).to(dtype), mask=ok[:, None])
 
 
 @triton.jit

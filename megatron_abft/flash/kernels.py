@@ -609,7 +609,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA, INJ, D, sqm,
+    dk, dv, ref, srow, prow, k, v, offs_n, q_src, do_src, RW, LSE, DELTA, INJ, D, sqm,
     sdom, qk_scale, bh, N_Q, lo, hi, first, first_pass, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK_S: tl.constexpr, CHECK_P: tl.constexpr, CHECK_V: tl.constexpr, CHECK_K: tl.constexpr,
@@ -617,15 +617,18 @@ def _dkdv_tiles(
 ):
     """The key block's query tiles ``[lo, hi)`` of its head: S^T = K Q^T and dP^T = V dO^T
     with their row sums accumulated (checked per head), dV += P^T dO and dK += dS^T Q with their
-    references and masses accumulated beside them, ``vref`` from P^T and ``kref`` from dS^T,
-    both against the query tile's one checksum tile (checksums.Backward.rows, each reading its
-    own columns; two accumulators, so that neither MMA waits for the other).
+    references and masses accumulated beside them in ``ref``: one MMA of ``[P^T | dS^T]``
+    against the query tile's checksum tiles of dO and Q stacked (checksums.Backward.rows, each
+    zero in the other's columns), one accumulator where two spilled at head dim 128.
     ``first``: the head's first query tile, whose products a transient fault in dV or dK
     hits."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     lse_tile = LSE + lo  # scalar loads in the loop only through stepped pointers
     delta_tile = DELTA + lo
+    # the checksum tiles through a pointer stepped a tile at a time: a third TMA load in the loop
+    # took its stage indices off the uniform datapath (about 30 instructions a tile)
+    w_tile = RW + (2 * lo + tl.arange(0, 2 * BLOCK_M))[:, None] * W + tl.arange(0, W)[None, :]
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_mb
@@ -648,9 +651,6 @@ def _dkdv_tiles(
         fresh = first_pass & (start_m == first)
         if INJECT:
             dv = _corrupt(dv, offs_n[:, None], offs_d[None, :], bh, GRAD_V, fresh, INJ)
-        if CHECK_V or CHECK_K:  # P^T (dO e), P^T (|dO| e), and dK's masses
-            w = _read(w_src, start_m, N_Q, W, W, BLOCK_M, W, TMA)
-            vref = _mma(pt_lo, w, vref)
         dpt = _mma(v, tl.trans(do), None)
         if INJECT:
             dpt = _corrupt(dpt, offs_m[None, :], offs_n[:, None], bh, GRAD_PROBS, first_pass, INJ)
@@ -662,11 +662,13 @@ def _dkdv_tiles(
         dk = _mma(dst_lo, q, dk)
         if INJECT:
             dk = _corrupt(dk, offs_n[:, None], offs_d[None, :], bh, GRAD_K, fresh, INJ)
-        if CHECK_K:  # dS^T (Q e), from the same tile
-            kref = _mma(dst_lo, w, kref)
+        if CHECK_V or CHECK_K:  # P^T (dO e), P^T (|dO| e), dK's masses and dS^T (Q e)
+            both = tl.reshape(tl.permute(tl.join(pt_lo, dst_lo), (0, 2, 1)), [BLOCK_N, 2 * BLOCK_M])
+            ref = _mma(both, tl.load(w_tile), ref)
         lse_tile += BLOCK_M
         delta_tile += BLOCK_M
-    return dk, dv, vref, kref, srow, prow
+        w_tile += 2 * BLOCK_M * W
+    return dk, dv, ref, srow, prow
 
 
 @triton.jit
@@ -721,8 +723,7 @@ def _bwd_dkdv_kernel(
     q_src = _tiles(Q, N_Q, D, sqm, BLOCK_M, HEAD_DIM, TMA)
     do_src = _tiles(DO, N_Q, D, sdom, BLOCK_M, HEAD_DIM, TMA)
     TILES_Q = tl.cdiv(N_Q, BLOCK_M)
-    at = bh.to(tl.int64) * TILES_Q * BLOCK_M * W  # dO's and Q's checksum tiles, as Q's
-    w_src = _tiles(RW + at, N_Q, W, W, BLOCK_M, W, TMA)
+    RW += bh.to(tl.int64) * TILES_Q * (2 * BLOCK_M * W)  # dO's and Q's checksum tiles
     ST += bh.to(tl.int64) * TILES_Q * 8
     LSE += bh.to(tl.int64) * ROWS_Q
     DELTA += bh.to(tl.int64) * ROWS_Q
@@ -753,25 +754,24 @@ def _bwd_dkdv_kernel(
             prow = -_columns(_mma(v, w, None), 3) * scale
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    vref = tl.zeros([BLOCK_N, W], tl.float32)
-    kref = tl.zeros([BLOCK_N, W], tl.float32)
+    ref = tl.zeros([BLOCK_N, W], tl.float32)
     first_column = tl.arange(0, 8)[None, :] == 0
     srow = tl.where(first_column, srow[:, None], 0.0)  # as _partial_sums accumulate
     prow = tl.where(first_column, prow[:, None], 0.0)
-    dk, dv, vref, kref, srow, prow = _dkdv_tiles(
-        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA, INJ, D,
-        sqm, sdom, qk_scale, bh, N_Q, lo, diagonal, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM,
-        True, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, INJECT, TMA,
+    dk, dv, ref, srow, prow = _dkdv_tiles(
+        dk, dv, ref, srow, prow, k, v, offs_n, q_src, do_src, RW, LSE, DELTA, INJ, D, sqm, sdom,
+        qk_scale, bh, N_Q, lo, diagonal, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM, True,
+        CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, INJECT, TMA,
     )
-    dk, dv, vref, kref, srow, prow = _dkdv_tiles(
-        dk, dv, vref, kref, srow, prow, k, v, offs_n, q_src, do_src, w_src, LSE, DELTA, INJ, D,
-        sqm, sdom, qk_scale, bh, N_Q, diagonal, interior, lo, first_pass, BLOCK_M, BLOCK_N,
-        HEAD_DIM, False, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, INJECT, TMA,
+    dk, dv, ref, srow, prow = _dkdv_tiles(
+        dk, dv, ref, srow, prow, k, v, offs_n, q_src, do_src, RW, LSE, DELTA, INJ, D, sqm, sdom,
+        qk_scale, bh, N_Q, diagonal, interior, lo, first_pass, BLOCK_M, BLOCK_N, HEAD_DIM,
+        False, CAUSAL, CHECK_S, CHECK_P, CHECK_V, CHECK_K, INJECT, TMA,
     )
     if CHECK_S or CHECK_P or CHECK_V or CHECK_K:
-        if SCALED:  # dO's and Q's row sums at their head's scales
-            vref = vref * tl.load(ST)
-            kref = kref * tl.load(ST + 1)
+        if SCALED:  # dO's and Q's row sums at their head's scales (Q's in columns 6-8)
+            of_q = (tl.arange(0, W) >= 6) & (tl.arange(0, W) < 9)
+            ref = ref * tl.where(of_q, tl.load(ST + 1), tl.load(ST))[None, :]
         tiles = tl.cdiv(N_Q - lo, BLOCK_M)
         state_s = tl.zeros([BLOCK_N], tl.int32)
         state_p = tl.zeros([BLOCK_N], tl.int32)
@@ -800,26 +800,27 @@ def _bwd_dkdv_kernel(
                 FOUND, RATIO, GRAD_PROBS, bh, BH, state_p, offs_n, ratio_p, n_ok,
                 outcome, True, CALIBRATE,
             )
-        # a key row flagged upstream fails downstream too: it counts once, where it began
+        # a key row flagged upstream fails downstream too: it counts once, where it began (dV's
+        # reference shares dS^T's MMA, where a non-finite dP^T times Q's tile's zeros is NaN)
+        upstream = (state_s > 0) | (state_p > 0)
         if CHECK_V:  # (P^T dO) e = P^T (dO e), the mass P^T (|dO| e)
             ratio_v = tl.zeros([BLOCK_N], tl.float32)
-            worst_v, ratio_v = _deferred_check(dv, vref, 0, None, tiles, tol, ratio_v, CALIBRATE)
-            state_v = tl.where(n_ok & (state_s == 0), _kinds(worst_v, near_inf), 0)
+            worst_v, ratio_v = _deferred_check(dv, ref, 0, None, tiles, tol, ratio_v, CALIBRATE)
+            state_v = tl.where(n_ok & ~upstream, _kinds(worst_v, near_inf), 0)
             flagged |= _report(
                 FOUND, RATIO, GRAD_V, bh, BH, state_v, offs_n, ratio_v, n_ok, outcome,
                 False, CALIBRATE,
             )
         if CHECK_K:  # (dS^T Q) e = dS^T (Q e), the mass of |dS^T| <= P^T (|dP^T| + |Delta|)
             # with |dP_nm| <= ||v_n|| ||dO_m||, 1% for dS^T's and P^T's rounding
-            mass = 1.01 * (vn * _columns(vref, 9) + _columns(vref, 12))
+            mass = 1.01 * (vn * _columns(ref, 9) + _columns(ref, 12))
             if SCALED:  # fp16: P~ as the MMA takes it may be a subnormal flushed (2**-25 off)
                 first_tile = lo // BLOCK_M
                 by_norm = _stat_sum(ST, first_tile, tiles, 5, 8)
                 by_delta = _stat_sum(ST, first_tile, tiles, 6, 8)
                 mass += 2.0**-25 * (vn * by_norm + by_delta)
             ratio_k = tl.zeros([BLOCK_N], tl.float32)
-            worst_k, ratio_k = _deferred_check(dk, kref, 6, mass, tiles, tol, ratio_k, CALIBRATE)
-            upstream = (state_s > 0) | (state_p > 0)
+            worst_k, ratio_k = _deferred_check(dk, ref, 6, mass, tiles, tol, ratio_k, CALIBRATE)
             state_k = tl.where(n_ok & ~upstream, _kinds(worst_k, near_inf), 0)
             flagged |= _report(
                 FOUND, RATIO, GRAD_K, bh, BH, state_k, offs_n, ratio_k, n_ok, outcome,

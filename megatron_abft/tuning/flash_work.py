@@ -231,15 +231,15 @@ class Prepass:
 
 PREPASS = {
     "forward": (Prepass(False, 1, columns=1), Prepass(False, 1, rows=1, launches=0)),
-    "dkdv": (Prepass(True, 1, rows=1, columns=2, stats=8, launches=0),),
+    "dkdv": (Prepass(True, 1, rows=2, columns=2, stats=8, launches=0),),
     "dq": (Prepass(False, 1, rows=1, launches=0), Prepass(False, 1, rows=1, launches=0)),
 }
 """The checksum tiles launch.py makes before each kernel when all its sections are due: the
 forward's of K (the prefix sums of its columns, added up by the last program of each head:
 checksums.key_value_sums) and of V (rows) in the same launch, tiled by its block_n; the
 backward's in the prologue that computes Delta anyway (checksums.backward, no launch of its
-own): dK/dV's (one tile of dO's and Q's rows, their suffix column sums, from one more read of
-Q), tiled by its block_m, and dQ's of K and V (rows), by its block_n."""
+own): dK/dV's (a tile of dO's rows and one of Q's, stacked, their suffix column sums, from one
+more read of Q), tiled by its block_m, and dQ's of K and V (rows), by its block_n."""
 SPLIT = {
     "forward": Prepass(False, 0, stats=0, raw=2, launches=0),
     "dkdv": Prepass(True, 0, stats=2, raw=5, launches=0),
