@@ -111,22 +111,38 @@ def load_to_use(body: tuple[sass.Instruction, ...]) -> dict[str, int]:
     return distances
 
 
+def enclosing(loop: sass.Loop, all_loops: list[sass.Loop]) -> sass.Loop | None:
+    """The smallest of ``all_loops`` that holds ``loop`` and more, or None."""
+    around = [
+        other
+        for other in all_loops
+        if other.start <= loop.start and loop.end <= other.end and len(other.body) > len(loop.body)
+    ]
+    return min(around, key=lambda other: len(other.body), default=None)
+
+
 def reading_loops(instructions: list[sass.Instruction]) -> list[dict]:
     """The innermost loops that load global memory: their length, shuffles, loads, shared
-    memory accesses (by opcode), local memory accesses (spilled registers) and load-to-use
-    distance."""
-    return [
-        {
-            "instructions": len(loop.body),
-            "shuffles": loop.count("SHFL"),
-            "loads": [i.opcode for i in loop.body if i.base == "LDG"],
-            "shared": dict(Counter(i.opcode for i in loop.body if i.base in ("LDS", "STS"))),
-            "local": loop.count("LDL", "STL"),
-            "load_to_use": load_to_use(loop.body),
-        }
-        for loop in sass.innermost(sass.loops(instructions))
-        if loop.count("LDG")
-    ]
+    memory accesses (by opcode), local memory accesses (spilled registers), load-to-use
+    distance, and the calls (an int64 division is one) of the loop around each."""
+    every = sass.loops(instructions)
+    found = []
+    for loop in sass.innermost(every):
+        if not loop.count("LDG"):
+            continue
+        outer = enclosing(loop, every)
+        found.append(
+            {
+                "instructions": len(loop.body),
+                "shuffles": loop.count("SHFL"),
+                "loads": [i.opcode for i in loop.body if i.base == "LDG"],
+                "shared": dict(Counter(i.opcode for i in loop.body if i.base in ("LDS", "STS"))),
+                "local": loop.count("LDL", "STL"),
+                "load_to_use": load_to_use(loop.body),
+                "calls_around": 0 if outer is None else outer.count("CALL"),
+            }
+        )
+    return found
 
 
 def report(binary: Path, dtype: str) -> dict[str, dict]:

@@ -113,11 +113,21 @@ __device__ __forceinline__ int side_fails(const Screen& s, int side, const Scree
                    : screen_flags<Acc>(s, s.side[1], x, blk, j);
 }
 
-// Whether vector j of block blk of matrix b fails the screen on side `side` of s (0 or 1).
+// A screened tile's start: thread 0 finds the tile's matrix b on each screened side (col_side,
+// row_side: -1 for none) into screens (column side first) and zeroes the tile's count of failed
+// vectors. A screen then reads its matrix from shared memory: its batch offsets take a division
+// a batch dim, found once a tile rather than once a screened vector, and held there rather than
+// in the sums' registers.
 template <typename Acc>
-__device__ __forceinline__ int screen_fails(const Screen& s, int side, int64_t b, int64_t blk,
-                                            int64_t j) {
-  return side_fails<Acc>(s, side, side_matrix<Acc>(s, side, b), blk, j);
+__device__ __forceinline__ void start_screens(const Screen& s, int64_t b, int col_side,
+                                              int row_side, ScreenMatrix<Acc> (&screens)[2],
+                                              int& tile_fails) {
+  if (threadIdx.x == 0) {
+    if (col_side >= 0) screens[0] = side_matrix<Acc>(s, col_side, b);
+    if (row_side >= 0) screens[1] = side_matrix<Acc>(s, row_side, b);
+    tile_fails = 0;
+  }
+  __syncthreads();
 }
 
 // A warp's staging of four rows' sums in shared memory (both walks of block_sums): each lane puts
@@ -209,6 +219,7 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
   __align__(16) __shared__ Acc part[kWarps][kPart];
   __shared__ Acc row_totals[kWarps][32][4];  // per warp: the four sums of a chunk's rows
   __shared__ int tile_fails;
+  __shared__ ScreenMatrix<Acc> screens[2];  // the tile's matrix on each screened side
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const bool cols_checked = out.col_block > 0, rows_checked = out.row_block > 0;
   const int64_t row_tiles = tiling.row_tiles, col_tiles = tiling.col_tiles;
@@ -222,10 +233,7 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
   Acc* const stage = part[warp];
   const QuadStage quad{lane};
   int fails = 0;  // this thread's failed vectors of the tile
-  if (Screened) {
-    if (threadIdx.x == 0) tile_fails = 0;
-    __syncthreads();
-  }
+  if (Screened) start_screens<Acc>(s, b, col_side, row_side, screens, tile_fails);
   for (int64_t g = c0; g < c1; g += kGroup) {  // one pass per group of columns
     const int64_t j0 = g + lane * kVec;
     const bool valid = j0 < c1;  // whole vectors: c1 and j0 are multiples of kVec
@@ -302,7 +310,7 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
           for (int k = 0; k < 4; ++k) mine[k] = row_totals[warp][lane][k];
           write_row<Acc>(out, c, b, nbr, c0 / out.row_block, i, mine, g != c0);
           if (Screened && row_side >= 0 && last_pass) {
-            fails += screen_fails<Acc>(s, row_side, b, ct, i);
+            fails += side_fails<Acc>(s, row_side, screens[1], ct, i);
           }
         }
         __syncwarp();  // row_totals read before the next chunk writes them
@@ -326,7 +334,7 @@ __device__ __forceinline__ void block_sums_tile_vectors(const MatrixBatch& c,
             for (int k = 0; k < 4; ++k) total[k] += part[w][k * kGroup + col];
           }
           write_column<Acc>(out, c, b, rt, row_tiles, j, total[0], total[1], total[2], total[3]);
-          if (Screened && col_side >= 0) fails += screen_fails<Acc>(s, col_side, b, rt, j);
+          if (Screened && col_side >= 0) fails += side_fails<Acc>(s, col_side, screens[0], rt, j);
         }
       }
       __syncthreads();
@@ -351,6 +359,7 @@ __device__ __forceinline__ void block_sums_tile_columns(const MatrixBatch& c,
   __shared__ Acc part[kWarps][32][4];  // per warp, per row of a chunk: the warp's row sums
   __align__(16) __shared__ Acc staged[kWarps][kQuadStage];  // per warp: a quad's shares
   __shared__ int tile_fails;
+  __shared__ ScreenMatrix<Acc> screens[2];  // the tile's matrix on each screened side
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const bool cols_checked = out.col_block > 0, rows_checked = out.row_block > 0;
   const int64_t height = tiling.height, width = tiling.width;
@@ -364,10 +373,7 @@ __device__ __forceinline__ void block_sums_tile_columns(const MatrixBatch& c,
     const int64_t c0 = ct * width, c1 = min64(c.cols, c0 + width);
     const T* base = static_cast<const T*>(c.data) + batch_offset(c, b);
     int fails = 0;  // this thread's failed vectors of the tile
-    if (Screened) {
-      if (threadIdx.x == 0) tile_fails = 0;
-      __syncthreads();
-    }
+    if (Screened) start_screens<Acc>(s, b, col_side, row_side, screens, tile_fails);
 
     for (int64_t g = c0; g < c1; g += blockDim.x) {  // one pass per group of columns
       const int64_t j = g + threadIdx.x;
@@ -408,7 +414,7 @@ __device__ __forceinline__ void block_sums_tile_columns(const MatrixBatch& c,
             }
             write_row<Acc>(out, c, b, nbr, c0 / out.row_block, q0 + lane, total, g != c0);
             if (Screened && row_side >= 0 && last_pass) {
-              fails += screen_fails<Acc>(s, row_side, b, ct, q0 + lane);
+              fails += side_fails<Acc>(s, row_side, screens[1], ct, q0 + lane);
             }
           }
           __syncthreads();
@@ -416,7 +422,7 @@ __device__ __forceinline__ void block_sums_tile_columns(const MatrixBatch& c,
       }
       if (cols_checked && valid) {
         write_column<Acc>(out, c, b, rt, row_tiles, j, s0, s1, z0, z1);
-        if (Screened && col_side >= 0) fails += screen_fails<Acc>(s, col_side, b, rt, j);
+        if (Screened && col_side >= 0) fails += side_fails<Acc>(s, col_side, screens[0], rt, j);
       }
     }
     if (Screened) {
