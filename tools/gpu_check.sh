@@ -136,7 +136,8 @@ step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 
 {
     step flash_tests 230 env ABFT_FLASH_DEVICE=cuda $PY -m pytest -q -n 8 -p no:cacheprovider \
         tests/flash/test_flash_equality.py tests/flash/test_flash_correction.py \
-        tests/flash/test_flash_scaled_parts.py tests/flash/test_flash_running_sums.py
+        tests/flash/test_flash_scaled_parts.py tests/flash/test_flash_running_sums.py \
+        tests/flash/test_flash_ops.py
     step flash_memcheck 70 env ABFT_FLASH_DEVICE=cuda compute-sanitizer --tool memcheck \
         --error-exitcode 1 $PY -m pytest -q -p no:cacheprovider \
         tests/flash/test_flash_equality.py -k "seq129"
