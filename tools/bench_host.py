@@ -85,7 +85,8 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
         "ops_alone_cold": per_call_cold(alone, device),
         "gemm_cold": per_call_cold(lambda: torch.addmm(bias, x, w.t()), device),
     }
-    if device.type == "cuda":  # the checked GEMM as the layers run it, against the GEMM alone
+    if device.type == "cuda":  # the checked GEMM as the layers run it (bf16), against the GEMM
+        x, w, bias = (t.bfloat16() for t in (x, w, bias))
         tile = checked_gemm.tiles_for(device)
         sums = checked_gemm.weight_sums(w, tile.block_n)
 

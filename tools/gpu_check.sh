@@ -134,6 +134,14 @@ GPU_TESTS="tests/ops/test_ext.py tests/ops/test_ext_correct.py tests/ops/test_ex
 step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 1 $PY -c \
     "$SELFTEST" &
 {
+    # dK/dV with grad_v alone due hit an illegal address on 2026-11-30 (small tiles, a fault
+    # injected) while every section due ran clean: the memory checker names the kernel and line
+    # (grad_v and grad_k alone, clean at the production tiles, then with a fault at small ones)
+    step flash_alone_memcheck 90 env ABFT_FLASH_DEVICE=cuda bash -c "for s in grad_v grad_k; do \
+        compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 4 $PY -m pytest -q \
+        -x -p no:cacheprovider tests/flash/test_flash_scaled_parts.py -k \"alone and \$s\"; \
+        compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 4 $PY -m pytest -q \
+        -x -p no:cacheprovider tests/flash/test_flash_correction.py -k \"\$s-inf-row\"; done"
     step flash_tests 230 env ABFT_FLASH_DEVICE=cuda $PY -m pytest -q -n 8 -p no:cacheprovider \
         tests/flash/test_flash_equality.py tests/flash/test_flash_correction.py \
         tests/flash/test_flash_scaled_parts.py tests/flash/test_flash_running_sums.py \
@@ -176,7 +184,7 @@ PRETRAIN="--tensor-model-parallel-size 1 --num-layers 4 --hidden-size 512
     --abft-inject section=proj,layer=4,kind=nan,step=40"
 # shellcheck disable=SC2086
 {
-    step pretrain_unfused 110 $PY -m torch.distributed.run --nproc-per-node 1 \
+    step pretrain_unfused 150 $PY -m torch.distributed.run --nproc-per-node 1 \
         -m tools.megatron_lm_pretrain $PRETRAIN --abft-attention unfused --abft-checked-gemm \
         --abft-events-file "$WORK/pretrain_unfused_events.jsonl"
     step pretrain_flash 120 $PY -m torch.distributed.run --nproc-per-node 1 \
