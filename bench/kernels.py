@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.timing import best_per_call, call_ms
+from bench.timing import best_per_call, call_ms, device_kernels
 from megatron_abft.check.checksum import encode
 from megatron_abft.check.eec import GemmOperands, _kernel_check, verify_and_correct
 from megatron_abft.check.ledger import Ledger
@@ -123,6 +123,9 @@ def projections(
                 checked_gemm_ms=fused_ms,
                 checked_gemm_fraction=fused_ms / gemm_ms - 1,
                 triton_gemm_ms=plain_ms,
+                # where each one's time goes, kernel by kernel
+                check_kernels=device_kernels(check, device),
+                checked_gemm_kernels=device_kernels(fused, device),
             )
     return found
 
@@ -158,6 +161,13 @@ def attention_gemms(
             "triton_gemm_ms": plain_ms,
         }
     return found
+
+
+def _kernel_line(kernels: dict) -> str:
+    """device_kernels' record as one line: each kernel's microseconds a call, longest first."""
+    if "error" in kernels:
+        return kernels["error"]
+    return ", ".join(f"{name[:40]} {row['us']:.1f} us" for name, row in kernels.items())
 
 
 def _write(path: Path | None, result: dict) -> None:
@@ -248,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"({p['checked_gemm_fraction']:+.1%} over the GEMM), its checks compiled out "
                 f"{p['triton_gemm_ms']:>8.3f}"
             )
+            for what in ("check_kernels", "checked_gemm_kernels"):
+                print(f"{'':<5} {what}: {_kernel_line(p[what])}")
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,

@@ -1,6 +1,7 @@
 """The benchmarks' one timer: the wall time of regions of code on one device, perf_counter on
 the CPU and CUDA events on a GPU (read after one synchronisation, so that timing a region adds
-none inside the run), and the time of single calls and of loops of them built on it."""
+none inside the run), the time of single calls and of loops of them built on it, and on a GPU
+each kernel's device time a call (torch.profiler)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,24 @@ def best_per_call(fn: Callable[[], object], device: torch.device, number: int, r
             torch.cuda.synchronize(device)
 
     return min(timeit.repeat(loop, number=1, repeat=repeat)) / number
+
+
+def device_kernels(call, device: torch.device, calls: int = 10) -> dict:
+    """Each kernel a call launches, by name, on the GPU (torch.profiler's device activity):
+    launches and microseconds of device time a call, the longest first; where the profiler
+    fails, its error (the rest of the results stand)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize(device)
+        rows = {
+            row.key: {"launches": row.count / calls, "us": row.device_time_total / calls}
+            for row in prof.key_averages()
+            if row.device_time_total > 0
+        }
+    except Exception as error:  # a benchmark records what failed and goes on
+        return {"error": f"{type(error).__name__}: {error}"}
+    return dict(sorted(rows.items(), key=lambda item: -item[1]["us"]))

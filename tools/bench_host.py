@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.timing import best_per_call, call_ms
+from bench.timing import best_per_call, call_ms, device_kernels
 from megatron_abft.check.checker import CompiledChecker, ReferenceChecker
 from megatron_abft.check.eec import GemmOperands
 from megatron_abft.config import ABFTConfig
@@ -214,27 +214,6 @@ def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, f
             if device.type == "cuda":
                 result[name]["kernels"] = device_kernels(call, device)
     return result
-
-
-def device_kernels(call, device: torch.device, calls: int = 10) -> dict:
-    """Each kernel a call launches, by name, on the GPU (torch.profiler's device activity):
-    launches and microseconds of device time a call, the longest first; where the profiler
-    fails, its error (the rest of the results stand)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                call()
-            torch.cuda.synchronize(device)
-        rows = {
-            row.key: {"launches": row.count / calls, "us": row.device_time_total / calls}
-            for row in prof.key_averages()
-            if row.device_time_total > 0
-        }
-    except Exception as error:  # a benchmark records what failed and goes on
-        return {"error": f"{type(error).__name__}: {error}"}
-    return dict(sorted(rows.items(), key=lambda item: -item[1]["us"]))
 
 
 def profiled(call, device: torch.device, calls: int, launches: list) -> dict:
