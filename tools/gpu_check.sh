@@ -13,8 +13,9 @@
 # projections' checks and the checked GEMM against their GEMMs, then summary.json
 # (tools/gpu_summary.py). Phase 3 runs
 # the correctness work side by side, since none of it is timed: the GPU tests of the compiled
-# kernels and of the flash kernels, compute-sanitizer (every CUDA kernel through the known-answer
-# self-test, a few tests, the flash kernels), the no-false-alarm sweeps on the tensor cores
+# kernels and of the flash kernels (a CUDA graph's capture and replay among them),
+# compute-sanitizer (every CUDA kernel through the known-answer self-test, a few tests, the
+# flash kernels), the no-false-alarm sweeps on the tensor cores
 # (unfused GEMMs, the checked GEMM, flash tiles), and Megatron-LM's own pretrain() with --abft
 # and injected faults, on both paths. Phase 4 times the rest one at a time: the step at micro-batch 1 and the host's
 # time a check and a flash call (tools/bench_host.py). Phase 5 times the flash kernels' tile
@@ -142,6 +143,9 @@ step selftest_racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 
         -x -p no:cacheprovider tests/flash/test_flash_scaled_parts.py -k \"alone and \$s\"; \
         compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 4 $PY -m pytest -q \
         -x -p no:cacheprovider tests/flash/test_flash_correction.py -k \"\$s-inf-row\"; done"
+    # capture and replay, toward accepting Megatron's CUDA graphs (refused until this passes)
+    step flash_cuda_graph 60 env ABFT_FLASH_DEVICE=cuda $PY -m pytest -q -rf -p no:cacheprovider \
+        tests/flash/test_flash_cuda_graph.py
     step flash_tests 230 env ABFT_FLASH_DEVICE=cuda $PY -m pytest -q -n 8 -p no:cacheprovider \
         tests/flash/test_flash_equality.py tests/flash/test_flash_correction.py \
         tests/flash/test_flash_scaled_parts.py tests/flash/test_flash_running_sums.py \
