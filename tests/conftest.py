@@ -1,8 +1,11 @@
 import random
 import zlib
 
+import interpreter_bounds
 import pytest
 import torch
+
+interpreter_bounds.install()  # every kernel the interpreter runs in the suite, bounds-checked
 
 
 @pytest.fixture(autouse=True)
