@@ -14,8 +14,9 @@ perf_counter on CPU) and the host's time to return from a forward+backward call 
 the device's, the host bounds the call), its TFLOP/s (causal: forward 4 B H N^2 D / 2, backward
 2.5x that), its peak memory beyond the inputs, and its forward's largest error against an fp32
 reference: a benchmark of a wrong answer is worthless. On a GPU: causal bf16 at 1k to 16k
-tokens; without one, one tiny shape (the flash kernels in Triton's interpreter), so that the tool
-and its test keep working.
+tokens, and the flash call's device time split by kernel, checked against unchecked; without
+one, one tiny shape (the flash kernels in Triton's interpreter), so that the tool and its test
+keep working.
 An implementation that runs out of memory is recorded as "oom", a backend that refuses the
 shape as "refused"; the exit code is 1 when an implementation failed or its error is too large.
 """
@@ -40,7 +41,7 @@ import torch
 import yaml
 from torch import Tensor
 
-from bench.timing import Timer
+from bench.timing import Timer, device_kernels
 from megatron_abft.config import DTYPE_NAMES
 from megatron_abft.tuning.shapes import CATALOGUE
 
@@ -52,6 +53,8 @@ CONFIGS = {
 }
 """The models benchmarked by default, and the training config that gives each its micro-batch."""
 GPU_SEQS = (1024, 2048, 4096, 8192, 16384)
+FLASH = ("flash", "flash_unchecked")
+"""The implementations whose kernels are ours: a GPU run splits their time by kernel."""
 GPU_IMPLEMENTATIONS = (
     "flash",
     "flash_unchecked",
@@ -372,6 +375,8 @@ def measure(
             torch.cuda.reset_peak_memory_stats(device)
             run.forward_backward()
             row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+            if name in FLASH:  # where the call's device time goes, kernel by kernel
+                row["kernels"] = device_kernels(run.forward_backward, device)
         if run.detected is not None:
             row["detected"] = run.detected()
     except torch.cuda.OutOfMemoryError:
@@ -487,6 +492,30 @@ def table_line(row: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def kernel_lines(rows: list[dict]) -> list[str]:
+    """For each case the flash call ran checked and unchecked on a GPU: each kernel's device
+    microseconds a call (its launches summed, the retries with their kernel), checked against
+    unchecked, the largest difference first."""
+    lines = []
+    cases: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        if isinstance(row.get("kernels"), dict) and "error" not in row["kernels"]:
+            cases.setdefault((row["model"], row["seq"]), {})[row["implementation"]] = row["kernels"]
+    for (model, seq), found in cases.items():
+        checked, unchecked = found.get("flash"), found.get("flash_unchecked")
+        if checked is None or unchecked is None:
+            continue
+        lines.append(f"\n{model}, seq {seq}: device us a call, checked / unchecked")
+        names = set(checked) | set(unchecked)
+
+        def us(table: dict, name: str) -> float:
+            return table.get(name, {}).get("us", 0.0)
+
+        for name in sorted(names, key=lambda n: us(unchecked, n) - us(checked, n)):
+            lines.append(f"  {name[:60]:<60} {us(checked, name):9.1f} / {us(unchecked, name):9.1f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -525,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = {"repeats": args.repeats, "warmup": args.warmup}
         result = {"environment": env, "settings": settings, "rows": rows}
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    for line in kernel_lines(rows):
+        print(line)
     failed = [r for r in rows if r["status"] in ("error", "wrong")]
     for row in failed:
         where = f"{row['implementation']} at {row['model']}, seq {row['seq']}"

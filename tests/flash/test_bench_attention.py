@@ -92,3 +92,24 @@ def test_gpu_shapes_come_from_the_catalogue_and_configs():
         ("Llama-2 7B", 1, 16, 16, 16384, 128),
     ]
     assert all(c.dtype == torch.bfloat16 and c.causal for c in cases)
+
+
+def test_a_gpu_run_sets_each_kernels_checked_time_beside_its_unchecked():
+    """kernel_lines pairs a case's checked and unchecked flash rows kernel by kernel (a kernel
+    only the checked call launches against 0), the largest difference first, and leaves out
+    cases with one of the two and rows whose profile failed."""
+
+    def row(implementation, kernels, seq=2048):
+        return {"model": "m", "seq": seq, "implementation": implementation, "kernels": kernels}
+
+    rows = [
+        row("flash", {"_fwd_kernel": {"us": 10.0}, "_sums_kernel": {"us": 3.0}}),
+        row("flash_unchecked", {"_fwd_kernel": {"us": 8.0}}),
+        row("sdpa_flash", None),
+        row("flash", {"_fwd_kernel": {"us": 1.0}}, seq=8192),
+        row("flash_unchecked", {"error": "RuntimeError: no profiler"}, seq=8192),
+    ]
+    lines = bench.kernel_lines(rows)
+    assert lines[0].strip() == "m, seq 2048: device us a call, checked / unchecked"
+    assert [line.split()[0] for line in lines[1:]] == ["_sums_kernel", "_fwd_kernel"]
+    assert lines[1].split()[1:] == ["3.0", "/", "0.0"]
