@@ -496,6 +496,10 @@ def kernel_lines(rows: list[dict]) -> list[str]:
     """For each case the flash call ran checked and unchecked on a GPU: each kernel's device
     microseconds a call (its launches summed, the retries with their kernel), checked against
     unchecked, the largest difference first."""
+
+    def us(table: dict, name: str) -> float:
+        return table.get(name, {}).get("us", 0.0)
+
     lines = []
     cases: dict[tuple, dict[str, dict]] = {}
     for row in rows:
@@ -507,10 +511,6 @@ def kernel_lines(rows: list[dict]) -> list[str]:
             continue
         lines.append(f"\n{model}, seq {seq}: device us a call, checked / unchecked")
         names = set(checked) | set(unchecked)
-
-        def us(table: dict, name: str) -> float:
-            return table.get(name, {}).get("us", 0.0)
-
         for name in sorted(names, key=lambda n: us(unchecked, n) - us(checked, n)):
             lines.append(f"  {name[:60]:<60} {us(checked, name):9.1f} / {us(unchecked, name):9.1f}")
     return lines
