@@ -31,6 +31,7 @@ SOURCES = [
     "csrc/bindings/abft_softmax.cpp",
     "csrc/bindings/abft_check.cpp",
     "csrc/bindings/abft_matrix_check.cpp",
+    "csrc/bindings/abft_mma_products.cpp",
     "csrc/kernels/abft_cpu.cpp",
 ]
 # The test-only extension: the CUDA kernels (abft_cuda.cu) built by the C++ compiler, the emulator
@@ -42,7 +43,14 @@ EMULATOR_SOURCES = [
     "csrc/emulator/cuda_emulator.cpp",
     *(
         f"csrc/emulator/emulated_{name}.cpp"
-        for name in ("abft_ops", "abft_encode", "abft_softmax", "abft_check", "abft_matrix_check")
+        for name in (
+            "abft_ops",
+            "abft_encode",
+            "abft_softmax",
+            "abft_check",
+            "abft_matrix_check",
+            "abft_mma_products",
+        )
     ),
     "csrc/emulator/emulated_abft_cpu.cpp",
 ]

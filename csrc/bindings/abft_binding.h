@@ -199,6 +199,21 @@ at::Tensor tally_cpu(const at::Tensor& status, const at::Tensor& kind, const at:
 // encode_pair (abft_encode.cpp): both sides' sums and magnitudes of alpha * a @ b.
 Sums encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block);
 
+// The fewest elements of a GEMM's larger operand from which its encoding takes the products on the
+// tensor cores (mma_products) rather than by row_products: below it the products are a few
+// microseconds of the CUDA cores' time, less than the launches of mma_products' ops.
+constexpr int64_t kMmaProductsMinElements = int64_t(1) << 22;
+
+// Whether encode_pair and check_matrix_cuda take both operands' products by mma_products: 2-D
+// bf16 operands, the larger with at least kMmaProductsMinElements.
+bool takes_mma_products(const at::Tensor& big, const at::Tensor& small);
+
+// row_products' products of a 2-D bf16 x [p, k] with fp32 vectors u [r, k], z [r', k] (rows of
+// any stride) by GEMMs on the tensor cores (abft_mma_products.cpp), into products [p, r] and
+// magnitudes [p, r'] (fp32, contiguous): scale x @ u^T and |scale| |x| @ z^T.
+void mma_products(const at::Tensor& x, const at::Tensor& u, const at::Tensor& z, double scale,
+                  at::Tensor& products, at::Tensor& magnitudes);
+
 // A guard's ledger (megatron_abft/check/ledger.py) as tally writes it: counts [3, kinds] int64,
 // step [1] float64, log [capacity, 7] float64 and logged [1] int64, all on the results' device.
 struct LedgerArgs {

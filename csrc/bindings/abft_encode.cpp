@@ -72,6 +72,14 @@ Four row_products_pair_op(const at::Tensor& a, const at::Tensor& u, const at::Te
   return op.call(a, u, z, scale, b, v, y, b_scale);
 }
 
+Pair mma_products(const at::Tensor& x, const at::Tensor& u, const at::Tensor& z, double scale) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("megatron_abft::mma_products", "")
+          .typed<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x, u, z, scale);
+}
+
 // Whether x's ops run the CUDA kernels: on a GPU, or in _emulator on the CPU.
 bool runs_cuda_kernels(const at::Tensor& x) {
   return x.is_cuda() || (x.is_cpu() && abft_binding::kEmulated);
@@ -224,7 +232,9 @@ Four from_pass(bool x_big, const at::Tensor& small, double alpha, const Four& bi
 }
 
 // encode_pair_split's steps: both operands' block sums in one op, then the larger one's products
-// with the smaller one's sums and the smaller one's with the larger one's in another.
+// with the smaller one's sums and the smaller one's with the larger one's in another (by
+// mma_products, on the tensor cores, where takes_mma_products: two ops, of some fifteen ATen ops
+// each).
 Four encode_split(bool x_big, const at::Tensor& big, const at::Tensor& small, double alpha,
                   int64_t block) {
   const auto [s0, s1, s2, s3, big_w, big_sizes, b2, b3] =
@@ -232,7 +242,10 @@ Four encode_split(bool x_big, const at::Tensor& big, const at::Tensor& small, do
   const auto [u, z] = vectors_of(big, small, {s0, s1, s2, s3});
   const Projection p = projection(small, big_w.flatten(-3, -2), big_sizes.select(-2, 0));
   const auto [products, magnitudes, small_products, small_magnitudes] =
-      row_products_pair_op(big, u, z, alpha, p.x, p.sums, p.sizes, alpha);
+      abft_binding::takes_mma_products(big, small)
+          ? std::tuple_cat(mma_products(big, u, z, alpha),
+                           mma_products(p.x, p.sums, p.sizes, alpha))
+          : row_products_pair_op(big, u, z, alpha, p.x, p.sums, p.sizes, alpha);
   return both_sides(x_big, projected(p, {small_products, small_magnitudes}),
                     {products.mT(), magnitudes.mT()});
 }

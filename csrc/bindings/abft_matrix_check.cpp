@@ -5,7 +5,9 @@
 // from_pass, add_bias, verify_correct's block sums, screen and correction), on the same values,
 // so the sums and the corrections are its own, bit for bit; what the composite costs beyond them
 // is host time: for a projection's check 37 tensors and 119 calls into ATen, where this makes
-// seven tensors and nothing else (tools/bench_host.py, sync_free_calls).
+// seven tensors and nothing else (tools/bench_host.py, sync_free_calls). Where the operands are
+// large enough for the tensor cores to take the products (takes_mma_products), those are ATen's
+// ops on views of the scratch, as the composite's mma_products makes them.
 #include <algorithm>
 #include <initializer_list>
 #include <optional>
@@ -200,6 +202,18 @@ bool takes_matrices(const at::Tensor& c, const at::Tensor& a, const at::Tensor& 
   return !abft::column_major(single_matrix(x_big ? a : b, 0, !x_big));
 }
 
+// The products `r` of x (a row_products' arguments on the workspace) by mma_products.
+void products_by_mma(const at::Tensor& x, const abft::RowProducts& r) {
+  const auto acc = x.options().dtype(at::kFloat);
+  auto view = [&](const abft::MatrixBatch& v) {
+    return at::from_blob(const_cast<void*>(v.data), {v.rows, v.cols}, {v.row_stride, v.col_stride},
+                         acc);
+  };
+  at::Tensor products = at::from_blob(r.products, {x.size(0), r.u.rows}, acc);
+  at::Tensor magnitudes = at::from_blob(r.magnitudes, {x.size(0), r.z.rows}, acc);
+  mma_products(x, view(r.u), view(r.z), r.scale, products, magnitudes);
+}
+
 abft::MatrixBatch single_matrix(const at::Tensor& t, int64_t offset, bool transposed) {
   const void* data = static_cast<const char*>(t.const_data_ptr()) + offset * t.element_size();
   const int r = transposed ? -1 : -2, k = transposed ? -2 : -1;
@@ -241,8 +255,9 @@ std::optional<std::pair<Found, at::Tensor>> check_matrix_cuda(
   };
   int64_t* log_at = reinterpret_cast<int64_t*>(take(log * 8));
   uint64_t* log_bits = reinterpret_cast<uint64_t*>(take(log * 8));
+  const bool x_big = a.numel() >= b.numel();
   const MatrixCheck p = plan_matrix_check(
-      c_matrix, single_matrix(a, 0), single_matrix(b, 0, true), a.numel() >= b.numel(), alpha,
+      c_matrix, single_matrix(a, 0), single_matrix(b, 0, true), x_big, alpha,
       bias.has_value() ? &*bias : nullptr, block, col_bounds, row_bounds, take(plan_bytes), f64);
 
   const auto acc = f64 ? at::kDouble : at::kFloat;
@@ -290,7 +305,12 @@ std::optional<std::pair<Found, at::Tensor>> check_matrix_cuda(
   const auto [small, small_sums] = plan_block_sums(p.small, p.small_sums);
   const auto [big, big_sums] = plan_block_sums(p.big, p.big_sums);
   launch.check(kernels.block_sums_pair(small, small_sums, big, big_sums, stream), op);
-  launch.check(kernels.row_products(p.big, p.on_big, stream, &p.small, &p.on_small), op);
+  if (takes_mma_products(x_big ? a : b, x_big ? b : a)) {  // b's view as rows made only here
+    products_by_mma(x_big ? a : b.mT(), p.on_big);
+    products_by_mma(x_big ? b.mT() : a, p.on_small);
+  } else {
+    launch.check(kernels.row_products(p.big, p.on_big, stream, &p.small, &p.on_small), op);
+  }
   if (p.biased) launch.check(kernels.bias_terms(p.bias, stream), op);
   const auto [c_read, c_sums] = plan_block_sums(p.c, p.c_sums);
   launch.check(kernels.block_sums(c_read, c_sums, stream, &fix.screen), op);
