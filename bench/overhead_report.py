@@ -42,6 +42,7 @@ from megatron_abft.tuning.flash_work import (
 )
 from megatron_abft.tuning.scaling import (
     FUSED_SECTIONS,
+    MMA_PRODUCTS_MIN_ELEMENTS,
     checks_of,
     forward_backward_time,
     predict,
@@ -64,6 +65,8 @@ TERMS = {
     "flops": "tensor cores",
     "exps": "exp2",
     "dots": "dot products",
+    "stream": "library ops' memory",
+    "launches": "library ops' launches",
 }
 """DeviceProfile.check_terms' kinds of work, as the report names them."""
 ATTNCHECKER = 0.07
@@ -215,7 +218,7 @@ def validation_rows(paths: list[Path]) -> list[dict]:
         linear = "kernels" if impl == "flash" else impl
         checks = checks_of(linear)
         work = protection_forward(
-            shape, linear, device.ops_per_check(checks), device.ops_per_bias(checks)
+            shape, linear, device.ops_per_check(checks), device.ops_per_bias(checks), device.gpu
         )
         for section, seconds in result.get("check_seconds", {}).items():
             p = device.check_time(work[section], shape.dtype)
@@ -672,7 +675,9 @@ def render(device: DeviceProfile, rows: list[dict], args) -> str:
             "training step (FLOPs of every GEMM, forward and backward; bytes of the softmax,",
             "norms, residuals and the MLP activation; Adam's traffic; the number of tensor ops)",
             "and the extra forward work of each checked section: encoding both operands, the",
-            "checksum products (fp32 multiply-adds on the CUDA cores, a CPU's vector units), and",
+            "checksum products (fp32 multiply-adds on the CUDA cores, a CPU's vector units; on a",
+            "GPU, bf16 GEMMs on the tensor cores for a 2-D GEMM whose larger operand has",
+            f"{MMA_PRODUCTS_MIN_ELEMENTS:,} elements or more: a projection's), and",
             "verifying C. Work becomes time with a device profile: `flops / matmul rate +",
             "multiply-adds / vector rate + bytes / bandwidth + ops x op latency`, and for the",
             "checks on a CPU their kernels' dot products (a row of an operand against one checksum",

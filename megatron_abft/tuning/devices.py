@@ -127,6 +127,12 @@ class DeviceProfile:
                     f"forward and backward, and any of {', '.join(SOFTMAX_PARTS[2:])}"
                 )
 
+    @property
+    def gpu(self) -> bool:
+        """A GPU's profile, where the checks run the CUDA kernels and cuBLAS: one that prices
+        exp2 on the special-function units, which a CPU's leaves unknown."""
+        return self.exp is not None
+
     def ops_per_check(self, impl: str) -> float:
         return (self.check_ops or CHECK_OPS)[impl]
 
@@ -143,7 +149,9 @@ class DeviceProfile:
 
     def check_terms(self, work: Work, dtype: str) -> dict[str, float]:
         """check_time by kind of work: tensor-core FLOPs, bytes, ops, dot products, CUDA-core
-        ops and exponentials, in seconds."""
+        ops, exponentials, and the library ops' bytes and launches (at the device's own
+        bandwidth and launch latency: those ops are not the checksum kernels that check_bandwidth
+        and check_op were measured on), in seconds."""
         op = self.launch if self.check_op is None else self.check_op
         bandwidth = self.check_bandwidth or self.bandwidth
         return self._terms(work, dtype, bandwidth, op) | {"dots": work.dots * self.check_dot}
@@ -155,6 +163,8 @@ class DeviceProfile:
             "ops": work.ops * op,
             "vector": self._at(work.vector, self.vector, "vector"),
             "exps": self._at(work.exps, self.exp, "exp"),
+            "stream": work.stream / self.bandwidth,
+            "launches": work.launches * self.launch,
         }
 
     def _at(self, amount: float, rate: float | None, name: str) -> float:

@@ -75,6 +75,15 @@ the smaller); the same checks with the fused softmax as the softmax (a CPU's); a
 (the softmax pass verifies S and sums P, so those two reads go)."""
 IMPLEMENTATIONS = (*UNFUSED, "flash")
 """UNFUSED, and the flash attention's checks inside its kernels (qkv and proj as ``kernels``)."""
+MMA_PRODUCTS_MIN_ELEMENTS = 1 << 22
+"""On a GPU, a 2-D bf16 GEMM whose larger operand has this many elements takes its checks'
+products on the tensor cores (csrc/bindings/abft_mma_products.cpp; kMmaProductsMinElements):
+each checksum vector split into three bf16 parts, each operand and its absolute values times
+all of them by cuBLAS."""
+MMA_PRODUCTS_OPS = 12
+"""The ops of mma_products for one operand, counted from the code: the vectors joined, split
+into three parts (five ops) and joined again, the operand's absolute values, two GEMMs and the
+sums of their parts. Both operands' replace the one launch of the products kernel."""
 FUSED_CONTEXT_OPS = 1
 """What the context's check in the fused path launches beyond CHECK_KERNELS["fused"] (the
 scores'), counted from the code: its references come from P's pass by pair_vectors and
@@ -223,13 +232,25 @@ def checks_of(impl: str) -> str:
     return "kernels" if impl in ("apart", "flash") else impl
 
 
-def _side(g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str) -> Work:
+def _side(
+    g: _Checked, m, k, n, share_a, share_b, e: int, block: int, impl: str, mma: bool = False
+) -> Work:
     """Work of one side's checks: A's block sums, the checksum products with B, and (torch path)
-    C's sums on this side; the kernels read C once for both sides (protection_forward)."""
+    C's sums on this side; the kernels read C once for both sides (protection_forward). ``mma``:
+    the products on the tensor cores (MMA_PRODUCTS_MIN_ELEMENTS)."""
     blocks = -(-m // block)
     a_elems = g.batch * m * k / share_a
     b_elems = g.batch * k * n / share_b
     c_elems = g.batch * m * n
+    if mma:  # half of both operands' block sums (a checksum kernel); then, by ATen and
+        # cuBLAS, B and |B| (written once) times three parts of the 3 blocks' vectors (9 blocks
+        # columns), their fp32 products written and summed
+        return Work(
+            flops=g.batch * 2 * 2 * n * k * 9 * blocks,
+            bytes=(a_elems + b_elems) * e / 2,
+            stream=4 * b_elems * e + 2 * 2 * 4 * g.batch * n * 9 * blocks,
+            launches=MMA_PRODUCTS_OPS,
+        )
     # [e w] rows and the |.| row: fp32 multiply-adds, on the CUDA cores (torch's fp32 matmul too)
     products = Work(vector=g.batch * 3 * blocks * k * n)
     if impl != "torch":  # per side, half of: the larger operand once, the smaller twice
@@ -254,11 +275,14 @@ def protection_forward(
     impl: str = "torch",
     ops: float | None = None,
     bias_ops: float | None = None,
+    gpu: bool = False,
 ) -> dict[str, Work]:
     """Extra forward work of each checked section, one layer, one rank, on a clean step, with
     ``ops`` ops a check (default CHECK_OPS[impl]), ``bias_ops`` more for a bias (default
     BIAS_OPS[impl]) and FUSED_CONTEXT_OPS more for the fused path's context. The unfused
-    attention's (UNFUSED): the flash path's checks are flash_protection's and flash_shared's."""
+    attention's (UNFUSED): the flash path's checks are flash_protection's and flash_shared's.
+    ``gpu``: as a GPU runs the kernels' checks, whose large 2-D bf16 GEMMs take their products
+    on the tensor cores (MMA_PRODUCTS_MIN_ELEMENTS)."""
     if impl not in UNFUSED:
         raise ValueError(
             f"impl {impl!r}; choose from {', '.join(UNFUSED)} (the flash path: flash_protection)"
@@ -267,12 +291,21 @@ def protection_forward(
     e, block = BYTES[shape.dtype], shape.block
     out = {}
     for section, g in _checked_gemms(shape).items():
-        col = _side(g, g.m, g.k, g.n, g.share_a, g.share_b, e, block, impl)
-        row = _side(g, g.n, g.k, g.m, g.share_b, g.share_a, e, block, impl)
+        mma = (
+            gpu
+            and impl != "torch"
+            and shape.dtype == "bf16"
+            and g.batch == 1
+            and max(g.m, g.n) * g.k >= MMA_PRODUCTS_MIN_ELEMENTS
+        )
+        col = _side(g, g.m, g.k, g.n, g.share_a, g.share_b, e, block, impl, mma)
+        row = _side(g, g.n, g.k, g.m, g.share_b, g.share_a, e, block, impl, mma)
         in_softmax = impl == "fused" and g.softmax_output  # S verified as the softmax reads it
         # the torch path's verify passes are counted per side (_side)
         verify = Work(bytes=0 if impl == "torch" or in_softmax else g.batch * g.m * g.n * e)
         launched = CHECK_OPS[impl] if ops is None else ops
+        if mma:  # the sides' ops in place of the products kernel's launch
+            launched -= 1
         if section == "qkv" and shape.bias:  # the only checked GEMM with a bias
             launched += BIAS_OPS[impl] if bias_ops is None else bias_ops
         if impl == "fused" and g.softmax_operand:  # the context's references from P's pass
@@ -326,7 +359,7 @@ def predict(
     extra = {
         s: device.check_time(w, shape.dtype) * shape.layers
         for s, w in protection_forward(
-            shape, impl, device.ops_per_check(checks), device.ops_per_bias(checks)
+            shape, impl, device.ops_per_check(checks), device.ops_per_bias(checks), device.gpu
         ).items()
     }
     # the fused softmax replaces Megatron's softmax on the steps that check the scores or the
@@ -365,7 +398,11 @@ def _predict_flash(
     """predict for the flash path: qkv and proj as ``kernels``, the flash sections' own work
     (flash_protection) on the steps that check each, flash_shared on the steps that check any."""
     kernels = protection_forward(
-        shape, "kernels", device.ops_per_check("kernels"), device.ops_per_bias("kernels")
+        shape,
+        "kernels",
+        device.ops_per_check("kernels"),
+        device.ops_per_bias("kernels"),
+        device.gpu,
     )
     own = {s: kernels[s] for s in FORWARD_SECTIONS if s not in FLASH_SECTIONS}
     own |= flash_protection(shape)
@@ -418,7 +455,11 @@ def projection_costs(shape: ModelShape, device: DeviceProfile) -> dict[str, Proj
     """The qkv and output projections' GEMMs against their checks, for ``shape`` on ``device``:
     where a projection's check can go and where it is now."""
     checks = protection_forward(
-        shape, "kernels", device.ops_per_check("kernels"), device.ops_per_bias("kernels")
+        shape,
+        "kernels",
+        device.ops_per_check("kernels"),
+        device.ops_per_bias("kernels"),
+        device.gpu,
     )
     gemms = _checked_gemms(shape)
     e = BYTES[shape.dtype]

@@ -3,7 +3,7 @@ train (CATALOGUE), and amounts of work (Work)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -64,8 +64,10 @@ class Work:
     memory-bound ops, tensor ops launched, the dot products of the checks' products kernels (a
     row of an operand against one checksum vector; their multiply-adds are in ``vector``), fp32
     ops on the CUDA cores (a CPU's vector units; ``vector``, an FMA one: the checksum products'
-    multiply-adds and the flash kernels' elementwise work) and exponentials on the
-    special-function units (``exps``)."""
+    multiply-adds and the flash kernels' elementwise work), exponentials on the
+    special-function units (``exps``), and, of the checks' work that runs as library ops rather
+    than the checksum kernels (the products on the tensor cores), the bytes those ops move
+    (``stream``) and the ops themselves (``launches``)."""
 
     flops: float = 0.0
     bytes: float = 0.0
@@ -73,26 +75,14 @@ class Work:
     dots: float = 0.0
     vector: float = 0.0
     exps: float = 0.0
+    stream: float = 0.0
+    launches: float = 0.0
 
     def __add__(self, other: Work) -> Work:
-        return Work(
-            self.flops + other.flops,
-            self.bytes + other.bytes,
-            self.ops + other.ops,
-            self.dots + other.dots,
-            self.vector + other.vector,
-            self.exps + other.exps,
-        )
+        return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
 
     def __mul__(self, factor: float) -> Work:
-        return Work(
-            self.flops * factor,
-            self.bytes * factor,
-            self.ops * factor,
-            self.dots * factor,
-            self.vector * factor,
-            self.exps * factor,
-        )
+        return Work(*(getattr(self, f.name) * factor for f in fields(Work)))
 
 
 def _gpt3(name, layers, hidden, heads, tp):

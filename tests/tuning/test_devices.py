@@ -40,7 +40,7 @@ def test_gpu_profiles_price_cuda_core_ops_and_exponentials():
     assert h100.vector == pytest.approx(0.7 * 67e12 / 2) and h100.exp == pytest.approx(0.7 * 3.9e12)
     assert (DEVICES["H200"].vector, DEVICES["H200"].exp) == (h100.vector, h100.exp)
     assert a100.vector == pytest.approx(0.7 * 19.5e12 / 2) and a100.exp < h100.exp
-    work = Work(flops=1e12, bytes=1e9, ops=3, vector=2e12, exps=1e11)
+    work = Work(flops=1e12, bytes=1e9, ops=3, vector=2e12, exps=1e11, stream=4e9, launches=5)
     terms = h100.check_terms(work, "bf16")
     assert terms == pytest.approx(
         {
@@ -50,10 +50,20 @@ def test_gpu_profiles_price_cuda_core_ops_and_exponentials():
             "vector": 2e12 / h100.vector,
             "exps": 1e11 / h100.exp,
             "dots": 0.0,
+            "stream": 4e9 / h100.bandwidth,
+            "launches": 5 * h100.launch,
         }
     )
     assert h100.check_time(work, "bf16") == pytest.approx(sum(terms.values()))
     assert h100.time(work, "bf16") == pytest.approx(sum(terms.values()))
+    # the checksum kernels' bytes and ops at the checks' own rates, the library ops' at the
+    # device's
+    slow = replace(h100, check_bandwidth=h100.bandwidth / 8, check_op=10 * h100.launch)
+    checked = slow.check_terms(work, "bf16")
+    assert checked["bytes"] == pytest.approx(8 * terms["bytes"])
+    assert checked["ops"] == pytest.approx(10 * terms["ops"])
+    assert (checked["stream"], checked["launches"]) == (terms["stream"], terms["launches"])
+    assert h100.gpu and not DeviceProfile("a CPU", {"bf16": 1e12}, 1e10, 1e-3).gpu
     with pytest.raises(ValueError, match="no exp rate"):
         DeviceProfile("d", {"bf16": 1e12}, 1e10, 1e-3).time(Work(exps=1), "bf16")
 

@@ -26,6 +26,8 @@ from megatron_abft.tuning.devices import (
     DeviceProfile,
 )
 from megatron_abft.tuning.scaling import (
+    MMA_PRODUCTS_MIN_ELEMENTS,
+    MMA_PRODUCTS_OPS,
     PROJECTIONS,
     _share_of_steps,
     forward_backward_time,
@@ -783,3 +785,31 @@ def test_the_report_sets_both_attentions_side_by_side_as_predictions():
     assert "| 1.00 GiB |" in row
     text = " ".join(flash_method() + flash_example(device))
     assert "from datasheets" in text and "H200 runs of GPT-3 350M" in text
+
+
+def test_a_gpu_prices_a_large_bf16_projections_products_on_the_tensor_cores():
+    """On a GPU a 2-D bf16 GEMM whose larger operand has MMA_PRODUCTS_MIN_ELEMENTS takes its
+    products as cuBLAS GEMMs (csrc/bindings/abft_mma_products.cpp): its sides' work is tensor-core
+    FLOPs, the library ops' bytes and launches (MMA_PRODUCTS_OPS a side) in place of the products
+    kernel's multiply-adds and its launch; the attention's batched GEMMs, fp16, a GEMM below the
+    threshold and a CPU keep the products kernel."""
+    gpt = replace(SHAPES["GPT-3 350M"], seq=2048, micro_batch=8)  # qkv's X: 16384 x 1024
+    ops = (CHECK_KERNELS["kernels"], BIAS_KERNELS["kernels"])
+    cores = protection_forward(gpt, "kernels", *ops)
+    tensor = protection_forward(gpt, "kernels", *ops, gpu=True)
+    for section in ("qkv", "proj"):
+        assert cores[section].vector > 0 and cores[section].flops == 0
+        assert tensor[section].vector == 0 and tensor[section].flops > 0
+        assert tensor[section].launches == 2 * MMA_PRODUCTS_OPS
+        assert tensor[section].ops == cores[section].ops - 1
+        # each operand and its |.| times 3 parts of the 3 vectors of each of the other's blocks
+        m, k, n = 16384, 1024, (3 * 1024 if section == "qkv" else 1024)
+        vectors = (9 * -(-m // gpt.block), 9 * -(-n // gpt.block))  # against W's rows, X's
+        assert tensor[section].flops == 2 * 2 * k * (vectors[0] * n + vectors[1] * m)
+    for section in ("scores", "context"):
+        assert tensor[section] == cores[section]
+    for shape in (replace(gpt, dtype="fp16"), replace(gpt, micro_batch=1)):
+        assert protection_forward(shape, "kernels", *ops, gpu=True) == protection_forward(
+            shape, "kernels", *ops
+        )
+    assert MMA_PRODUCTS_MIN_ELEMENTS > 2048 * 1024  # micro-batch 1's X stays on the CUDA cores
