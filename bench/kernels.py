@@ -11,7 +11,8 @@ softmax over S (the unprotected work around them), without and with the GEMM's o
 (verify_correct: clean, and correcting one 0D fault); runs of the two paths alternate, and each
 line reports the median. Then a layer's QKV and output projections (hidden = heads x head-dim,
 ``--projection-tokens`` tokens), each GEMM against its clean check as a protected linear layer
-runs it; on a GPU each against the GEMM that checks itself, and so the attention's two GEMMs.
+runs it, and (bf16) its checksum products on the CUDA cores and on the tensor cores; on a GPU
+each against the GEMM that checks itself, and so the attention's two GEMMs.
 Then each kernel alone (the ops a clean check runs, screen or verify_correct and encode_pair,
 and the kernels they are made of), with its achieved bandwidth against a copy of the same
 tensor on the same device (the bandwidth the device sustains). Last, the fused softmax against
@@ -114,6 +115,8 @@ def projections(
             "floor_ms": copy_ms / 2,
             "floor_fraction": copy_ms / 2 / gemm_ms,
         }
+        if compiled.available() and dtype == torch.bfloat16:
+            found[section]["products"] = products_both_ways(x, w, block, device, number)
         if device.type == "cuda":  # the GEMM that checks itself, and its checks compiled out
             sums = checked_gemm.weight_sums(w, checked_gemm.tiles_for(device).block_n)
             fused = partial(checked_gemm.checked_linear, x, w, bias, sums=sums)
@@ -128,6 +131,30 @@ def projections(
                 checked_gemm_kernels=device_kernels(fused, device),
             )
     return found
+
+
+def products_both_ways(
+    x: torch.Tensor, w: torch.Tensor, block: int, device: torch.device, number: int
+) -> dict[str, float]:
+    """A projection's checksum products, ms: by the products kernel (row_products_pair, the
+    CUDA cores) and by mma_products on both operands (the tensor cores), each operand against
+    the other's block sums as encode_pair makes them. The check takes the tensor cores from
+    2^22 elements of the larger operand (csrc/bindings/abft_binding.h, kMmaProductsMinElements);
+    these two figures are what that threshold rests on."""
+    ops = torch.ops.megatron_abft
+    w_sums, w_sizes, _, _, x_sums, x_sizes, _, _ = ops.block_sums_pair(w, block, 0, x, block, 0)
+    u, z = w_sums.flatten(-3, -2), w_sizes.select(-2, 0)  # against x's rows
+    v, y = x_sums.flatten(-3, -2), x_sizes.select(-2, 0)  # against w's
+
+    def tensor_cores() -> None:
+        ops.mma_products(x, u, z)
+        ops.mma_products(w, v, y)
+
+    cuda_cores = partial(ops.row_products_pair, x, u, z, 1.0, w, v, y, 1.0)
+    return {
+        "cuda_cores_ms": best_per_call(cuda_cores, device, number) * 1e3,
+        "tensor_cores_ms": best_per_call(tensor_cores, device, number) * 1e3,
+    }
 
 
 def attention_gemms(
@@ -252,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{section:<5} GEMM {p['gemm_ms']:>8.3f}  its clean check {p['check_ms']:>8.3f}  "
             f"{p['fraction']:>7.1%}  floor {p['floor_ms']:>8.3f} {p['floor_fraction']:>7.1%}"
         )
+        if "products" in p:
+            print(
+                f"{'':<5} its products: CUDA cores {p['products']['cuda_cores_ms']:>8.3f}, "
+                f"tensor cores {p['products']['tensor_cores_ms']:>8.3f}"
+            )
         if "checked_gemm_ms" in p:
             print(
                 f"{'':<5} checked GEMM {p['checked_gemm_ms']:>8.3f} "

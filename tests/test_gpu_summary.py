@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_the_summary_takes_the_figures_the_issues_name(tmp_path):
     raw = tmp_path / "raw"
@@ -108,6 +110,22 @@ def test_bench_kernels_writes_the_projections_and_kernels_the_summary_reads(tmp_
     assert read["projections"]["qkv"] == projected["qkv"]["fraction"]
     assert read["projections"]["floor"]["proj"] == projected["proj"]["floor_fraction"]
     assert read["attention_gemms"] is None  # timed on GPUs only
+
+
+def test_bench_kernels_times_a_projections_products_both_ways():
+    """The products a bf16 projection's check needs, timed for real on the CPU by the products
+    kernel and by mma_products, from the same block sums."""
+    import torch
+
+    from bench.kernels import products_both_ways
+    from megatron_abft.ops import compiled
+
+    if not compiled.available():
+        pytest.skip(compiled.backend())
+    x, w = torch.randn(64, 32).bfloat16(), torch.randn(96, 32).bfloat16()
+    found = products_both_ways(x, w, 16, torch.device("cpu"), 2)
+    assert set(found) == {"cuda_cores_ms", "tensor_cores_ms"}
+    assert all(t > 0 for t in found.values())
 
 
 def test_the_attention_gemms_are_timed_against_megatrons():
