@@ -200,8 +200,9 @@ at::Tensor tally_cpu(const at::Tensor& status, const at::Tensor& kind, const at:
 Sums encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t block);
 
 // The fewest elements of a GEMM's larger operand from which its encoding takes the products on the
-// tensor cores (mma_products) rather than by row_products: below it the products are a few
-// microseconds of the CUDA cores' time, less than the launches of mma_products' ops.
+// tensor cores (mma_products) rather than by row_products: below it (a GPT-3 350M projection at
+// micro-batch 1, where the host bounds the step) the products kernel's one launch costs less than
+// mma_products' two dozen ops. A prediction; tools/bench_kernels.py times both.
 constexpr int64_t kMmaProductsMinElements = int64_t(1) << 22;
 
 // Whether encode_pair and check_matrix_cuda take both operands' products by mma_products: 2-D

@@ -6,10 +6,10 @@
 // the thresholds already bound (megatron_abft/check/tolerance.py). The CUDA cores' row_products
 // pays an fp32 multiply-add an element of x a vector; a projection's check at 16384 tokens has 36
 // vectors on x and 192 on the weight, so its products took most of the check's 0.51 ms on an
-// H200 (docs/benchmarks.md). Here each operand is read three times (its absolute values written
-// once, then two skinny GEMMs): memory-bound work, but some fifteen small ops more, so
-// encode_pair and check_matrix_cuda take it only for operands large enough
-// (takes_mma_products).
+// H200 (docs/benchmarks.md). Here each operand is read twice and its absolute values written and
+// read once (two skinny GEMMs): memory-bound work, but a dozen small ops an operand where the
+// kernel is one launch for both, so encode_pair and check_matrix_cuda take it only for operands
+// large enough (takes_mma_products).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
