@@ -202,7 +202,7 @@ Sums encode_pair(const at::Tensor& a, const at::Tensor& b, double alpha, int64_t
 // The fewest elements of a GEMM's larger operand from which its encoding takes the products on the
 // tensor cores (mma_products) rather than by row_products: below it (a GPT-3 350M projection at
 // micro-batch 1, where the host bounds the step) the products kernel's one launch costs less than
-// mma_products' two dozen ops. A prediction; tools/bench_kernels.py times both.
+// mma_products' ten (five an operand). A prediction; tools/bench_kernels.py times both.
 constexpr int64_t kMmaProductsMinElements = int64_t(1) << 22;
 
 // Whether encode_pair and check_matrix_cuda take both operands' products by mma_products: 2-D
@@ -211,7 +211,8 @@ bool takes_mma_products(const at::Tensor& big, const at::Tensor& small);
 
 // row_products' products of a 2-D bf16 x [p, k] with fp32 vectors u [r, k], z [r', k] (rows of
 // any stride) by GEMMs on the tensor cores (abft_mma_products.cpp), into products [p, r] and
-// magnitudes [p, r'] (fp32, contiguous): scale x @ u^T and |scale| |x| @ z^T.
+// magnitudes [p, r'] (fp32, contiguous): scale x @ u^T and |scale| |x| @ z^T. On a GPU (and in
+// the emulator) five launches; CPU tensors take ATen ops.
 void mma_products(const at::Tensor& x, const at::Tensor& u, const at::Tensor& z, double scale,
                   at::Tensor& products, at::Tensor& magnitudes);
 

@@ -233,7 +233,7 @@ Four from_pass(bool x_big, const at::Tensor& small, double alpha, const Four& bi
 
 // encode_pair_split's steps: both operands' block sums in one op, then the larger one's products
 // with the smaller one's sums and the smaller one's with the larger one's in another (by
-// mma_products, on the tensor cores, where takes_mma_products: two ops, of a dozen ATen ops
+// mma_products, on the tensor cores, where takes_mma_products: two ops, of five launches
 // each).
 Four encode_split(bool x_big, const at::Tensor& big, const at::Tensor& small, double alpha,
                   int64_t block) {

@@ -6,8 +6,8 @@
 // so the sums and the corrections are its own, bit for bit; what the composite costs beyond them
 // is host time: for a projection's check 37 tensors and 119 calls into ATen, where this makes
 // seven tensors and nothing else (tools/bench_host.py, sync_free_calls). Where the operands are
-// large enough for the tensor cores to take the products (takes_mma_products), those are ATen's
-// ops on views of the scratch, as the composite's mma_products makes them.
+// large enough for the tensor cores to take the products (takes_mma_products), mma_products
+// writes them into views of the scratch, as the composite's op makes them.
 #include <algorithm>
 #include <initializer_list>
 #include <optional>

@@ -459,6 +459,29 @@ void softmax_check_cpu(const SoftmaxCheck& k, int64_t begin, int64_t end);
 // CPU, matrices [begin, end) of the batch.
 void correct_cpu(const Correct& k, bool f64, int64_t begin, int64_t end);
 
+// mma_products' split of fp32 vectors into bf16 parts for the tensor cores: u [nu, k] and
+// z [nz, k] (2-D, any strides; fp32) into parts [3 nu + 3 nz, k] (bf16, contiguous): u's hi
+// rows, then its mid rows, then its lo rows, then z's three blocks alike, where hi = bf16(v),
+// mid = bf16(v - hi) and lo = bf16(v - hi - mid) (each subtraction exact in fp32).
+struct MmaParts {
+  MatrixBatch u;
+  MatrixBatch z;
+  void* parts;
+};
+
+// The products of mma_products from its two GEMMs' outputs (fp32, contiguous): found_u
+// [p, 3 nu] (x times u's parts) and found_z [p, 3 nz] (|x| times z's parts) into products
+// [p, nu] and magnitudes [p, nz] (fp32, contiguous): the three parts of a vector summed, hi's
+// + mid's, then + lo's, then times scale (|scale| for the magnitudes), in fp32.
+struct MmaSums {
+  const float* found_u;
+  const float* found_z;
+  float* products;
+  float* magnitudes;
+  int64_t p, nu, nz;
+  double scale;
+};
+
 // The vectors of each kind (u, z) whose products with a row of A the CUDA products kernel holds
 // in registers: more take more passes over the row.
 constexpr int kProductsPerPass = 16;
@@ -497,6 +520,9 @@ struct Launchers {
   int (*correct)(const Correct& k, bool f64, void* stream);
   // correct, then tally its results (t reads k's outputs; batch >= 1), in one launch.
   int (*correct_tally)(const Correct& k, const Tally& t, bool f64, void* stream);
+  // mma_products' split of its vectors and its sums of the parts' products: a launch each.
+  int (*mma_parts)(const MmaParts& k, void* stream);
+  int (*mma_sums)(const MmaSums& k, void* stream);
 };
 extern const Launchers cuda_launchers;
 extern const Launchers emulated_launchers;

@@ -1773,6 +1773,37 @@ __global__ void __launch_bounds__(kThreads)
   tally_block(t);
 }
 
+// mma_products' vectors split into bf16 parts (MmaParts): a thread an entry of a vector, which
+// writes its three parts.
+__global__ void __launch_bounds__(kThreads) mma_parts_kernel(MmaParts k, int64_t items) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x, cols = k.u.cols, nu = k.u.rows;
+  for (int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; item < items; item += step) {
+    const int64_t r = item / cols, j = item % cols;
+    const bool of_u = r < nu;
+    const MatrixBatch& v = of_u ? k.u : k.z;
+    const int64_t i = of_u ? r : r - nu;
+    const float x = static_cast<const float*>(v.data)[i * v.row_stride + j * v.col_stride];
+    __nv_bfloat16* part = static_cast<__nv_bfloat16*>(k.parts) + (of_u ? 0 : 3 * nu * cols) +
+                          i * cols + j;
+    const int64_t next = v.rows * cols;  // from a vector's hi to its mid, and to its lo
+    const float rest = x - store(part, x);
+    store(part + 2 * next, rest - store(part + next, rest));
+  }
+}
+
+// mma_products' sums of its parts' products (MmaSums): a thread an output.
+__global__ void __launch_bounds__(kThreads) mma_sums_kernel(MmaSums k, int64_t items) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x, products = k.p * k.nu;
+  const float scale = float(k.scale), size = float(fabs(k.scale));
+  for (int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; item < items; item += step) {
+    const bool of_u = item < products;
+    const int64_t n = of_u ? k.nu : k.nz, at = of_u ? item : item - products;
+    const float* found = (of_u ? k.found_u : k.found_z) + at / n * 3 * n + at % n;
+    const float sum = (found[0] + found[n]) + found[2 * n];
+    (of_u ? k.products : k.magnitudes)[at] = sum * (of_u ? scale : size);
+  }
+}
+
 // The element type of a DType and the type its sums accumulate in, as the launchers take them.
 template <typename T, typename Acc>
 struct Typed {
@@ -1916,6 +1947,22 @@ int softmax_check_cuda(const SoftmaxCheck& k, void* stream) {
   return error == cudaSuccess ? row_products_cuda(p, *k.products, stream) : error;
 }
 
+int mma_parts_cuda(const MmaParts& k, void* stream) {
+  const int64_t items = (k.u.rows + k.z.rows) * k.u.cols;
+  if (items == 0) return cudaSuccess;
+  const unsigned grid = unsigned(min64(ceil_div(items, kThreads), 1024));
+  ABFT_LAUNCH(grid, kThreads, 0, static_cast<cudaStream_t>(stream), mma_parts_kernel)(k, items);
+  return cudaGetLastError();
+}
+
+int mma_sums_cuda(const MmaSums& k, void* stream) {
+  const int64_t items = k.p * (k.nu + k.nz);
+  if (items == 0) return cudaSuccess;
+  const unsigned grid = unsigned(min64(ceil_div(items, kThreads), 4096));
+  ABFT_LAUNCH(grid, kThreads, 0, static_cast<cudaStream_t>(stream), mma_sums_kernel)(k, items);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 // In the order of Launchers' members (each of a type of its own: a wrong order does not compile).
@@ -1923,6 +1970,7 @@ extern const Launchers ABFT_LAUNCHERS = {
     block_sums_cuda, block_sums_pair_cuda, row_products_cuda,
     tally_cuda,      bias_terms_cuda,      softmax_check_cuda,
     correct_redo_tally_cuda, correct_cuda, correct_tally_cuda,
+    mma_parts_cuda,  mma_sums_cuda,
 };
 
 }  // namespace abft

@@ -553,6 +553,10 @@ def _register_fake() -> None:
             (*batch, m, z.shape[-2]), dtype=z.dtype
         )
 
+    @torch.library.register_fake("megatron_abft::mma_products")
+    def _(x: Tensor, u: Tensor, z: Tensor, scale: float = 1.0):
+        return row_products_like(x, u, z, scale)
+
     @torch.library.register_fake("megatron_abft::block_sums_pair")
     def _(a: Tensor, a_col: int, a_row: int, b: Tensor, b_col: int, b_row: int):
         return *block_sums_like(a, a_col, a_row), *block_sums_like(b, b_col, b_row)

@@ -80,10 +80,10 @@ MMA_PRODUCTS_MIN_ELEMENTS = 1 << 22
 products on the tensor cores (csrc/bindings/abft_mma_products.cpp; kMmaProductsMinElements):
 each checksum vector split into three bf16 parts, each operand and its absolute values times
 all of them by cuBLAS."""
-MMA_PRODUCTS_OPS = 12
-"""The ops of mma_products for one operand, counted from the code: the vectors joined, split
-into three parts (five ops) and joined again, the operand's absolute values, two GEMMs and the
-sums of their parts. Both operands' replace the one launch of the products kernel."""
+MMA_PRODUCTS_OPS = 5
+"""The launches of mma_products for one operand, counted from the code: the vectors' split into
+three parts (mma_parts), the operand's absolute values, two GEMMs and the sums of their parts
+(mma_sums). Both operands' replace the one launch of the products kernel."""
 FUSED_CONTEXT_OPS = 1
 """What the context's check in the fused path launches beyond CHECK_KERNELS["fused"] (the
 scores'), counted from the code: its references come from P's pass by pair_vectors and
@@ -242,13 +242,13 @@ def _side(
     a_elems = g.batch * m * k / share_a
     b_elems = g.batch * k * n / share_b
     c_elems = g.batch * m * n
-    if mma:  # half of both operands' block sums (a checksum kernel); then, by ATen and
-        # cuBLAS, B and |B| (written once) times three parts of the 3 blocks' vectors (9 blocks
-        # columns), their fp32 products written and summed
+    if mma:  # half of both operands' block sums (a checksum kernel); then, by cuBLAS, B
+        # times three parts of each block's two sums and |B| (written once) times those of its
+        # size (9 blocks columns), their fp32 products written and summed
         return Work(
-            flops=g.batch * 2 * 2 * n * k * 9 * blocks,
+            flops=g.batch * 2 * n * k * 9 * blocks,
             bytes=(a_elems + b_elems) * e / 2,
-            stream=4 * b_elems * e + 2 * 2 * 4 * g.batch * n * 9 * blocks,
+            stream=4 * b_elems * e + 2 * 4 * g.batch * n * 9 * blocks,
             launches=MMA_PRODUCTS_OPS,
         )
     # [e w] rows and the |.| row: fp32 multiply-adds, on the CUDA cores (torch's fp32 matmul too)

@@ -7,7 +7,7 @@ composite's bit for bit, and a fault is still corrected."""
 import pytest
 import torch
 from test_check_gemm import _arguments, _assert_same, _both
-from test_ext import assert_sums_match, corrupted, needs_emulator, needs_ext
+from test_ext import assert_sums_match, corrupted, needs_cuda, needs_emulator, needs_ext
 
 from megatron_abft.ops import compiled
 
@@ -24,13 +24,18 @@ def _vectors(k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_ext
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("scale", [1.0, -0.125])
-def test_mma_products_equal_the_fp64_products(scale):
-    """As row_products: fp64's products within the rounding of k fp32 terms, scale applied."""
+def test_mma_products_equal_the_fp64_products(scale, device):
+    """As row_products: fp64's products within the rounding of k fp32 terms, scale applied; on
+    a GPU, by its kernels and cuBLAS."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(70, 300, generator=g) * torch.logspace(-3, 3, 300)).bfloat16()
     u, z = _vectors(300, 1)
-    products, magnitudes = torch.ops.megatron_abft.mma_products(x, u, z, scale)
+    products, magnitudes = torch.ops.megatron_abft.mma_products(
+        x.to(device), u.to(device), z.to(device), scale
+    )
+    products, magnitudes = products.cpu(), magnitudes.cpu()
     xd = x.double()
     for got, want, bound in (
         (products, scale * xd @ u.double().T, abs(scale) * xd.abs() @ u.double().abs().T),
@@ -65,6 +70,31 @@ def test_mma_products_refuse_what_they_do_not_take():
         with pytest.raises(RuntimeError, match=message):
             torch.ops.megatron_abft.mma_products(*bad)
     torch.library.opcheck(torch.ops.megatron_abft.mma_products.default, (x, u, z, -0.5))
+
+
+@needs_emulator
+@pytest.mark.parametrize("scale", [1.0, -0.125])
+def test_the_cuda_kernels_split_and_sum_as_the_cpus_aten_ops(scale):
+    """On a GPU (emulated) the vectors' split and the sums of the parts' products are a launch
+    each (abft_cuda.cu's mma_parts and mma_sums; the two GEMMs and |x| between them): five in
+    all, with results equal to the CPU's ATen ops bit for bit, vectors of any strides."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(70, 300, generator=g) * torch.logspace(-3, 3, 300)).bfloat16()
+    u, z = _vectors(300, 8)
+    u = torch.cat([u, u]).t().contiguous().t()[:5]  # rows 1 apart, entries 10 apart
+    want = torch.ops.megatron_abft.mma_products(x, u, z, scale)
+    with compiled.emulated_cuda():
+        compiled.emulated_launches()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            got = torch.ops.megatron_abft.mma_products(x, u, z, scale)
+        launched = [name.split("<")[0] for name in compiled.emulated_launches()]
+    assert launched == ["mma_parts_kernel", "mma_sums_kernel"], launched
+    op = "megatron_abft::mma_products"
+    names = [e.name for e in profile.events() if e.cpu_parent and e.cpu_parent.name == op]
+    assert names.count("aten::mm") == 2 and names.count("aten::abs") == 1, names
+    for g_, w_ in zip(got, want, strict=True):
+        assert g_.shape == w_.shape and g_.is_contiguous()
+        assert torch.equal(g_, w_)
 
 
 def _projection(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -802,10 +802,11 @@ def test_a_gpu_prices_a_large_bf16_projections_products_on_the_tensor_cores():
         assert tensor[section].vector == 0 and tensor[section].flops > 0
         assert tensor[section].launches == 2 * MMA_PRODUCTS_OPS
         assert tensor[section].ops == cores[section].ops - 1
-        # each operand and its |.| times 3 parts of the 3 vectors of each of the other's blocks
+        # each operand times 3 parts of the two sums of each of the other's blocks, and its |.|
+        # times those of the block's size
         m, k, n = 16384, 1024, (3 * 1024 if section == "qkv" else 1024)
         vectors = (9 * -(-m // gpt.block), 9 * -(-n // gpt.block))  # against W's rows, X's
-        assert tensor[section].flops == 2 * 2 * k * (vectors[0] * n + vectors[1] * m)
+        assert tensor[section].flops == 2 * k * (vectors[0] * n + vectors[1] * m)
     for section in ("scores", "context"):
         assert tensor[section] == cores[section]
     for shape in (replace(gpt, dtype="fp16"), replace(gpt, micro_batch=1)):
