@@ -118,7 +118,7 @@ wrong = mismatches(torch.device('cuda')); print(wrong); assert not wrong"
 GPU_TESTS="tests/ops/test_ext.py tests/ops/test_ext_correct.py tests/ops/test_ext_tally.py tests/check/test_eec.py
     tests/check/test_checksum.py tests/ops/test_fused_softmax.py tests/ops/test_fused_softmax_correct.py
     tests/ops/test_check_gemm.py tests/ops/test_checker.py tests/ops/test_checked_gemm.py
-    tests/ops/test_checked_matmul.py"
+    tests/ops/test_checked_matmul.py tests/ops/test_mma_products.py"
 # shellcheck disable=SC2086  # the lists split into arguments
 {
     step kernel_tests 200 $PY -m pytest -q -rf -vv -n 8 -p no:cacheprovider $GPU_TESTS \

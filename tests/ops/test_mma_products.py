@@ -1,11 +1,12 @@
 """The checksum products on the tensor cores (csrc/bindings/abft_mma_products.cpp): a bf16
 operand's products with fp32 checksum vectors split into three bf16 parts, as accurate as the
 CUDA cores' row_products; taken by encode_pair and by the one-scratch check of a 2-D GEMM
-(check_matrix_cuda, emulated here) from 2^22 elements of the larger operand, where they equal the
-composite's bit for bit, and a fault is still corrected."""
+(check_matrix_cuda, on a GPU and emulated) from 2^22 elements of the larger operand, where they
+equal the composite's bit for bit, and a fault is still corrected."""
 
 import pytest
 import torch
+from cuda_targets import TARGETS
 from test_check_gemm import _arguments, _assert_same, _both
 from test_ext import assert_sums_match, corrupted, needs_cuda, needs_emulator, needs_ext
 
@@ -129,19 +130,21 @@ def test_encode_pair_takes_the_tensor_cores_from_its_threshold_on():
     assert mma not in _ops(lambda: split(x.half(), w.half(), 1.0, 256))
 
 
-@needs_emulator
+@pytest.mark.parametrize("gpu", TARGETS)
 @pytest.mark.parametrize("kind, bias", [("none", True), ("value", False), ("nan", True)])
-def test_a_large_projection_check_on_cuda_equals_its_composite(kind, bias):
-    """The one-scratch check of a bf16 projection at the threshold (emulated): its products by
-    the tensor cores on views of the scratch, results, ledger and output the composite's bit for
-    bit; a clean output passes, a faulty element is corrected."""
+def test_a_large_projection_check_on_cuda_equals_its_composite(gpu, kind, bias):
+    """The one-scratch check of a bf16 projection at the threshold, on a GPU as emulated: its
+    products by the tensor cores on views of the scratch, results, ledger and output the
+    composite's bit for bit; a clean output passes, a faulty element is corrected."""
     a, b = _projection(5)
     g = torch.Generator().manual_seed(6)
     bias_t = torch.randn(48, generator=g).bfloat16() if bias else None
     c = (-0.5 * (a.float() @ b.float()) + (0 if bias_t is None else bias_t.float())).bfloat16()
     faulty = corrupted(c.clone(), kind, "0d", "contiguous", 5)
+    a, b, faulty = (t.to(gpu.device) for t in (a, b, faulty))
+    bias_t = None if bias_t is None else bias_t.to(gpu.device)
     arguments = _arguments(faulty, a, b, bias_t, 256)
-    with compiled.emulated_cuda():
+    with gpu.kernels():
         ops = _ops(lambda: _both(faulty, arguments, True))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             torch.ops.megatron_abft.check_gemm(faulty.clone(), *arguments)
@@ -155,4 +158,6 @@ def test_a_large_projection_check_on_cuda_equals_its_composite(kind, bias):
         assert int(ledger.counts.sum()) == 0 and torch.equal(out, faulty)
     else:  # detected and corrected
         assert ledger.counts.sum(1).tolist() == [1, 1, 0]
-        torch.testing.assert_close(out.float(), c.float(), rtol=0, atol=0.02 * float(c.abs().max()))
+        torch.testing.assert_close(
+            out.float().cpu(), c.float(), rtol=0, atol=0.02 * float(c.abs().max())
+        )
