@@ -61,7 +61,9 @@ class AutoProtectedAttention:
     ):
         if not kernels_compile_here():
             chosen, why = ProtectedDotProductAttention, "no GPU here compiles the flash kernels"
-        elif refusal := flash_refusal(config, attn_mask_type, attention_dropout):
+        elif refusal := flash_refusal(
+            config, attn_mask_type, attention_dropout, kwargs.get("abft_config")
+        ):
             chosen, why = ProtectedDotProductAttention, refusal[0]
         else:
             chosen, why = ProtectedFlashAttention, "the flash kernels compile for this GPU"

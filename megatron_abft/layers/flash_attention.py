@@ -32,11 +32,23 @@ def kernels_compile_here() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
+DKDV_SECTIONS = ("bwd_scores", "grad_probs", "grad_v", "grad_k")
+"""The sections the backward's dK/dV kernel checks (megatron_abft.flash.launch.KERNEL_SECTIONS)."""
+
+
 def flash_refusal(
-    config: TransformerConfig, attn_mask_type: AttnMaskType, attention_dropout: float | None
+    config: TransformerConfig,
+    attn_mask_type: AttnMaskType,
+    attention_dropout: float | None,
+    abft_config: ABFTConfig | None = None,
 ) -> tuple[str, str] | None:
     """Why the flash kernels cannot run this attention, and what to do instead; None where they
-    can. Beside reject_unsupported's refusals, which hold for every protected attention."""
+    can. Beside reject_unsupported's refusals, which hold for every protected attention. On a
+    GPU, ``abft_config`` may not check ``grad_v`` on a step without the other dK/dV sections:
+    that kernel hit an illegal memory access on an H200 (docs/benchmarks.md, 2026-11-30)."""
+    if torch.cuda.is_available() and abft_config is not None:
+        if refusal := _grad_v_alone(abft_config):
+            return refusal
     dropout = config.attention_dropout if attention_dropout is None else attention_dropout
     if dropout:
         return (
@@ -66,6 +78,23 @@ def flash_refusal(
     return None
 
 
+def _grad_v_alone(abft: ABFTConfig) -> tuple[str, str] | None:
+    """The refusal of a config that checks ``grad_v`` on a step where another of dK/dV's
+    sections is not checked (a section is due on the steps its interval divides)."""
+    if not abft.enabled or "grad_v" not in abft.sections:
+        return None
+    every = abft.interval("grad_v")
+    missing = [s for s in DKDV_SECTIONS if s not in abft.sections or every % abft.interval(s) != 0]
+    if not missing:
+        return None
+    return (
+        f"checking grad_v on a step without {', '.join(missing)} crashed the flash kernels on a "
+        "GPU (a known issue, not fixed yet)",
+        f"check {', '.join(DKDV_SECTIONS)} together, each on an interval that divides grad_v's, "
+        "leave grad_v out, or use attention='unfused'",
+    )
+
+
 class ProtectedFlashAttention(DotProductAttention):
     """Drop-in for DotProductAttention on the protected flash kernels. ``abft_config`` comes
     through the layer spec's params. Refuses at construction what the kernels do not do
@@ -86,7 +115,8 @@ class ProtectedFlashAttention(DotProductAttention):
     ):
         where = "ProtectedFlashAttention"
         reject_unsupported(config, where, flash=True)
-        if refusal := flash_refusal(config, attn_mask_type, attention_dropout):
+        abft_config = abft_config if abft_config is not None else ABFTConfig()
+        if refusal := flash_refusal(config, attn_mask_type, attention_dropout, abft_config):
             raise ValueError(f"{where}: {refusal[0]}; {refusal[1]}")
         super().__init__(
             config,
@@ -98,7 +128,7 @@ class ProtectedFlashAttention(DotProductAttention):
             cp_comm_type,
             pg_collection,
         )
-        self.abft_config = abft_config if abft_config is not None else ABFTConfig()
+        self.abft_config = abft_config
         rank = self.tp_group.rank()
         self.abft_guards = tuple(KernelGuard(s, self.abft_config, rank) for s in FLASH_SECTIONS)
         runtime_of(self.abft_config).attach(self)

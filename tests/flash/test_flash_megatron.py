@@ -219,6 +219,45 @@ def test_the_spec_builds_the_attention_asked_for_and_refuses_what_flash_lacks():
     ]
 
 
+@pytest.mark.parametrize(
+    "sections, interval, missing",
+    [
+        (None, 1, None),  # every section, every step: what ran clean on an H200
+        (("scores", "context", "grad_q"), 1, None),
+        (("grad_v",), 1, "bwd_scores, grad_probs, grad_k"),
+        (None, {"grad_k": 2}, "grad_k"),  # grad_v alone of them on odd steps
+        (None, {"grad_v": 4, "grad_k": 2}, None),  # grad_k due whenever grad_v is
+    ],
+)
+def test_on_a_gpu_grad_v_is_checked_only_with_the_other_dkdv_sections(
+    sections, interval, missing, monkeypatch
+):
+    """On a GPU flash_refusal (which the flash attention raises at construction, and auto
+    takes as its reason for the unfused one) names a config that checks grad_v on a step
+    without the rest of dK/dV's sections, whose kernel hit an illegal memory access on an H200;
+    on the CPU, in the interpreter, such configs run."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_abft.layers.flash_attention import flash_refusal
+
+    given = {} if sections is None else {"sections": sections}
+    abft = ABFTConfig(check_interval=interval, **given)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=2, bf16=True,
+        params_dtype=torch.bfloat16, attention_dropout=0.0,
+    )  # fmt: skip
+    assert flash_refusal(config, AttnMaskType.causal, 0.0, abft) is None  # no GPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    refusal = flash_refusal(config, AttnMaskType.causal, 0.0, abft)
+    if missing is None:
+        assert refusal is None
+    else:
+        assert f"grad_v on a step without {missing} crashed" in refusal[0]
+        assert "leave grad_v out, or use attention='unfused'" in refusal[1]
+    assert flash_refusal(config, AttnMaskType.causal, 0.0, ABFTConfig(enabled=False)) is None
+
+
 def test_an_unknown_attention_is_refused():
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
