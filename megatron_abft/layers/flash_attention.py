@@ -17,7 +17,7 @@ from torch import Tensor
 
 from megatron_abft.config import FLASH_SECTIONS, ABFTConfig
 from megatron_abft.faults import landed
-from megatron_abft.flash import FlashFault, FlashLedger, flash_attention
+from megatron_abft.flash import FlashFault, FlashLedger, flash_attention, launch
 from megatron_abft.flash.attention import FORWARD
 from megatron_abft.layers.attention import reject_unsupported
 from megatron_abft.runtime.guard import KernelGuard
@@ -32,8 +32,8 @@ def kernels_compile_here() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
-DKDV_SECTIONS = ("bwd_scores", "grad_probs", "grad_v", "grad_k")
-"""The sections the backward's dK/dV kernel checks (megatron_abft.flash.launch.KERNEL_SECTIONS)."""
+DKDV_SECTIONS = tuple(FLASH_SECTIONS[s.value] for s in launch.KERNEL_SECTIONS["dkdv"])
+"""The sections the backward's dK/dV kernel checks, by name."""
 
 
 def flash_refusal(
