@@ -233,7 +233,7 @@ def test_the_benchmark_reuses_one_heap_for_blocks_of_any_size():
     script = """
 import resource, sys
 import torch
-from bench.overhead import pin_malloc
+from bench.malloc import pin_malloc
 print(pin_malloc() if sys.argv[1] == "pinned" else "default")
 for _ in range(8):
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
