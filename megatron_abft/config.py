@@ -205,8 +205,10 @@ class ABFTConfig:
             raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         return self._intervals[section]
 
+    def covers(self, section: str) -> bool:
+        """Whether ``section`` is checked at all, on the steps its interval names."""
+        return self.enabled and section in self.sections
+
     def checks(self, section: str, step: int) -> bool:
         """Whether ``section`` is checked on training step ``step`` (counted from 0)."""
-        if not self.enabled or section not in self.sections:
-            return False
-        return step % self._intervals[section] == 0
+        return self.covers(section) and step % self._intervals[section] == 0

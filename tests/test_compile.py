@@ -3,7 +3,8 @@ gradients of eager mode, and an injected fault still corrected. The checksum ops
 fakes (or, for the composite encode ops, their decomposition) give the real outputs' layouts,
 with static and with dynamic shapes (tests/ops/test_opcheck.py). Traced, a check takes the
 GPU's sync-free path on the CPU too: it reads nothing on the host, so it does not break the
-graph."""
+graph. Nor does the step: what a graph is specialised on is whether each section is due, so
+that a compiled model stops compiling once it has seen each of its due patterns."""
 
 import torch
 from mcore import Shape, batch, build_gpt, spawn
@@ -12,27 +13,39 @@ SHAPE = Shape(layers=2)
 
 
 def _compile_worker():
-    from megatron_abft import Fault, inject, stats
+    from torch._dynamo.utils import counters
+
+    from megatron_abft import Fault, inject, set_step, stats
     from megatron_abft.config import ABFTConfig
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
-    model = build_gpt(SHAPE, get_gpt_layer_abft_spec(ABFTConfig()))
+    config = ABFTConfig(check_interval={"proj": 2})  # proj due on even steps, the rest on every one
+    model = build_gpt(SHAPE, get_gpt_layer_abft_spec(config))
     tokens, positions, mask, labels = batch(SHAPE, 0)
 
-    def step(run):
+    def step(run, at):
+        set_step(model, at)
         model.zero_grad(set_to_none=True)
         loss = run(tokens, positions, mask, labels=labels).float().mean()
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    eager = step(model)
+    def graphs_made(run, at):
+        before = counters["stats"]["unique_graphs"]
+        step(run, at)
+        return counters["stats"]["unique_graphs"] - before
+
+    eager = step(model, 0)
     compiled_model = torch.compile(model)  # inductor; the two layers' GEMMs differ in shape
-    compiled = step(compiled_model)
+    first = graphs_made(compiled_model, 1)  # proj not due
+    compiled = step(compiled_model, 2)  # every section due, as in the eager step
+    later = [graphs_made(compiled_model, at) for at in (3, 4)]
     counted = stats(model)["scores"]["detected"]
     nan = Fault("scores", "nan", "0d", layer=2, tp_rank=0, position=(5, 3), batch_index=1)
     with inject(model, [nan]) as landed:
-        faulty = step(compiled_model)
+        faulty = step(compiled_model, 4)
     scores = stats(model)["scores"]
+    set_step(model, 6)
     explained = torch._dynamo.explain(model)(tokens, positions, mask, labels=labels)
     return {
         "breaks_in_checks": [
@@ -40,6 +53,7 @@ def _compile_worker():
             for b in explained.break_reasons
             if any(_in_checks(frame.filename) for frame in b.user_stack)
         ],
+        "graphs": (first, later),
         "eager": eager,
         "compiled": compiled,
         "faulty": faulty,
@@ -70,11 +84,14 @@ def _close(result, reference) -> bool:
 
 def test_inductor_compiles_a_protected_gpt_that_still_corrects_faults():
     """Compiled, the model gives eager's loss and gradients (up to inductor's fused rounding)
-    and finds nothing on clean data; a NaN landed in layer 2's scores under the compiled model
+    and finds nothing on clean data; once it has run a step with proj due and one without, later
+    steps compile nothing; a NaN landed in layer 2's scores under the compiled model
     is detected and corrected, and the step equals the clean one. No graph break lies inside
     the checks (the runtime's hooks and Megatron's own code still break the graph)."""
     [r] = spawn(1, 1, _compile_worker)
     assert r["breaks_in_checks"] == []  # traced, the checks decide on the device
+    first, later = r["graphs"]
+    assert first > 0 and later == [0, 0]  # each due pattern compiled once, not each step
     assert _close(r["compiled"], r["eager"])
     assert r["clean_detected"] == 0
     assert r["landed"] == 1 and r["detected"] == r["corrected"] == 1

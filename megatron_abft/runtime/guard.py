@@ -149,8 +149,21 @@ class SectionGuard:
         return None if self.ledger is None else self.ledger.counts
 
     @property
+    def step(self) -> int:
+        """The training step the guard is on, counted from 0."""
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._step = step
+        self._on_interval = step % self.config.interval(self.section) == 0
+
+    @property
     def due(self) -> bool:
-        return self.config.checks(self.section, self.step)
+        """Whether this step checks the section (``ABFTConfig.checks``). It reads whether the
+        step is on the section's interval, not the step's number, so that torch.compile
+        specialises a layer on due or not due rather than compiling it again every step."""
+        return self._on_interval and self.config.covers(self.section)
 
     def land_faults(self, output: Tensor, views: dict[str, View]) -> None:
         """Corrupt ``output`` with the waiting faults whose section is in ``views`` (callers
@@ -347,8 +360,12 @@ class SectionGuard:
     ) -> object:
         """``use`` this signature's checker. The first check of a signature takes the
         reference, which says what is wrong with bad input; then the guard keeps the checker
-        ``choose`` gives for the next ones."""
+        ``choose`` gives for the next ones. Traced, the guard takes ``choose``'s checker and
+        keeps none: a trace runs this once, and a cache it read would compile the graph again
+        once filled."""
         sync_free = not host_reads(self.config, output.device)
+        if torch.compiler.is_compiling():
+            return use(choose(output, operands, refs, self.config, sync_free))
         key = signature(output, operands, refs, self.config, sync_free)
         checker = self.checkers.get(key)
         if checker is not None:

@@ -244,6 +244,7 @@ class Runtime:
 
     # --- passes and steps ------------------------------------------------------------------------
 
+    @torch.compiler.disable  # host bookkeeping: traced, it would specialise on every step
     def _before_forward(self, module: torch.nn.Module, args: tuple) -> None:
         if in_backward():  # activation recomputation: the same pass
             return
