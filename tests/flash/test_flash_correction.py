@@ -5,14 +5,16 @@ uncorrectable in its section. Triton's interpreter, one (batch, head). The whole
 small tiles (SMALL), so that at 80 tokens every section's matrix spans several tiles both ways;
 a case of every section and kind runs again at the production tiles (tiles.TILES), over 300
 tokens. One element's faults run with every section checked (what a fault upsets downstream
-counts once, where it began); the wider patterns with their own section alone, which halves
-their time in the interpreter."""
+counts once, where it began); the wider patterns with their own sections alone, which halves
+their time in the interpreter. A transient fault's call carries a fault in each pass where it
+can (CASES): a corrected forward fault leaves the backward the clean run's inputs, so each
+fault is judged as if alone, at five calls for the seven sections."""
 
 import pytest
 import torch
 from flash_cases import inputs, run
 
-from megatron_abft.config import FLASH_SECTIONS
+from megatron_abft.config import BACKWARD_SECTIONS, FLASH_SECTIONS
 from megatron_abft.faults import FAULT_KINDS, TensorFault
 from megatron_abft.flash import FlashFault, tiles
 from megatron_abft.flash.faults import first_computations
@@ -31,6 +33,11 @@ PATTERNS = {
     "2d in a tile": dict(pattern="2d", position=(ROW, 0), block=(3, 4)),
     "row across every tile": dict(pattern="row", position=(70, 0)),
 }
+FORWARD = [s for s in FLASH_SECTIONS if s not in BACKWARD_SECTIONS]
+CASES = list(zip(FORWARD, BACKWARD_SECTIONS[: len(FORWARD)], strict=True))
+CASES += [(b,) for b in BACKWARD_SECTIONS[len(FORWARD) :]]
+"""The sections of each call's faults: a forward one with a backward one (the kernels take one
+fault a pass), the other backward sections alone; every section once."""
 LONG = 300
 """The production tiles' case: the last query block (256 on) meets two interior key tiles."""
 LONG_PATTERNS = {"0d": dict(pattern="0d", position=(270, 40))}
@@ -79,22 +86,34 @@ def outcomes(ledger, section):
     return {o: sum(k.values()) for o, k in ledger.summary()[section].items()}
 
 
+def named(cases):
+    return ["+".join(c) for c in cases]
+
+
+def counted_once(ledger, sections):
+    """Each of ``sections`` found one fault and corrected it, and nothing else was counted."""
+    want = {"detected": 1, "corrected": 1, "uncorrectable": 0}
+    assert all(outcomes(ledger, s) == want for s in sections), ledger.summary()
+    assert ledger.counts.sum() == 2 * len(sections), ledger.summary()
+
+
 @pytest.mark.parametrize("where", list(PATTERNS))
 @pytest.mark.parametrize("kind", FAULT_KINDS)
-@pytest.mark.parametrize("section", FLASH_SECTIONS)
-def test_a_transient_fault_is_corrected_bit_for_bit_and_counted_once(case, section, kind, where):
+@pytest.mark.parametrize("sections", CASES, ids=named(CASES))
+def test_a_transient_fault_is_corrected_bit_for_bit_and_counted_once(case, sections, kind, where):
     q, k, v, do, clean, matrices = case
-    due = FLASH_SECTIONS if where == "0d" else (section,)
-    got, ledger = run(q, k, v, do, sections=due, faults=[fault(section, kind, where, matrices)])
+    due = FLASH_SECTIONS if where == "0d" else sections
+    faults = [fault(s, kind, where, matrices) for s in sections]
+    got, ledger = run(q, k, v, do, sections=due, faults=faults)
     assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True))
-    assert outcomes(ledger, section) == {"detected": 1, "corrected": 1, "uncorrectable": 0}
-    assert ledger.counts.sum() == 2, ledger.summary()  # nothing in another section
+    counted_once(ledger, sections)  # nothing in another section
 
 
 @pytest.mark.parametrize("kind", ["nan", "value"])
 @pytest.mark.parametrize("section", FLASH_SECTIONS)
 def test_a_persistent_fault_is_counted_uncorrectable(case, section, kind):
-    """The second launch flags it again, whatever the kind: an extreme one and a finite one."""
+    """The second launch flags it again, whatever the kind: an extreme one and a finite one.
+    One fault a call: what a forward one leaves wrong, the backward finds again."""
     q, k, v, do, _, matrices = case
     _, ledger = run(q, k, v, do, faults=[fault(section, kind, "0d", matrices, persistent=True)])
     assert outcomes(ledger, section) == {"detected": 1, "corrected": 0, "uncorrectable": 1}
@@ -115,15 +134,14 @@ def test_a_forward_and_a_backward_fault_land_in_one_call(case):
 
 
 @pytest.mark.parametrize("kind", ["nan", "value"])
-@pytest.mark.parametrize("section", FLASH_SECTIONS)
-def test_at_the_production_tiles_a_transient_fault_is_corrected(long_case, section, kind):
+@pytest.mark.parametrize("sections", CASES, ids=named(CASES))
+def test_at_the_production_tiles_a_transient_fault_is_corrected(long_case, sections, kind):
     """The tiles the GPUs run (their unmasked interior loops included), in the interpreter."""
     q, k, v, do, clean, matrices = long_case
-    faults = [fault(section, kind, "0d", matrices, patterns=LONG_PATTERNS)]
+    faults = [fault(s, kind, "0d", matrices, patterns=LONG_PATTERNS) for s in sections]
     got, ledger = run(q, k, v, do, faults=faults)
     assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True))
-    assert outcomes(ledger, section) == {"detected": 1, "corrected": 1, "uncorrectable": 0}
-    assert ledger.counts.sum() == 2, ledger.summary()
+    counted_once(ledger, sections)
 
 
 def test_a_fault_in_another_head_leaves_this_one_alone():
