@@ -233,7 +233,7 @@ class Runtime:
             if guard.layer is None:
                 guard.layer = self._layer
         self._modules.append(weakref.ref(module))
-        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_pre_hook(_EagerHook(self))
 
     def guards(self) -> Iterator[SectionGuard]:
         """The guards of the attached modules still alive, in the order they attached."""
@@ -244,7 +244,6 @@ class Runtime:
 
     # --- passes and steps ------------------------------------------------------------------------
 
-    @torch.compiler.disable  # host bookkeeping: traced, it would specialise on every step
     def _before_forward(self, module: torch.nn.Module, args: tuple) -> None:
         if in_backward():  # activation recomputation: the same pass
             return
@@ -370,6 +369,22 @@ class Runtime:
             self.telemetry = self._make_telemetry(modules)
             self.loop_logs = False  # that Telemetry is the runtime's own, not the loop's
         self.telemetry.log(step)
+
+
+class _EagerHook:
+    """A runtime's forward pre-hook, which torch.compile runs eagerly: host bookkeeping that,
+    traced, would specialise a graph on every step. The runtime's method is disabled here, not
+    where it is defined, since torch._dynamo imports Triton; pickled, the hook is its runtime's."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self._run = torch.compiler.disable(runtime._before_forward)
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        self._run(module, args)
+
+    def __reduce__(self) -> tuple:
+        return _EagerHook, (self.runtime,)
 
 
 def _optimizer_stepped(ref: weakref.ref) -> Callable:

@@ -215,11 +215,13 @@ def test_the_benchmark_prices_a_dot_product_of_the_kernels_on_a_cpu():
     args = parse_args(["--seq", "256", "--hidden", "256", "--heads", "4", "--block", "64"])
     cpu = torch.device("cpu")
     if compiled.available():
+        # a dot product's, not a call's (12288 of them, about 0.1 ms): about 8 ns here, and
+        # under 1.2 us on this machine loaded by the suite's other worker
         cost = check_dot_cost(args, cpu, matmul=1e11)
-        assert 0 <= cost < 1e-6
+        assert 0 <= cost < 1e-5
         assert check_dot_cost(args, cpu, matmul=1e6) == 0  # all its time is multiply-adds
         args.dtype = "bf16"  # the queries in the run's dtype, the sums in fp32
-        assert 0 <= check_dot_cost(args, cpu, matmul=1e11) < 1e-6
+        assert 0 <= check_dot_cost(args, cpu, matmul=1e11) < 1e-5
     with compiled.disabled():
         assert check_dot_cost(args, cpu, matmul=1e11) is None
 
