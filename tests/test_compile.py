@@ -3,8 +3,9 @@ gradients of eager mode, and an injected fault still corrected. The checksum ops
 fakes (or, for the composite encode ops, their decomposition) give the real outputs' layouts,
 with static and with dynamic shapes (tests/ops/test_opcheck.py). Traced, a check takes the
 GPU's sync-free path on the CPU too: it reads nothing on the host, so it does not break the
-graph. Nor does the step: what a graph is specialised on is whether each section is due, so
-that a compiled model stops compiling once it has seen each of its due patterns."""
+graph. Nor does the step, which the runtime reads in its hooks as Megatron-LM's train() sets it:
+what a graph is specialised on is whether each section is due, so that a compiled model stops
+compiling once it has seen each of its due patterns."""
 
 import torch
 from mcore import Shape, batch, build_gpt, spawn
@@ -13,18 +14,23 @@ SHAPE = Shape(layers=2)
 
 
 def _compile_worker():
+    from types import SimpleNamespace
+
+    from megatron.training.global_vars import set_args
     from torch._dynamo.utils import counters
 
-    from megatron_abft import Fault, inject, set_step, stats
+    from megatron_abft import Fault, inject, stats
     from megatron_abft.config import ABFTConfig
     from megatron_abft.spec import get_gpt_layer_abft_spec
 
     config = ABFTConfig(check_interval={"proj": 2})  # proj due on even steps, the rest on every one
     model = build_gpt(SHAPE, get_gpt_layer_abft_spec(config))
     tokens, positions, mask, labels = batch(SHAPE, 0)
+    megatron_lm = SimpleNamespace(curr_iteration=None)  # Megatron-LM's arguments
+    set_args(megatron_lm)
 
     def step(run, at):
-        set_step(model, at)
+        megatron_lm.curr_iteration = at - 1  # as train() sets it; the runtime's hook reads it
         model.zero_grad(set_to_none=True)
         loss = run(tokens, positions, mask, labels=labels).float().mean()
         loss.backward()
@@ -35,18 +41,19 @@ def _compile_worker():
         step(run, at)
         return counters["stats"]["unique_graphs"] - before
 
-    eager = step(model, 0)
+    eager = step(model, 2)
     compiled_model = torch.compile(model)  # inductor; the two layers' GEMMs differ in shape
-    first = graphs_made(compiled_model, 1)  # proj not due
-    compiled = step(compiled_model, 2)  # every section due, as in the eager step
-    later = [graphs_made(compiled_model, at) for at in (3, 4)]
+    first = graphs_made(compiled_model, 3)  # proj not due
+    compiled = step(compiled_model, 4)  # every section due, as in the eager step
+    later = [graphs_made(compiled_model, at) for at in (5, 6)]
     counted = stats(model)["scores"]["detected"]
     nan = Fault("scores", "nan", "0d", layer=2, tp_rank=0, position=(5, 3), batch_index=1)
     with inject(model, [nan]) as landed:
-        faulty = step(compiled_model, 4)
+        faulty = step(compiled_model, 7)
     scores = stats(model)["scores"]
-    set_step(model, 6)
+    megatron_lm.curr_iteration = 7  # step 8: every section due
     explained = torch._dynamo.explain(model)(tokens, positions, mask, labels=labels)
+    set_args(None)
     return {
         "breaks_in_checks": [
             str(b.reason).splitlines()[0]
