@@ -209,6 +209,10 @@ class ABFTConfig:
         """Whether ``section`` is checked at all, on the steps its interval names."""
         return self.enabled and section in self.sections
 
+    def on_interval(self, section: str, step: int) -> bool:
+        """Whether training step ``step`` (counted from 0) is one of ``section``'s interval."""
+        return step % self.interval(section) == 0
+
     def checks(self, section: str, step: int) -> bool:
         """Whether ``section`` is checked on training step ``step`` (counted from 0)."""
-        return self.covers(section) and step % self._intervals[section] == 0
+        return self.covers(section) and self.on_interval(section, step)

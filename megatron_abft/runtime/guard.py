@@ -156,7 +156,7 @@ class SectionGuard:
     @step.setter
     def step(self, step: int) -> None:
         self._step = step
-        self._on_interval = step % self.config.interval(self.section) == 0
+        self._on_interval = self.config.on_interval(self.section, step)
 
     @property
     def due(self) -> bool:
