@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import queue
 import random
 import socket
 import sys
@@ -250,9 +251,21 @@ def rng_state():
     )
 
 
+def _write_results_in_process() -> None:
+    """dist_checkpointing's writer passes its results through a queue that it makes, on first
+    use, in a Manager process it spawns; the child imports this script's modules again (about
+    3 s a rank on a CPU). A synchronous save, the only kind this script makes, writes from this
+    process's threads, so an in-process queue carries the same results."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(args, iteration: int, gpt, optimizer, scheduler) -> None:
     from megatron.core import dist_checkpointing
 
+    _write_results_in_process()
     directory = os.path.join(args.save, f"iter_{iteration:07d}")
     if rank() == 0:
         os.makedirs(directory, exist_ok=True)
