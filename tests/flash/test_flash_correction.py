@@ -7,14 +7,13 @@ a case of every section and kind runs again at the production tiles (tiles.TILES
 tokens. One element's faults run with every section checked (what a fault upsets downstream
 counts once, where it began); the wider patterns with their own sections alone, which halves
 their time in the interpreter. A transient fault's call carries a fault in each pass where it
-can (CASES): a corrected forward fault leaves the backward the clean run's inputs, so each
-fault is judged as if alone, at five calls for the seven sections."""
+can (flash_cases.CALLS), five calls for the seven sections."""
 
 import pytest
 import torch
-from flash_cases import inputs, run
+from flash_cases import CALLS, inputs, run
 
-from megatron_abft.config import BACKWARD_SECTIONS, FLASH_SECTIONS
+from megatron_abft.config import FLASH_SECTIONS
 from megatron_abft.faults import FAULT_KINDS, TensorFault
 from megatron_abft.flash import FlashFault, tiles
 from megatron_abft.flash.faults import first_computations
@@ -33,11 +32,6 @@ PATTERNS = {
     "2d in a tile": dict(pattern="2d", position=(ROW, 0), block=(3, 4)),
     "row across every tile": dict(pattern="row", position=(70, 0)),
 }
-FORWARD = [s for s in FLASH_SECTIONS if s not in BACKWARD_SECTIONS]
-CASES = list(zip(FORWARD, BACKWARD_SECTIONS[: len(FORWARD)], strict=True))
-CASES += [(b,) for b in BACKWARD_SECTIONS[len(FORWARD) :]]
-"""The sections of each call's faults: a forward one with a backward one (the kernels take one
-fault a pass), the other backward sections alone; every section once."""
 LONG = 300
 """The production tiles' case: the last query block (256 on) meets two interior key tiles."""
 LONG_PATTERNS = {"0d": dict(pattern="0d", position=(270, 40))}
@@ -99,7 +93,7 @@ def counted_once(ledger, sections):
 
 @pytest.mark.parametrize("where", list(PATTERNS))
 @pytest.mark.parametrize("kind", FAULT_KINDS)
-@pytest.mark.parametrize("sections", CASES, ids=named(CASES))
+@pytest.mark.parametrize("sections", CALLS, ids=named(CALLS))
 def test_a_transient_fault_is_corrected_bit_for_bit_and_counted_once(case, sections, kind, where):
     q, k, v, do, clean, matrices = case
     due = FLASH_SECTIONS if where == "0d" else sections
@@ -134,7 +128,7 @@ def test_a_forward_and_a_backward_fault_land_in_one_call(case):
 
 
 @pytest.mark.parametrize("kind", ["nan", "value"])
-@pytest.mark.parametrize("sections", CASES, ids=named(CASES))
+@pytest.mark.parametrize("sections", CALLS, ids=named(CALLS))
 def test_at_the_production_tiles_a_transient_fault_is_corrected(long_case, sections, kind):
     """The tiles the GPUs run (their unmasked interior loops included), in the interpreter."""
     q, k, v, do, clean, matrices = long_case
