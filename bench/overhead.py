@@ -5,9 +5,11 @@ with --decompose all sections with the checks skipped and with the CPU's screens
 idle: protection on with nothing due, then each section alone), in a rotating order, after
 warm-up. Reported: median times and page faults per step, and the overhead as the median over
 repetitions of each one's ratio to the "off" run of the same repetition, for the training step
-(forward, backward, optimizer) and the attention block, with a 95% bootstrap interval; and the
-time of one check of each section inside the "all" steps. CPU timers on CPU, CUDA events on a
-GPU; on CPU, glibc malloc's thresholds are pinned first (pin_malloc). The JSON also holds
+(forward, backward, optimizer; a protected step with the launch script's set_step before it and
+finish_step after its backward, which read the ledgers on the host) and the attention block,
+with a 95% bootstrap interval; and the time of one check of each section inside the "all"
+steps. CPU timers on CPU, CUDA events on a GPU; on CPU, glibc malloc's thresholds are pinned
+first (pin_malloc). The JSON also holds
 micro-benchmarks of the machine (matmul rate, elementwise bandwidth, op latency, the kernels'
 read rate, the softmaxes' costs) that calibrate megatron_abft.tuning.scaling: taken before, halfway
 through and after the timed steps, and their medians.
@@ -461,7 +463,7 @@ def run(rank: int, args) -> dict | None:
     """One rank of the benchmark; rank 0 returns the results."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_abft import set_step, stats
+    from megatron_abft import finish_step, set_step, stats
 
     config = ABFTConfig(
         check_interval=args.check_interval,
@@ -517,22 +519,28 @@ def run(rank: int, args) -> dict | None:
             modes[rep % len(modes) :] + modes[: rep % len(modes)]
         )  # rotate: no mode always first
         for name, sections in order:
-            config.enabled = sections is not None
+            protected = sections is not None
+            config.enabled = protected
             config.sections = config.sections if sections is None else sections
-            set_step(model, step)
-            step += 1
+            if not protected:  # a stock loop makes no step calls; the guards still need the step
+                set_step(model, step)
             attention_time.clear()
-            timing.update(on=name == "all" and rep >= args.warmup, step=step)
+            timing.update(on=name == "all" and rep >= args.warmup, step=step + 1)
             faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             with decomposed(name):
                 begin = timer.start()
+                if protected:  # the launch script's step calls, each a read of the ledgers
+                    set_step(model, step)
                 optimizer.zero_grad(set_to_none=True)
                 loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
                 loss.backward()
+                if protected:
+                    finish_step(model)
                 before_optimizer = timer.start()
                 optimizer.step()
                 end = timer.start()
             timing["on"] = False
+            step += 1
             faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted
             if rep >= args.warmup:
                 faults[name].append(faulted)
