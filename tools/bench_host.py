@@ -33,8 +33,12 @@ from megatron_abft.ops import checked_gemm, compiled
 from megatron_abft.runtime.guard import SectionGuard
 from megatron_abft.runtime.telemetry import Telemetry
 
+CHECK_CALLS, COLD_CALLS, STEP_CALLS, FLASH_CALLS = 2000, 300, 20, 200
+"""Each timing's calls: a warm check's, one with cold caches, set_step's and finish_step's, the
+flash attention's (``--calls`` scales them)."""
 
-def per_call_cold(fn, device: torch.device, number: int = 300) -> float:
+
+def per_call_cold(fn, device: torch.device, number: int = COLD_CALLS) -> float:
     """Median seconds of one call of ``fn`` with cold caches, as a check runs in a training step
     between other work: before each call, a 32 MiB copy and a small MLP's forward and backward
     (other data, other code)."""
@@ -51,7 +55,9 @@ def per_call_cold(fn, device: torch.device, number: int = 300) -> float:
     return statistics.median(times)
 
 
-def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
+def clean_check(
+    device: torch.device, number: int = CHECK_CALLS, cold: int = COLD_CALLS
+) -> dict[str, float]:
     """A guard's clean check of a small GEMM with a bias, as the qkv projection's (32 tokens,
     hidden 64, 192 outputs: its time is all overhead), and what its checker runs for it called
     directly with the arguments the checker holds (megatron_abft.check.checker): the screen
@@ -81,9 +87,9 @@ def clean_check(device: torch.device, number: int = 2000) -> dict[str, float]:
     found = {
         "check": best_per_call(lambda: guard.check(y, operands), device, number),
         "ops_alone": best_per_call(alone, device, number),
-        "check_cold": per_call_cold(lambda: guard.check(y, operands), device),
-        "ops_alone_cold": per_call_cold(alone, device),
-        "gemm_cold": per_call_cold(lambda: torch.addmm(bias, x, w.t()), device),
+        "check_cold": per_call_cold(lambda: guard.check(y, operands), device, cold),
+        "ops_alone_cold": per_call_cold(alone, device, cold),
+        "gemm_cold": per_call_cold(lambda: torch.addmm(bias, x, w.t()), device, cold),
     }
     if device.type == "cuda":  # the checked GEMM as the layers run it (bf16), against the GEMM
         x, w, bias = (t.bfloat16() for t in (x, w, bias))
@@ -132,7 +138,7 @@ def sync_free_calls(device: torch.device) -> dict[str, int]:
         return torch_calls(lambda: call(*arguments, plan.capacity, *ledger))
 
 
-def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, float]:
+def per_step(layers: int, device: torch.device, number: int = STEP_CALLS) -> dict[str, float]:
     """set_step and finish_step, and the telemetry's gather (once a log interval), on a GPT
     model of ``layers`` protected layers (small ones: they walk the model's modules and its
     guards, whatever their size): the unfused attention's before any step, and (``flash``) the
@@ -165,7 +171,7 @@ def per_step(layers: int, device: torch.device, number: int = 20) -> dict[str, f
     return {**result.pop("unfused"), **result}
 
 
-def flash_call(device: torch.device, number: int = 200) -> dict[str, dict[str, float]]:
+def flash_call(device: torch.device, number: int = FLASH_CALLS) -> dict[str, dict[str, float]]:
     """The host's time of one forward and backward of the protected flash attention, checked
     (every section) and unchecked (the checks compiled out), from the call until the backward
     returns, for GPT-3 350M's heads (16 of 64, head dim 64, bf16). On a GPU one sequence of
@@ -252,9 +258,21 @@ def profiled(call, device: torch.device, calls: int, launches: list) -> dict:
     }
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=24, help="of the model for set/finish_step")
+    p.add_argument(
+        "--calls", type=_positive, default=1.0,
+        help="each timing's calls, as a multiple of its default (0.1: a run that checks the tool "
+        "works, in a tenth of the time, with noisier times)",
+    )  # fmt: skip
     p.add_argument("--out", help="JSON results")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -272,10 +290,14 @@ def main() -> None:
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    check = clean_check(device)
+
+    def scaled(number: int) -> int:
+        return max(1, round(number * args.calls))
+
+    check = clean_check(device, scaled(CHECK_CALLS), scaled(COLD_CALLS))
     calls = sync_free_calls(device)
-    step = per_step(args.layers, device)
-    flash = flash_call(device)
+    step = per_step(args.layers, device, scaled(STEP_CALLS))
+    flash = flash_call(device, scaled(FLASH_CALLS))
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,

@@ -220,8 +220,9 @@ def test_the_host_benchmark_times_a_compiled_check_and_its_ops_alone(tmp_path):
     from pathlib import Path
 
     out = tmp_path / "host.json"
+    tool = [sys.executable, "-m", "tools.bench_host", "--layers", "2", "--calls", "0.1"]
     subprocess.run(
-        [sys.executable, "-m", "tools.bench_host", "--layers", "2", "--out", str(out)],
+        [*tool, "--out", out],
         check=True,
         capture_output=True,
         cwd=Path(__file__).parents[2],  # the repository root, where the tools run from
