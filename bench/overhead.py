@@ -9,10 +9,10 @@ repetitions of each one's ratio to the "off" run of the same repetition, for the
 finish_step after its backward, which read the ledgers on the host) and the attention block,
 with a 95% bootstrap interval; and the time of one check of each section inside the "all"
 steps. CPU timers on CPU, CUDA events on a GPU; on CPU, glibc malloc's thresholds are pinned
-first (pin_malloc). The JSON also holds
-micro-benchmarks of the machine (matmul rate, elementwise bandwidth, op latency, the kernels'
-read rate, the softmaxes' costs) that calibrate megatron_abft.tuning.scaling: taken before, halfway
-through and after the timed steps, and their medians.
+first (pin_malloc). The JSON also holds micro-benchmarks of the machine (matmul rate,
+elementwise bandwidth, op latency, the kernels' read rate, the softmaxes' costs) that calibrate
+megatron_abft.tuning.scaling: taken before, halfway through and after the timed steps, and
+their medians.
 
     python -m tools.bench_overhead --layers 4 --hidden 512 --heads 8 --seq 512 --dtype fp32 \
         --out docs/figures/bench_cpu.json
