@@ -15,12 +15,13 @@ from torch import Tensor
 
 from megatron_abft.config import BACKWARD_SECTIONS, FLASH_SECTIONS
 from megatron_abft.flash import FlashLedger, flash_attention
+from megatron_abft.flash.attention import FORWARD
 
 DEVICE = torch.device(os.environ.get("ABFT_FLASH_DEVICE", "cpu"))
 
-FORWARD_SECTIONS = [s for s in FLASH_SECTIONS if s not in BACKWARD_SECTIONS]
-CALLS = list(zip(FORWARD_SECTIONS, BACKWARD_SECTIONS[: len(FORWARD_SECTIONS)], strict=True))
-CALLS += [(b,) for b in BACKWARD_SECTIONS[len(FORWARD_SECTIONS) :]]
+_FORWARD = [s for s in FLASH_SECTIONS if s in FORWARD]  # in the sections' order
+CALLS = list(zip(_FORWARD, BACKWARD_SECTIONS[: len(_FORWARD)], strict=True))
+CALLS += [(b,) for b in BACKWARD_SECTIONS[len(_FORWARD) :]]
 """Every flash section once, grouped into calls that each take one transient fault a pass: a
 forward section with a backward one, the other backward sections alone. A corrected forward
 fault leaves the backward the clean run's inputs, so each fault is judged as if alone."""
