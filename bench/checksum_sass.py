@@ -28,8 +28,8 @@ import triton
 from megatron_abft.dev import sass
 
 ROOT = Path(__file__).resolve().parents[1]
-NVCC_FLAGS = ["-O3", "-std=c++17", f"-I{ROOT / 'csrc'}"]
-"""setup.py's NVCC_FLAGS (less -lineinfo, which changes no instruction) and its include path."""
+NVCC_FLAGS = ["-O3", "-std=c++17"]
+"""setup.py's NVCC_FLAGS, less -lineinfo, which changes no instruction."""
 ELEMENTS = {"bf16": "13__nv_bfloat16", "fp16": "6__half", "fp32": "f"}
 """The mangled element type T of each dtype's kernels."""
 TYPES = {dtype: element + "f" for dtype, element in ELEMENTS.items()}
@@ -67,13 +67,15 @@ def extension() -> Path | None:
 
 
 def compiled(source: Path) -> Path:
-    """``source`` built for sm_90 into a cubin in a temporary folder (nvcc from PATH)."""
+    """``source`` built for sm_90 into a cubin in a temporary folder (nvcc from PATH), with the
+    headers of its own checkout (the csrc/ it lies in), as setup.py's include path."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise FileNotFoundError("nvcc is not on PATH: the CUDA toolkit builds the checksum kernels")
     cubin = Path(tempfile.mkdtemp()) / "abft_cuda.cubin"
-    command = [nvcc, *NVCC_FLAGS, "-arch=sm_90", "-cubin", "-o", str(cubin), str(source)]
-    subprocess.run(command, capture_output=True, text=True, check=True)
+    headers = source.resolve().parents[1]  # csrc/kernels/abft_cuda.cu -> csrc
+    command = [nvcc, *NVCC_FLAGS, f"-I{headers}", "-arch=sm_90", "-cubin", "-o", str(cubin)]
+    subprocess.run([*command, str(source)], capture_output=True, text=True, check=True)
     return cubin
 
 

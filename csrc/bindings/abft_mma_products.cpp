@@ -8,10 +8,10 @@
 // vectors on x and 192 on the weight, so its products took most of the check's 0.51 ms on an
 // H200 (docs/benchmarks.md). Here x is read twice and its absolute values written and read once
 // (two skinny GEMMs): memory-bound work in five launches an operand (the split, |x|, the two
-// GEMMs, the sums of the parts: abft_cuda.cu's mma_parts and mma_sums) where the products kernel
-// is one launch for both operands, so encode_pair and check_matrix_cuda take it only for operands
-// large enough (takes_mma_products). CPU tensors (outside the emulator) take the same steps as
-// ATen ops.
+// GEMMs, the sums of the parts: cuda_products.cuh's mma_parts and mma_sums) where the products
+// kernel is one launch for both operands, so encode_pair and check_matrix_cuda take it only for
+// operands large enough (takes_mma_products). CPU tensors (outside the emulator) take the same
+// steps as ATen ops.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -43,7 +43,7 @@ at::Tensor bf16_parts(const at::Tensor& v) {
 }
 
 // The sums of a GEMM's three parts, found [p, 3 r], times scale, into out [p, r], as
-// abft_cuda.cu's mma_sums adds them: hi's + mid's, then + lo's.
+// cuda_products.cuh's mma_sums adds them: hi's + mid's, then + lo's.
 void sum_parts(const at::Tensor& found, double scale, at::Tensor& out) {
   const int64_t r = out.size(1);
   at::add_out(out, found.narrow(1, 0, r), found.narrow(1, r, r)).add_(found.narrow(1, 2 * r, r));

@@ -1,6 +1,6 @@
 // Locate and correct (abft.h's Correct): the algorithm of megatron_abft/check/eec.py with the
 // GEMM's operands, for one matrix, shared by the C++ implementation (abft_cpu.cpp, one matrix per
-// task) and the CUDA kernel (abft_cuda.cu, one thread per matrix). Faults are rare and a clean
+// task) and the CUDA kernel (cuda_correct.cuh, one thread per matrix). Faults are rare and a clean
 // matrix returns at once, so a serial walk over a flagged matrix costs nothing that matters.
 //
 // A matrix the screen flagged only by its tighter thresholds (abft.h, kScreenMargin) is clean.

@@ -163,7 +163,7 @@ def emulated_cuda(schedule: int = 0) -> Iterator[None]:
 
 def emulated_launches() -> list[str]:
     """The kernels the emulator launched since the last call, in order, each as its launch
-    names it in abft_cuda.cu (``softmax_rows_kernel<T>``): which of a launcher's kernels ran,
+    names it in cuda_softmax.cuh (``softmax_rows_kernel<T>``): which of a launcher's kernels ran,
     for tests."""
     emulator, reason = _load_emulator()
     if emulator is None:

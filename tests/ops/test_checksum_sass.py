@@ -32,10 +32,10 @@ def per_element(loop, elements_a_load):
 def test_both_walks_meet_a_quads_row_sums_in_shared_memory():
     """A row's four sums are spread over a warp's lanes on both paths (rows in vectors: four
     elements of a row a lane, one load; a column a thread: one element a lane). They meet in
-    shared memory four rows at a time (abft_cuda.cu, QuadStage): each loop over a quad of rows
-    makes one shuffle, 16 stores of the lanes' shares and one of the totals, and reads them in
-    four 16-byte loads, where a reduction by shuffles took 10 a row; no spilled register in a
-    loop."""
+    shared memory four rows at a time (cuda_block_sums.cuh, QuadStage): each loop over a quad
+    of rows makes one shuffle, 16 stores of the lanes' shares and one of the totals, and reads
+    them in four 16-byte loads, where a reduction by shuffles took 10 a row; no spilled
+    register in a loop."""
     found = built()
     for kind in ("screened", "plain", "paired"):
         vectors = found[f"{kind}, rows in vectors"]["loops"]
@@ -65,9 +65,9 @@ def test_a_quad_of_rows_takes_fewer_instructions_than_its_shuffles_did():
 
 def test_a_screen_finds_its_matrix_once_a_tile():
     """A screened tile's screens read the tile's matrix of each side from shared memory, found
-    once a tile (abft_cuda.cu, start_screens): the loops around a screened walk's reading loop
-    call no more (int64 divisions) than the plain walk's, where each screened vector found its
-    matrix's batch offsets anew (43 and 44 calls around the loop)."""
+    once a tile (cuda_block_sums.cuh, start_screens): the loops around a screened walk's
+    reading loop call no more (int64 divisions) than the plain walk's, where each screened
+    vector found its matrix's batch offsets anew (43 and 44 calls around the loop)."""
     found = built()
     for walk in ("rows in vectors", "a column a thread"):
         screened = found[f"screened, {walk}"]

@@ -77,7 +77,7 @@ def test_mma_products_refuse_what_they_do_not_take():
 @pytest.mark.parametrize("scale", [1.0, -0.125])
 def test_the_cuda_kernels_split_and_sum_as_the_cpus_aten_ops(scale):
     """On a GPU (emulated) the vectors' split and the sums of the parts' products are a launch
-    each (abft_cuda.cu's mma_parts and mma_sums; the two GEMMs and |x| between them): five in
+    each (cuda_products.cuh's mma_parts and mma_sums; the two GEMMs and |x| between them): five in
     all, with results equal to the CPU's ATen ops bit for bit, vectors of any strides."""
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(70, 300, generator=g) * torch.logspace(-3, 3, 300)).bfloat16()
