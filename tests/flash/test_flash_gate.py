@@ -7,8 +7,11 @@ second (RETRY) launches, fault injection and calibration, grouped-query attentio
 lengths, a padded head dim, and sm_80. The builds run two at a time: about three minutes on the
 2-core CI machine with Triton's cache cold."""
 
+import inspect
+
 import pytest
 import torch
+from triton.compiler.compiler import CompiledKernel
 
 from megatron_abft.dev import aot, sass
 from megatron_abft.flash import launch, tiles
@@ -61,6 +64,82 @@ def test_the_launches_are_specialised_as_the_launcher_does():
     ragged = {m.name: m for _, m in aot.launches([aot.Case("bfloat16", 64, True, seq=1000)])}
     index = [n for n, _ in ragged["_fwd_kernel"].signature].index("N_Q")
     assert ("tt.divisibility", 16) not in dict(ragged["_fwd_kernel"].attrs).get((index,), ())
+
+
+@pytest.mark.parametrize("case", [aot.Case("bfloat16", 64, True), aot.Case("float16", 128, False)])
+def test_a_second_launch_is_bound_as_the_first_and_as_tritons_binder_binds_it(case):
+    """launch._twice hands a RETRY launch to the first launch's twin compiled kernel, without
+    Triton's binder: every second launch of a checked call takes its first's specialisation
+    (the same arguments, so the same key but for RETRY and RECORD), and bound_arguments gives
+    the compiled kernel what the binder would (sm_90)."""
+    recorded = aot.capture(case)
+    seconds = [i for i, (_, _, kwargs) in enumerate(recorded) if kwargs.get("RETRY")]
+    assert len(seconds) == 3  # forward, dK/dV, dQ
+    for i in seconds:
+        fn, args, kwargs = recorded[i]
+        first_fn, first_args, first_kwargs = recorded[i - 1]
+        assert first_fn is fn and first_args == args and not first_kwargs["RETRY"]
+        _, binder, kwargs = aot._binder(fn, kwargs, 90)
+        _, _, first_kwargs = aot._binder(fn, first_kwargs, 90)
+        bound, specialization, options = binder(*args, **kwargs)
+        _, first_specialization, first_options = binder(*args, **first_kwargs)
+        assert options == first_options
+        differ = {
+            fn.arg_names[j]
+            for j, (a, b) in enumerate(zip(specialization, first_specialization, strict=True))
+            if a != b
+        }
+        assert differ <= {"RETRY", "RECORD"} and "RETRY" in differ
+        mine = launch.bound_arguments(fn, args, kwargs)
+        assert len(mine) == len(bound)
+        assert all(a is b or a == b for a, b in zip(mine, bound.values(), strict=True))
+
+
+class _Compiled(CompiledKernel):
+    """A compiled kernel that records its direct launches."""
+
+    def __init__(self, constants: tuple, launched: list) -> None:  # no build: nothing to load
+        self.constants, self.launched = constants, launched
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launched.append(("direct", grid, args))
+
+
+class _Kernel:
+    """A JIT function's launch as _twice uses it: its launcher records the call and returns the
+    compiled kernel of its constexprs (one a key, as Triton's cache keeps them)."""
+
+    def __init__(self) -> None:
+        self.launched, self.cache = [], {}
+        self.signature = inspect.signature(lambda x, n, BLOCK, RETRY, RECORD: None)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launched.append(("launcher", grid, kwargs["RETRY"], kwargs["RECORD"]))
+            key = (kwargs["BLOCK"], kwargs["RETRY"], kwargs["RECORD"])
+            return self.cache.setdefault(key, _Compiled(key, self.launched))
+
+        return run
+
+
+def test_a_second_launch_goes_straight_to_its_compiled_kernel_once_known(monkeypatch):
+    monkeypatch.setattr(launch, "RETRIES", {})
+    kernel, x = _Kernel(), torch.zeros(1)
+    checked = dict(BLOCK=64, DUE=1, TMA=False, num_warps=4)
+    launch._twice(kernel, (2, 1), x, 7, record=True, **checked)  # both through the launcher
+    assert kernel.launched == [("launcher", (2, 1), False, False), ("launcher", (2, 1), True, True)]
+    kernel.launched.clear()
+    launch._twice(kernel, (3, 1), x, 7, record=True, **checked)
+    assert kernel.launched == [
+        ("launcher", (3, 1), False, False),
+        ("direct", (3, 1), (x, 7, 64, True, True)),  # the parameters in order, no options
+    ]
+    kernel.launched.clear()
+    launch._twice(kernel, (3, 1), x, 7, record=False, **checked)  # RECORD's twin: launcher
+    assert kernel.launched[1] == ("launcher", (3, 1), True, False)
+    kernel.launched.clear()
+    launch._twice(kernel, (3, 1), x, 7, record=True, **{**checked, "DUE": 0})
+    assert kernel.launched == [("launcher", (3, 1), False, False)]  # nothing checked, no retry
 
 
 def test_every_production_kernel_is_within_its_budget():

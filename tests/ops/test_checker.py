@@ -250,6 +250,7 @@ def test_the_host_benchmark_times_a_compiled_check_and_its_ops_alone(tmp_path):
     assert flash["unchecked"]["launches"] == 4
     assert flash["checked"]["launches"] == 4 + 1 + 3
     assert all(0 < row["host"] < 1 and 0 < row["binder"] < 1 for row in flash.values())
+    assert flash["checked"]["bound"] == flash["unchecked"]["bound"] + 1  # not the second ones
 
 
 @pytest.mark.parametrize("gpu", TARGETS)
