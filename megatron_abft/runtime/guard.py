@@ -404,13 +404,18 @@ class KernelGuard(SectionGuard):
     the guard decides what is due, holds the faults meant for it and reads what the kernels
     found from its ledger, a view of the layer's (megatron_abft.flash.FlashLedger). What the
     kernels could not correct, they already computed twice: it is pending from the moment the
-    kernels count it, until the policy consumes it."""
+    kernels count it, until the policy consumes it. ``unread``: whether the layer has run since
+    the policy last read the count (the runtime's forward pre-hook sets it, eagerly even under
+    torch.compile; a backward follows its forward), so that a read right after another (the
+    loop's set_step after its finish_step) is left out: on a GPU each read waits for the
+    device."""
 
     in_kernel = True
 
     def __init__(self, section: str, config: ABFTConfig, tp_rank: int):
         self._uncorrectable: Tensor | None = None  # the ledger's uncorrectable counts, by kind
         self._consumed = 0  # how many of them the policy has seen
+        self.unread = False
         super().__init__(section, config, tp_rank)
 
     @property
@@ -429,12 +434,14 @@ class KernelGuard(SectionGuard):
             raise ValueError("a kernel guard's pending faults are its ledger's; set None")
         if self._uncorrectable is not None:
             self._consumed = int(self._uncorrectable.sum())
+        self.unread = False
 
     def attach(self, ledger: Ledger) -> None:
         """Read the kernels' findings from ``ledger``, a new one (its counts zero)."""
         self.ledger = ledger
         self._uncorrectable = ledger.counts[UNCORRECTABLE_ROW]
         self._consumed = 0
+        self.unread = True
 
     @staticmethod
     def uncorrectable(guards: list[KernelGuard]) -> Tensor:
@@ -445,7 +452,7 @@ class KernelGuard(SectionGuard):
 
     def consume(self, count: int) -> bool:
         """With ``count`` read from ``uncorrectable``: whether a fault is pending, now seen."""
-        pending, self._consumed = count > self._consumed, count
+        pending, self._consumed, self.unread = count > self._consumed, count, False
         return pending
 
 

@@ -101,8 +101,9 @@ def in_backward() -> bool:
 
 def take_pending(guards: list[SectionGuard]) -> tuple[list[dict], bool]:
     """Where ``guards`` hold an uncorrectable fault (rank, layer, section, step each), and
-    whether a recompute failed; clears both. One host read, none when nothing is pending."""
-    kernel = [g for g in guards if g.in_kernel and g.ledger is not None]  # attached
+    whether a recompute failed; clears both. One host read, none when nothing is pending (a
+    kernel guard's count is read where its layer has run since it was last read)."""
+    kernel = [g for g in guards if g.in_kernel and g.ledger is not None and g.unread]
     held = [g for g in guards if not g.in_kernel and g.pending is not None]
     parts = [torch.stack([g.pending for g in held]).long()] if held else []
     if kernel:  # the flash layers' seven guards each: their counts in one stack
@@ -245,6 +246,9 @@ class Runtime:
     # --- passes and steps ------------------------------------------------------------------------
 
     def _before_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        for guard in module.abft_guards:  # the kernels may count from here on
+            if guard.in_kernel:
+                guard.unread = True
         if in_backward():  # activation recomputation: the same pass
             return
         if not self._ran or module in self._ran:

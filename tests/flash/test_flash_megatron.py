@@ -134,6 +134,9 @@ def _persistent_worker(policies):
         with Dispatched() as made:
             decisions[policy, "next"] = finish_step(model).action
         decisions[policy, "ops"] = made.ops
+        with Dispatched() as made:  # the loop's next call, with no pass since finish_step
+            set_step(model, 2)
+        decisions[policy, "settled"] = made.ops
     return decisions
 
 
@@ -148,6 +151,9 @@ def test_a_persistent_fault_reaches_the_policy_on_every_rank():
         # one read of every guard's counts, however many layers (a flash layer's seven guards
         # took eight ops each)
         assert len(rank["raise", "ops"]) <= 6, rank["raise", "ops"]
+        # and none of them again where no layer has run since: set_step only moves the clocks
+        clocks = {"aten._foreach_zero_.default", "aten._foreach_add_.Scalar"}
+        assert set(rank["raise", "settled"]) == clocks, rank["raise", "settled"]
 
 
 def _construction_worker():
