@@ -36,7 +36,10 @@ def _patch_interpreter(interpreter: ModuleType) -> None:
       it;
     - its ``tl.fma`` rounds the product and then the sum: it rounds once, as a GPU's FMA does
       (the exact fp32 product in fp64, then the sum, rounded to fp32: two roundings, which
-      differ from one only at rare ties).
+      differ from one only at rare ties);
+    - its numpy type of a Triton type builds a table of every type at each of its calls, a
+      tenth of a flash call's time in the interpreter: the same answers from a table made once
+      (from the function itself), by the type's name.
     """
     original = interpreter._patch_lang_tensor
     if getattr(original, "abft_fixes", False):
@@ -92,6 +95,30 @@ def _patch_interpreter(interpreter: ModuleType) -> None:
     interpreter.GridExecutor.__call__ = launch
     interpreter.InterpretedFunction.__call__ = call
     interpreter.InterpreterBuilder.create_fma = fused_multiply_add
+    interpreter._get_np_dtype = _numpy_types(interpreter._get_np_dtype)
+
+
+def _numpy_types(original):
+    """``original`` (the interpreter's numpy type of a Triton type, of a block's elements, or of
+    a pointer) answered from a table of every scalar type's answer, by name."""
+    import triton.language as tl
+
+    table = {}
+    for member in vars(tl.core).values():
+        if isinstance(member, tl.dtype) and not isinstance(member, tl.pointer_type | tl.block_type):
+            with contextlib.suppress(KeyError):  # a type the interpreter has no numpy type for
+                table[member.name] = original(member)
+    pointer = np.dtype(np.uint64)
+
+    def numpy_type(of):
+        element = of.element_ty if isinstance(of, tl.block_type) else of
+        if isinstance(element, tl.pointer_type):
+            return pointer
+        found = table.get(element.name)
+        return found if found is not None else original(of)
+
+    numpy_type.original = original
+    return numpy_type
 
 
 @contextlib.contextmanager

@@ -212,6 +212,35 @@ def test_interpreted_launches_leave_the_compiler_as_they_found_it():
     assert aot.compile_launch(case, sums, 90).registers > 0
 
 
+def test_the_interpreters_numpy_types_are_its_own():
+    """The interpreter's numpy type of a Triton type, answered from a table made once
+    (build._patch_interpreter): the interpreter's own answer for every scalar type, block of it
+    and pointer to it."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from megatron_abft.flash import build, kernels
+
+    build.interpreted(kernels)  # the interpreter's patches made
+    numpy_type = interpreter._get_np_dtype
+    own = numpy_type.original
+    scalars = [
+        t
+        for t in vars(tl.core).values()
+        if isinstance(t, tl.dtype) and not isinstance(t, tl.pointer_type | tl.block_type)
+    ]
+    answered = 0
+    for t in scalars:
+        for of in (t, tl.block_type(t, [2, 4]), tl.pointer_type(t)):
+            try:
+                want = own(of)
+            except KeyError:
+                continue
+            assert numpy_type(of) == want, of
+            answered += 1
+    assert answered >= 3 * 13  # the integer and float types, blocks of them, pointers to them
+
+
 @pytest.mark.parametrize("kernel", tiles.KERNELS)
 def test_the_tiles_are_those_the_launches_take(kernel):
     for width in tiles.HEAD_DIMS:
