@@ -408,7 +408,8 @@ class KernelGuard(SectionGuard):
     the policy last read the count (the runtime's forward pre-hook sets it, eagerly even under
     torch.compile; a backward follows its forward), so that a read right after another (the
     loop's set_step after its finish_step) is left out: on a GPU each read waits for the
-    device."""
+    device. A CUDA graph's replay would run the kernels without the hook: the layers refuse
+    Megatron's CUDA graphs (layers/attention.py), and accepting them means setting it there."""
 
     in_kernel = True
 
