@@ -5,7 +5,8 @@ issue slots per element of S, and what the checks add to them and to its registe
 tiles.BUDGETS; the checks cost no CTA per SM. What else the flash path launches builds too: the
 second (RETRY) launches, fault injection and calibration, grouped-query attention with ragged
 lengths, a padded head dim, and sm_80. The builds run two at a time: about three minutes on the
-2-core CI machine with Triton's cache cold."""
+2-core CI machine with Triton's cache cold. And where the launch path steps around Triton's own
+machinery: a second launch bound as Triton's binder binds it, and the interpreter's patches."""
 
 import inspect
 
