@@ -190,9 +190,10 @@ def flash_call(device: torch.device, number: int = FLASH_CALLS) -> dict[str, dic
     launches that take it on a GPU (aot.binder_seconds: the part of its launcher that grows with
     the arguments; a second, RETRY, launch goes straight to its compiled kernel, launch._twice),
     ``bound`` their count, and ``globals``, its check of the constexpr globals the kernels read
-    (aot.global_checks_seconds)."""
+    (aot.global_checks_seconds); on a GPU, ``direct_second_launches``: the second launches whose
+    compiled kernel is known by then (launch.RETRIES), launched without the binder."""
     from megatron_abft.dev import aot
-    from megatron_abft.flash import FlashLedger, flash_attention
+    from megatron_abft.flash import FlashLedger, flash_attention, launch
 
     seq = 2048 if device.type == "cuda" else 128
     dtype = torch.bfloat16
@@ -224,13 +225,15 @@ def flash_call(device: torch.device, number: int = FLASH_CALLS) -> dict[str, dic
             per_call = count / number if device.type == "cpu" else None
             result[name] = {"host": statistics.median(times), "launches": per_call}
             if device.type == "cpu":
-                bound = [launch for launch in launches if not launch[2].get("RETRY")]
+                bound = [record for record in launches if not record[2].get("RETRY")]
                 result[name].update(bound=len(bound), binder=aot.binder_seconds(bound))
                 result[name]["globals"] = aot.global_checks_seconds(launches)
             launches.clear()
             result[name]["profile"] = profiled(call, device, number // 4, launches)
             if device.type == "cuda":
                 result[name]["kernels"] = device_kernels(call, device)
+                # second launches that now go straight to their compiled kernel (launch._twice)
+                result[name]["direct_second_launches"] = len(launch.RETRIES)
     return result
 
 
@@ -354,6 +357,9 @@ def main() -> None:
                 f" {row['binder'] * us:.0f} us"
             )
             print(f"  its launcher's check of the kernels' globals: {row['globals'] * us:.1f} us")
+        if "direct_second_launches" in row:
+            direct = row["direct_second_launches"]
+            print(f"  second launches known, launched without the binder: {direct}")
         profile = row["profile"]
         print(
             f"  profiled: {profile['triton_launcher_share']:.0%} inside Triton's launcher; most"
