@@ -20,6 +20,14 @@ def _copy(X, Y, N: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _gather(X, Y, FAR, OUT):
+    """Half the elements from X, half from ``FAR`` elements past it (in Y, when FAR is where Y
+    lies)."""
+    offs = tl.arange(0, 16)
+    tl.store(OUT + offs, tl.load(X + tl.where(offs < 8, offs, FAR + offs - 8)))
+
+
+@triton.jit
 def _count(X, AT):
     tl.atomic_add(X + AT, 1.0)
 
@@ -48,6 +56,21 @@ def test_a_load_or_store_past_the_end_is_stopped():
         run(_copy, torch.zeros(8), torch.zeros(16), 16, False)
     with pytest.raises(Exception, match="a store outside"):
         run(_copy, torch.zeros(16), torch.zeros(8), 16, False)
+
+
+def test_one_load_across_two_tensors_runs_and_one_into_the_gap_between_is_stopped():
+    """The first and last pointers of a load may lie in two tensors: each pointer is then
+    checked, so that a pointer between them stops the launch."""
+    x, y = sorted((torch.zeros(8), torch.zeros(8)), key=torch.Tensor.data_ptr)
+    x.copy_(torch.arange(8.0))
+    y.copy_(torch.arange(8.0, 16.0))
+    out = torch.zeros(16)
+    far = (y.data_ptr() - x.data_ptr()) // 4
+    assert far >= 10 and (y.data_ptr() - x.data_ptr()) % 4 == 0  # a gap of 2 or more after x
+    run(_gather, x, y, far, out)
+    assert torch.equal(out, torch.arange(16.0))
+    with pytest.raises(Exception, match="a load outside the launch's tensors in _gather"):
+        run(_gather, x, y, far - 2, out)  # two elements before y: in the gap after x
 
 
 def test_an_atomic_past_the_end_is_stopped():

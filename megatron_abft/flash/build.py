@@ -39,7 +39,10 @@ def _patch_interpreter(interpreter: ModuleType) -> None:
       differ from one only at rare ties);
     - its numpy type of a Triton type builds a table of every type at each of its calls, a
       tenth of a flash call's time in the interpreter: the same answers from a table made once
-      (from the function itself), by the type's name.
+      (from the function itself), by the type's name;
+    - every tensor it makes types its shape's tuple and formats the names of that type and of
+      its block type, which a launch hardly reads: within a launch they are made when read
+      (_lazy_types).
     """
     original = interpreter._patch_lang_tensor
     if getattr(original, "abft_fixes", False):
@@ -65,7 +68,10 @@ def _patch_interpreter(interpreter: ModuleType) -> None:
             scope.set_attr(module, name, interpreted[id(member)])
         interpreter._patch_builtin(tl.core, interpreter.interpreter_builder, scope)
         interpreter._patch_lang_core(tl.core, scope)
+        for cls, init in lazy_types:
+            scope.set_attr(cls, "__init__", init)
 
+    lazy_types = _lazy_types(tl.core)
     patch.abft_fixes = True
     interpreter._patch_lang_tensor = patch
 
@@ -96,6 +102,62 @@ def _patch_interpreter(interpreter: ModuleType) -> None:
     interpreter.InterpretedFunction.__call__ = call
     interpreter.InterpreterBuilder.create_fma = fused_multiply_add
     interpreter._get_np_dtype = _numpy_types(interpreter._get_np_dtype)
+
+
+@functools.cache
+def _lazy_types(core: ModuleType) -> list[tuple[type, object]]:
+    """Gives Triton's tuple and block types a ``name``, and its tuples a ``type``, made when
+    first read (properties, whose setters keep what is given, as Triton's own constructors
+    give it), and returns constructors that give none, for the interpreter's launches: Triton
+    3.6's own, but for those. Outside a launch they are made as before (the compiler changes a
+    tuple type's types after making it, so its name must be the one made first)."""
+
+    def made_when_read(cls, attribute, make):
+        key = "_abft_" + attribute
+
+        def get(self):
+            value = self.__dict__.get(key)
+            if value is None:
+                value = self.__dict__[key] = make(self)
+            return value
+
+        def put(self, value):
+            self.__dict__[key] = value
+
+        setattr(cls, attribute, property(get, put))
+
+    def tuple_name(t):
+        fields = ",".join(f"{k}:{v}" for k, v in zip(t.fields, t.types, strict=False))
+        return f"[{fields}]"
+
+    made_when_read(core.tuple_type, "name", tuple_name)
+    made_when_read(core.block_type, "name", lambda t: f"<{t.shape}, {t.element_ty}>")
+    made_when_read(core.tuple, "type", lambda t: core._type_for_tuple_values(t.values))
+
+    def make_tuple_type(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def make_block_type(self, element_ty, shape):
+        self.element_ty = element_ty
+        assert isinstance(shape, list | core.tuple)  # Triton's tuple, as its own
+        self.shape = core.tuple(core._unwrap_shape(shape))
+        if not self.shape:
+            raise TypeError("0d block_type is forbidden")
+        self.numel = core.validate_block_shape(self.shape)
+
+    def make_tuple(self, args, type=None):
+        self.values = list(args)
+        if isinstance(type, core.tuple_type):
+            self.type = type
+        elif type is not None:
+            self.type = core.tuple_type(type)
+
+    return [
+        (core.tuple_type, make_tuple_type),
+        (core.block_type, make_block_type),
+        (core.tuple, make_tuple),
+    ]
 
 
 def _numpy_types(original):

@@ -202,9 +202,12 @@ def test_interpreted_launches_leave_the_compiler_as_they_found_it():
     from megatron_abft.flash import flash_attention
 
     before = {name: getattr(tl.core, name) for name in ("cast", "dot", "where", "reduce")}
+    made = (tl.core.tuple, tl.core.tuple_type, tl.core.block_type)
+    constructors = [vars(cls)["__init__"] for cls in made]
     q = torch.randn(1, 1, 24, 64, dtype=torch.bfloat16)
     flash_attention(q, q, q)
     assert {name: getattr(tl.core, name) for name in before} == before
+    assert [vars(cls)["__init__"] for cls in made] == constructors  # Triton's own, not lazy
     case, sums = next(
         (c, m)
         for c, m in aot.launches([aot.Case("bfloat16", 64, True, seq=64)])
@@ -240,6 +243,38 @@ def test_the_interpreters_numpy_types_are_its_own():
             assert numpy_type(of) == want, of
             answered += 1
     assert answered >= 3 * 13  # the integer and float types, blocks of them, pointers to them
+
+
+def test_the_interpreters_types_are_tritons_but_for_when_their_names_are_made():
+    """Within an interpreted launch, tuples, tuple types and block types are made by
+    build._lazy_types' constructors, which leave their names and a tuple's type to be made when
+    read: what is read equals what Triton's own constructors make."""
+    import triton.language as tl
+
+    from megatron_abft.flash import build
+
+    core = tl.core
+    cases = {
+        core.tuple_type: [([tl.int32, tl.float32],), ([tl.int32, tl.float32], ["a", "b"])],
+        core.block_type: [(tl.bfloat16, [2, 64]), (tl.float32, core.tuple([16]))],
+        core.tuple: [([tl.constexpr(2), tl.constexpr(8)],), ([1, 2], [tl.int32, tl.int32])],
+    }
+    for cls, make in build._lazy_types(core):
+        for args in cases.pop(cls):
+            own, lazy = cls(*args), cls.__new__(cls)
+            make(lazy, *args)
+            if cls is core.tuple:
+                assert lazy.values == own.values and lazy.type == own.type
+                assert lazy.type.name == own.type.name and lazy.type.fields == own.type.fields
+            else:
+                assert lazy == own and lazy.name == own.name and str(lazy) == str(own)
+            if cls is core.block_type:
+                assert lazy.numel == own.numel and list(lazy.shape) == list(own.shape)
+    assert not cases  # every type the launches make lazily is compared
+    with pytest.raises(TypeError, match="0d block_type"):
+        dict(build._lazy_types(core))[core.block_type](
+            core.block_type.__new__(core.block_type), tl.float32, []
+        )
 
 
 @pytest.mark.parametrize("kernel", tiles.KERNELS)
