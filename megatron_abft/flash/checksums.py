@@ -171,6 +171,8 @@ def key_value_sums(
     (the tiles' bound per unit of mass times it covers PART_LOSS). ``done``: a zeroed int32
     counter a (batch, head) of K, where the prefix sums or fp16's split are due (made here,
     one launch more, when not given)."""
+    if not (columns or k_rows or v_rows):  # an unchecked forward: nothing to make
+        return None, None, None
     work = key_value_work(k, v, block, width, columns, k_rows, v_rows, slack, done)
     if work.due:
         module = build.for_device(sys.modules[__name__], k.device)

@@ -252,10 +252,12 @@ def backward(
     tile, dq_tile = (blocks(kernel, width, q.dtype, q.device) for kernel in ("dkdv", "dq"))
     # K's row sums check dQ; their largest row norm, with V's, bounds sum P = 1 and sum dS = 0
     identities = checks.has(kernels.BWD_SCORES, kernels.GRAD_PROBS)
-    keys = checksums.key_value_work(
-        k, v, dq_tile.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
-        checks.has(kernels.GRAD_PROBS), _slack(k.dtype, checks), found.counters(2),
-    )  # fmt: skip
+    keys = None  # where the backward checks nothing, Delta's launch takes no work of K's
+    if checks.kernel_due("dkdv") or checks.kernel_due("dq"):
+        keys = checksums.key_value_work(
+            k, v, dq_tile.block_n, width, False, identities or checks.has(kernels.GRAD_Q),
+            checks.has(kernels.GRAD_PROBS), _slack(k.dtype, checks), found.counters(2),
+        )  # fmt: skip
     # Delta, its rounding (for sum dS = 0, grad_probs), dK/dV's checksum tiles and dQ's (keys):
     # one launch
     made = checksums.backward(
@@ -295,7 +297,7 @@ def backward(
         dk.copy_(dk_heads.view(batch, kv_heads, group, n_k, dim).sum(2))
         dv.copy_(dv_heads.view(batch, kv_heads, group, n_k, dim).sum(2))
     tile = dq_tile
-    _, kr, vr = _sums_arguments(keys.made, k)
+    _, kr, vr = _sums_arguments(keys.made if keys else (None, None, None), k)
     # fmt: off
     grid = (_cdiv(n_q, tile.block_m), batch * heads)
     _twice(
