@@ -10,13 +10,13 @@ GEMMs checked after them, or by the checked GEMM) and not.
 For each model's attention on one tensor-parallel rank (heads, KV heads and head dim from
 megatron_abft.tuning.shapes.CATALOGUE, micro-batch from its configs/ file) and sequence length,
 every implementation's median forward and forward+backward times (CUDA events on a GPU,
-perf_counter on CPU) and the host's time to return from a forward+backward call (where it nears
-the device's, the host bounds the call), its TFLOP/s (causal: forward 4 B H N^2 D / 2, backward
-2.5x that), its peak memory beyond the inputs, and its forward's largest error against an fp32
-reference: a benchmark of a wrong answer is worthless. On a GPU: causal bf16 at 1k to 16k
-tokens, and the flash call's device time split by kernel, checked against unchecked; without
-one, one tiny shape (the flash kernels in Triton's interpreter), so that the tool and its test
-keep working.
+perf_counter on CPU) and the host's time to return from a forward+backward call, the device
+idle before it (where it nears the device's, the host bounds the call), its TFLOP/s (causal:
+forward 4 B H N^2 D / 2, backward 2.5x that), its peak memory beyond the inputs, and its
+forward's largest error against an fp32 reference: a benchmark of a wrong answer is worthless.
+On a GPU: causal bf16 at 1k to 16k tokens, and the flash call's device time split by kernel,
+checked against unchecked; without one, one tiny shape (the flash kernels in Triton's
+interpreter), so that the tool and its test keep working.
 An implementation that runs out of memory is recorded as "oom", a backend that refuses the
 shape as "refused"; the exit code is 1 when an implementation failed or its error is too large.
 """
@@ -365,9 +365,14 @@ def measure(
         forward, forward_backward, host = Timer(cuda), Timer(cuda), Timer(cuda=False)
         for _ in range(args.repeats):
             forward.time(run.forward)
-        for _ in range(args.repeats):  # the host's time to launch it too: near the device's, the
-            # host bounds the call (a GPU's time then measures the launching)
-            forward_backward.time(lambda: host.time(run.forward_backward))
+        for _ in range(args.repeats):
+            forward_backward.time(run.forward_backward)
+        for _ in range(args.repeats):  # the host's time to launch it, the device idle before
+            # each call (busy, its queue of launches could hold the host back): near the
+            # device's time, the host bounds the call (a GPU's time then measures the launching)
+            if cuda:
+                torch.cuda.synchronize(device)
+            host.time(run.forward_backward)
         row["fwd_ms"], row["fwd_bwd_ms"] = forward.median_ms(), forward_backward.median_ms()
         row["fwd_bwd_host_ms"] = host.median_ms()
         if cuda:  # one more run, from what the inputs and the implementation's state hold
