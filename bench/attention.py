@@ -365,14 +365,18 @@ def measure(
         forward, forward_backward, host = Timer(cuda), Timer(cuda), Timer(cuda=False)
         for _ in range(args.repeats):
             forward.time(run.forward)
+        # the host's time to launch it too: near the device's, the host bounds the call (a
+        # GPU's time then measures the launching). On the CPU the same calls' spans; on a GPU
+        # calls of their own, the device idle before each (busy, its queue of launches could
+        # hold the host back)
         for _ in range(args.repeats):
-            forward_backward.time(run.forward_backward)
-        for _ in range(args.repeats):  # the host's time to launch it, the device idle before
-            # each call (busy, its queue of launches could hold the host back): near the
-            # device's time, the host bounds the call (a GPU's time then measures the launching)
-            if cuda:
+            forward_backward.time(
+                run.forward_backward if cuda else lambda: host.time(run.forward_backward)
+            )
+        if cuda:
+            for _ in range(args.repeats):
                 torch.cuda.synchronize(device)
-            host.time(run.forward_backward)
+                host.time(run.forward_backward)
         row["fwd_ms"], row["fwd_bwd_ms"] = forward.median_ms(), forward_backward.median_ms()
         row["fwd_bwd_host_ms"] = host.median_ms()
         if cuda:  # one more run, from what the inputs and the implementation's state hold
